@@ -1,0 +1,90 @@
+"""ClientApp: load this node's partition, train or evaluate the received model, reply.
+
+The task, its data partition and the model object are built once per process and
+reused across messages (only the weights change per message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+import tasks
+from strategies import keys
+from tasks.base import SEED, LocalTraining, Task, local_seed
+
+app = ClientApp()
+
+
+@lru_cache(maxsize=4)
+def _task(frozen_run_config: tuple[tuple[str, Any], ...]) -> Task:
+    return tasks.build(dict(frozen_run_config))
+
+
+@lru_cache(maxsize=4)
+def _model(task: Task, seed: int) -> torch.nn.Module:
+    return task.build_model(seed)
+
+
+def _node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
+    """Return (partition-id, num-partitions) from the node config, validated."""
+    try:
+        pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    except KeyError as err:
+        raise ValueError(
+            f"node config lacks {err}; start the SuperNode with "
+            '--node-config "partition-id=<i> num-partitions=<n>"'
+        ) from None
+    if not 0 <= pid < num:
+        raise ValueError(f"partition-id {pid} is not in [0, num-partitions={num})")
+    return pid, num
+
+
+def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
+    """Return (task, model loaded with the weights to use, partition, partition id)."""
+    run_config = context.run_config
+    task = _task(tuple(sorted(run_config.items())))
+    pid, num = _node_partition(context.node_config)
+    partition = task.load_partition(pid, num)
+    arrays = msg.content[keys.ARRAYS]
+    if msg.content[keys.CONFIG].get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
+        arrays = context.state[keys.LOCAL_MODEL]
+    model = _model(task, int(run_config.get(SEED.key, SEED.default)))
+    model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    return task, model, partition, pid
+
+
+def _reply(msg: Message, metrics: dict[str, float], model: torch.nn.Module | None) -> Message:
+    content = RecordDict({keys.METRICS: MetricRecord(metrics)})
+    if model is not None:
+        content[keys.ARRAYS] = ArrayRecord(model.state_dict())
+    return Message(content=content, reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train the received (or, under strategy=local, the client's own) model."""
+    task, model, partition, pid = _prepare(msg, context)
+    config = msg.content[keys.CONFIG]
+    server_round = int(config[keys.SERVER_ROUND])
+    local = LocalTraining(
+        server_round=server_round,
+        seed=local_seed(int(context.run_config.get(SEED.key, SEED.default)), server_round, pid),
+        proximal_mu=float(config.get(keys.PROXIMAL_MU, 0.0)),
+    )
+    metrics = task.train(model, partition, local)
+    if config.get(keys.LOCAL_ONLY):
+        context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
+    return _reply(msg, metrics, model)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate the received (or the client's own) model on the local test split."""
+    task, model, partition, _ = _prepare(msg, context)
+    return _reply(msg, task.evaluate(model, partition), None)

@@ -1,0 +1,1 @@
+"""Privacy mechanisms and accounting (no Flower imports)."""

@@ -1,0 +1,83 @@
+"""ServerApp: validate the run-config, build task and strategy, run the rounds,
+write the run directory."""
+
+from __future__ import annotations
+
+from logging import ERROR, INFO
+
+import torch
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+import strategies
+import tasks
+from server_app import config
+from server_app.results import RunDirectory, resolve_output_dir
+from server_app.rounds import RoundResult, run_rounds
+from tasks.base import Task
+from tasks.options import ConfigError
+
+app = ServerApp()
+
+
+def _central_eval(task: Task, model: torch.nn.Module):
+    test_set = task.load_central_test()  # loaded now: a missing dataset fails here
+
+    def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return MetricRecord(task.evaluate(model, test_set))
+
+    return evaluate
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run one experiment as the run-config describes it."""
+    try:
+        cfg = config.load(context.run_config)
+    except ConfigError as err:
+        log(ERROR, "Invalid run-config: %s", err)
+        raise
+    task = tasks.get(cfg.task)(context.run_config)
+    run_dir = RunDirectory.create(
+        resolve_output_dir(cfg.output_dir), cfg.task, cfg.strategy, cfg.privacy
+    )
+    run_dir.write_config(cfg.to_dict())
+    log(INFO, "Run directory: %s", run_dir.path)
+
+    model = task.build_model(cfg.seed)
+    central = None
+    if cfg.central_eval and cfg.strategy != "local":
+        central = _central_eval(task, model)
+    elif cfg.strategy == "local":
+        log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
+
+    def on_round(result: RoundResult) -> None:
+        for scope, record in (
+            ("train", result.train),
+            ("federated-eval", result.federated_eval),
+            ("central-eval", result.central_eval),
+        ):
+            if record is not None:
+                run_dir.record(result.server_round, scope, dict(record))
+        if result.server_round > 0:
+            run_dir.checkpoint(result.server_round, result.arrays.to_torch_state_dict())
+
+    strategy = strategies.build(cfg.strategy, cfg.privacy, cfg.strategy_settings())
+    log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
+    strategy.summary()
+    final = run_rounds(
+        strategy,
+        grid,
+        ArrayRecord(model.state_dict()),
+        num_rounds=cfg.num_server_rounds,
+        timeout=cfg.round_timeout,
+        central_eval=central,
+        on_round=on_round,
+    )
+    run_dir.finish(
+        final.to_torch_state_dict(),
+        title=f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}",
+    )
+    log(INFO, "Results: %s", run_dir.path)

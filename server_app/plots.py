@@ -1,0 +1,70 @@
+"""Learning-curve plots from metrics frames (one run, or many runs compared)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+# One colour per scope, the same on every panel.
+_COLOURS = {"central-eval": "tab:blue", "federated-eval": "tab:orange", "train": "tab:green"}
+
+# (scope, metric, label) drawn on the accuracy and loss panels.
+_ACCURACY = (
+    ("central-eval", "eval-accuracy", "global model, central test set"),
+    ("federated-eval", "eval-accuracy", "clients' local test splits"),
+)
+_LOSS = (
+    ("train", "train-loss", "local training (clients)"),
+    ("federated-eval", "eval-loss", "clients' local test splits"),
+    ("central-eval", "eval-loss", "global model, central test set"),
+)
+
+
+def _draw(ax, frame: pd.DataFrame, series, prefix: str = "") -> None:
+    for scope, metric, label in series:
+        rows = frame[frame["scope"] == scope]
+        if metric in rows and rows[metric].notna().any():
+            ax.plot(
+                rows["round"],
+                rows[metric],
+                marker="o",
+                ms=3,
+                label=prefix + label,
+                color=_COLOURS[scope],
+            )
+
+
+def plot_learning_curve(frame: pd.DataFrame, title: str) -> Figure:
+    """Accuracy and loss per round of one run's metrics frame."""
+    fig, (acc, loss) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    _draw(acc, frame, _ACCURACY)
+    _draw(loss, frame, _LOSS)
+    acc.set(xlabel="server round", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
+    loss.set(xlabel="server round", ylabel="cross-entropy loss", title="Loss")
+    for ax in (acc, loss):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return fig
+
+
+def plot_comparison(
+    frame: pd.DataFrame, metric: str = "eval-accuracy", scope: str = "federated-eval"
+) -> Figure:
+    """One line per run (label: strategy/privacy/seed) of ``metric`` in ``scope``."""
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    rows = frame[frame["scope"] == scope]
+    for _run, group in rows.groupby("run", sort=True):
+        first = group.iloc[0]
+        label = f"{first['strategy']} / {first['privacy']} / seed {first['seed']}"
+        ax.plot(group["round"], group[metric], marker="o", ms=3, label=label)
+    ax.set(xlabel="server round", ylabel=metric, title=f"{metric} ({scope})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize=8)
+    return fig

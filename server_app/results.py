@@ -1,0 +1,166 @@
+"""The run directory: config, per-round metrics, checkpoint, final model, plots.
+
+Layout (DESIGN.md)::
+
+    <output-dir>/<YYYYmmdd-HHMMSS>-<task>-<strategy>-<privacy>/
+        config.json      resolved run-config + environment
+        metrics.csv      one row per (round, scope); scope in train, federated-eval,
+                         central-eval
+        checkpoint/      global arrays of the last finished round + state.json
+        model.pt         final global model (torch state dict)
+        plots/learning_curve.png
+
+Every file is written to a temporary name and renamed, so a run killed mid-write
+leaves the previous version intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+DIST_NAME = "flower-privacy-lab"
+SCOPES = ("train", "federated-eval", "central-eval")
+
+
+def app_source_dir() -> Path | None:
+    """The directory this app was pip-installed from, if it was installed from one.
+
+    ``flwr run .`` ships the app to the SuperLink as a FAB, and the ServerApp runs in
+    a process the SuperLink started, in whatever directory the SuperLink was first
+    launched from, with its code unpacked under ``$FLWR_HOME/apps``: neither is where
+    the user ran ``flwr run``. The one record of the user's checkout is the install's
+    PEP 610 ``direct_url.json`` (``pip install -e .`` in the app directory).
+    """
+    try:
+        raw = metadata.distribution(DIST_NAME).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    if not raw:
+        return None
+    url = json.loads(raw).get("url", "")
+    if not url.startswith("file://"):
+        return None
+    path = Path(url.removeprefix("file://"))
+    return path if (path / "pyproject.toml").is_file() else None
+
+
+def resolve_output_dir(output_dir: str) -> Path:
+    """Absolute paths stay; relative ones resolve against the app's source directory
+    (falling back to the current directory when the app was not installed from one).
+    """
+    path = Path(output_dir).expanduser()
+    if path.is_absolute():
+        return path
+    return (app_source_dir() or Path.cwd()) / path
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _atomic_torch_save(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """Creates the run directory and writes everything a run produces into it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        self.started = time.monotonic()
+
+    @classmethod
+    def create(cls, root: Path, task: str, strategy: str, privacy: str) -> RunDirectory:
+        """Make ``<root>/<timestamp>-<task>-<strategy>-<privacy>`` (suffixed if taken)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = root / f"{stamp}-{task}-{strategy}-{privacy}"
+        path, n = base, 1
+        while True:
+            try:
+                path.mkdir(parents=True)
+                break
+            except FileExistsError:
+                n += 1
+                path = base.with_name(f"{base.name}-{n}")
+        (path / "checkpoint").mkdir()
+        (path / "plots").mkdir()
+        return cls(path)
+
+    def write_config(self, run_config: Mapping[str, Any]) -> None:
+        """Write the resolved run-config and the software environment."""
+        doc = {
+            "run-config": dict(run_config),
+            "environment": {
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "flwr": metadata.version("flwr"),
+                "torch": torch.__version__,
+                "cuda": torch.cuda.is_available(),
+            },
+        }
+        _atomic_write_text(self.path / "config.json", json.dumps(doc, indent=2) + "\n")
+
+    def record(self, server_round: int, scope: str, metrics: Mapping[str, Any]) -> None:
+        """Append one metrics row and rewrite ``metrics.csv``."""
+        if scope not in SCOPES:
+            raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
+        row = {
+            "round": server_round,
+            "scope": scope,
+            "elapsed-s": round(time.monotonic() - self.started, 3),
+        }
+        row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+        self.rows.append(row)
+        csv = pd.DataFrame(self.rows).to_csv(index=False)
+        _atomic_write_text(self.path / "metrics.csv", csv)
+
+    def checkpoint(self, server_round: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Save the global model of ``server_round`` (the latest finished round)."""
+        _atomic_torch_save(self.path / "checkpoint" / "global.pt", dict(state_dict))
+        state = {"round": server_round}
+        _atomic_write_text(self.path / "checkpoint" / "state.json", json.dumps(state) + "\n")
+
+    def finish(self, state_dict: Mapping[str, torch.Tensor], title: str) -> None:
+        """Save the final model and the learning-curve plot."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # the ServerApp draws to files only, display or not
+        import matplotlib.pyplot as plt
+
+        from server_app.plots import plot_learning_curve
+
+        _atomic_torch_save(self.path / "model.pt", dict(state_dict))
+        if self.rows:
+            figure = plot_learning_curve(pd.DataFrame(self.rows), title=title)
+            figure.savefig(self.path / "plots" / "learning_curve.png", dpi=120)
+            plt.close(figure)
+
+
+def load_metrics(run_dir: str | Path) -> pd.DataFrame:
+    """Read a run directory's ``metrics.csv``, tagged with the run's config columns."""
+    run_dir = Path(run_dir)
+    frame = pd.read_csv(run_dir / "metrics.csv")
+    config = json.loads((run_dir / "config.json").read_text())["run-config"]
+    for key in ("task", "strategy", "privacy", "seed"):
+        frame[key] = config[key]
+    frame["run"] = run_dir.name
+    return frame

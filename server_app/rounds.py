@@ -1,0 +1,112 @@
+"""The federated round loop, with a progress line and a callback per round.
+
+It drives a Flower ``Strategy`` through the same four calls as ``Strategy.start``
+(configure/aggregate train, configure/aggregate evaluate, then central evaluation).
+``Strategy.start`` is not used because it offers no per-round hook for the
+aggregated train/eval metrics, which the run directory records and checkpoints
+every round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from logging import INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+@dataclass
+class RoundResult:
+    """What one round produced (``None`` where nothing was aggregated)."""
+
+    server_round: int
+    arrays: ArrayRecord
+    train: MetricRecord | None = None
+    federated_eval: MetricRecord | None = None
+    central_eval: MetricRecord | None = None
+
+
+@dataclass
+class Progress:
+    """Elapsed time and ETA from the mean duration of the finished rounds."""
+
+    total: int
+    started: float = field(default_factory=time.monotonic)
+    done: int = 0
+
+    def line(self, result: RoundResult, round_seconds: float) -> str:
+        self.done += 1
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / self.done * (self.total - self.done)
+        parts = [
+            f"[round {result.server_round}/{self.total}]",
+            f"{round_seconds:.1f}s",
+            f"elapsed {_clock(elapsed)}",
+            f"ETA {_clock(eta)}",
+        ]
+        for name, record in (
+            ("train", result.train),
+            ("fed", result.federated_eval),
+            ("central", result.central_eval),
+        ):
+            for key, value in (record or {}).items():
+                if isinstance(value, float) and key.endswith(("loss", "accuracy")):
+                    parts.append(f"{name} {key} {value:.4f}")
+        return " | ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def run_rounds(
+    strategy: Strategy,
+    grid: Grid,
+    initial_arrays: ArrayRecord,
+    *,
+    num_rounds: int,
+    timeout: float,
+    central_eval: CentralEval | None,
+    on_round: Callable[[RoundResult], None],
+) -> ArrayRecord:
+    """Run ``num_rounds`` rounds and return the final global arrays.
+
+    ``central_eval`` (if given) runs on the initial model as round 0 and after every
+    round; ``on_round`` receives every round's result, round 0 included.
+    """
+    arrays = initial_arrays
+    if central_eval is not None:
+        on_round(RoundResult(0, arrays, central_eval=central_eval(0, arrays)))
+    progress = Progress(num_rounds)
+    for server_round in range(1, num_rounds + 1):
+        started = time.monotonic()
+        replies = grid.send_and_receive(
+            strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
+            timeout=timeout,
+        )
+        new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            arrays = new_arrays
+        replies = grid.send_and_receive(
+            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+            timeout=timeout,
+        )
+        result = RoundResult(
+            server_round,
+            arrays,
+            train=train_metrics,
+            federated_eval=strategy.aggregate_evaluate(server_round, replies),
+            central_eval=central_eval(server_round, arrays) if central_eval else None,
+        )
+        on_round(result)
+        log(INFO, progress.line(result, time.monotonic() - started))
+    return arrays

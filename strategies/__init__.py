@@ -1,0 +1,5 @@
+"""Flower Message-API strategies and privacy wrappers, built by name."""
+
+from strategies.registry import PRIVACY, STRATEGIES, StrategySettings, build
+
+__all__ = ["PRIVACY", "STRATEGIES", "StrategySettings", "build"]

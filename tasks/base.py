@@ -1,0 +1,99 @@
+"""The task protocol: what every task (vision, tabular, RL) offers the app.
+
+A task runs without Flower: notebooks and single-agent baselines call the same
+methods the ClientApp and ServerApp call. Models are ``torch.nn.Module``s, so their
+``state_dict()`` is what travels between server and clients.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tasks.options import Option, parse_options
+
+SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
+
+# Metric keys every task reports (kebab-case, stable across tasks).
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
+EVAL_LOSS = "eval-loss"
+EVAL_ACCURACY = "eval-accuracy"
+
+
+def local_seed(run_seed: int, server_round: int, partition_id: int) -> int:
+    """Seed for one client's local randomness in one round, derived from the run seed.
+
+    Distinct (round, partition) pairs get independent streams (numpy SeedSequence).
+    """
+    state = np.random.SeedSequence([run_seed, server_round, partition_id]).generate_state(1)
+    return int(state[0])
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """What the server asks of one client's local training in one round.
+
+    Attributes
+    ----------
+    server_round : int
+        The round being trained (1-based).
+    seed : int
+        Seed for this client's local randomness this round (shuffling, dropout);
+        derived from the run seed, the round and the partition id.
+    proximal_mu : float
+        Weight of the FedProx proximal term ``(mu/2)||w - w_global||^2``; 0 disables it.
+    """
+
+    server_round: int
+    seed: int
+    proximal_mu: float = 0.0
+
+
+class Task(ABC):
+    """One learning task: model, data and partitioning, local train and evaluate.
+
+    Subclasses declare their run-config keys in ``OPTIONS``; the constructor parses
+    and validates them, so an invalid value fails when the task is built, before
+    any data is loaded.
+    """
+
+    name: ClassVar[str]
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+
+    def __init__(self, run_config: Mapping[str, Any]) -> None:
+        self.options = parse_options(run_config, self.OPTIONS)
+
+    @abstractmethod
+    def build_model(self, seed: int) -> torch.nn.Module:
+        """Return a freshly initialised model (weights drawn from ``seed``)."""
+
+    @abstractmethod
+    def load_partition(self, partition_id: int, num_partitions: int) -> Any:
+        """Return client ``partition_id``'s data: its train and local test splits."""
+
+    @abstractmethod
+    def load_central_test(self) -> Any:
+        """Return the held-out central test set the server evaluates on."""
+
+    @abstractmethod
+    def train(
+        self, model: torch.nn.Module, partition: Any, local: LocalTraining
+    ) -> dict[str, float]:
+        """Train ``model`` in place on the partition's train split.
+
+        Returns metrics including ``num-examples`` and ``train-loss``.
+        """
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module, data: Any) -> dict[str, float]:
+        """Evaluate ``model``; ``data`` is a partition or the central test set.
+
+        Returns metrics including ``num-examples``, ``eval-loss`` and, for
+        classification, ``eval-accuracy``.
+        """

@@ -1,0 +1,140 @@
+"""Declarative run-config options: one spec per key, parsed and validated in one place.
+
+Flower hands every process the run-config as a flat ``dict[str, bool | int | float |
+str]`` (nested TOML tables flattened with dots, e.g. ``"fedprox.mu"``). Each part of
+the app (top level, strategies, privacy, each task) declares its keys as a tuple of
+:class:`Option`; :func:`parse_options` turns the flat dict into plain Python values,
+checking type, range and choices, and naming the key and the valid values on error.
+
+This module lives in ``tasks/`` because the ClientApp parses the task's options too,
+and ``client_app/`` may import ``tasks`` but not ``server_app``. It imports nothing
+from Flower.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Scalar = bool | int | float | str
+
+
+class ConfigError(ValueError):
+    """A run-config value is unknown, of the wrong type, or out of range."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run-config key.
+
+    Parameters
+    ----------
+    key : str
+        The flat, kebab-case key as written in ``pyproject.toml`` (``"fedprox.mu"``).
+    default : bool | int | float | str
+        Default value; its type is the option's type (an ``int`` given for a
+        ``float`` option is accepted and converted).
+    help : str
+        One line for the README table.
+    choices : tuple of str, optional
+        Valid values of a string option.
+    low, high : float, optional
+        Inclusive bounds of a numeric option.
+    low_open, high_open : bool
+        Make the corresponding bound exclusive.
+    """
+
+    key: str
+    default: Scalar
+    help: str
+    choices: tuple[str, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def parse(self, value: Any) -> Scalar:
+        """Return ``value`` converted to this option's type, or raise ConfigError."""
+        kind = type(self.default)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"'{self.key}' must be true or false, got {value!r}")
+            return value
+        if kind is str:
+            if not isinstance(value, str):
+                raise ConfigError(f"'{self.key}' must be a string, got {value!r}")
+            if self.choices is not None and value not in self.choices:
+                raise ConfigError(
+                    f"'{self.key}' = {value!r} is not valid; valid values: "
+                    + ", ".join(repr(c) for c in self.choices)
+                )
+            return value
+        # Numeric: reject bools (True is an int in Python) and non-integral ints.
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"'{self.key}' must be a number, got {value!r}")
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ConfigError(f"'{self.key}' must be an integer, got {value!r}")
+            value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"'{self.key}' must be finite, got {value!r}")
+        self._check_range(value)
+        return value
+
+    def _check_range(self, value: float) -> None:
+        too_low = self.low is not None and (
+            value < self.low or (self.low_open and value == self.low)
+        )
+        too_high = self.high is not None and (
+            value > self.high or (self.high_open and value == self.high)
+        )
+        if too_low or too_high:
+            raise ConfigError(
+                f"'{self.key}' = {value!r} is out of range; valid range: " + self.range_text()
+            )
+
+    def range_text(self) -> str:
+        """Human-readable valid values, for errors and the README table."""
+        if self.choices is not None:
+            return ", ".join(f"`{c}`" for c in self.choices)
+        if self.low is None and self.high is None:
+            return "any " + type(self.default).__name__
+        left = "(" if self.low_open or self.low is None else "["
+        right = ")" if self.high_open or self.high is None else "]"
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        return f"{left}{low}, {high}{right}"
+
+
+def parse_options(run_config: Mapping[str, Any], options: Iterable[Option]) -> dict[str, Scalar]:
+    """Parse the given options out of ``run_config`` (missing keys take defaults)."""
+    return {
+        opt.key: opt.parse(run_config[opt.key]) if opt.key in run_config else opt.default
+        for opt in options
+    }
+
+
+def check_unknown_keys(run_config: Mapping[str, Any], options: Iterable[Option]) -> None:
+    """Raise ConfigError naming every key of ``run_config`` that no option declares."""
+    known = {opt.key for opt in options}
+    unknown = sorted(set(run_config) - known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=3)
+            hints.append(f"'{key}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise ConfigError("unknown run-config key(s): " + "; ".join(hints))
+
+
+def to_field_names(values: Mapping[str, Scalar], prefix: str = "") -> dict[str, Scalar]:
+    """Map ``{"data.batch-size": 32}`` to ``{"batch_size": 32}`` for a dataclass."""
+    out = {}
+    for key, value in values.items():
+        name = key[len(prefix) :] if prefix and key.startswith(prefix) else key
+        out[name.replace("-", "_").replace(".", "_")] = value
+    return out

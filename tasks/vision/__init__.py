@@ -1,0 +1,54 @@
+"""Image classification tasks (digits, MNIST, CIFAR-10, EMNIST ByClass).
+
+``digits`` needs no network; the others load from the Hugging Face Hub through
+flwr-datasets and raise :class:`DatasetUnavailableError` at once when offline.
+"""
+
+from tasks.vision import data, hub
+from tasks.vision.data import CentralTestSet, ClientPartition, DatasetSpec, TensorSplit
+from tasks.vision.hub import DatasetUnavailableError
+from tasks.vision.models import build_model
+from tasks.vision.partitioning import PartitionSettings
+from tasks.vision.task import (
+    TRAIN_ACCURACY,
+    CIFAR10Task,
+    DigitsTask,
+    EMNISTTask,
+    ImageClassificationTask,
+    MNISTTask,
+    VisionConfig,
+)
+
+
+def clear_caches() -> None:
+    """Forget every cached dataset, partitioner and partition of this process."""
+    for cached in (
+        data.digits_tensors,
+        data.digits_central_split,
+        data.digits_partitioner,
+        data.load_digits_partition,
+        data.load_digits_central_test,
+        hub.federated_dataset,
+        hub.load_hub_partition,
+        hub.load_hub_central_test,
+    ):
+        cached.cache_clear()
+
+
+__all__ = [
+    "TRAIN_ACCURACY",
+    "CIFAR10Task",
+    "CentralTestSet",
+    "ClientPartition",
+    "DatasetSpec",
+    "DatasetUnavailableError",
+    "DigitsTask",
+    "EMNISTTask",
+    "ImageClassificationTask",
+    "MNISTTask",
+    "PartitionSettings",
+    "TensorSplit",
+    "VisionConfig",
+    "build_model",
+    "clear_caches",
+]

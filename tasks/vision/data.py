@@ -1,0 +1,230 @@
+"""Image datasets as tensors: client partitions and the server's central test set.
+
+``digits`` is scikit-learn's 1797 8x8 handwritten digits (Alpaydin & Kaynak, UCI),
+shipped with scikit-learn, so it works offline: a seeded stratified split holds out
+``data.central-test-fraction`` as the central test set and the rest is partitioned.
+``mnist``, ``cifar10`` and ``emnist`` come from the Hugging Face Hub through
+``flwr_datasets.FederatedDataset`` (see :mod:`tasks.vision.hub`).
+
+Every loaded partition and test set is converted to normalised float tensors once
+and cached per process (``functools.lru_cache``), keyed by the dataset, the
+partitioning settings, the partition id and the number of partitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import datasets
+import numpy as np
+import torch
+from flwr_datasets.partitioner.partitioner import Partitioner
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.utils.data import DataLoader, TensorDataset
+
+from tasks.vision.partitioning import (
+    PartitionSettings,
+    build_partitioner,
+    check_partition_id,
+    infeasible_partitioning,
+    local_split_rng,
+    split_local,
+)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where an image dataset lives and how its images become tensors.
+
+    Attributes
+    ----------
+    name : str
+        Task name (``"mnist"``).
+    hf_id : str or None
+        Hugging Face dataset id; ``None`` for the offline scikit-learn digits.
+    image_column, label_column : str
+        Column names in the Hugging Face dataset.
+    has_test_split : bool
+        Whether the dataset has a ``"test"`` split; if not, the central test set is
+        carved out of ``"train"`` with ``data.central-test-fraction``.
+    num_classes, in_channels, image_size : int
+        Output classes, image channels and (square) image side.
+    scale : float
+        Raw pixel maximum (255, or 16 for digits); pixels are divided by it.
+    mean, std : tuple of float
+        Per-channel normalisation applied after scaling.
+    """
+
+    name: str
+    hf_id: str | None
+    image_column: str
+    label_column: str
+    has_test_split: bool
+    num_classes: int
+    in_channels: int
+    image_size: int
+    scale: float
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+DIGITS = DatasetSpec("digits", None, "image", "label", False, 10, 1, 8, 16.0, (0.3053,), (0.3760,))
+MNIST = DatasetSpec(
+    "mnist", "ylecun/mnist", "image", "label", True, 10, 1, 28, 255.0, (0.1307,), (0.3081,)
+)
+CIFAR10 = DatasetSpec(
+    "cifar10", "uoft-cs/cifar10", "img", "label", True, 10, 3, 32, 255.0,
+    (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
+)  # fmt: skip
+# EMNIST ByClass: Flower Labs' parquet FEMNIST (LEAF), the 814k NIST SD19 characters
+# in EMNIST's 62 ByClass classes (0-9, A-Z, a-z). It has only a "train" split, and no
+# published normalisation constants, hence the neutral 0.5 / 0.5.
+EMNIST = DatasetSpec(
+    "emnist", "flwrlabs/femnist", "image", "character", False, 62, 1, 28, 255.0, (0.5,), (0.5,)
+)
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """Normalised images and labels of one split.
+
+    Attributes
+    ----------
+    images : torch.Tensor
+        ``float32`` of shape ``(N, C, H, W)``.
+    labels : torch.Tensor
+        ``int64`` of shape ``(N,)``.
+    ids : torch.Tensor or None
+        Source row of each example (digits: row of ``load_digits()``), ``None`` where
+        the source does not expose it (Hugging Face datasets).
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def subset(self, positions: np.ndarray) -> TensorSplit:
+        """The examples at ``positions``."""
+        index = torch.as_tensor(positions, dtype=torch.long)
+        ids = None if self.ids is None else self.ids[index]
+        return TensorSplit(self.images[index], self.labels[index], ids)
+
+
+@dataclass(frozen=True)
+class ClientPartition:
+    """One client's data: its local train split and local test split."""
+
+    partition_id: int
+    num_partitions: int
+    train: TensorSplit
+    test: TensorSplit
+
+
+@dataclass(frozen=True)
+class CentralTestSet:
+    """The held-out test set the server evaluates the global model on."""
+
+    test: TensorSplit
+
+
+def images_to_tensor(images: np.ndarray, spec: DatasetSpec) -> torch.Tensor:
+    """Scale and normalise raw images ``(N, H, W)`` or ``(N, H, W, C)`` to ``(N, C, H, W)``."""
+    x = torch.as_tensor(np.asarray(images), dtype=torch.float32) / spec.scale
+    x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
+    std = torch.tensor(spec.std).view(1, -1, 1, 1)
+    return ((x - mean) / std).contiguous()
+
+
+def make_loader(
+    split: TensorSplit, batch_size: int, *, shuffle: bool, seed: int = 0
+) -> DataLoader:
+    """A DataLoader over ``split``; shuffling draws from a ``torch.Generator(seed)``."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        TensorDataset(split.images, split.labels),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=generator,
+    )
+
+
+def split_partition(
+    data: TensorSplit, settings: PartitionSettings, partition_id: int, num_partitions: int
+) -> ClientPartition:
+    """Split a partition's examples into local train and test (seeded)."""
+    rng = local_split_rng(settings, partition_id)
+    train_pos, test_pos = split_local(len(data), settings.test_fraction, rng)
+    return ClientPartition(
+        partition_id, num_partitions, data.subset(train_pos), data.subset(test_pos)
+    )
+
+
+# --- digits (scikit-learn, offline) ------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def digits_tensors() -> TensorSplit:
+    """All 1797 digits as a normalised ``(1797, 1, 8, 8)`` split with ids ``0..1796``."""
+    bunch = load_digits()
+    images = images_to_tensor(bunch.images, DIGITS)
+    labels = torch.as_tensor(bunch.target, dtype=torch.long)
+    return TensorSplit(images, labels, torch.arange(len(labels)))
+
+
+@lru_cache(maxsize=8)
+def digits_central_split(seed: int, central_test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified split of digits ids into (client pool, central test)."""
+    labels = digits_tensors().labels.numpy()
+    pool, central = train_test_split(
+        np.arange(len(labels)),
+        test_size=central_test_fraction,
+        stratify=labels,
+        random_state=seed,
+    )
+    return np.sort(pool), np.sort(central)
+
+
+@lru_cache(maxsize=8)
+def digits_partitioner(
+    settings: PartitionSettings, central_test_fraction: float, num_partitions: int
+) -> Partitioner:
+    """The partitioner over the digits client pool (shuffled with the run seed)."""
+    pool, _ = digits_central_split(settings.seed, central_test_fraction)
+    pool = np.random.default_rng(settings.seed).permutation(pool)
+    labels = digits_tensors().labels.numpy()[pool]
+    partitioner = build_partitioner(settings, num_partitions, DIGITS.label_column)
+    partitioner.dataset = datasets.Dataset.from_dict({"id": pool, "label": labels})
+    return partitioner
+
+
+@lru_cache(maxsize=256)
+def load_digits_partition(
+    settings: PartitionSettings,
+    central_test_fraction: float,
+    partition_id: int,
+    num_partitions: int,
+) -> ClientPartition:
+    """Client ``partition_id``'s digits (cached per process)."""
+    check_partition_id(partition_id, num_partitions)
+    partitioner = digits_partitioner(settings, central_test_fraction, num_partitions)
+    try:
+        part = partitioner.load_partition(partition_id)
+    except ValueError as err:
+        pool_size = partitioner.dataset.num_rows
+        raise infeasible_partitioning(settings, pool_size, num_partitions, err) from err
+    ids = np.asarray(part["id"], dtype=np.int64)
+    data = digits_tensors().subset(ids)
+    return split_partition(data, settings, partition_id, num_partitions)
+
+
+@lru_cache(maxsize=8)
+def load_digits_central_test(seed: int, central_test_fraction: float) -> CentralTestSet:
+    """The digits central test set (cached per process)."""
+    _, central = digits_central_split(seed, central_test_fraction)
+    return CentralTestSet(digits_tensors().subset(central))

@@ -1,0 +1,192 @@
+"""Image classifiers for 8x8 to 32x32 inputs, Opacus-compatible (no BatchNorm).
+
+- ``lenet``: LeNet-5 (LeCun et al., 1998, "Gradient-based learning applied to
+  document recognition") with ReLU and max-pooling; convolutions are zero-padded
+  where the image is too small for the classic unpadded 5x5 stack.
+- ``cnn``: three conv-GroupNorm-ReLU-maxpool blocks and a two-layer head with dropout,
+  the usual small CIFAR-10 network of federated-learning papers.
+- ``resnet18`` (He et al., 2016) and ``mobilenet_v2`` (Sandler et al., 2018) from
+  torchvision, randomly initialised, with the first convolution adapted to the input
+  channels and, for images up to 64 pixels, the CIFAR-style stem (3x3 stride-1
+  convolution, no max-pool).
+
+``lenet`` uses He initialisation (He et al., 2015): with PyTorch's default init the
+ReLU LeNet sits on the uniform-prediction plateau for the first hundred or so steps,
+which is most of a federated round on a small client. ``cnn`` keeps PyTorch's default
+init: with GroupNorm, He init of its head diverges at the default ``train.lr`` 0.05.
+
+BatchNorm is replaced by GroupNorm (Wu & He, 2018) everywhere: DP-SGD with Opacus
+needs per-example gradients, which BatchNorm's batch statistics break.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torchvision
+from torch import nn
+
+MODEL_NAMES = ("lenet", "cnn", "resnet18", "mobilenet_v2")
+SMALL_IMAGE_MAX = 64  # images up to this side use the CIFAR-style stem
+
+
+def group_norm(num_channels: int) -> nn.GroupNorm:
+    """GroupNorm with ``gcd(num_channels, 32)`` groups (32 where the channels allow)."""
+    return nn.GroupNorm(math.gcd(num_channels, 32), num_channels)
+
+
+def init_he(module: nn.Module) -> None:
+    """He-normal weights and zero biases for the conv and linear layers (ReLU nets)."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Conv2d | nn.Linear):
+            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+
+def flattened_size(features: nn.Module, in_channels: int, image_size: int) -> int:
+    """Number of features ``features`` outputs for one image (dummy forward pass)."""
+    with torch.no_grad():
+        out = features(torch.zeros(1, in_channels, image_size, image_size))
+    return int(out.numel())
+
+
+class LeNet5(nn.Module):
+    """LeNet-5: conv5x5(6) - pool - conv5x5(16) - pool - fc120 - fc84 - fc.
+
+    Parameters
+    ----------
+    in_channels, num_classes, image_size : int
+        Input channels, output classes and image side (>= 8).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        # 32x32 runs the classic unpadded stack; 28x28 pads conv1 (as for MNIST);
+        # below 16 pixels both convolutions keep the spatial size.
+        pad1 = 0 if image_size >= 32 else 2
+        pad2 = 0 if image_size >= 16 else 2
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 6, kernel_size=5, padding=pad1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, kernel_size=5, padding=pad2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(flattened_size(self.features, in_channels, image_size), 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, num_classes),
+        )
+        init_he(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, num_classes)``."""
+        return self.classifier(self.features(x))
+
+
+class SmallCNN(nn.Module):
+    """Three conv-GroupNorm-ReLU-maxpool blocks (32, 64, 128) and an MLP head.
+
+    Parameters
+    ----------
+    in_channels, num_classes, image_size : int
+        Input channels, output classes and image side (>= 8).
+    dropout : float
+        Dropout before the last layer.
+    """
+
+    def __init__(
+        self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.25
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = in_channels
+        for width in (32, 64, 128):
+            layers += [
+                nn.Conv2d(channels, width, kernel_size=3, padding=1),
+                group_norm(width),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
+            channels = width
+        self.features = nn.Sequential(*layers, nn.Flatten())
+        self.classifier = nn.Sequential(
+            nn.Linear(flattened_size(self.features, in_channels, image_size), 256),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(256, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, num_classes)``."""
+        return self.classifier(self.features(x))
+
+
+def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """torchvision ResNet-18 with GroupNorm and a stem fitted to the image size."""
+    model = torchvision.models.resnet18(
+        weights=None, num_classes=num_classes, norm_layer=group_norm
+    )
+    if image_size <= SMALL_IMAGE_MAX:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    else:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    return model
+
+
+def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """torchvision MobileNetV2 with GroupNorm; stride-1 first conv for small images."""
+    model = torchvision.models.mobilenet_v2(
+        weights=None, num_classes=num_classes, norm_layer=group_norm
+    )
+    first = model.features[0][0]
+    stride = 1 if image_size <= SMALL_IMAGE_MAX else 2
+    conv = nn.Conv2d(
+        in_channels, first.out_channels, kernel_size=3, stride=stride, padding=1, bias=False
+    )
+    nn.init.kaiming_normal_(conv.weight, mode="fan_out")
+    model.features[0][0] = conv
+    return model
+
+
+BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
+    "lenet": LeNet5,
+    "cnn": SmallCNN,
+    "resnet18": resnet18,
+    "mobilenet_v2": mobilenet_v2,
+}
+
+
+def build_model(
+    name: str, in_channels: int, num_classes: int, image_size: int, seed: int
+) -> nn.Module:
+    """Build model ``name`` with weights drawn from ``seed``; the global RNG is untouched.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`MODEL_NAMES`.
+    in_channels, num_classes, image_size : int
+        Input channels, output classes and (square) image side.
+    seed : int
+        Seed of the weight initialisation.
+
+    Returns
+    -------
+    torch.nn.Module
+        The model, on the CPU.
+    """
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BUILDERS[name](in_channels, num_classes, image_size)

@@ -1,0 +1,184 @@
+"""Federated partitioning of a labelled dataset with flwr-datasets partitioners.
+
+Modes (run-config ``data.partitioner``):
+
+- ``iid``: :class:`~flwr_datasets.partitioner.IidPartitioner`, equal contiguous shards
+  of the seeded-shuffled pool.
+- ``dirichlet``: label skew, :class:`~flwr_datasets.partitioner.DirichletPartitioner`
+  (Yurochkin et al., 2019, "Bayesian Nonparametric Federated Learning of Neural
+  Networks"; Hsu et al., 2019): each class is divided among the clients in
+  proportions drawn from ``Dir(alpha)``; small ``alpha`` means strong skew.
+- ``pathological``: :class:`~flwr_datasets.partitioner.PathologicalPartitioner` (Li et
+  al., 2022, "Federated Learning on Non-IID Data Silos: An Experimental Study"): each
+  client holds exactly ``data.classes-per-client`` classes, assigned in the paper's
+  ``first-deterministic`` mode (client ``i`` gets class ``i % num_classes`` plus
+  seeded random others), so every class is used once there are at least as many
+  clients as classes.
+- ``linear`` / ``square`` / ``exponential``: quantity skew with IID labels; client
+  ``i`` (0-based) holds a share of the pool proportional to ``i + 1``,
+  ``(i + 1)^2`` or ``e^(i + 1)`` (flwr-datasets ``IdToSizeFncPartitioner`` family).
+
+Each partition is then split into a local train and test split with a seeded
+permutation (:func:`split_local`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr_datasets.partitioner import (
+    DirichletPartitioner,
+    ExponentialPartitioner,
+    IidPartitioner,
+    LinearPartitioner,
+    PathologicalPartitioner,
+    SquarePartitioner,
+)
+from flwr_datasets.partitioner.partitioner import Partitioner
+
+from tasks.options import ConfigError
+
+PARTITIONERS = ("iid", "dirichlet", "pathological", "linear", "square", "exponential")
+QUANTITY_SKEW = {
+    "linear": LinearPartitioner,
+    "square": SquarePartitioner,
+    "exponential": ExponentialPartitioner,
+}
+
+# Smallest Dirichlet partition accepted: one local train and one local test example.
+DIRICHLET_MIN_PARTITION_SIZE = 2
+
+
+@dataclass(frozen=True)
+class PartitionSettings:
+    """How the pool is divided among clients (hashable: a cache key).
+
+    Attributes
+    ----------
+    partitioner : str
+        One of :data:`PARTITIONERS`.
+    alpha : float
+        Dirichlet concentration (``dirichlet`` only).
+    classes_per_client : int
+        Classes per client (``pathological`` only).
+    test_fraction : float
+        Fraction of each partition held out as the client's local test split.
+    seed : int
+        Run seed: the pool shuffle, Dirichlet draws, class assignment and local split.
+    """
+
+    partitioner: str = "iid"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    test_fraction: float = 0.2
+    seed: int = 42
+
+
+def build_partitioner(
+    settings: PartitionSettings, num_partitions: int, label_column: str = "label"
+) -> Partitioner:
+    """Return a fresh (dataset-less) flwr-datasets partitioner for ``settings``.
+
+    Parameters
+    ----------
+    settings : PartitionSettings
+        The partitioning mode and its parameters.
+    num_partitions : int
+        Number of clients.
+    label_column : str
+        Column holding the class label (used by label-skew modes).
+
+    Returns
+    -------
+    Partitioner
+        Assign its ``dataset`` (or hand it to ``FederatedDataset``) before use.
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    mode = settings.partitioner
+    if mode == "iid":
+        return IidPartitioner(num_partitions=num_partitions)
+    if mode == "dirichlet":
+        return DirichletPartitioner(
+            num_partitions=num_partitions,
+            partition_by=label_column,
+            alpha=float(settings.alpha),
+            min_partition_size=DIRICHLET_MIN_PARTITION_SIZE,
+            # True in the reference code of Yurochkin et al.: keeps partition sizes
+            # near the mean, which small datasets (digits) need.
+            self_balancing=True,
+            seed=settings.seed,
+        )
+    if mode == "pathological":
+        return PathologicalPartitioner(
+            num_partitions=num_partitions,
+            partition_by=label_column,
+            num_classes_per_partition=settings.classes_per_client,
+            class_assignment_mode="first-deterministic",
+            seed=settings.seed,
+        )
+    if mode in QUANTITY_SKEW:
+        return QUANTITY_SKEW[mode](num_partitions=num_partitions)
+    raise ConfigError(
+        f"'data.partitioner' = {mode!r} is not valid; valid values: "
+        + ", ".join(repr(p) for p in PARTITIONERS)
+    )
+
+
+def check_partition_id(partition_id: int, num_partitions: int) -> None:
+    """Raise ValueError unless ``0 <= partition_id < num_partitions``."""
+    if num_partitions < 1 or not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition_id {partition_id} not in [0, {num_partitions})")
+
+
+def infeasible_partitioning(
+    settings: PartitionSettings, num_examples: int, num_partitions: int, err: ValueError
+) -> ConfigError:
+    """Turn a partitioner's ``ValueError`` into a ConfigError naming the key at fault.
+
+    flwr-datasets raises ``ValueError`` when e.g. an exponential partition would be
+    empty, Dirichlet sampling misses the minimum partition size in 10 tries, or more
+    clients need a class than it has examples.
+    """
+    key = {"dirichlet": "data.alpha", "pathological": "data.classes-per-client"}
+    return ConfigError(
+        f"'{key.get(settings.partitioner, 'data.partitioner')}': partitioner "
+        f"{settings.partitioner!r} cannot split {num_examples} examples into "
+        f"{num_partitions} partitions ({err}); use fewer partitions or another "
+        "'data.partitioner'"
+    )
+
+
+def split_local(
+    num_examples: int, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``range(num_examples)`` into local train and test positions.
+
+    The test split gets ``round(test_fraction * n)`` examples, clamped so that both
+    splits are non-empty whenever ``n >= 2`` (with ``n == 1`` the lone example trains).
+
+    Parameters
+    ----------
+    num_examples : int
+        Size of the partition.
+    test_fraction : float
+        Target fraction of the local test split.
+    rng : numpy.random.Generator
+        Source of the permutation.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        Sorted train positions and sorted test positions.
+    """
+    order = rng.permutation(num_examples)
+    if num_examples < 2:
+        return np.sort(order), np.empty(0, dtype=np.int64)
+    num_test = min(max(round(test_fraction * num_examples), 1), num_examples - 1)
+    return np.sort(order[num_test:]), np.sort(order[:num_test])
+
+
+def local_split_rng(settings: PartitionSettings, partition_id: int) -> np.random.Generator:
+    """The generator of a client's local train/test split (seed and partition id)."""
+    return np.random.default_rng([settings.seed, partition_id])

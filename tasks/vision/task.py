@@ -1,0 +1,316 @@
+"""Image classification tasks: digits (offline), MNIST, CIFAR-10 and EMNIST ByClass.
+
+Local training is plain SGD with momentum on the cross-entropy loss, plus the FedProx
+proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tasks.base import (
+    EVAL_ACCURACY,
+    EVAL_LOSS,
+    NUM_EXAMPLES,
+    TRAIN_LOSS,
+    LocalTraining,
+    Task,
+)
+from tasks.options import ConfigError, Option
+from tasks.proximal import proximal_term, snapshot_parameters
+from tasks.vision.data import (
+    CIFAR10,
+    DIGITS,
+    EMNIST,
+    MNIST,
+    CentralTestSet,
+    ClientPartition,
+    DatasetSpec,
+    TensorSplit,
+    load_digits_central_test,
+    load_digits_partition,
+    make_loader,
+)
+from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
+from tasks.vision.models import MODEL_NAMES, build_model
+from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
+
+TRAIN_ACCURACY = "train-accuracy"
+
+SEED_OPTION = Option("seed", 42, "Run seed (partitioning, initial weights, local seeds).", low=0)
+VISION_OPTIONS: tuple[Option, ...] = (
+    Option("data.partitioner", "iid", "How the train pool is split among clients.",
+           choices=PARTITIONERS),
+    Option("data.alpha", 0.5, "Dirichlet concentration (smaller: stronger label skew).",
+           low=0.0, low_open=True),
+    Option("data.classes-per-client", 2, "Classes per client for `pathological`.", low=1),
+    Option("data.test-fraction", 0.2, "Fraction of each client's data held out locally.",
+           low=0.05, high=0.5),
+    Option("data.central-test-fraction", 0.2,
+           "Fraction held out as the central test set (digits; emnist has no test split).",
+           low=0.05, high=0.5),
+    Option("data.batch-size", 32, "Mini-batch size of local training and evaluation.", low=1),
+    Option("model.name", "auto", "Model; `auto`: lenet (digits, mnist, emnist), cnn (cifar10).",
+           choices=("auto", *MODEL_NAMES)),
+    Option("train.local-epochs", 1, "Local epochs per round.", low=1),
+    Option("train.lr", 0.05, "SGD learning rate.", low=0.0, low_open=True),
+    Option("train.momentum", 0.9, "SGD momentum.", low=0.0, high=1.0, high_open=True),
+    Option("train.weight-decay", 0.0, "SGD weight decay (L2).", low=0.0),
+    Option("train.device", "auto", "Device; `auto`: cuda when available.",
+           choices=("auto", "cpu", "cuda")),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Parsed run-config of an image classification task."""
+
+    partitioner: str
+    """``data.partitioner``: iid, dirichlet, pathological, linear, square, exponential."""
+    alpha: float
+    """``data.alpha``: Dirichlet concentration."""
+    classes_per_client: int
+    """``data.classes-per-client``: classes per client (pathological)."""
+    test_fraction: float
+    """``data.test-fraction``: local test split of each client."""
+    central_test_fraction: float
+    """``data.central-test-fraction``: central test share of a dataset without test split."""
+    batch_size: int
+    """``data.batch-size``."""
+    model_name: str
+    """``model.name`` with ``auto`` resolved (derived)."""
+    local_epochs: int
+    """``train.local-epochs``."""
+    lr: float
+    """``train.lr``."""
+    momentum: float
+    """``train.momentum``."""
+    weight_decay: float
+    """``train.weight-decay``."""
+    device: str
+    """``train.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
+    seed: int
+    """Top-level ``seed``."""
+
+    @property
+    def partition_settings(self) -> PartitionSettings:
+        """The hashable partitioning key of the data caches."""
+        return PartitionSettings(
+            self.partitioner, self.alpha, self.classes_per_client, self.test_fraction, self.seed
+        )
+
+
+def resolve_device(choice: str) -> str:
+    """Map ``train.device`` to ``cpu`` or ``cuda``; asking for missing CUDA is an error."""
+    available = torch.cuda.is_available()
+    if choice == "cuda" and not available:
+        raise ConfigError(
+            "'train.device' = 'cuda' but CUDA is not available on this machine; "
+            "valid values here: 'auto', 'cpu'"
+        )
+    if choice == "auto":
+        return "cuda" if available else "cpu"
+    return choice
+
+
+def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> TensorSplit:
+    """The split to evaluate on: a partition's local test split, or the central test set."""
+    if isinstance(data, ClientPartition | CentralTestSet):
+        return data.test
+    if isinstance(data, TensorSplit):
+        return data
+    raise TypeError(f"cannot evaluate on {type(data).__name__}")
+
+
+def train_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    global_params: list[torch.Tensor],
+    proximal_mu: float,
+) -> tuple[float, float]:
+    """One pass over ``loader``; returns mean cross-entropy (no proximal term) and accuracy."""
+    model.train()
+    total_loss, correct, seen = 0.0, 0, 0
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        optimizer.zero_grad()
+        logits = model(images)
+        loss = nn.functional.cross_entropy(logits, labels)
+        if proximal_mu > 0:
+            (loss + proximal_term(model, global_params, proximal_mu)).backward()
+        else:
+            loss.backward()
+        optimizer.step()
+        total_loss += loss.item() * len(labels)
+        correct += int((logits.argmax(dim=1) == labels).sum())
+        seen += len(labels)
+    return (total_loss / seen, correct / seen) if seen else (0.0, 0.0)
+
+
+@torch.no_grad()
+def evaluate_split(
+    model: nn.Module, split: TensorSplit, batch_size: int, device: torch.device
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``split`` (0.0, 0.0 if empty)."""
+    model.eval()
+    total_loss, correct = 0.0, 0
+    for images, labels in make_loader(split, batch_size, shuffle=False):
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+        correct += int((logits.argmax(dim=1) == labels).sum())
+    n = len(split)
+    return (total_loss / n, correct / n) if n else (0.0, 0.0)
+
+
+class ImageClassificationTask(Task):
+    """Image classification on one dataset (``SPEC``), partitioned among clients.
+
+    Options are the flat keys of :data:`VISION_OPTIONS` (``data.*``, ``model.*``,
+    ``train.*``) plus the top-level ``seed``. ``load_partition`` returns a
+    :class:`~tasks.vision.data.ClientPartition`, ``load_central_test`` a
+    :class:`~tasks.vision.data.CentralTestSet`; ``evaluate`` accepts either.
+    """
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = VISION_OPTIONS
+    SPEC: ClassVar[DatasetSpec]
+    DEFAULT_MODEL: ClassVar[str] = "lenet"
+
+    def __init__(self, run_config: Mapping[str, Any]) -> None:
+        super().__init__(run_config)
+        seed = SEED_OPTION.parse(run_config.get("seed", SEED_OPTION.default))
+        opts = self.options
+        model_name = str(opts["model.name"])
+        self.config = VisionConfig(
+            partitioner=str(opts["data.partitioner"]),
+            alpha=float(opts["data.alpha"]),
+            classes_per_client=int(opts["data.classes-per-client"]),
+            test_fraction=float(opts["data.test-fraction"]),
+            central_test_fraction=float(opts["data.central-test-fraction"]),
+            batch_size=int(opts["data.batch-size"]),
+            model_name=self.DEFAULT_MODEL if model_name == "auto" else model_name,
+            local_epochs=int(opts["train.local-epochs"]),
+            lr=float(opts["train.lr"]),
+            momentum=float(opts["train.momentum"]),
+            weight_decay=float(opts["train.weight-decay"]),
+            device=resolve_device(str(opts["train.device"])),
+            seed=int(seed),
+        )
+        self._check_classes_per_client()
+
+    def _check_classes_per_client(self) -> None:
+        cfg, num_classes = self.config, self.SPEC.num_classes
+        if cfg.partitioner == "pathological" and cfg.classes_per_client > num_classes:
+            raise ConfigError(
+                f"'data.classes-per-client' = {cfg.classes_per_client} exceeds the "
+                f"{num_classes} classes of {self.name}; valid range: [1, {num_classes}]"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        """The device local training and evaluation run on."""
+        return torch.device(self.config.device)
+
+    def build_model(self, seed: int) -> nn.Module:
+        """A fresh model (``model.name``) for this dataset, weights drawn from ``seed``."""
+        spec = self.SPEC
+        return build_model(
+            self.config.model_name, spec.in_channels, spec.num_classes, spec.image_size, seed
+        )
+
+    def load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
+        """Client ``partition_id`` of ``num_partitions``: local train and test splits."""
+        cfg = self.config
+        if self.SPEC.hf_id is None:
+            return load_digits_partition(
+                cfg.partition_settings, cfg.central_test_fraction, partition_id, num_partitions
+            )
+        central = hub_central_fraction(self.SPEC, cfg.central_test_fraction)
+        return load_hub_partition(
+            self.SPEC, cfg.partition_settings, central, partition_id, num_partitions
+        )
+
+    def load_central_test(self) -> CentralTestSet:
+        """The server's held-out test set."""
+        cfg = self.config
+        if self.SPEC.hf_id is None:
+            return load_digits_central_test(cfg.seed, cfg.central_test_fraction)
+        central = hub_central_fraction(self.SPEC, cfg.central_test_fraction)
+        return load_hub_central_test(self.SPEC, cfg.seed, central)
+
+    def train(
+        self, model: nn.Module, partition: ClientPartition, local: LocalTraining
+    ) -> dict[str, float]:
+        """``train.local-epochs`` epochs of SGD on the partition's train split, in place.
+
+        The parameters received are the proximal anchor; shuffling and dropout draw
+        from ``local.seed``. The model is back on the CPU on return.
+        """
+        cfg, device = self.config, self.device
+        model.to(device)
+        global_params = snapshot_parameters(model)
+        loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+        rng_devices = [device] if device.type == "cuda" else []
+        loss, accuracy = 0.0, 0.0
+        with torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(local.seed)
+            for _ in range(cfg.local_epochs):
+                loss, accuracy = train_epoch(
+                    model, loader, optimizer, device, global_params, local.proximal_mu
+                )
+        model.to("cpu")
+        return {
+            NUM_EXAMPLES: len(partition.train),
+            TRAIN_LOSS: float(loss),
+            TRAIN_ACCURACY: float(accuracy),
+        }
+
+    def evaluate(
+        self, model: nn.Module, data: ClientPartition | CentralTestSet | TensorSplit
+    ) -> dict[str, float]:
+        """Loss and accuracy on a partition's local test split or the central test set."""
+        split = evaluation_split(data)
+        model.to(self.device)
+        loss, accuracy = evaluate_split(model, split, self.config.batch_size, self.device)
+        model.to("cpu")
+        return {NUM_EXAMPLES: len(split), EVAL_LOSS: float(loss), EVAL_ACCURACY: float(accuracy)}
+
+
+class DigitsTask(ImageClassificationTask):
+    """scikit-learn's 8x8 digits (1797 images, 10 classes); works offline."""
+
+    name = "digits"
+    SPEC = DIGITS
+
+
+class MNISTTask(ImageClassificationTask):
+    """MNIST (Hugging Face ``ylecun/mnist``), 28x28 grayscale, 10 classes."""
+
+    name = "mnist"
+    SPEC = MNIST
+
+
+class CIFAR10Task(ImageClassificationTask):
+    """CIFAR-10 (Hugging Face ``uoft-cs/cifar10``), 32x32 RGB, 10 classes."""
+
+    name = "cifar10"
+    SPEC = CIFAR10
+    DEFAULT_MODEL = "cnn"
+
+
+class EMNISTTask(ImageClassificationTask):
+    """EMNIST ByClass, 62 classes (Hugging Face ``flwrlabs/femnist``), 28x28 grayscale."""
+
+    name = "emnist"
+    SPEC = EMNIST

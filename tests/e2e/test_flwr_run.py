@@ -1,0 +1,141 @@
+"""`flwr run . local-simulation` end to end on digits: fedavg, fedprox, local.
+
+One tiny run per strategy (4 virtual SuperNodes, 3 rounds) is made once per test
+session; the tests read the run directories the ServerApp wrote, and the analysis
+notebook is executed on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+from nbclient import NotebookClient
+
+from tests.e2e.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+TINY = "num-server-rounds=3 fraction-train=1.0 train.local-epochs=2"
+
+
+def _git_status() -> str:
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+@dataclass
+class Run:
+    stdout: str
+    path: Path
+    metrics: pd.DataFrame
+    config: dict
+
+
+@pytest.fixture(scope="session")
+def runs(flower, tmp_path_factory) -> dict[str, Run]:
+    """One tiny run per strategy, each in its own output directory."""
+    root = tmp_path_factory.mktemp("runs")
+    git_before = _git_status()
+    made = {}
+    for strategy, extra in (("fedavg", ""), ("fedprox", "fedprox.mu=0.5"), ("local", "")):
+        out = root / strategy
+        result = flower.run(f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}")
+        assert result.returncode == 0, result.stdout + result.stderr
+        (path,) = list(out.iterdir())
+        made[strategy] = Run(
+            stdout=result.stdout,
+            path=path,
+            metrics=pd.read_csv(path / "metrics.csv"),
+            config=json.loads((path / "config.json").read_text())["run-config"],
+        )
+    # `flwr run` must not rewrite tracked files (e.g. migrate pyproject.toml).
+    assert _git_status() == git_before
+    return made
+
+
+def test_fedavg_writes_run_directory_and_learns(runs):
+    run = runs["fedavg"]
+    # The path is printed at the start and at the end of the run.
+    assert run.stdout.count(str(run.path)) >= 2, run.stdout
+    assert "[round 3/3]" in run.stdout and "ETA" in run.stdout
+    assert set(run.metrics["scope"]) == {"train", "federated-eval", "central-eval"}
+    central = run.metrics[run.metrics["scope"] == "central-eval"].set_index("round")
+    assert list(central.index) == [0, 1, 2, 3]
+    assert central.loc[3, "eval-accuracy"] > central.loc[0, "eval-accuracy"] + 0.3
+    assert run.config["strategy"] == "fedavg" and run.config["num-server-rounds"] == 3
+    assert (run.path / "model.pt").stat().st_size > 0
+    assert (run.path / "plots" / "learning_curve.png").stat().st_size > 10_000
+    assert (run.path / "checkpoint" / "global.pt").is_file()
+
+
+def test_fedprox_sends_mu_and_completes(runs):
+    run = runs["fedprox"]
+    assert run.config["fedprox.mu"] == 0.5
+    train = run.metrics[run.metrics["scope"] == "train"]
+    assert list(train["round"]) == [1, 2, 3]
+    assert train["train-loss"].iloc[-1] < train["train-loss"].iloc[0]
+
+
+def test_local_trains_each_client_alone(runs):
+    metrics = runs["local"].metrics
+    assert "central-eval" not in set(metrics["scope"])
+    fed = metrics[metrics["scope"] == "federated-eval"]
+    assert list(fed["round"]) == [1, 2, 3]
+    # Each client keeps improving its own model across rounds (state persists).
+    assert fed["eval-accuracy"].iloc[-1] > fed["eval-accuracy"].iloc[0]
+
+
+def test_notebook_executes_on_the_runs(runs, tmp_path):
+    runs_dir = tmp_path / "all"
+    runs_dir.mkdir()
+    for run in runs.values():
+        (runs_dir / run.path.name).symlink_to(run.path)
+    notebook = nbformat.read(REPO / "notebooks" / "analyze_runs.ipynb", as_version=4)
+    os.environ["RUNS_DIR"] = str(runs_dir)
+    try:
+        NotebookClient(
+            notebook,
+            timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(REPO / "notebooks")}},
+        ).execute()
+    finally:
+        del os.environ["RUNS_DIR"]
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert "3 run directories" in "".join(o.get("text", "") for o in outputs)
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # comparison + 3 curves
+
+
+def test_default_output_dir_is_the_app_directory(flower):
+    runs_root = REPO / "runs"
+    existing = set(runs_root.iterdir()) if runs_root.exists() else set()
+    result = flower.run("num-server-rounds=1 central-eval=false")
+    assert result.returncode == 0, result.stdout + result.stderr
+    created = set(runs_root.iterdir()) - existing
+    try:
+        assert len(created) == 1
+        assert (next(iter(created)) / "metrics.csv").is_file()
+    finally:
+        for path in created:
+            shutil.rmtree(path)
+
+
+def test_invalid_config_fails_before_training(flower, tmp_path):
+    result = flower.run(f"strategy='fedsgd' output-dir='{tmp_path}'")
+    text = result.stdout + result.stderr
+    assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in text
+    assert not any(tmp_path.iterdir())  # nothing was created, nothing trained
+    assert flower.runs()[0]["status"].endswith("failed")

@@ -1,0 +1,71 @@
+"""Run-config validation: defaults agree with pyproject, bad input is named."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from server_app import config
+from tasks.options import ConfigError
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def _pyproject_defaults() -> dict:
+    doc = tomllib.loads(PYPROJECT.read_text())
+    return doc["tool"]["flwr"]["app"]["config"]
+
+
+def test_pyproject_defaults_equal_declared_defaults():
+    declared = {opt.key: opt.default for opt in config.all_options()}
+    assert _pyproject_defaults() == declared
+
+
+def test_defaults_load_into_typed_config():
+    cfg = config.load(_pyproject_defaults())
+    assert (cfg.task, cfg.strategy, cfg.privacy) == ("digits", "fedavg", "none")
+    assert cfg.num_server_rounds == 10 and isinstance(cfg.num_server_rounds, int)
+    assert cfg.options["fedprox.mu"] == pytest.approx(0.1)
+    with pytest.raises(TypeError):
+        cfg.options["fedprox.mu"] = 1.0  # read-only
+    assert cfg.to_dict() == _pyproject_defaults()
+
+
+def test_int_given_for_float_is_converted():
+    cfg = config.load({**_pyproject_defaults(), "fedprox.mu": 1})
+    assert cfg.options["fedprox.mu"] == 1.0 and isinstance(cfg.options["fedprox.mu"], float)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("strategy", "fedsgd", "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'"),
+        ("task", "imagenet", "valid values: 'digits', 'mnist'"),
+        ("privacy", "dp", "'privacy' = 'dp' is not valid"),
+        ("num-server-rounds", 0, "'num-server-rounds' = 0 is out of range; valid range: [1, inf)"),
+        ("num-server-rounds", 2.5, "'num-server-rounds' must be an integer"),
+        ("fraction-train", 0.0, "'fraction-train' = 0.0 is out of range; valid range: (0, 1]"),
+        ("fedprox.mu", -0.1, "'fedprox.mu' = -0.1 is out of range"),
+        ("central-eval", "yes", "'central-eval' must be true or false"),
+        ("seed", True, "'seed' must be a number"),
+        ("data.partitioner", "nope", "'data.partitioner' = 'nope' is not valid"),
+        ("train.lr", -1.0, "'train.lr' = -1.0 is out of range"),
+    ],
+)
+def test_invalid_values_name_key_and_valid_values(key, value, expected):
+    with pytest.raises(ConfigError) as err:
+        config.load({**_pyproject_defaults(), key: value})
+    assert expected in str(err.value)
+
+
+def test_unknown_key_is_named_with_suggestion():
+    with pytest.raises(ConfigError) as err:
+        config.load({**_pyproject_defaults(), "fedprox.muu": 0.3})
+    assert "unknown run-config key(s): 'fedprox.muu' (did you mean fedprox.mu?)" in str(err.value)
+
+
+def test_conflicting_declarations_are_rejected(monkeypatch):
+    clash = (config.Option("seed", 7, "clash"),)
+    monkeypatch.setattr(config, "STRATEGY_OPTIONS", clash)
+    with pytest.raises(ConfigError, match="'seed' is declared twice"):
+        config.all_options()

@@ -1,0 +1,210 @@
+"""Vision tasks without Flower: digits end to end, options, Hugging Face loading.
+
+Tasks are built from their classes, not through ``tasks.build``: without
+``pythonpath`` set for pytest, ``tests/tasks`` shadows the ``tasks`` package as a
+namespace package and ``tasks/__init__.py`` does not run.
+"""
+
+import time
+
+import datasets
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tasks.base import EVAL_ACCURACY, EVAL_LOSS, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
+from tasks.options import ConfigError
+from tasks.vision import (
+    TRAIN_ACCURACY,
+    CIFAR10Task,
+    DatasetUnavailableError,
+    DigitsTask,
+    EMNISTTask,
+    MNISTTask,
+    clear_caches,
+)
+from tasks.vision import hub as vhub
+
+# A small learning rate and batch: 3 epochs on one client's ~230 digits is ~45 steps.
+DIGITS_CONFIG = {
+    "task": "digits",
+    "seed": 42,
+    "data.batch-size": 16,
+    "train.lr": 0.02,
+    "train.local-epochs": 3,
+}
+
+
+def test_digits_end_to_end():
+    # Prepare
+    task = DigitsTask(DIGITS_CONFIG)
+    partition = task.load_partition(0, 5)
+    central = task.load_central_test()
+    model = task.build_model(seed=0)
+
+    # Execute
+    train_metrics = task.train(model, partition, LocalTraining(server_round=1, seed=7))
+    local_metrics = task.evaluate(model, partition)
+    central_metrics = task.evaluate(model, central)
+
+    # Assert
+    assert train_metrics[NUM_EXAMPLES] == len(partition.train)
+    assert set(train_metrics) == {NUM_EXAMPLES, TRAIN_LOSS, TRAIN_ACCURACY}
+    assert local_metrics[NUM_EXAMPLES] == len(partition.test)
+    assert local_metrics[EVAL_ACCURACY] > 0.5
+    assert central_metrics[NUM_EXAMPLES] == 360
+    assert central_metrics[EVAL_ACCURACY] > 0.5
+    assert all(type(v) in (int, float) for v in {**train_metrics, **central_metrics}.values())
+    assert central_metrics[EVAL_LOSS] > 0
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_training_is_reproducible_from_local_seed():
+    # Prepare
+    task = DigitsTask({**DIGITS_CONFIG, "model.name": "cnn", "train.local-epochs": 1})
+    partition = task.load_partition(1, 5)
+    models = [task.build_model(seed=0) for _ in range(3)]
+
+    # Execute (cnn has dropout: the local seed drives it and the shuffling)
+    task.train(models[0], partition, LocalTraining(1, seed=3))
+    task.train(models[1], partition, LocalTraining(1, seed=3))
+    task.train(models[2], partition, LocalTraining(1, seed=4))
+
+    # Assert
+    weights = [torch.cat([p.flatten() for p in m.parameters()]) for m in models]
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], weights[2])
+
+
+def test_proximal_term_keeps_model_closer_to_global():
+    # Prepare
+    task = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 2})
+    partition = task.load_partition(2, 5)
+    start = task.build_model(seed=0)
+    anchor = torch.cat([p.detach().flatten() for p in start.parameters()])
+
+    def drift(mu: float) -> float:
+        model = task.build_model(seed=0)
+        task.train(model, partition, LocalTraining(1, seed=1, proximal_mu=mu))
+        return float(
+            torch.cat([p.detach().flatten() for p in model.parameters()]).sub(anchor).norm()
+        )
+
+    # Execute / Assert
+    assert drift(1.0) < drift(0.0)
+
+
+def test_defaults_and_parsed_config():
+    # Execute
+    task = DigitsTask({})
+    cifar = CIFAR10Task({"model.name": "auto"})
+
+    # Assert
+    assert task.config.partitioner == "iid"
+    assert task.config.model_name == "lenet"
+    assert task.config.seed == 42
+    assert task.config.device == "cpu"  # this test machine has no CUDA
+    assert cifar.config.model_name == "cnn"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("data.partitioner", "nope"), ("train.lr", -1), ("data.alpha", 0.0),
+     ("data.test-fraction", 0.9), ("data.batch-size", 0), ("train.momentum", 1.0),
+     ("model.name", "vgg"), ("data.classes-per-client", 1.5)],
+)  # fmt: skip
+def test_invalid_option_raises_config_error_naming_key(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        DigitsTask({key: value})
+
+
+def test_more_classes_per_client_than_classes_raises():
+    with pytest.raises(ConfigError, match=r"data\.classes-per-client"):
+        DigitsTask({"data.partitioner": "pathological", "data.classes-per-client": 11})
+
+
+def test_cuda_without_cuda_raises_config_error():
+    with pytest.raises(ConfigError, match=r"train\.device"):
+        DigitsTask({"train.device": "cuda"})
+
+
+def test_mnist_fails_fast_offline(monkeypatch, tmp_path):
+    # Prepare: an unreachable Hub endpoint and an empty local cache, whatever the network.
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    clear_caches()
+    task = MNISTTask({"seed": 1})
+    start = time.monotonic()
+
+    # Execute
+    with pytest.raises(DatasetUnavailableError) as info:
+        task.load_partition(0, 5)
+
+    # Assert
+    assert time.monotonic() - start < 20
+    assert "digits" in str(info.value)
+    assert "ylecun/mnist" in str(info.value)
+    assert "could not be reached" in str(info.value)
+
+
+def _fake_hub_dataset(num_train: int, num_test: int, size: int, mode: str, label: str, image):
+    """A DatasetDict shaped like the Hub dataset (PIL images, class labels)."""
+    rng = np.random.default_rng(0)
+    channels = {"L": (size, size), "RGB": (size, size, 3)}[mode]
+
+    def split(n: int) -> datasets.Dataset:
+        pixels = rng.integers(0, 256, size=(n, *channels), dtype=np.uint8)
+        return datasets.Dataset.from_dict(
+            {image: [Image.fromarray(p, mode=mode) for p in pixels], label: np.arange(n) % 10},
+            features=datasets.Features(
+                {image: datasets.Image(), label: datasets.ClassLabel(num_classes=10)}
+            ),
+        )
+
+    splits = {"train": split(num_train)}
+    if num_test:
+        splits["test"] = split(num_test)
+    return datasets.DatasetDict(splits)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Serve fake datasets instead of the Hub; caches cleared before and after."""
+    fakes = {
+        "ylecun/mnist": _fake_hub_dataset(120, 30, 28, "L", "label", "image"),
+        "uoft-cs/cifar10": _fake_hub_dataset(120, 30, 32, "RGB", "label", "img"),
+        "flwrlabs/femnist": _fake_hub_dataset(200, 0, 28, "L", "character", "image"),
+    }
+    monkeypatch.setattr(vhub, "hub_reachable", lambda timeout=0: True)
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, **kw: fakes[path])
+    clear_caches()
+    yield
+    clear_caches()
+
+
+@pytest.mark.parametrize(
+    ("task_cls", "shape", "pool", "central"),
+    [(MNISTTask, (1, 28, 28), 120, 30), (CIFAR10Task, (3, 32, 32), 120, 30),
+     (EMNISTTask, (1, 28, 28), 160, 40)],
+)  # fmt: skip
+def test_hub_tasks_load_through_federated_dataset(fake_hub, task_cls, shape, pool, central):
+    # Prepare
+    task = task_cls({"data.partitioner": "dirichlet", "data.alpha": 1.0, "seed": 0})
+
+    # Execute
+    parts = [task.load_partition(i, 3) for i in range(3)]
+    test_set = task.load_central_test()
+    model = task.build_model(seed=0)
+    metrics = task.train(model, parts[0], LocalTraining(1, seed=0))
+
+    # Assert
+    assert tuple(parts[0].train.images.shape[1:]) == shape
+    assert sum(len(p.train) + len(p.test) for p in parts) == pool
+    assert len(test_set.test) == central
+    assert parts[0].train.images.dtype == torch.float32
+    assert int(test_set.test.labels.max()) == 9
+    assert metrics[NUM_EXAMPLES] == len(parts[0].train)
+    assert task.load_partition(1, 3) is parts[1]
