@@ -36,10 +36,11 @@ def main(grid: Grid, context: Context) -> None:
     """Run one experiment as the run-config describes it."""
     try:
         cfg = config.load(context.run_config)
+        # The task checks what depends on it (e.g. a CUDA device that is not there).
+        task = tasks.get(cfg.task)(context.run_config)
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
-    task = tasks.get(cfg.task)(context.run_config)
     run_dir = RunDirectory.create(
         resolve_output_dir(cfg.output_dir), cfg.task, cfg.strategy, cfg.privacy
     )

@@ -142,9 +142,6 @@ def load(run_config: Mapping[str, Any]) -> RunConfig:
     check_unknown_keys(run_config, options)
     values = parse_options(run_config, options)
     top = {opt.key.replace("-", "_"): values.pop(opt.key) for opt in TOP_LEVEL}
-    # Building the task parses and checks its options (e.g. a CUDA device that
-    # is not there) now, before any round starts.
-    tasks.get(top["task"])(run_config)
     return RunConfig(**top, options=MappingProxyType(values))
 
 

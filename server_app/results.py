@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import pandas as pd
 import torch
@@ -41,17 +42,16 @@ def app_source_dir() -> Path | None:
     the user ran ``flwr run``. The one record of the user's checkout is the install's
     PEP 610 ``direct_url.json`` (``pip install -e .`` in the app directory).
     """
-    try:
-        raw = metadata.distribution(DIST_NAME).read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        return None
-    if not raw:
-        return None
-    url = json.loads(raw).get("url", "")
-    if not url.startswith("file://"):
-        return None
-    path = Path(url.removeprefix("file://"))
-    return path if (path / "pyproject.toml").is_file() else None
+    # Several entries may match (an in-tree ``*.egg-info`` next to the installed
+    # ``*.dist-info``); only the installed one records where it came from.
+    for dist in metadata.distributions(name=DIST_NAME):
+        raw = dist.read_text("direct_url.json")
+        url = json.loads(raw).get("url", "") if raw else ""
+        if url.startswith("file://"):
+            path = Path(unquote(urlparse(url).path))
+            if (path / "pyproject.toml").is_file():
+                return path
+    return None
 
 
 def resolve_output_dir(output_dir: str) -> Path:
@@ -115,6 +115,8 @@ class RunDirectory:
                 "flwr": metadata.version("flwr"),
                 "torch": torch.__version__,
                 "cuda": torch.cuda.is_available(),
+                "serverapp-cwd": str(Path.cwd()),
+                "app-source-dir": str(app_source_dir()),
             },
         }
         _atomic_write_text(self.path / "config.json", json.dumps(doc, indent=2) + "\n")

@@ -22,6 +22,7 @@ SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local s
 # Metric keys every task reports (kebab-case, stable across tasks).
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
+TRAIN_ACCURACY = "train-accuracy"
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
 

@@ -18,6 +18,8 @@ from tasks.base import (
     EVAL_ACCURACY,
     EVAL_LOSS,
     NUM_EXAMPLES,
+    SEED,
+    TRAIN_ACCURACY,
     TRAIN_LOSS,
     LocalTraining,
     Task,
@@ -41,9 +43,6 @@ from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_h
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
 
-TRAIN_ACCURACY = "train-accuracy"
-
-SEED_OPTION = Option("seed", 42, "Run seed (partitioning, initial weights, local seeds).", low=0)
 VISION_OPTIONS: tuple[Option, ...] = (
     Option("data.partitioner", "iid", "How the train pool is split among clients.",
            choices=PARTITIONERS),
@@ -186,7 +185,7 @@ class ImageClassificationTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        seed = SEED_OPTION.parse(run_config.get("seed", SEED_OPTION.default))
+        seed = SEED.parse(run_config.get(SEED.key, SEED.default))
         opts = self.options
         model_name = str(opts["model.name"])
         self.config = VisionConfig(

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from tests.e2e.conftest import REPO
+from server_app.launcher import APP_DIR as REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -53,10 +53,11 @@ def runs(flower, tmp_path_factory) -> dict[str, Run]:
     for strategy, extra in (("fedavg", ""), ("fedprox", "fedprox.mu=0.5"), ("local", "")):
         out = root / strategy
         result = flower.run(f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}")
-        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.returncode == 0, result.output
         (path,) = list(out.iterdir())
+        assert result.run_dir == path
         made[strategy] = Run(
-            stdout=result.stdout,
+            stdout=result.output,
             path=path,
             metrics=pd.read_csv(path / "metrics.csv"),
             config=json.loads((path / "config.json").read_text())["run-config"],
@@ -123,7 +124,7 @@ def test_default_output_dir_is_the_app_directory(flower):
     runs_root = REPO / "runs"
     existing = set(runs_root.iterdir()) if runs_root.exists() else set()
     result = flower.run("num-server-rounds=1 central-eval=false")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.output
     created = set(runs_root.iterdir()) - existing
     try:
         assert len(created) == 1
@@ -135,7 +136,6 @@ def test_default_output_dir_is_the_app_directory(flower):
 
 def test_invalid_config_fails_before_training(flower, tmp_path):
     result = flower.run(f"strategy='fedsgd' output-dir='{tmp_path}'")
-    text = result.stdout + result.stderr
-    assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in text
-    assert not any(tmp_path.iterdir())  # nothing was created, nothing trained
-    assert flower.runs()[0]["status"].endswith("failed")
+    assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in result.output
+    assert result.run_dir is None and not any(tmp_path.iterdir())  # nothing was trained
+    assert flower.list_runs()[0]["status"].endswith("failed")

@@ -1,0 +1,156 @@
+"""Run this app through `flwr run . local-simulation` from Python, and clean up after.
+
+Used by the end-to-end tests, the benchmarks and experiment suites: each
+:class:`LocalSimulation` gets its own ``FLWR_HOME`` (the user's ``~/.flwr`` is never
+touched), registers ``local-simulation`` with :mod:`server_app.connections`, lets
+``flwr run`` start the local SuperLink as it does for users, and on exit stops that
+SuperLink and its process group by PID (found by its log-file path, which lies under
+our ``FLWR_HOME`` and so is unique to us).
+
+Dependencies are not re-installed per run: ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION
+=1`` is set for the SuperLink (see the README's "Where the app's dependencies come from").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+APP_DIR = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+_RUN_DIR_LINE = re.compile(r"Run directory: (\S+)")
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One `flwr run`: exit code, output, the run directory (if one was made), time."""
+
+    returncode: int
+    output: str
+    run_dir: Path | None
+    seconds: float
+
+
+def superlink_processes(flwr_home: Path) -> list[psutil.Process]:
+    """The local SuperLink processes whose command line names ``flwr_home``."""
+    marker = str(flwr_home / "local-superlink")
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def stop_processes(processes: list[psutil.Process], timeout: float = 10) -> None:
+    """SIGTERM each process's group and children, then SIGKILL what is left."""
+    victims: list[psutil.Process] = []
+    for proc in processes:
+        try:
+            victims += [proc, *proc.children(recursive=True)]
+            os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    _, alive = psutil.wait_procs(victims, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+class LocalSimulation:
+    """A private Flower home with a ``local-simulation`` connection; a context manager.
+
+    Parameters
+    ----------
+    num_supernodes : int
+        Virtual SuperNodes of the connection.
+    flwr_home : Path, optional
+        Flower home to use; a temporary one (removed on exit) by default.
+    """
+
+    def __init__(self, num_supernodes: int = 10, flwr_home: Path | None = None) -> None:
+        self._own_home = flwr_home is None
+        self.home = Path(tempfile.mkdtemp(prefix="flwr-home-")) if flwr_home is None else flwr_home
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.home),
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        }
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "server_app.connections",
+                "--num-supernodes",
+                str(num_supernodes),
+            ],
+            cwd=APP_DIR,
+            env=self.env,
+            check=True,
+            capture_output=True,
+        )
+
+    def run(self, run_config: str = "", timeout: float = 900) -> RunOutcome:
+        """``flwr run . local-simulation --stream [--run-config run_config]``."""
+        cmd = [str(BIN / "flwr"), "run", ".", "local-simulation", "--stream"]
+        if run_config:
+            cmd += ["--run-config", run_config]
+        started = time.monotonic()
+        proc = subprocess.run(
+            cmd,
+            cwd=APP_DIR,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        output = proc.stdout + proc.stderr
+        match = _RUN_DIR_LINE.search(output)
+        run_dir = Path(match.group(1)) if match else None
+        return RunOutcome(proc.returncode, output, run_dir, time.monotonic() - started)
+
+    def list_runs(self) -> list[dict]:
+        """``flwr list local-simulation --format json``: the runs and their status."""
+        out = subprocess.run(
+            [str(BIN / "flwr"), "list", "local-simulation", "--format", "json"],
+            cwd=APP_DIR,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        return json.loads(out[out.index("{") :])["runs"]
+
+    def stop(self) -> None:
+        """Stop the local SuperLink this home started, and wait until it is gone."""
+        stop_processes(superlink_processes(self.home))
+        deadline = time.monotonic() + 10
+        while superlink_processes(self.home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if superlink_processes(self.home):
+            raise RuntimeError(f"local SuperLink of {self.home} is still running")
+
+    def __enter__(self) -> LocalSimulation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            if self._own_home:
+                shutil.rmtree(self.home, ignore_errors=True)

@@ -1,0 +1,58 @@
+"""Run directory: where it goes, what it holds, and that pandas reads it back."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from server_app import results
+from server_app.results import RunDirectory, load_metrics, resolve_output_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_relative_output_dir_resolves_against_app_source_not_cwd(tmp_path, monkeypatch):
+    # The ServerApp runs wherever the SuperLink was started; emulate that.
+    monkeypatch.chdir(tmp_path)
+    assert results.app_source_dir() == REPO  # installed with `pip install -e .` here
+    assert resolve_output_dir("runs") == REPO / "runs"
+    assert resolve_output_dir(str(tmp_path / "abs")) == tmp_path / "abs"
+
+
+def test_relative_output_dir_falls_back_to_cwd_without_install(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(results, "DIST_NAME", "no-such-distribution")
+    assert resolve_output_dir("runs") == tmp_path / "runs"
+
+
+def test_run_directory_layout_and_round_trip(tmp_path):
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    again = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    assert run.path != again.path  # same second: suffixed, never overwritten
+    assert run.path.name.endswith("-digits-fedavg-none")
+    run.write_config({"task": "digits", "strategy": "fedavg", "privacy": "none", "seed": 3})
+    run.record(0, "central-eval", {"eval-accuracy": 0.1, "eval-loss": 2.3})
+    run.record(1, "train", {"train-loss": 1.5, "note": "not a number"})
+    run.record(1, "central-eval", {"eval-accuracy": 0.5, "eval-loss": 1.2})
+    weights = {"w": torch.arange(3.0)}
+    run.checkpoint(1, weights)
+    run.finish(weights, title="test")
+
+    frame = load_metrics(run.path)
+    assert list(frame["round"]) == [0, 1, 1]
+    assert list(frame["scope"]) == ["central-eval", "train", "central-eval"]
+    assert "note" not in frame.columns
+    assert frame["seed"].unique().tolist() == [3]
+    assert pd.isna(frame.loc[1, "eval-accuracy"])
+    assert json.loads((run.path / "checkpoint" / "state.json").read_text()) == {"round": 1}
+    assert torch.equal(torch.load(run.path / "model.pt")["w"], weights["w"])
+    assert (run.path / "plots" / "learning_curve.png").stat().st_size > 10_000
+    assert not list(run.path.rglob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_unknown_scope_is_rejected(tmp_path):
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    with pytest.raises(ValueError, match="scope 'eval'"):
+        run.record(1, "eval", {})
