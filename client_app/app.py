@@ -6,19 +6,21 @@ reused across messages (only the weights change per message).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import tasks
+from client_app.mods import privacy_mod
 from strategies import keys
-from tasks.base import SEED, LocalTraining, Task, local_seed
+from tasks.base import DPSGD, SEED, LocalTraining, Task, local_seed
 
-app = ClientApp()
+app = ClientApp(mods=[privacy_mod])
 
 
 @lru_cache(maxsize=4)
@@ -66,6 +68,23 @@ def _reply(msg: Message, metrics: dict[str, float], model: torch.nn.Module | Non
     return Message(content=content, reply_to=msg)
 
 
+def _dp_sgd(config, run_config) -> DPSGD | None:
+    if keys.DPSGD_NOISE_MULTIPLIER not in config:
+        return None
+    return DPSGD(
+        noise_multiplier=float(config[keys.DPSGD_NOISE_MULTIPLIER]),
+        max_grad_norm=float(config[keys.DPSGD_MAX_GRAD_NORM]),
+        delta=float(config[keys.DPSGD_DELTA]),
+        target_epsilon=float(config.get(keys.DPSGD_TARGET_EPSILON, 0.0)),
+        planned_rounds=int(run_config.get("num-server-rounds", 0)),
+    )
+
+
+def _task_state(context: Context) -> dict[str, Any]:
+    record = context.state.get(keys.TASK_STATE)
+    return json.loads(str(record["json"])) if record is not None else {}
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the received (or, under strategy=local, the client's own) model."""
@@ -76,8 +95,11 @@ def train(msg: Message, context: Context) -> Message:
         server_round=server_round,
         seed=local_seed(int(context.run_config.get(SEED.key, SEED.default)), server_round, pid),
         proximal_mu=float(config.get(keys.PROXIMAL_MU, 0.0)),
+        dp_sgd=_dp_sgd(config, context.run_config),
+        state=_task_state(context),
     )
     metrics = task.train(model, partition, local)
+    context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
     if config.get(keys.LOCAL_ONLY):
         context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
     return _reply(msg, metrics, model)

@@ -14,7 +14,7 @@ import strategies
 import tasks
 from server_app import config
 from server_app.results import RunDirectory, resolve_output_dir
-from server_app.rounds import RoundResult, run_rounds
+from server_app.rounds import run_rounds
 from tasks.base import Task
 from tasks.options import ConfigError
 
@@ -38,6 +38,7 @@ def main(grid: Grid, context: Context) -> None:
         cfg = config.load(context.run_config)
         # The task checks what depends on it (e.g. a CUDA device that is not there).
         task = tasks.get(cfg.task)(context.run_config)
+        strategy = strategies.build(cfg.privacy, cfg.strategy_settings())
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
@@ -54,18 +55,7 @@ def main(grid: Grid, context: Context) -> None:
     elif cfg.strategy == "local":
         log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
 
-    def on_round(result: RoundResult) -> None:
-        for scope, record in (
-            ("train", result.train),
-            ("federated-eval", result.federated_eval),
-            ("central-eval", result.central_eval),
-        ):
-            if record is not None:
-                run_dir.record(result.server_round, scope, dict(record))
-        if result.server_round > 0:
-            run_dir.checkpoint(result.server_round, result.arrays.to_torch_state_dict())
-
-    strategy = strategies.build(cfg.strategy, cfg.privacy, cfg.strategy_settings())
+    ledger = getattr(strategy, "ledger", None)  # privacy wrappers own the run's ledger
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
     final = run_rounds(
@@ -75,10 +65,38 @@ def main(grid: Grid, context: Context) -> None:
         num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
         central_eval=central,
-        on_round=on_round,
+        on_round=lambda result: run_dir.record_round(result, ledger),
     )
     run_dir.finish(
         final.to_torch_state_dict(),
         title=f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}",
     )
+    if ledger is not None:
+        run_dir.write_ledger(ledger)
+        _log_privacy_summary(ledger, cfg)
     log(INFO, "Results: %s", run_dir.path)
+
+
+def _log_privacy_summary(ledger, cfg: config.RunConfig) -> None:
+    summary = ledger.summary()
+    log(INFO, "Privacy (%s):", cfg.privacy)
+    if ledger.releases:  # else the statements say plainly that no client-level epsilon exists
+        log(
+            INFO,
+            "\t├── (epsilon, delta) = (%.4f, %g) over %d releases",
+            ledger.epsilon(),
+            ledger.target_delta,
+            len(ledger.releases),
+        )
+        log(
+            INFO,
+            "\t├── accountant %s, sampling %s, neighbouring relation %s",
+            ledger.accountant,
+            ledger.sampling,
+            ledger.neighboring,
+        )
+    if cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
+        log(INFO, "\t├── noise added by the %s", cfg.options["dp.noise-site"])
+    for line in summary.get("statements", []):
+        log(INFO, "\t├── %s", line)
+    log(INFO, "\t└── full record: ledger.json in the run directory")

@@ -17,6 +17,8 @@ from typing import Any
 
 import strategies
 import tasks
+from privacy.accounting import AccountingError
+from strategies import registry
 from tasks.base import SEED
 from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 
@@ -64,7 +66,93 @@ STRATEGY_OPTIONS: tuple[Option, ...] = (
     Option("fedprox.mu", 0.1, "FedProx proximal weight mu (strategy=fedprox).", low=0.0),
 )
 
-PRIVACY_OPTIONS: tuple[Option, ...] = ()
+PRIVACY_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "dp.clip-norm",
+        1.0,
+        "L2 clip norm C: of each client update (DP-FedAvg; the initial C when "
+        "adaptive), of each example's gradient (DP-SGD).",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "dp.noise-multiplier",
+        1.0,
+        "z: noise std / C (DP-FedAvg: on the sum of the round's updates; DP-SGD: on "
+        "each batch's gradient sum).",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "dp.num-sampled-clients",
+        5,
+        "m: clients sampled uniformly (without replacement) per DP-FedAvg round.",
+        low=1,
+    ),
+    Option(
+        "dp.noise-site", "server", "Who adds the Gaussian noise.", choices=("server", "client")
+    ),
+    Option("dp.accountant", "rdp", "Privacy accountant (dp-accounting).", choices=("rdp", "pld")),
+    Option(
+        "dp.target-delta",
+        1e-5,
+        "delta at which epsilon is reported.",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+    ),
+    Option(
+        "dp.max-epsilon",
+        0.0,
+        "Budget: a round that would exceed it is refused (0: no limit).",
+        low=0.0,
+    ),
+    Option(
+        "dp.secure-rng",
+        False,
+        "Draw DP sampling and noise from the OS's CSPRNG (not reproducible).",
+    ),
+    Option(
+        "dp.target-quantile",
+        0.5,
+        "Adaptive clipping: quantile of update norms that C tracks.",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+    ),
+    Option(
+        "dp.clip-lr",
+        0.2,
+        "Adaptive clipping: geometric learning rate of C.",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "dp.clip-count-stddev",
+        0.0,
+        "Adaptive clipping: noise sigma_b of the clipped count (0: max(m/20, z)).",
+        low=0.0,
+    ),
+    Option(
+        "dp.sensitivity", 15.0, "Laplace: L1 clip norm S of each update.", low=0.0, low_open=True
+    ),
+    Option(
+        "dp.epsilon",
+        10.0,
+        "Laplace: epsilon per round (noise scale S/epsilon).",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "dp.target-epsilon",
+        0.0,
+        "DP-SGD: each client calibrates its noise to reach this sample-level epsilon "
+        "over the whole run (0: use dp.noise-multiplier).",
+        low=0.0,
+    ),
+)
 
 
 def all_options() -> tuple[Option, ...]:
@@ -116,12 +204,14 @@ class RunConfig:
     def strategy_settings(self) -> strategies.StrategySettings:
         """The settings the strategy factories take."""
         return strategies.StrategySettings(
+            strategy=self.strategy,
             fraction_train=self.fraction_train,
             fraction_evaluate=self.fraction_evaluate,
             min_train_nodes=self.min_train_nodes,
             min_evaluate_nodes=self.min_evaluate_nodes,
             min_available_nodes=self.min_available_nodes,
-            proximal_mu=float(self.options["fedprox.mu"]),
+            seed=self.seed,
+            options=self.options,
         )
 
     def to_dict(self) -> dict[str, Scalar]:
@@ -142,7 +232,39 @@ def load(run_config: Mapping[str, Any]) -> RunConfig:
     check_unknown_keys(run_config, options)
     values = parse_options(run_config, options)
     top = {opt.key.replace("-", "_"): values.pop(opt.key) for opt in TOP_LEVEL}
-    return RunConfig(**top, options=MappingProxyType(values))
+    cfg = RunConfig(**top, options=MappingProxyType(values))
+    check_combinations(cfg)
+    return cfg
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    """Reject combinations of valid values that cannot run (or cannot be accounted)."""
+    o = cfg.options
+    if cfg.privacy != "none" and cfg.strategy == "local":
+        raise ConfigError(
+            f"'privacy' = {cfg.privacy!r} needs a federated strategy: under "
+            "'strategy' = 'local' nothing is released; use 'privacy' = 'none'"
+        )
+    if cfg.privacy in registry.SELF_SAMPLING:
+        sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
+    elif cfg.privacy == "laplace":
+        sampling, mechanisms = "none", ("laplace",)
+    else:
+        return
+    try:  # accountant x sampling x mechanism must be one dp-accounting supports
+        registry.make_ledger(cfg.strategy_settings(), sampling, mechanisms)
+    except AccountingError as err:
+        raise ConfigError(f"'dp.accountant' = {o['dp.accountant']!r}: {err}") from None
+    if cfg.privacy == "dp-fedavg-adaptive":
+        sigma_b, z = (
+            registry.count_stddev(cfg.strategy_settings()),
+            float(o["dp.noise-multiplier"]),
+        )
+        if sigma_b <= z / 2:
+            raise ConfigError(
+                f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "
+                f"= {z / 2:g} (adaptive clipping splits z between updates and count)"
+            )
 
 
 def _toml_value(value: Scalar) -> str:

@@ -141,6 +141,25 @@ class RunDirectory:
         state = {"round": server_round}
         _atomic_write_text(self.path / "checkpoint" / "state.json", json.dumps(state) + "\n")
 
+    def record_round(self, result, ledger=None) -> None:
+        """Record one round's metrics by scope; checkpoint the model and the ledger."""
+        for scope, record in (
+            ("train", result.train),
+            ("federated-eval", result.federated_eval),
+            ("central-eval", result.central_eval),
+        ):
+            if record is not None:
+                self.record(result.server_round, scope, dict(record))
+        if result.server_round > 0:
+            self.checkpoint(result.server_round, result.arrays.to_torch_state_dict())
+            if ledger is not None:
+                self.write_ledger(ledger)
+
+    def write_ledger(self, ledger) -> None:
+        """``ledger.json``: the human summary and the full, reloadable state."""
+        doc = {"summary": ledger.summary(), "state": ledger.state_dict()}
+        _atomic_write_text(self.path / "ledger.json", json.dumps(doc, indent=2) + "\n")
+
     def finish(self, state_dict: Mapping[str, torch.Tensor], title: str) -> None:
         """Save the final model and the learning-curve plot."""
         import matplotlib

@@ -12,12 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+
+from strategies import StopTraining
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -81,7 +83,9 @@ def run_rounds(
     """Run ``num_rounds`` rounds and return the final global arrays.
 
     ``central_eval`` (if given) runs on the initial model as round 0 and after every
-    round; ``on_round`` receives every round's result, round 0 included.
+    round; ``on_round`` receives every round's result, round 0 included. A strategy
+    ends the run early (e.g. privacy budget exhausted) by raising ``StopTraining``
+    from ``configure_train``, before anything is sent.
     """
     arrays = initial_arrays
     if central_eval is not None:
@@ -89,10 +93,12 @@ def run_rounds(
     progress = Progress(num_rounds)
     for server_round in range(1, num_rounds + 1):
         started = time.monotonic()
-        replies = grid.send_and_receive(
-            strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
-            timeout=timeout,
-        )
+        try:
+            messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+        except StopTraining as stop:
+            log(WARNING, "Stopping before round %d: %s", server_round, stop)
+            break
+        replies = grid.send_and_receive(messages, timeout=timeout)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays

@@ -10,8 +10,26 @@ SERVER_ROUND = "server-round"  # injected by Flower's FedAvg.configure_train
 PROXIMAL_MU = "proximal-mu"  # injected by Flower's FedProx.configure_train
 LOCAL_ONLY = "local-only"  # strategy=local: train/evaluate the client's own model
 
+# DP-FedAvg (seed 002: the exact names of Flower's original wrappers).
+DP_CLIP_NORM = "dpfedavg_clip_norm"
+DP_NOISE_STDDEV = "dpfedavg_noise_stddev"
+DP_ADAPTIVE = "dpfedavg_adaptive_clip_enabled"
+DP_NORM_BIT = "dpfedavg-norm-bit"  # MetricRecord: 1.0 if ||update|| <= clip norm
+
+# Laplace mechanism (seed 000): client clips the L1 norm and adds Laplace noise.
+LAPLACE_SENSITIVITY = "laplace-sensitivity"
+LAPLACE_SCALE = "laplace-scale"
+
+# DP-SGD (sample-level, Opacus) on the clients.
+DPSGD_NOISE_MULTIPLIER = "dpsgd-noise-multiplier"
+DPSGD_MAX_GRAD_NORM = "dpsgd-max-grad-norm"
+DPSGD_TARGET_EPSILON = "dpsgd-target-epsilon"  # 0: use the noise multiplier as given
+DPSGD_DELTA = "dpsgd-delta"
+LOCAL_EPSILON = "local-epsilon"  # MetricRecord: the client's cumulative sample-level epsilon
+
 # MetricRecord keys every train/evaluate reply carries.
 NUM_EXAMPLES = "num-examples"
 
 # Keys in a client's context.state.
 LOCAL_MODEL = "local-model"
+TASK_STATE = "task-state"  # ConfigRecord {"json": ...}: the task's persistent state

@@ -1,30 +1,44 @@
 """Strategy and privacy registries: ``name -> factory``.
 
 The ServerApp validates ``strategy`` and ``privacy`` against these names and builds
-the strategy with :func:`build`. Privacy wrappers take the base strategy and return
-a strategy (``"none"`` returns it unchanged).
+the strategy with :func:`build`: the base strategy, wrapped by the privacy strategy
+(``"none"`` leaves it unwrapped). Privacy wrappers own the run's privacy ledger.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
+from privacy.accounting import PrivacyLedger
+from privacy.mechanisms import noise_generator
+from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
+from strategies.dpsgd import DPSGDClients
+from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
+
+_SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
+
+# Strategies that pick clients from what the clients report (no uniform sampling,
+# so DP wrappers claim no amplification by subsampling for them).
+DATA_DEPENDENT_SELECTION: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class StrategySettings:
-    """What every strategy factory needs, already validated by the ServerApp."""
+    """What every factory needs, already validated by the ServerApp."""
 
+    strategy: str
     fraction_train: float
     fraction_evaluate: float
     min_train_nodes: int
     min_evaluate_nodes: int
     min_available_nodes: int
-    proximal_mu: float
+    seed: int
+    options: Mapping[str, Any]  # the namespaced options: "fedprox.mu", "dp.clip-norm", ...
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -39,16 +53,103 @@ def _sampling(s: StrategySettings) -> dict:
 
 STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
     "fedavg": lambda s: FedAvg(**_sampling(s)),
-    "fedprox": lambda s: FedProx(**_sampling(s), proximal_mu=s.proximal_mu),
+    "fedprox": lambda s: FedProx(**_sampling(s), proximal_mu=float(s.options["fedprox.mu"])),
     "local": lambda s: LocalTraining(**_sampling(s)),
 }
 
+
+def dp_fedavg_sampling(strategy: str) -> str:
+    """The ledger's sampling model for DP-FedAvg around ``strategy``."""
+    return "none" if strategy in DATA_DEPENDENT_SELECTION else "without-replacement"
+
+
+def make_ledger(
+    s: StrategySettings, sampling: str, mechanisms: tuple[str, ...] = ("gaussian",)
+) -> PrivacyLedger:
+    """The run's ledger, configured from the ``dp.*`` options; it refuses at once an
+    accountant x sampling x mechanism combination dp-accounting cannot account."""
+    o = s.options
+    return PrivacyLedger(
+        accountant=str(o["dp.accountant"]),
+        target_delta=float(o["dp.target-delta"]),
+        max_epsilon=float(o["dp.max-epsilon"]) or None,
+        sampling=sampling,
+        mechanisms=mechanisms,
+    )
+
+
+def count_stddev(s: StrategySettings) -> float:
+    """σ_b of adaptive clipping: ``dp.clip-count-stddev``, or max(m/20, z) when 0."""
+    o = s.options
+    auto = max(int(o["dp.num-sampled-clients"]) / 20, float(o["dp.noise-multiplier"]))
+    return float(o["dp.clip-count-stddev"]) or auto
+
+
+def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
+    o = s.options
+    kwargs: dict[str, Any] = {
+        "clip_norm": float(o["dp.clip-norm"]),
+        "noise_multiplier": float(o["dp.noise-multiplier"]),
+        "num_sampled_clients": int(o["dp.num-sampled-clients"]),
+        "noise_site": str(o["dp.noise-site"]),
+        "ledger": make_ledger(s, dp_fedavg_sampling(s.strategy)),
+        "rng": noise_generator(
+            seed=s.seed, streams=(_SERVER_STREAM,), secure=bool(o["dp.secure-rng"])
+        ),
+        "min_available_nodes": s.min_available_nodes,
+        "uniform_sampling": s.strategy not in DATA_DEPENDENT_SELECTION,
+    }
+    if not adaptive:
+        return DPFedAvgFixed(base, **kwargs)
+    return DPFedAvgAdaptive(
+        base,
+        target_quantile=float(o["dp.target-quantile"]),
+        clip_lr=float(o["dp.clip-lr"]),
+        count_stddev=count_stddev(s),
+        **kwargs,
+    )
+
+
+def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
+    o = s.options
+    return LaplaceDP(
+        base,
+        sensitivity=float(o["dp.sensitivity"]),
+        epsilon=float(o["dp.epsilon"]),
+        ledger=make_ledger(s, "none", mechanisms=("laplace",)),
+    )
+
+
+def _dp_sgd(base: Strategy, s: StrategySettings) -> Strategy:
+    o = s.options
+    return DPSGDClients(
+        base,
+        noise_multiplier=float(o["dp.noise-multiplier"]),
+        max_grad_norm=float(o["dp.clip-norm"]),
+        target_epsilon=float(o["dp.target-epsilon"]),
+        ledger=make_ledger(s, "none", mechanisms=()),
+    )
+
+
 PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "none": lambda strategy, _settings: strategy,
+    "dp-fedavg-fixed": lambda b, s: _dp_fedavg(b, s, adaptive=False),
+    "dp-fedavg-adaptive": lambda b, s: _dp_fedavg(b, s, adaptive=True),
+    "laplace": _laplace,
+    "dp-sgd": _dp_sgd,
 }
 
+# Wrappers that sample clients themselves: the base strategy must take every node
+# of the (restricted) grid it is shown.
+SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptive"})
 
-def build(strategy: str, privacy: str, settings: StrategySettings) -> Strategy:
-    """Build the base strategy ``strategy`` wrapped by the privacy strategy ``privacy``."""
-    base = STRATEGIES[strategy](settings)
+
+def build(privacy: str, settings: StrategySettings) -> Strategy:
+    """Build ``settings.strategy`` wrapped by the privacy strategy ``privacy``."""
+    base_settings = settings
+    if privacy in SELF_SAMPLING:
+        base_settings = replace(
+            settings, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1
+        )
+    base = STRATEGIES[settings.strategy](base_settings)
     return PRIVACY[privacy](base, settings)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -23,6 +23,7 @@ SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local s
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"
+LOCAL_EPSILON = "local-epsilon"  # sample-level epsilon a DP-SGD client reports
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
 
@@ -34,6 +35,33 @@ def local_seed(run_seed: int, server_round: int, partition_id: int) -> int:
     """
     state = np.random.SeedSequence([run_seed, server_round, partition_id]).generate_state(1)
     return int(state[0])
+
+
+@dataclass(frozen=True)
+class DPSGD:
+    """Sample-level DP-SGD (Abadi et al. 2016) for local training, via Opacus.
+
+    Attributes
+    ----------
+    noise_multiplier : float
+        Std of the Gaussian noise on each summed batch gradient / max_grad_norm.
+    max_grad_norm : float
+        Per-example gradient clip norm.
+    delta : float
+        delta at which the client reports its epsilon.
+    target_epsilon : float
+        If > 0, the task replaces ``noise_multiplier`` by the smallest one that keeps
+        this client within ``target_epsilon`` after ``planned_rounds`` rounds of
+        local training (worst case: it trains in every round).
+    planned_rounds : int
+        Rounds the run will have (for ``target_epsilon``).
+    """
+
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    target_epsilon: float = 0.0
+    planned_rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,11 +77,19 @@ class LocalTraining:
         derived from the run seed, the round and the partition id.
     proximal_mu : float
         Weight of the FedProx proximal term ``(mu/2)||w - w_global||^2``; 0 disables it.
+    dp_sgd : DPSGD, optional
+        Train with sample-level DP-SGD; the task then reports ``local-epsilon``.
+    state : dict
+        This client's persistent state (JSON-serialisable), kept by the ClientApp
+        between rounds; tasks read and update it in place (e.g. the DP-SGD
+        accountant's history).
     """
 
     server_round: int
     seed: int
     proximal_mu: float = 0.0
+    dp_sgd: DPSGD | None = None
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 class Task(ABC):

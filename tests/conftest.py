@@ -1,5 +1,15 @@
-"""Shared test set-up: keep torch single-threaded-ish on the 2-core CI machine."""
+"""Shared test set-up."""
 
+import pytest
 import torch
+from flwr.supercore.task_identity import TaskIdentity
 
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # the CI machine has 2 cores; keep tests predictable
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Message construction in flwr 1.41 reads the task identity the runtime sets:
+    pretend to be task 1 of run 1 on node 0."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield

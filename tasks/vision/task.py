@@ -1,13 +1,16 @@
 """Image classification tasks: digits (offline), MNIST, CIFAR-10 and EMNIST ByClass.
 
 Local training is plain SGD with momentum on the cross-entropy loss, plus the FedProx
-proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``.
+proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``, or, when
+the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
+:mod:`tasks.dpsgd`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -15,14 +18,22 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tasks.base import (
+    DPSGD,
     EVAL_ACCURACY,
     EVAL_LOSS,
+    LOCAL_EPSILON,
     NUM_EXAMPLES,
     SEED,
     TRAIN_ACCURACY,
     TRAIN_LOSS,
     LocalTraining,
     Task,
+)
+from tasks.dpsgd import (
+    HISTORY_KEY,
+    add_proximal_gradient,
+    calibrate_noise_multiplier,
+    make_private,
 )
 from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
@@ -42,6 +53,8 @@ from tasks.vision.data import (
 from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
+
+CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's persistent state
 
 VISION_OPTIONS: tuple[Option, ...] = (
     Option("data.partitioner", "iid", "How the train pool is split among clients.",
@@ -135,7 +148,11 @@ def train_epoch(
     global_params: list[torch.Tensor],
     proximal_mu: float,
 ) -> tuple[float, float]:
-    """One pass over ``loader``; returns mean cross-entropy (no proximal term) and accuracy."""
+    """One pass over ``loader``; returns mean cross-entropy (no proximal term) and accuracy.
+
+    An empty batch (possible under Poisson sampling) still makes an optimizer step:
+    under DP-SGD that step releases pure noise, as the accountant assumes.
+    """
     model.train()
     total_loss, correct, seen = 0.0, 0, 0
     for images, labels in loader:
@@ -148,6 +165,8 @@ def train_epoch(
         else:
             loss.backward()
         optimizer.step()
+        if len(labels) == 0:
+            continue
         total_loss += loss.item() * len(labels)
         correct += int((logits.argmax(dim=1) == labels).sum())
         seen += len(labels)
@@ -250,30 +269,102 @@ class ImageClassificationTask(Task):
     ) -> dict[str, float]:
         """``train.local-epochs`` epochs of SGD on the partition's train split, in place.
 
-        The parameters received are the proximal anchor; shuffling and dropout draw
-        from ``local.seed``. The model is back on the CPU on return.
+        The parameters received are the proximal anchor; shuffling, Poisson sampling,
+        DP-SGD noise and dropout draw from ``local.seed`` (the global RNG is restored
+        on return). With ``local.dp_sgd`` the model trains with DP-SGD, the
+        accountant history in ``local.state`` is extended and the cumulative
+        ``local-epsilon`` is reported. The model is back on the CPU on return.
         """
         cfg, device = self.config, self.device
         model.to(device)
-        global_params = snapshot_parameters(model)
         loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
+        rng_devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=rng_devices):
+                torch.manual_seed(local.seed)
+                metrics = self._train_epochs(model, loader, local)
+        finally:
+            model.to("cpu")
+        return {NUM_EXAMPLES: len(partition.train), **metrics}
+
+    def _train_epochs(
+        self, model: nn.Module, loader: DataLoader, local: LocalTraining
+    ) -> dict[str, float]:
+        """Run the local epochs, with DP-SGD if ``local.dp_sgd``; return the metrics."""
+        cfg = self.config
+        global_params = snapshot_parameters(model)
         optimizer = torch.optim.SGD(
             model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
-        rng_devices = [device] if device.type == "cuda" else []
+        if local.dp_sgd is not None:
+            return self._train_private(model, loader, optimizer, global_params, local)
+        loss, accuracy = self._run_epochs(
+            model, loader, optimizer, global_params, local.proximal_mu
+        )
+        return {TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy}
+
+    def _run_epochs(
+        self,
+        model: nn.Module,
+        loader: DataLoader,
+        optimizer: torch.optim.Optimizer,
+        global_params: list[torch.Tensor],
+        proximal_mu: float,
+    ) -> tuple[float, float]:
+        """``train.local-epochs`` passes; loss and accuracy of the last one."""
         loss, accuracy = 0.0, 0.0
-        with torch.random.fork_rng(devices=rng_devices):
-            torch.manual_seed(local.seed)
-            for _ in range(cfg.local_epochs):
-                loss, accuracy = train_epoch(
-                    model, loader, optimizer, device, global_params, local.proximal_mu
-                )
-        model.to("cpu")
-        return {
-            NUM_EXAMPLES: len(partition.train),
-            TRAIN_LOSS: float(loss),
-            TRAIN_ACCURACY: float(accuracy),
-        }
+        for _ in range(self.config.local_epochs):
+            loss, accuracy = train_epoch(
+                model, loader, optimizer, self.device, global_params, proximal_mu
+            )
+        return float(loss), float(accuracy)
+
+    def _train_private(
+        self,
+        model: nn.Module,
+        loader: DataLoader,
+        optimizer: torch.optim.Optimizer,
+        global_params: list[torch.Tensor],
+        local: LocalTraining,
+    ) -> dict[str, float]:
+        """DP-SGD epochs; extends the accountant history in ``local.state``.
+
+        The proximal gradient ``mu (w - w_global)`` does not depend on the data: it is
+        added to the noisy clipped gradient (Opacus would drop it from the loss).
+        """
+        dp = self._calibrated(local, sample_rate=loader.batch_size / len(loader.dataset))
+        mu = local.proximal_mu
+        public = partial(add_proximal_gradient, model, global_params, mu) if mu > 0 else None
+        private = make_private(
+            model, optimizer, loader, dp=dp, generator_seed=local.seed,
+            history=local.state.get(HISTORY_KEY, []), public_gradient=public,
+            model_name=self.config.model_name,
+        )  # fmt: skip
+        with private:
+            loss, accuracy = self._run_epochs(
+                model, private.loader, private.optimizer, global_params, 0.0
+            )
+        spent = private.finish()
+        local.state[HISTORY_KEY] = spent.history
+        return {TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy, LOCAL_EPSILON: spent.epsilon}
+
+    def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
+        """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any.
+
+        Calibrated once per client (cached in ``local.state``) for the worst case of
+        training in every one of the planned rounds.
+        """
+        dp = local.dp_sgd
+        assert dp is not None
+        if dp.target_epsilon <= 0:
+            return dp
+        if CALIBRATED_KEY not in local.state:
+            local.state[CALIBRATED_KEY] = calibrate_noise_multiplier(
+                target_epsilon=dp.target_epsilon, delta=dp.delta,
+                sample_rate=min(1.0, sample_rate),
+                epochs=dp.planned_rounds * self.config.local_epochs,
+            )  # fmt: skip
+        return replace(dp, noise_multiplier=float(local.state[CALIBRATED_KEY]))
 
     def evaluate(
         self, model: nn.Module, data: ClientPartition | CentralTestSet | TensorSplit

@@ -1,46 +1,33 @@
 """FedAvg / FedProx / local on hand-built replies, against hand-computed results."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord
 
 import strategies
 from strategies import keys
+from tests.fakes import FakeGrid, reply_from
 
 SETTINGS = strategies.StrategySettings(
+    strategy="fedavg",
     fraction_train=1.0,
     fraction_evaluate=1.0,
     min_train_nodes=2,
     min_evaluate_nodes=2,
     min_available_nodes=2,
-    proximal_mu=0.25,
+    seed=0,
+    options={"fedprox.mu": 0.25},
 )
 
 
-class FakeGrid:
-    """Just enough of flwr's Grid for configure_train/evaluate."""
-
-    def __init__(self, node_ids):
-        self.node_ids = list(node_ids)
-
-    def get_node_ids(self):
-        return self.node_ids
+def _build(name: str):
+    return strategies.build("none", replace(SETTINGS, strategy=name))
 
 
-def _reply(arrays: dict, metrics: dict) -> Message:
-    content = RecordDict(
-        {
-            keys.ARRAYS: ArrayRecord({k: _array(v) for k, v in arrays.items()}),
-            keys.METRICS: MetricRecord(metrics),
-        }
-    )
-    return Message(content=content, dst_node_id=0, message_type="train")
-
-
-def _array(value):
-    from flwr.app import Array
-
-    return Array(np.asarray(value, dtype=np.float64))
+def _reply(arrays: dict, metrics: dict, node_id: int = 1):
+    return reply_from(node_id, arrays, metrics)
 
 
 def test_fedavg_is_example_weighted_average():
@@ -48,7 +35,7 @@ def test_fedavg_is_example_weighted_average():
         _reply({"w": [1.0, 2.0], "b": [0.0]}, {"num-examples": 10, "train-loss": 1.0}),
         _reply({"w": [3.0, 6.0], "b": [4.0]}, {"num-examples": 30, "train-loss": 3.0}),
     ]
-    strategy = strategies.build("fedavg", "none", SETTINGS)
+    strategy = _build("fedavg")
     arrays, metrics = strategy.aggregate_train(1, replies)
     # Hand-computed: weights 10/40 and 30/40.
     np.testing.assert_allclose(arrays["w"].numpy(), [0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * 6])
@@ -57,7 +44,7 @@ def test_fedavg_is_example_weighted_average():
 
 
 def test_fedprox_sends_mu_and_samples_by_fraction():
-    strategy = strategies.build("fedprox", "none", SETTINGS)
+    strategy = _build("fedprox")
     messages = list(
         strategy.configure_train(3, ArrayRecord(), ConfigRecord(), FakeGrid(range(1, 5)))
     )
@@ -68,7 +55,7 @@ def test_fedprox_sends_mu_and_samples_by_fraction():
 
 
 def test_local_strategy_flags_clients_and_averages_nothing():
-    strategy = strategies.build("local", "none", SETTINGS)
+    strategy = _build("local")
     grid = FakeGrid([11, 12])
     train = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
     evaluate = list(strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), grid))

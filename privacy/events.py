@@ -1,0 +1,271 @@
+"""Private releases and the dp-accounting events that describe them.
+
+A :class:`Release` is what the ledger records: one private release (or ``count``
+identical ones) of a Gaussian or Laplace mechanism, possibly on a sampled subset of
+the client population. :func:`to_dp_event` turns it into the ``DpEvent`` that
+dp-accounting composes (google/differential-privacy, ``dp_accounting``):
+
+* ``GaussianDpEvent(z)`` with z = noise std / L2 sensitivity;
+* ``LaplaceDpEvent(1/ε)``: dp-accounting's Laplace parameter is scale/sensitivity,
+  the inverse of the pure ε of one release;
+* ``PoissonSampledDpEvent(q = sample_size/population, ·)`` for Poisson sampling,
+  ``SampledWithoutReplacementDpEvent(population, sample_size, ·)`` for fixed-size
+  sampling, nothing when no amplification is claimed;
+* ``SelfComposedDpEvent(·, count)`` for ``count > 1``.
+
+Sampling fixes the neighbouring relation: Poisson sampling (and no sampling) is
+analysed for adding or removing one client, fixed-size sampling without replacement
+for replacing one (Wang, Balle, Kasiviswanathan 2019; dp-accounting supports it only
+under ``REPLACE_ONE``). Under replace-one the sensitivity of a sum of norm-bounded
+updates doubles: see :func:`l2_sensitivity_factor`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+from numbers import Integral, Real
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("poisson", "without-replacement", "none")
+MECHANISMS = ("gaussian", "laplace")
+NEIGHBORING_RELATIONS = {
+    "add-or-remove-one": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+}
+# The relation each sampling scheme is analysed under (see the module docstring).
+REQUIRED_NEIGHBORING = {
+    "poisson": "add-or-remove-one",
+    "none": "add-or-remove-one",
+    "without-replacement": "replace-one",
+}
+
+# RDP orders: dp-accounting's default grid (1.1..10.9 by 0.1, 11..63, 128..1024) plus
+# orders just above 1 (weak privacy, large ε), between 64 and 256 and above 1024 (strong
+# privacy, small ε). More orders can only lower ε (it is a minimum over orders); orders
+# <= 256 cost O(α²) each for sampling without replacement, so they are added sparsely.
+RDP_ORDERS: tuple[float, ...] = tuple(
+    sorted(
+        {float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS}
+        | {1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 1.09}
+        | {72.0, 80.0, 88.0, 96.0, 104.0, 112.0, 120.0, 160.0, 192.0, 224.0}
+        | {320.0, 384.0, 448.0, 640.0, 768.0, 896.0, 1536.0, 2048.0, 3072.0, 4096.0}
+    )
+)
+# PLD: dp-accounting's default value discretisation interval with its pessimistic
+# (upper-bounding) discretisation: the reported ε is an upper bound, typically within
+# ~1e-3 of the exact value for the regimes of federated learning.
+PLD_DISCRETIZATION = 1e-4
+
+
+class AccountingError(ValueError):
+    """A release or ledger configuration that cannot be accounted as asked."""
+
+
+# Why a combination is refused, and what to use instead; the refusal itself comes from
+# dp-accounting's ``accountant.supports(event)``.
+_HINTS = {
+    ("pld", "without-replacement"): (
+        "dp-accounting's PLD accountant has no SampledWithoutReplacementDpEvent; use "
+        "accountant='rdp' (fixed-size sampling, replace-one) or sampling='poisson' with "
+        "accountant='pld' (add-or-remove-one)"
+    ),
+    ("rdp", "poisson", "laplace"): (
+        "dp-accounting's RDP accountant amplifies Poisson sampling only for Gaussian "
+        "releases; use accountant='pld' (it supports Poisson-sampled Laplace) or "
+        "sampling='none' (no amplification claimed)"
+    ),
+    ("rdp", "without-replacement", "laplace"): (
+        "dp-accounting's RDP accountant amplifies sampling without replacement only for "
+        "Gaussian releases (and PLD has no such event); use mechanism='gaussian', "
+        "sampling='none' (no amplification), or sampling='poisson' with accountant='pld'"
+    ),
+}
+
+
+def neighboring_name(neighboring: str | dp_accounting.NeighboringRelation) -> str:
+    """The relation's name ("add-or-remove-one" or "replace-one")."""
+    for name, relation in NEIGHBORING_RELATIONS.items():
+        if neighboring in (name, relation):
+            return name
+    raise AccountingError(
+        f"neighboring must be one of {sorted(NEIGHBORING_RELATIONS)}, got {neighboring!r}"
+    )
+
+
+def l2_sensitivity_factor(neighboring: str | dp_accounting.NeighboringRelation) -> float:
+    """How much one client moves a sum of updates clipped to norm C, in units of C.
+
+    1 under add/remove-one (the client's update appears or disappears), 2 under
+    replace-one (‖u − u'‖ <= 2C). A release's noise multiplier is the noise std over
+    the sensitivity: with noise std z·C it is z / factor. The same holds for L1.
+    """
+    return 2.0 if neighboring_name(neighboring) == "replace-one" else 1.0
+
+
+l1_sensitivity_factor = l2_sensitivity_factor
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise AccountingError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _positive_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise AccountingError(f"{name} must be a finite number, got {value!r}")
+    if value <= 0:
+        raise AccountingError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _int_at_least(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+        raise AccountingError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _text(name: str, value: object, *, empty: bool) -> str:
+    if not isinstance(value, str) or (not empty and not value):
+        raise AccountingError(f"{name} must be a{'' if empty else ' non-empty'} string")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release:
+    """One private release (or ``count`` identical ones) charged to the ledger."""
+
+    server_round: int
+    """Round of the (first) release."""
+    kind: str
+    """What was released, free text: "model-update", "adaptive-clip-count", ..."""
+    mechanism: str
+    """"gaussian" or "laplace"."""
+    noise_multiplier: float | None = None
+    """Gaussian: noise std / L2 sensitivity (under the ledger's neighbouring relation)."""
+    laplace_epsilon: float | None = None
+    """Laplace: L1 sensitivity / scale, the pure ε of one release."""
+    sampling: str
+    """"poisson", "without-replacement" or "none" (no amplification claimed)."""
+    sample_size: int
+    """Clients per release (expected number for Poisson)."""
+    population: int
+    """Clients the sample is drawn from."""
+    count: int = 1
+    """Number of identical releases."""
+    note: str = ""
+    """Free text for the ledger file."""
+
+    def __post_init__(self) -> None:
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("server_round", _int_at_least("server_round", self.server_round, 0))
+        put("kind", _text("kind", self.kind, empty=False))
+        _check_choice("mechanism", self.mechanism, MECHANISMS)
+        parameter = "noise_multiplier" if self.mechanism == "gaussian" else "laplace_epsilon"
+        other = "laplace_epsilon" if parameter == "noise_multiplier" else "noise_multiplier"
+        if getattr(self, other) is not None:
+            raise AccountingError(f"a {self.mechanism} release takes {parameter}, not {other}")
+        put(parameter, _positive_real(parameter, getattr(self, parameter)))
+        _check_choice("sampling", self.sampling, SAMPLINGS)
+        put("sample_size", _int_at_least("sample_size", self.sample_size, 1))
+        put("population", _int_at_least("population", self.population, 1))
+        if self.sample_size > self.population:
+            raise AccountingError(
+                f"sample_size {self.sample_size} exceeds population {self.population}"
+            )
+        put("count", _int_at_least("count", self.count, 1))
+        put("note", _text("note", self.note, empty=True))
+
+
+def _check_relation(sampling: str, neighboring: str) -> None:
+    required = REQUIRED_NEIGHBORING[sampling]
+    if sampling != "none" and neighboring != required:
+        why = {
+            "poisson": "dp-accounting amplifies Poisson sampling for add/remove-one",
+            "without-replacement": "dp-accounting's RDP supports "
+            "SampledWithoutReplacementDpEvent only for REPLACE_ONE",
+        }[sampling]
+        raise AccountingError(
+            f"sampling={sampling!r} is accounted under neighboring={required!r} ({why}); "
+            f"got neighboring={neighboring!r}"
+        )
+
+
+def to_dp_event(
+    release: Release, neighboring: str | dp_accounting.NeighboringRelation
+) -> dp_accounting.DpEvent:
+    """The dp-accounting event of ``release`` (see the module docstring)."""
+    _check_relation(release.sampling, neighboring_name(neighboring))
+    if release.mechanism == "gaussian":
+        event = dp_accounting.GaussianDpEvent(release.noise_multiplier)
+    else:
+        event = dp_accounting.LaplaceDpEvent(1.0 / release.laplace_epsilon)
+    if release.sampling == "poisson":
+        q = release.sample_size / release.population
+        event = dp_accounting.PoissonSampledDpEvent(q, event)
+    elif release.sampling == "without-replacement":
+        event = dp_accounting.SampledWithoutReplacementDpEvent(
+            release.population, release.sample_size, event
+        )
+    if release.count > 1:
+        event = dp_accounting.SelfComposedDpEvent(event, release.count)
+    return event
+
+
+def unit_event(release: Release, neighboring: str) -> dp_accounting.DpEvent:
+    """The event of one of the release's ``count`` identical releases."""
+    return to_dp_event(replace(release, count=1), neighboring)
+
+
+def new_accountant(
+    accountant: str,
+    neighboring: str,
+    *,
+    rdp_orders: tuple[float, ...] = RDP_ORDERS,
+    pld_discretization: float = PLD_DISCRETIZATION,
+) -> dp_accounting.PrivacyAccountant:
+    """A fresh dp-accounting accountant ("rdp" or "pld") for ``neighboring``."""
+    _check_choice("accountant", accountant, ACCOUNTANTS)
+    relation = NEIGHBORING_RELATIONS[neighboring_name(neighboring)]
+    if accountant == "rdp":
+        return rdp_privacy_accountant.RdpAccountant(rdp_orders, relation)
+    return pld_privacy_accountant.PLDAccountant(relation, pld_discretization)
+
+
+@functools.lru_cache(maxsize=64)
+def check_supported(accountant: str, neighboring: str, sampling: str, mechanism: str) -> None:
+    """Raise AccountingError unless dp-accounting can account this combination.
+
+    The decision is dp-accounting's own ``accountant.supports(event)`` on a probe
+    release; the message says why and what to use instead.
+    """
+    _check_choice("accountant", accountant, ACCOUNTANTS)
+    _check_choice("sampling", sampling, SAMPLINGS)
+    _check_choice("mechanism", mechanism, MECHANISMS)
+    neighboring = neighboring_name(neighboring)
+    _check_relation(sampling, neighboring)
+    parameter = "noise_multiplier" if mechanism == "gaussian" else "laplace_epsilon"
+    probe = Release(
+        server_round=0,
+        kind="probe",
+        mechanism=mechanism,
+        sampling=sampling,
+        sample_size=1,
+        population=2,
+        **{parameter: 1.0},
+    )
+    if new_accountant(accountant, neighboring).supports(to_dp_event(probe, neighboring)):
+        return
+    hint = _HINTS.get((accountant, sampling)) or _HINTS.get((accountant, sampling, mechanism))
+    raise AccountingError(
+        f"accountant={accountant!r} cannot account mechanism={mechanism!r} with "
+        f"sampling={sampling!r} (neighboring={neighboring!r}): "
+        + (hint or "dp-accounting does not support this event")
+    )

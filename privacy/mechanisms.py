@@ -1,0 +1,388 @@
+"""Two-phase privacy mechanisms on model updates (seed 002: DP-FedAvg).
+
+A model update is a list of numpy arrays; clipping and norms act on the whole update
+at once (all arrays together), as in McMahan et al. 2018, "Learning Differentially
+Private Recurrent Language Models". As in pfl-research, a mechanism has two phases:
+``clip`` bounds one client's contribution (its sensitivity) and ``noise_*`` perturbs
+what is released. The same :class:`GaussianMechanism` serves server-side noising
+(N(0, (zC)²) once on the sum) and client-side noising (each of m clients adds
+N(0, (zC)²/m), so the sum carries the same N(0, (zC)²)).
+
+Clipping guarantees its bound in floating point: the norm of the returned arrays, as
+computed by :func:`global_l2_norm` / :func:`global_l1_norm` (and by a plain float64
+sum), never exceeds the clip norm, also after casting back to float32. Non-finite
+input raises :class:`NonFiniteUpdateError` instead of producing garbage.
+
+Randomness always comes from an explicit :class:`numpy.random.Generator`
+(:func:`make_generator`, :func:`secure_generator`, :func:`noise_generator`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import dp_accounting
+import numpy as np
+
+ArrayList = list[np.ndarray]
+
+# Relative slack applied when scaling an update down: float64 summation error of a
+# norm is far below 1e-12 for any realistic model size, so every reasonable way of
+# computing the clipped norm stays <= C. Casting to a narrower dtype is checked after.
+_CLIP_SLACK = 1e-12
+_MAX_SHRINK_STEPS = 64
+
+
+class NonFiniteUpdateError(ValueError):
+    """An update holds NaN/Inf, or its norm overflows float64."""
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """The output of clipping one update.
+
+    Attributes
+    ----------
+    arrays : list of numpy.ndarray
+        The (possibly scaled) update, each array in its original floating dtype.
+    norm : float
+        The update's global norm before clipping.
+    scale : float
+        The factor applied (1.0 when the update was within the bound).
+    clipped : bool
+        Whether the norm exceeded the bound (``norm > clip_norm``).
+    """
+
+    arrays: ArrayList
+    norm: float
+    scale: float
+    clipped: bool
+
+
+# -- norms ------------------------------------------------------------------------
+def _float64_checked(arrays: Sequence[np.ndarray]) -> ArrayList:
+    """The arrays as float64, after checking every value is finite."""
+    out = []
+    for index, array in enumerate(arrays):
+        values = np.asarray(array, dtype=np.float64)
+        if not np.all(np.isfinite(values)):
+            bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
+            raise NonFiniteUpdateError(
+                f"update array {index} (shape {values.shape}) holds {bad} non-finite "
+                "value(s) (NaN or Inf); refusing to clip or release it"
+            )
+        out.append(values)
+    return out
+
+
+def _peak(arrays64: Sequence[np.ndarray]) -> float:
+    return max((float(np.max(np.abs(a))) for a in arrays64 if a.size), default=0.0)
+
+
+def _checked_norm(norm: float, kind: str, peak: float) -> float:
+    if not math.isfinite(norm):
+        raise NonFiniteUpdateError(
+            f"the update's global {kind} norm overflows float64 (largest |value| = "
+            f"{peak:g}); refusing to clip or release it"
+        )
+    return norm
+
+
+def _l2_norm64(arrays64: Sequence[np.ndarray]) -> float:
+    # Scaled by the largest |value| so that squaring cannot overflow (1e200 is finite).
+    peak = _peak(arrays64)
+    if peak == 0.0:
+        return 0.0
+    total = math.fsum(float(np.sum(np.square(a / peak))) for a in arrays64)
+    return _checked_norm(peak * math.sqrt(total), "L2", peak)
+
+
+def _l1_norm64(arrays64: Sequence[np.ndarray]) -> float:
+    peak = _peak(arrays64)
+    if peak == 0.0:
+        return 0.0
+    total = math.fsum(float(np.sum(np.abs(a / peak))) for a in arrays64)
+    return _checked_norm(peak * total, "L1", peak)
+
+
+def _l2_norm64_plain(arrays64: Sequence[np.ndarray]) -> float:
+    """The textbook float64 norm (sqrt of the sum of squares), for the bound check."""
+    with np.errstate(over="ignore"):
+        return math.sqrt(math.fsum(float(np.sum(np.square(a))) for a in arrays64))
+
+
+def _l1_norm64_plain(arrays64: Sequence[np.ndarray]) -> float:
+    with np.errstate(over="ignore"):
+        return math.fsum(float(np.sum(np.abs(a))) for a in arrays64)
+
+
+def global_l2_norm(arrays: Sequence[np.ndarray]) -> float:
+    """L2 norm of a whole update (all arrays together), computed in float64.
+
+    Raises
+    ------
+    NonFiniteUpdateError
+        If a value is NaN/Inf or the norm overflows float64.
+    """
+    return _l2_norm64(_float64_checked(arrays))
+
+
+def global_l1_norm(arrays: Sequence[np.ndarray]) -> float:
+    """L1 norm of a whole update (all arrays together), computed in float64.
+
+    Raises
+    ------
+    NonFiniteUpdateError
+        If a value is NaN/Inf or the norm overflows float64.
+    """
+    return _l1_norm64(_float64_checked(arrays))
+
+
+# -- clipping ---------------------------------------------------------------------
+def _out_dtype(array: np.ndarray) -> np.dtype:
+    dtype = np.asarray(array).dtype
+    return dtype if np.issubdtype(dtype, np.floating) else np.dtype(np.float64)
+
+
+def _within(arrays64, clip_norm, norm64, plain64) -> bool:
+    """Both the overflow-safe norm and the textbook one (unless it overflows) are <= C."""
+    plain = plain64(arrays64)
+    return norm64(arrays64) <= clip_norm and (plain <= clip_norm or math.isinf(plain))
+
+
+def _scale_within(arrays, arrays64, scale, clip_norm, norms) -> tuple[ArrayList, float]:
+    """Scale and cast back; shrink the scale until every norm check is <= clip_norm."""
+    dtypes = [_out_dtype(a) for a in arrays]
+    shrink = 4 * max((float(np.finfo(d).eps) for d in dtypes), default=1e-16)
+    for _ in range(_MAX_SHRINK_STEPS):
+        out = [(a * scale).astype(d) for a, d in zip(arrays64, dtypes, strict=True)]
+        out64 = [np.asarray(o, dtype=np.float64) for o in out]
+        if _within(out64, clip_norm, *norms):
+            return out, scale
+        scale *= 1.0 - shrink
+        shrink *= 2
+    raise ArithmeticError("could not scale the update within the clip norm")  # unreachable
+
+
+def _clip(arrays, clip_norm, norm64, plain64) -> ClipResult:
+    if not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"clip_norm must be positive and finite, got {clip_norm!r}")
+    arrays64 = _float64_checked(arrays)
+    norm = norm64(arrays64)
+    if norm <= clip_norm:
+        out = [np.array(a, dtype=_out_dtype(a), copy=True) for a in arrays]
+        return ClipResult(arrays=out, norm=norm, scale=1.0, clipped=False)
+    scale = (clip_norm / norm) * (1.0 - _CLIP_SLACK)
+    out, scale = _scale_within(arrays, arrays64, scale, clip_norm, (norm64, plain64))
+    return ClipResult(arrays=out, norm=norm, scale=scale, clipped=True)
+
+
+def clip_by_l2_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipResult:
+    """Scale the whole update by min(1, C/‖update‖₂).
+
+    Parameters
+    ----------
+    arrays : sequence of numpy.ndarray
+        One update. Floating arrays keep their dtype; others come back as float64.
+    clip_norm : float
+        C > 0.
+
+    Returns
+    -------
+    ClipResult
+        The clipped arrays, whose global L2 norm is <= C in floating point.
+
+    Raises
+    ------
+    NonFiniteUpdateError
+        If the update holds NaN/Inf or its norm overflows float64.
+    """
+    return _clip(arrays, clip_norm, _l2_norm64, _l2_norm64_plain)
+
+
+def clip_by_l1_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipResult:
+    """Scale the whole update by min(1, C/‖update‖₁); see :func:`clip_by_l2_norm`."""
+    return _clip(arrays, clip_norm, _l1_norm64, _l1_norm64_plain)
+
+
+def clip_metrics(results: Sequence[ClipResult]) -> dict[str, float]:
+    """Fraction of clipped updates and their mean norm before clipping."""
+    if not results:
+        return {"clip-fraction": 0.0, "mean-update-norm": 0.0}
+    return {
+        "clip-fraction": sum(r.clipped for r in results) / len(results),
+        "mean-update-norm": math.fsum(r.norm for r in results) / len(results),
+    }
+
+
+# -- noise ------------------------------------------------------------------------
+def _check_noise_parameter(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+def gaussian_noise_like(
+    arrays: Sequence[np.ndarray], *, std: float, rng: np.random.Generator
+) -> ArrayList:
+    """Float64 N(0, std²) noise with the shapes of ``arrays``."""
+    _check_noise_parameter("std", std)
+    return [rng.normal(0.0, std, size=np.shape(a)) for a in arrays]
+
+
+def laplace_noise_like(
+    arrays: Sequence[np.ndarray], *, scale: float, rng: np.random.Generator
+) -> ArrayList:
+    """Float64 Laplace(0, scale) noise (density e^(-|x|/b)/(2b)) shaped like ``arrays``."""
+    _check_noise_parameter("scale", scale)
+    return [rng.laplace(0.0, scale, size=np.shape(a)) for a in arrays]
+
+
+def add_noise(arrays: Sequence[np.ndarray], noise: Sequence[np.ndarray]) -> ArrayList:
+    """``arrays + noise``, summed in float64 and returned in each array's dtype."""
+    arrays64 = _float64_checked(arrays)
+    if len(arrays64) != len(noise):
+        raise ValueError(f"{len(arrays64)} arrays but {len(noise)} noise arrays")
+    out = []
+    for array, a64, n in zip(arrays, arrays64, noise, strict=True):
+        if a64.shape != np.shape(n):
+            raise ValueError(f"noise shape {np.shape(n)} != array shape {a64.shape}")
+        out.append((a64 + n).astype(_out_dtype(array)))
+    return out
+
+
+# -- mechanisms -------------------------------------------------------------------
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GaussianMechanism:
+    """Clip to L2 norm C, add Gaussian noise of std z·C to the sum.
+
+    Noise N(0, (zC)²) on the sum of updates clipped to C is the Gaussian mechanism with
+    L2 sensitivity C under add/remove-one neighbouring and noise multiplier z; the
+    average (sum/m) divides both the noise and the sensitivity by m, so the multiplier
+    is unchanged. Under replace-one neighbouring the sensitivity of the sum is 2C:
+    account such releases with multiplier z/2 (``accounting.l2_sensitivity_factor``).
+    """
+
+    clip_norm: float
+    """C, the L2 bound of one client's update."""
+    noise_multiplier: float
+    """z, noise std on the sum divided by C."""
+
+    def __post_init__(self) -> None:
+        _check_positive("clip_norm", self.clip_norm)
+        _check_positive("noise_multiplier", self.noise_multiplier)
+
+    def clip(self, update: Sequence[np.ndarray]) -> ClipResult:
+        """Clip one update to L2 norm C."""
+        return clip_by_l2_norm(update, clip_norm=self.clip_norm)
+
+    @property
+    def sum_noise_std(self) -> float:
+        """z·C, std of the noise on the sum of the m clipped updates (derived)."""
+        return self.noise_multiplier * self.clip_norm
+
+    def client_noise_std(self, num_clients: int) -> float:
+        """z·C/√m: what each of m clients adds so that the sum carries N(0, (zC)²)."""
+        if isinstance(num_clients, bool) or int(num_clients) != num_clients or num_clients < 1:
+            raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}")
+        return self.sum_noise_std / math.sqrt(num_clients)
+
+    def noise_sum(self, total: Sequence[np.ndarray], *, rng: np.random.Generator) -> ArrayList:
+        """Add N(0, (zC)²) to the sum of clipped updates (server-side noising)."""
+        return add_noise(total, gaussian_noise_like(total, std=self.sum_noise_std, rng=rng))
+
+    def noise_client(
+        self, update: Sequence[np.ndarray], *, num_clients: int, rng: np.random.Generator
+    ) -> ArrayList:
+        """Add one client's share N(0, (zC)²/m) to its clipped update."""
+        std = self.client_noise_std(num_clients)
+        return add_noise(update, gaussian_noise_like(update, std=std, rng=rng))
+
+    def noise_metrics(self, num_clients: int) -> dict[str, float]:
+        """Noise stds on the sum, per client, and on the average of m updates."""
+        return {
+            "noise-std-sum": self.sum_noise_std,
+            "noise-std-client": self.client_noise_std(num_clients),
+            "noise-std-mean": self.sum_noise_std / num_clients,
+        }
+
+    def dp_event(self) -> dp_accounting.GaussianDpEvent:
+        """The unsampled release, add/remove-one: ``GaussianDpEvent(z)``."""
+        return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+
+
+@dataclass(frozen=True)
+class LaplaceMechanism:
+    """Clip to L1 norm S, add Laplace(0, S/ε) noise to every coordinate.
+
+    One release is ε-DP (pure) for L1 sensitivity S. dp-accounting's
+    ``LaplaceDpEvent(noise_multiplier)`` takes the ratio scale/sensitivity = S/ε/S = 1/ε
+    (its docstring: "the noise_multiplier is defined as s / C").
+    """
+
+    sensitivity: float
+    """S, the L1 bound of one update (the L1 sensitivity)."""
+    epsilon: float
+    """ε of one release."""
+
+    def __post_init__(self) -> None:
+        _check_positive("sensitivity", self.sensitivity)
+        _check_positive("epsilon", self.epsilon)
+
+    @property
+    def scale(self) -> float:
+        """b = S/ε, the Laplace scale (derived)."""
+        return self.sensitivity / self.epsilon
+
+    def clip(self, update: Sequence[np.ndarray]) -> ClipResult:
+        """Clip one update to L1 norm S."""
+        return clip_by_l1_norm(update, clip_norm=self.sensitivity)
+
+    def noise(self, update: Sequence[np.ndarray], *, rng: np.random.Generator) -> ArrayList:
+        """Add Laplace(0, b) to every coordinate of a clipped update."""
+        return add_noise(update, laplace_noise_like(update, scale=self.scale, rng=rng))
+
+    def noise_metrics(self) -> dict[str, float]:
+        """Scale and std (√2·b) of the per-coordinate noise."""
+        return {"noise-scale": self.scale, "noise-std": math.sqrt(2) * self.scale}
+
+    def dp_event(self) -> dp_accounting.LaplaceDpEvent:
+        """The unsampled release: ``LaplaceDpEvent(b/S)``."""
+        return dp_accounting.LaplaceDpEvent(self.scale / self.sensitivity)
+
+
+# -- generators -------------------------------------------------------------------
+def make_generator(seed: int, *streams: int) -> np.random.Generator:
+    """A reproducible PCG64 generator for ``SeedSequence([seed, *streams])``.
+
+    Distinct ``streams`` (round, client id, purpose) give independent generators
+    from one run seed.
+    """
+    entropy = [seed, *streams]
+    if any(isinstance(v, bool) or int(v) != v or v < 0 for v in entropy):
+        raise ValueError(f"seed and streams must be non-negative integers, got {entropy!r}")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(v) for v in entropy])))
+
+
+def secure_generator() -> np.random.Generator:
+    """A PCG64 generator seeded with 128 bits from the OS (``secrets``).
+
+    Trade-off: the noise is unpredictable to anyone without the seed, but a run can
+    no longer be reproduced. PCG64 itself is not a cryptographic generator; this
+    protects against guessing the seed, not against an attacker who sees raw output.
+    """
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(secrets.randbits(128))))
+
+
+def noise_generator(
+    *, seed: int, streams: Sequence[int] = (), secure: bool = False
+) -> np.random.Generator:
+    """:func:`secure_generator` when ``secure``, else ``make_generator(seed, *streams)``."""
+    return secure_generator() if secure else make_generator(seed, *streams)

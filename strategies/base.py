@@ -1,0 +1,96 @@
+"""Pieces every strategy wrapper shares: a restricted grid view, reply checks,
+uniform sampling with the run's generator, and the signal to end a run early."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from strategies import keys
+
+
+class StopTraining(Exception):
+    """Raised by ``configure_train`` to end the run cleanly before sending anything."""
+
+
+class InvalidReply(ValueError):
+    """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""
+
+
+class GridView:
+    """A grid that shows the wrapped strategy only ``node_ids`` (it samples all of them).
+
+    Everything except ``get_node_ids`` is the underlying grid's.
+    """
+
+    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
+        self._grid = grid
+        self._node_ids = list(node_ids)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self._node_ids)
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+
+def sample_uniform(node_ids: list[int], size: int, rng: np.random.Generator) -> list[int]:
+    """``size`` distinct nodes drawn uniformly without replacement (sorted)."""
+    ordered = sorted(node_ids)
+    picked = rng.choice(len(ordered), size=size, replace=False)
+    return [ordered[i] for i in sorted(picked)]
+
+
+def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.ndarray]:
+    """The arrays of ``record`` in key order, checked against ``reference``.
+
+    Raises
+    ------
+    InvalidReply
+        If ``record`` is not an ArrayRecord, its keys, shapes or dtypes differ from
+        ``reference``, or any value is NaN or infinite.
+    """
+    if not isinstance(record, ArrayRecord):
+        raise InvalidReply(f"expected an ArrayRecord '{keys.ARRAYS}', got {type(record).__name__}")
+    if reference is not None and list(record.keys()) != list(reference.keys()):
+        raise InvalidReply("array keys differ from the global model's")
+    arrays = [record[k].numpy() for k in record]
+    if reference is not None:
+        for key, got in zip(reference.keys(), arrays, strict=True):
+            want = reference[key]
+            if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != want.dtype:
+                raise InvalidReply(
+                    f"array '{key}' has shape {got.shape}/{got.dtype}, "
+                    f"expected {tuple(want.shape)}/{want.dtype}"
+                )
+    for key, value in zip(record.keys(), arrays, strict=True):
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            raise InvalidReply(f"array '{key}' contains NaN or Inf")
+    return arrays
+
+
+def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord with ``reference``'s keys and dtypes holding ``arrays``."""
+    return ArrayRecord(
+        {
+            key: Array(np.asarray(value, dtype=reference[key].numpy().dtype))
+            for key, value in zip(reference.keys(), arrays, strict=True)
+        }
+    )
+
+
+def metrics_of(message: Message, weight: float | None = None) -> MetricRecord:
+    """The reply's single MetricRecord (a copy; ``num-examples`` set to ``weight`` if given)."""
+    record = message.content.get(keys.METRICS)
+    if not isinstance(record, MetricRecord):
+        raise InvalidReply(f"reply has no MetricRecord '{keys.METRICS}'")
+    copy = MetricRecord(dict(record))
+    if weight is not None:
+        copy[keys.NUM_EXAMPLES] = weight
+    return copy
+
+
+def unweighted(message: Message) -> RecordDict:
+    """A RecordDict with the reply's metrics weighted 1 (for unweighted averaging)."""
+    return RecordDict({keys.METRICS: metrics_of(message, weight=1.0)})

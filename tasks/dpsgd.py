@@ -1,0 +1,322 @@
+"""Sample-level DP-SGD for any torch task, on Opacus' building blocks.
+
+DP-SGD (Abadi et al., 2016, "Deep Learning with Differential Privacy"): each step
+Poisson-samples a batch (every example independently with probability ``q``), clips
+each example's gradient to L2 norm ``C``, sums, adds ``N(0, (z C)^2)`` noise and
+divides by the expected batch size. The privacy loss is tracked with Rényi DP
+(Mironov, 2017; Mironov, Talwar & Zhang, 2019, sampled Gaussian mechanism) by
+Opacus' ``RDPAccountant``, whose history ``[(z, q, steps), ...]`` persists across
+rounds in the client's state, so the reported epsilon covers all DP-SGD training
+the client has done in the run.
+
+The pieces are those ``opacus.PrivacyEngine.make_private`` assembles: per-example
+gradient hooks (``GradSampleHooks``, attached to the model itself, no wrapper), a
+``DPOptimizer`` and a ``DPDataLoader``, with the accountant on the optimizer's step
+hook. They are built here directly because ``make_private`` fixes the sample rate to
+``1 / len(data_loader)`` (``1 / ceil(n / B)``); here it is exactly ``B / n``, the rate
+the sampler uses and the accountant records.
+
+Data-independent gradient terms (the FedProx proximal term) must not go through the
+loss: Opacus replaces ``p.grad`` with the noisy clipped per-example sum, so a term
+that is not per-example would be dropped. They are added to ``p.grad`` after the
+noise (``public_gradient``); being a function of the parameters only, they cost no
+privacy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from opacus.accountants import RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.data_loader import DPDataLoader
+from opacus.grad_sample import GradSampleHooks
+from opacus.optimizers import DPOptimizer
+from opacus.validators import ModuleValidator
+from opacus.validators.errors import UnsupportedModuleError
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tasks.base import DPSGD
+
+HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
+# Attributes Opacus leaves on parameters (DPOptimizer) and layers (activation capture)
+# after GradSampleHooks.cleanup().
+LEFTOVER_PARAM_ATTRS = ("summed_grad",)
+LEFTOVER_MODULE_ATTRS = ("activations", "max_batch_len")
+
+HistoryEntry = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
+
+
+class PrivacySpent(NamedTuple):
+    """The accountant's history after training and the epsilon it amounts to."""
+
+    history: list[list[float | int]]
+    """JSON-serialisable ``[[noise_multiplier, sample_rate, steps], ...]``."""
+    epsilon: float
+    """Cumulative epsilon at the ``delta`` of the DP-SGD settings."""
+
+
+# --- accounting ---------------------------------------------------------------------
+
+
+def poisson_sample_rate(batch_size: int, num_examples: int) -> float:
+    """Sample rate ``q = B / n`` giving expected batch size ``B`` (at most 1)."""
+    if num_examples < 1:
+        raise ValueError("DP-SGD needs at least one training example")
+    return min(1.0, batch_size / num_examples)
+
+
+def steps_per_epoch(sample_rate: float) -> int:
+    """Poisson-sampled steps in one epoch: ``int(1 / q)``, Opacus' sampler default."""
+    return max(1, int(1 / sample_rate))
+
+
+def history_from_state(raw: Sequence[Sequence[Any]] | None) -> list[HistoryEntry]:
+    """Validate a stored history ``[[z, q, steps], ...]`` and return it as tuples.
+
+    Raises
+    ------
+    ValueError
+        If an entry is not ``[noise_multiplier >= 0, 0 < sample_rate <= 1, steps >= 1]``.
+    """
+    history: list[HistoryEntry] = []
+    for entry in raw or []:
+        if len(entry) != 3:
+            raise ValueError(f"DP-SGD history entry {entry!r} is not [z, q, steps]")
+        z, q, steps = float(entry[0]), float(entry[1]), int(entry[2])
+        if z < 0 or not 0 < q <= 1 or steps < 1 or steps != entry[2]:
+            raise ValueError(f"invalid DP-SGD history entry {entry!r}")
+        history.append((z, q, steps))
+    return history
+
+
+def history_to_state(history: Sequence[Sequence[Any]]) -> list[list[float | int]]:
+    """The accountant history as JSON-serialisable lists."""
+    return [[float(z), float(q), int(steps)] for z, q, steps in history]
+
+
+def epsilon_from_history(
+    history: Sequence[Sequence[Any]], delta: float, orders: Sequence[float] | None = None
+) -> float:
+    """Epsilon at ``delta`` of a DP-SGD history, by Opacus' RDP accountant.
+
+    Parameters
+    ----------
+    history : sequence of (noise_multiplier, sample_rate, steps)
+        The composed sampled Gaussian mechanisms (``RDPAccountant.history``).
+    delta : float
+        Target delta.
+    orders : sequence of float, optional
+        RDP orders to optimise the conversion over; default
+        ``RDPAccountant.DEFAULT_ALPHAS`` (what Opacus and the reported metric use).
+
+    Returns
+    -------
+    float
+        Epsilon (0.0 for an empty history).
+    """
+    accountant = RDPAccountant()
+    accountant.history = history_from_state(history)
+    alphas = None if orders is None else list(orders)
+    return float(accountant.get_epsilon(delta=delta, alphas=alphas))
+
+
+def calibrate_noise_multiplier(
+    *, target_epsilon: float, delta: float, sample_rate: float, epochs: int
+) -> float:
+    """Smallest noise multiplier (within 0.01 in epsilon) reaching ``target_epsilon``.
+
+    The number of steps is ``epochs * steps_per_epoch(sample_rate)``, the steps that
+    DP-SGD training over ``epochs`` takes here (Opacus' ``get_noise_multiplier``
+    would use ``int(epochs / sample_rate)``).
+    """
+    with warnings.catch_warnings():
+        # The bisection's first guesses (large z) are optimal at the largest order.
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        z = get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=epochs * steps_per_epoch(sample_rate),
+            accountant="rdp",
+        )
+    return float(z)
+
+
+# --- training -----------------------------------------------------------------------
+
+
+def check_compatible(model: nn.Module, model_name: str) -> None:
+    """Raise ValueError naming ``model_name`` if Opacus cannot privatise ``model``.
+
+    Puts ``model`` in training mode (the validator requires it).
+    """
+    model.train()
+    try:
+        ModuleValidator.validate(model, strict=True)
+        GradSampleHooks.validate(model, strict=True)  # no trainable layer with buffers
+    except (UnsupportedModuleError, NotImplementedError) as err:
+        raise ValueError(
+            f"model.name = {model_name!r} is not compatible with DP-SGD (Opacus): {err}. "
+            "Use a model without BatchNorm, e.g. with GroupNorm instead "
+            "(opacus.validators.ModuleValidator.fix replaces it)."
+        ) from err
+
+
+def seeded_generators(seed: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    """Independent (sampling, noise) generators derived from ``seed`` (SeedSequence).
+
+    The sampling generator is on the CPU (Opacus' sampler draws there), the noise
+    generator on ``device`` (the noise is drawn where the gradients are).
+    """
+    sampling_seed, noise_seed = np.random.SeedSequence(seed).generate_state(2)
+    sampling = torch.Generator().manual_seed(int(sampling_seed))
+    noise = torch.Generator(device=device).manual_seed(int(noise_seed))
+    return sampling, noise
+
+
+def add_proximal_gradient(
+    model: nn.Module, global_params: Sequence[torch.Tensor], mu: float
+) -> None:
+    """Add ``mu * (w - w_global)``, the gradient of the FedProx term, to ``p.grad``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for w, g in zip(params, global_params, strict=True):
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            w.grad.add_(w - g, alpha=mu)
+
+
+@dataclass
+class PrivateTraining:
+    """The Opacus objects of one DP-SGD training run on a plain module.
+
+    Train with ``loader`` and ``optimizer`` as usual (zero_grad, forward, mean loss,
+    backward, step), inside ``with``; leaving the block (or :meth:`finish`) removes
+    every hook and attribute Opacus put on ``model``.
+    """
+
+    model: nn.Module
+    hooks: GradSampleHooks
+    optimizer: DPOptimizer
+    loader: DPDataLoader
+    accountant: RDPAccountant
+    dp: DPSGD
+    sample_rate: float
+    _warnings: Any = field(default=None, repr=False)
+
+    def __enter__(self) -> PrivateTraining:
+        # The first layer's input needs no gradient; torch warns on every backward.
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+        if self._warnings is not None:
+            self._warnings.__exit__(*exc)
+            self._warnings = None
+
+    def detach(self) -> None:
+        """Remove Opacus' hooks and attributes from ``model`` (idempotent)."""
+        self.hooks.cleanup()
+        for p in self.model.parameters():
+            for attr in LEFTOVER_PARAM_ATTRS:
+                if hasattr(p, attr):
+                    delattr(p, attr)
+        for module in self.model.modules():
+            for attr in LEFTOVER_MODULE_ATTRS:
+                if attr in module.__dict__:
+                    delattr(module, attr)
+
+    def finish(self) -> PrivacySpent:
+        """Detach from the model; return the history and the cumulative epsilon."""
+        self.detach()
+        history = history_to_state(self.accountant.history)
+        return PrivacySpent(history, epsilon_from_history(history, self.dp.delta))
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    *,
+    dp: DPSGD,
+    generator_seed: int,
+    history: Sequence[Sequence[Any]] = (),
+    public_gradient: Callable[[], None] | None = None,
+    model_name: str | None = None,
+) -> PrivateTraining:
+    """Make ``model``, ``optimizer`` and ``loader`` train with DP-SGD.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Trained in place; hooks are attached to it, not to a wrapper.
+    optimizer : torch.optim.Optimizer
+        Over ``model``'s parameters; wrapped in a ``DPOptimizer``.
+    loader : DataLoader
+        Its dataset is Poisson-sampled at ``q = batch_size / len(dataset)``.
+    dp : DPSGD
+        Noise multiplier, clip norm and delta.
+    generator_seed : int
+        Seed of the sampling and noise generators (:func:`seeded_generators`).
+    history : sequence of (noise_multiplier, sample_rate, steps)
+        The accountant history of earlier DP-SGD training, to continue from.
+    public_gradient : callable, optional
+        Adds data-independent gradient terms to ``p.grad`` after noising and before
+        the update (e.g. :func:`add_proximal_gradient`).
+    model_name : str, optional
+        The model's ``model.name``, for the incompatibility error (default: the
+        class name).
+
+    Returns
+    -------
+    PrivateTraining
+        Use as a context manager; train with its ``loader`` and ``optimizer``.
+    """
+    check_compatible(model, model_name or type(model).__name__)
+    device = next(model.parameters()).device
+    sampling, noise = seeded_generators(generator_seed, device)
+    batch_size, num_examples = int(loader.batch_size or 1), len(loader.dataset)
+    sample_rate = poisson_sample_rate(batch_size, num_examples)
+    accountant = RDPAccountant()
+    accountant.history = history_from_state(history)
+    dp_optimizer = DPOptimizer(
+        optimizer,
+        noise_multiplier=dp.noise_multiplier,
+        max_grad_norm=dp.max_grad_norm,
+        expected_batch_size=min(batch_size, num_examples),  # q * n
+        loss_reduction="mean",
+        generator=noise,
+    )
+    dp_optimizer.attach_step_hook(
+        account_then_add(accountant.get_optimizer_hook_fn(sample_rate), public_gradient)
+    )
+    dp_loader = DPDataLoader(
+        loader.dataset, sample_rate=sample_rate, collate_fn=loader.collate_fn, generator=sampling
+    )
+    # Hooks last: nothing after them can fail and leave them on the model.
+    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
+    hooks.forbid_grad_accumulation()
+    return PrivateTraining(model, hooks, dp_optimizer, dp_loader, accountant, dp, sample_rate)
+
+
+def account_then_add(
+    account: Callable[[DPOptimizer], None], public_gradient: Callable[[], None] | None
+) -> Callable[[DPOptimizer], None]:
+    """The DPOptimizer step hook: record the step, then add the public gradient."""
+
+    def hook(optimizer: DPOptimizer) -> None:
+        account(optimizer)
+        if public_gradient is not None:
+            public_gradient()
+
+    return hook

@@ -1,0 +1,209 @@
+"""DP-FedAvg wrappers: sampling, config keys, hand-computed aggregates, abort and
+budget rules, adaptive clipping, and the ledger entries they make."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import dp_accounting
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy import FedAvg
+
+from privacy.accounting import PrivacyLedger
+from strategies import StopTraining, keys
+from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
+from tests.fakes import FakeGrid, error_from, record, reply_from
+
+GLOBAL = {"w": [0.0, 0.0], "b": [1.0]}
+
+
+def _ledger(**kw) -> PrivacyLedger:
+    return PrivacyLedger(accountant="rdp", target_delta=1e-5, sampling="without-replacement", **kw)
+
+
+def _wrapper(cls=DPFedAvgFixed, *, m=3, z=1.0, clip=1.0, site="server", seed=0, ledger=None, **kw):
+    base = FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    return cls(
+        base,
+        clip_norm=clip,
+        noise_multiplier=z,
+        num_sampled_clients=m,
+        noise_site=site,
+        ledger=ledger or _ledger(),
+        rng=np.random.default_rng(seed),
+        **kw,
+    )
+
+
+def _configure(strategy, nodes=range(1, 6), server_round=1):
+    return list(
+        strategy.configure_train(server_round, record(GLOBAL), ConfigRecord(), FakeGrid(nodes))
+    )
+
+
+def _replies(messages, deltas, extra=None):
+    """Replies whose arrays are GLOBAL + delta, one per configured message."""
+    out = []
+    for message, (dw, db) in zip(messages, deltas, strict=True):
+        arrays = {"w": np.add(GLOBAL["w"], dw), "b": np.add(GLOBAL["b"], db)}
+        out.append(
+            reply_from(
+                message.metadata.dst_node_id,
+                arrays,
+                {"num-examples": 100, "train-loss": 1.0, **(extra or {})},
+            )
+        )
+    return out
+
+
+def test_samples_exactly_m_distinct_nodes_reproducibly():
+    first = {m.metadata.dst_node_id for m in _configure(_wrapper(seed=3))}
+    again = {m.metadata.dst_node_id for m in _configure(_wrapper(seed=3))}
+    assert len(first) == 3 and first <= set(range(1, 6)) and first == again
+    draws = {
+        frozenset(m.metadata.dst_node_id for m in _configure(_wrapper(seed=s))) for s in range(20)
+    }
+    assert len(draws) > 3  # the generator, not a fixed choice, decides
+
+
+def test_config_keys_server_and_client_site():
+    server = _configure(_wrapper(site="server", clip=2.0))
+    assert all(m.content[keys.CONFIG][keys.DP_CLIP_NORM] == 2.0 for m in server)
+    assert all(keys.DP_NOISE_STDDEV not in m.content[keys.CONFIG] for m in server)
+    client = _configure(_wrapper(site="client", clip=2.0, z=1.5, m=3))
+    stds = [m.content[keys.CONFIG][keys.DP_NOISE_STDDEV] for m in client]
+    assert stds == [pytest.approx(1.5 * 2.0 / math.sqrt(3))] * 3  # sigma_Delta / sqrt(m)
+
+
+def test_unweighted_mean_of_clipped_updates_by_hand():
+    # Noise so small it vanishes next to the tolerance: clipping and averaging exactly.
+    strategy = _wrapper(z=1e-12, clip=1.0)
+    messages = _configure(strategy)
+    deltas = [([3.0, 4.0], [0.0]), ([0.3, 0.0], [0.4]), ([0.0, 0.0], [-2.0])]
+    arrays, metrics = strategy.aggregate_train(1, _replies(messages, deltas))
+    # Clipped: (0.6, 0.8 | 0), (0.3, 0 | 0.4) unchanged (norm 0.5), (0, 0 | -1).
+    np.testing.assert_allclose(arrays["w"].numpy(), [(0.6 + 0.3) / 3, 0.8 / 3], atol=1e-9)
+    np.testing.assert_allclose(arrays["b"].numpy(), [1.0 + (0.4 - 1.0) / 3], atol=1e-9)
+    assert metrics["train-loss"] == pytest.approx(1.0)
+    assert metrics["dp-epsilon"] > 0 and len(strategy.ledger.releases) == 1
+
+
+def test_server_noise_has_std_zC_over_m_on_the_mean():
+    z, clip, m = 0.8, 0.5, 4
+    strategy = _wrapper(z=z, clip=clip, m=m, seed=11)
+    samples = []
+    for rnd in range(1, 1501):
+        messages = _configure(strategy, server_round=rnd)
+        arrays, _ = strategy.aggregate_train(rnd, _replies(messages, [([0, 0], [0])] * m))
+        samples.extend(arrays["w"].numpy())
+    assert np.std(samples) == pytest.approx(z * clip / m, rel=0.03)
+
+
+@pytest.mark.parametrize("failure", ["error", "missing", "nan", "wrong-shape", "no-arrays"])
+def test_failed_round_is_aborted_uncharged(failure):
+    strategy = _wrapper()
+    messages = _configure(strategy)
+    replies = _replies(messages, [([0.1, 0.1], [0.1])] * 3)
+    node = replies[0].metadata.src_node_id
+    if failure == "error":
+        replies[0] = error_from(node)
+    elif failure == "missing":
+        replies = replies[1:]
+    elif failure == "nan":
+        replies[0] = reply_from(node, {"w": [np.nan, 0.0], "b": [1.0]}, {"num-examples": 1})
+    elif failure == "wrong-shape":
+        replies[0] = reply_from(node, {"w": [0.0], "b": [1.0]}, {"num-examples": 1})
+    else:
+        replies[0] = reply_from(node, None, {"num-examples": 1})
+    assert strategy.aggregate_train(1, replies) == (None, None)
+    assert strategy.ledger.releases == () and strategy.ledger.epsilon() == 0.0
+
+
+def test_budget_refusal_before_sending():
+    ledger = _ledger(max_epsilon=5.0)
+    strategy = _wrapper(z=5.0, ledger=ledger)  # about 1.4 per round (3 of 5 sampled)
+    rounds = 0
+    with pytest.raises(StopTraining, match=re.escape("would exceed 'dp.max-epsilon'")):
+        for rnd in range(1, 200):
+            messages = _configure(strategy, server_round=rnd)
+            strategy.aggregate_train(rnd, _replies(messages, [([0, 0], [0])] * 3))
+            rounds += 1
+    assert 0 < rounds < 199
+    assert ledger.epsilon() <= 5.0
+    assert len(ledger.releases) == rounds  # the refused round charged nothing
+
+
+def test_ledger_entry_matches_dp_accounting_with_replace_one_sensitivity():
+    z, m, population = 1.2, 3, 5
+    strategy = _wrapper(z=z, m=m)
+    messages = _configure(strategy)
+    strategy.aggregate_train(1, _replies(messages, [([0, 0], [0])] * m))
+    # Fixed-size sampling is accounted under REPLACE_ONE: swapping one clipped update
+    # moves the sum by up to 2C, so the event's multiplier is z/2.
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    accountant.compose(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            population, m, dp_accounting.GaussianDpEvent(z / 2)
+        )
+    )
+    assert strategy.ledger.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-2)
+
+
+def test_adaptive_clip_update_by_hand():
+    gamma, eta, sigma_b, clip = 0.5, 0.2, 2.0, 1.0
+    strategy = _wrapper(
+        DPFedAvgAdaptive,
+        site="client",
+        clip=clip,
+        seed=5,
+        target_quantile=gamma,
+        clip_lr=eta,
+        count_stddev=sigma_b,
+    )
+    messages = _configure(strategy)
+    assert all(m.content[keys.CONFIG][keys.DP_ADAPTIVE] for m in messages)
+    replies = _replies(messages, [([0, 0], [0])] * 3)
+    for reply, bit in zip(replies, [1.0, 0.0, 1.0], strict=True):
+        reply.content[keys.METRICS][keys.DP_NORM_BIT] = bit
+    # Client-side noise: the server's only draw this round is the count noise.
+    expected_noise = np.random.default_rng(5)
+    expected_noise.choice(5, size=3, replace=False)  # the sampling draw comes first
+    noisy = (2.0 + expected_noise.normal(0.0, sigma_b)) / 3
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["dp-noisy-unclipped-fraction"] == pytest.approx(noisy)
+    assert strategy.clip_norm == pytest.approx(clip * math.exp(-eta * (noisy - gamma)))
+    assert metrics["dp-clip-norm"] == clip  # the norm used this round
+
+
+def test_adaptive_noise_split_and_validation():
+    strategy = _wrapper(
+        DPFedAvgAdaptive, z=1.0, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0
+    )
+    assert strategy.update_noise_multiplier() == pytest.approx((1 - 0.25) ** -0.5)
+    (release,) = strategy.release(1, 5)
+    assert release.noise_multiplier == pytest.approx(0.5)  # z (not z_delta), over 2C
+    with pytest.raises(ValueError, match="must exceed z/2"):
+        _wrapper(DPFedAvgAdaptive, z=2.0, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+
+
+def test_adaptive_rejects_missing_bit():
+    strategy = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+    messages = _configure(strategy)
+    assert strategy.aggregate_train(1, _replies(messages, [([0, 0], [0])] * 3)) == (None, None)
+    assert strategy.ledger.releases == ()
+
+
+def test_too_few_nodes_stops_cleanly():
+    with pytest.raises(StopTraining, match=re.escape("'dp.num-sampled-clients' = 3")):
+        _configure(_wrapper(m=3), nodes=[1, 2])
+
+
+def test_evaluation_is_delegated():
+    strategy = _wrapper()
+    messages = strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2]))
+    assert len(list(messages)) == 2
