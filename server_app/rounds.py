@@ -59,7 +59,7 @@ class Progress:
             ("central", result.central_eval),
         ):
             for key, value in (record or {}).items():
-                if isinstance(value, float) and key.endswith(("loss", "accuracy")):
+                if isinstance(value, float) and key.endswith(("loss", "accuracy", "epsilon")):
                     parts.append(f"{name} {key} {value:.4f}")
         return " | ".join(parts)
 

@@ -3,8 +3,12 @@ uniform sampling with the run's generator, and the signal to end a run early."""
 
 from __future__ import annotations
 
+import time
+from logging import INFO
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from strategies import keys
@@ -33,6 +37,15 @@ class GridView:
 
     def __getattr__(self, name: str):
         return getattr(self._grid, name)
+
+
+def wait_for_nodes(grid: Grid, needed: int, *, timeout: float, poll: float = 1.0) -> list[int]:
+    """The connected node ids, once at least ``needed`` are there or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < needed and time.monotonic() < deadline:
+        log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), needed)
+        time.sleep(poll)
+    return nodes
 
 
 def sample_uniform(node_ids: list[int], size: int, rng: np.random.Generator) -> list[int]:

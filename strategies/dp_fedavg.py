@@ -54,6 +54,7 @@ from strategies.base import (
     sample_uniform,
     to_record,
     unweighted,
+    wait_for_nodes,
 )
 
 
@@ -77,9 +78,13 @@ class DPFedAvgFixed(Strategy):
         The run's ledger; every release is charged to it.
     rng : numpy.random.Generator
         The run's generator for sampling and server-side noise.
+    min_available_nodes : int
+        Nodes to wait for before sampling (at least m).
     uniform_sampling : bool
         False when the wrapped strategy selects clients by their data (e.g.
         SmartFedProx): then no amplification by subsampling is claimed.
+    connect_timeout : float
+        Seconds to wait for enough nodes before ending the run.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class DPFedAvgFixed(Strategy):
         rng: np.random.Generator,
         min_available_nodes: int = 1,
         uniform_sampling: bool = True,
+        connect_timeout: float = 300.0,
     ) -> None:
         if clip_norm <= 0 or noise_multiplier <= 0 or num_sampled_clients < 1:
             raise ValueError("clip_norm and noise_multiplier must be > 0, m >= 1")
@@ -108,6 +114,7 @@ class DPFedAvgFixed(Strategy):
         self.rng = rng
         self.min_available_nodes = min_available_nodes
         self.uniform_sampling = uniform_sampling
+        self.connect_timeout = connect_timeout
         self._round_state: tuple[ArrayRecord, set[int], int] | None = None
 
     # -- what one round releases ------------------------------------------------
@@ -159,11 +166,15 @@ class DPFedAvgFixed(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample m nodes, let the wrapped strategy configure them, add DP keys."""
-        all_nodes = sorted(grid.get_node_ids())
+        all_nodes = wait_for_nodes(
+            grid,
+            max(self.num_sampled_clients, self.min_available_nodes),
+            timeout=self.connect_timeout,
+        )
         if len(all_nodes) < self.num_sampled_clients:
             raise StopTraining(
                 f"'dp.num-sampled-clients' = {self.num_sampled_clients} but only "
-                f"{len(all_nodes)} nodes are connected"
+                f"{len(all_nodes)} nodes connected within {self.connect_timeout:g} s"
             )
         if self.ledger.would_exceed(self.release(server_round, len(all_nodes))):
             raise StopTraining(

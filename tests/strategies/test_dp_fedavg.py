@@ -198,9 +198,25 @@ def test_adaptive_rejects_missing_bit():
     assert strategy.ledger.releases == ()
 
 
-def test_too_few_nodes_stops_cleanly():
+def test_too_few_nodes_stops_cleanly_after_waiting():
+    strategy = _wrapper(m=3, connect_timeout=0.3)
     with pytest.raises(StopTraining, match=re.escape("'dp.num-sampled-clients' = 3")):
-        _configure(_wrapper(m=3), nodes=[1, 2])
+        _configure(strategy, nodes=[1, 2])
+
+
+def test_waits_for_late_nodes():
+    class LateGrid(FakeGrid):
+        calls = 0
+
+        def get_node_ids(self):
+            LateGrid.calls += 1
+            return self.node_ids if LateGrid.calls > 2 else self.node_ids[:1]
+
+    strategy = _wrapper(m=3, connect_timeout=30)
+    messages = list(
+        strategy.configure_train(1, record(GLOBAL), ConfigRecord(), LateGrid(range(1, 6)))
+    )
+    assert len(messages) == 3 and LateGrid.calls >= 3
 
 
 def test_evaluation_is_delegated():
