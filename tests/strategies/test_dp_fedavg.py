@@ -223,3 +223,17 @@ def test_evaluation_is_delegated():
     strategy = _wrapper()
     messages = strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2]))
     assert len(list(messages)) == 2
+
+
+def test_data_dependent_selection_claims_no_amplification():
+    ledger = PrivacyLedger(accountant="rdp", target_delta=1e-5, sampling="none")
+    strategy = _wrapper(z=1.0, m=3, ledger=ledger, uniform_sampling=False)
+    base_fraction = FedAvg(fraction_train=0.6, min_train_nodes=1, min_available_nodes=1)
+    strategy.strategy = base_fraction  # the wrapped strategy picks its 3 of 5 itself
+    messages = _configure(strategy)
+    strategy.aggregate_train(1, _replies(messages, [([0, 0], [0])] * 3))
+    (release,) = ledger.releases
+    assert release.sampling == "none" and "no amplification" in release.note
+    unsampled = dp_accounting.rdp.RdpAccountant()
+    unsampled.compose(dp_accounting.GaussianDpEvent(1.0))
+    assert ledger.epsilon() == pytest.approx(unsampled.get_epsilon(1e-5), rel=1e-2)
