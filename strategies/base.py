@@ -4,12 +4,15 @@ uniform sampling with the run's generator, and the signal to end a run early."""
 from __future__ import annotations
 
 import time
+from abc import ABC
+from collections.abc import Iterable
 from logging import INFO
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 from strategies import keys
 
@@ -20,6 +23,37 @@ class StopTraining(Exception):
 
 class InvalidReply(ValueError):
     """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""
+
+
+class TrainingWrapper(Strategy, ABC):
+    """A strategy around ``self.strategy`` that intercepts only the training half.
+
+    Evaluation is the wrapped strategy's; subclasses implement ``configure_train``,
+    ``aggregate_train`` and ``summary`` (ending with ``self.strategy.summary()``).
+    """
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's evaluation round."""
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """The wrapped strategy's evaluation metrics."""
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+
+def add_to_config(messages: Iterable[Message], extra: dict) -> list[Message]:
+    """Add ``extra`` to the train config of every message (each gets its own record)."""
+    messages = list(messages)
+    for message in messages:
+        message.content[keys.CONFIG] = ConfigRecord({**message.content[keys.CONFIG], **extra})
+    return messages
 
 
 class GridView:

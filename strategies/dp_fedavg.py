@@ -49,6 +49,8 @@ from strategies.base import (
     GridView,
     InvalidReply,
     StopTraining,
+    TrainingWrapper,
+    add_to_config,
     arrays_of,
     metrics_of,
     sample_uniform,
@@ -58,7 +60,7 @@ from strategies.base import (
 )
 
 
-class DPFedAvgFixed(Strategy):
+class DPFedAvgFixed(TrainingWrapper):
     """DP-FedAvg with a fixed clip norm around any strategy.
 
     Parameters
@@ -105,7 +107,7 @@ class DPFedAvgFixed(Strategy):
             raise ValueError("clip_norm and noise_multiplier must be > 0, m >= 1")
         if noise_site not in ("server", "client"):
             raise ValueError(f"noise_site must be 'server' or 'client', not {noise_site!r}")
-        self.strategy = strategy
+        super().__init__(strategy)
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
         self.num_sampled_clients = num_sampled_clients
@@ -191,9 +193,7 @@ class DPFedAvgFixed(Strategy):
                 f"the wrapped strategy configured {len(messages)} clients, DP-FedAvg needs "
                 f"exactly 'dp.num-sampled-clients' = {self.num_sampled_clients}"
             )
-        extra = self.client_config()
-        for message in messages:
-            message.content[keys.CONFIG] = ConfigRecord({**message.content[keys.CONFIG], **extra})
+        messages = add_to_config(messages, self.client_config())
         sent = {m.metadata.dst_node_id for m in messages}
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
@@ -260,12 +260,6 @@ class DPFedAvgFixed(Strategy):
         return {"dp-clip-norm": self.clip_norm}
 
     # -- evaluation and summary: the wrapped strategy's ---------------------------
-    def configure_evaluate(self, server_round, arrays, config, grid):
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
     def summary(self) -> None:
         """Log the DP settings, then the wrapped strategy's summary."""
         log(INFO, "\t├──> DP-FedAvg (%s):", type(self).__name__)

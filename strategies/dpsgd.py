@@ -20,10 +20,10 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import PrivacyLedger
 from strategies import keys
-from strategies.base import InvalidReply, metrics_of
+from strategies.base import InvalidReply, TrainingWrapper, add_to_config, metrics_of
 
 
-class DPSGDClients(Strategy):
+class DPSGDClients(TrainingWrapper):
     """Ask every sampled client for DP-SGD training; ledger its reported epsilon."""
 
     def __init__(
@@ -35,7 +35,7 @@ class DPSGDClients(Strategy):
         target_epsilon: float,
         ledger: PrivacyLedger,
     ) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.target_epsilon = target_epsilon
@@ -51,10 +51,9 @@ class DPSGDClients(Strategy):
             keys.DPSGD_TARGET_EPSILON: self.target_epsilon,
             keys.DPSGD_DELTA: self.ledger.target_delta,
         }
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        for message in messages:
-            message.content[keys.CONFIG] = ConfigRecord({**message.content[keys.CONFIG], **extra})
-        return messages
+        return add_to_config(
+            self.strategy.configure_train(server_round, arrays, config, grid), extra
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -87,12 +86,6 @@ class DPSGDClients(Strategy):
         if metrics is not None and reported:
             metrics[keys.LOCAL_EPSILON] = max(reported)  # the worst client, not the mean
         return arrays, metrics
-
-    def configure_evaluate(self, server_round, arrays, config, grid):
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
         """Log the DP-SGD settings, then the wrapped strategy's summary."""

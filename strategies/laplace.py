@@ -35,16 +35,24 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from privacy.accounting import PrivacyLedger, Release
 from privacy.mechanisms import LaplaceMechanism
 from strategies import keys
-from strategies.base import InvalidReply, StopTraining, arrays_of, to_record, unweighted
+from strategies.base import (
+    InvalidReply,
+    StopTraining,
+    TrainingWrapper,
+    add_to_config,
+    arrays_of,
+    to_record,
+    unweighted,
+)
 
 
-class LaplaceDP(Strategy):
+class LaplaceDP(TrainingWrapper):
     """Local Laplace noise on every client's clipped update, averaged unweighted."""
 
     def __init__(
         self, strategy: Strategy, *, sensitivity: float, epsilon: float, ledger: PrivacyLedger
     ) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.mechanism = LaplaceMechanism(sensitivity=sensitivity, epsilon=epsilon)
         self.ledger = ledger
         self._round_state: tuple[ArrayRecord, int] | None = None
@@ -77,13 +85,13 @@ class LaplaceDP(Strategy):
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f}); "
                 "nothing was sent"
             )
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         extra = {
             keys.LAPLACE_SENSITIVITY: self.mechanism.sensitivity,
             keys.LAPLACE_SCALE: self.mechanism.scale,
         }
-        for message in messages:
-            message.content[keys.CONFIG] = ConfigRecord({**message.content[keys.CONFIG], **extra})
+        messages = add_to_config(
+            self.strategy.configure_train(server_round, arrays, config, grid), extra
+        )
         self._round_state = (arrays, population)
         return messages
 
@@ -120,12 +128,6 @@ class LaplaceDP(Strategy):
         metrics = aggregate_metricrecords(contents, keys.NUM_EXAMPLES)
         metrics["dp-epsilon"] = self.ledger.epsilon()
         return new_arrays, metrics
-
-    def configure_evaluate(self, server_round, arrays, config, grid):
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
         """Log the mechanism, then the wrapped strategy's summary."""
