@@ -111,7 +111,7 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
     Option(
         "dp.secure-rng",
         False,
-        "Draw DP sampling and noise from the OS's CSPRNG (not reproducible).",
+        "Seed DP sampling and noise from the OS's CSPRNG (secret seed; not reproducible).",
     ),
     Option(
         "dp.target-quantile",
