@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from tasks.options import Option, parse_options
+from tasks.options import ConfigError, Option, parse_options
 
 SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
 
@@ -26,6 +26,8 @@ TRAIN_ACCURACY = "train-accuracy"
 LOCAL_EPSILON = "local-epsilon"  # sample-level epsilon a DP-SGD client reports
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
+TRAIN_REWARD = "train-reward"  # RL tasks: mean return of the episodes played in training
+EVAL_REWARD = "eval-reward"  # RL tasks: mean return of the evaluation episodes
 
 
 def local_seed(run_seed: int, server_round: int, partition_id: int) -> int:
@@ -35,6 +37,20 @@ def local_seed(run_seed: int, server_round: int, partition_id: int) -> int:
     """
     state = np.random.SeedSequence([run_seed, server_round, partition_id]).generate_state(1)
     return int(state[0])
+
+
+def resolve_device(choice: str, key: str) -> str:
+    """Map a ``*.device`` option (``cpu``, ``cuda``, ``auto``) named ``key`` to ``cpu`` or
+    ``cuda``; asking for CUDA on a machine without it is an error naming ``key``."""
+    available = torch.cuda.is_available()
+    if choice == "cuda" and not available:
+        raise ConfigError(
+            f"{key!r} = 'cuda' but CUDA is not available on this machine; "
+            "valid values here: 'auto', 'cpu'"
+        )
+    if choice == "auto":
+        return "cuda" if available else "cpu"
+    return choice
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,12 @@ class LocalTraining:
         This client's persistent state (JSON-serialisable), kept by the ClientApp
         between rounds; tasks read and update it in place (e.g. the DP-SGD
         accountant's history).
+    partition_id : int
+        The client's partition id (names its files).
+    artifacts_dir : str, optional
+        Directory for the client's own diagnostic files (e.g. PPO episode logs);
+        ``None``: write none. These files stay where the client runs: they are never
+        sent to the server and are not covered by any privacy mechanism.
     """
 
     server_round: int
@@ -90,6 +112,8 @@ class LocalTraining:
     proximal_mu: float = 0.0
     dp_sgd: DPSGD | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    partition_id: int = 0
+    artifacts_dir: str | None = None
 
 
 class Task(ABC):
@@ -102,9 +126,22 @@ class Task(ABC):
 
     name: ClassVar[str]
     OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    SUPPORTS_DP_SGD: ClassVar[bool] = True  # sample-level DP-SGD (Opacus) in train()
+    # What one client contributes: the unit a client-level epsilon protects.
+    PRIVACY_UNIT: ClassVar[str] = "one client's whole local dataset, in every round"
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         self.options = parse_options(run_config, self.OPTIONS)
+
+    def partition_from_node_config(self, node_config: Mapping[str, Any]) -> Any | None:
+        """The partition a real SuperNode describes in its ``node_config``, if it does
+        (e.g. an RL client's environment); ``None``: use ``load_partition``."""
+        return None
+
+    def num_partitions(self) -> int | None:
+        """The number of clients this task's configuration defines, or ``None`` when
+        it splits its data among any number of clients."""
+        return None
 
     @abstractmethod
     def build_model(self, seed: int) -> torch.nn.Module:

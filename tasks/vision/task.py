@@ -28,6 +28,7 @@ from tasks.base import (
     TRAIN_LOSS,
     LocalTraining,
     Task,
+    resolve_device,
 )
 from tasks.dpsgd import (
     HISTORY_KEY,
@@ -118,19 +119,6 @@ class VisionConfig:
         )
 
 
-def resolve_device(choice: str) -> str:
-    """Map ``train.device`` to ``cpu`` or ``cuda``; asking for missing CUDA is an error."""
-    available = torch.cuda.is_available()
-    if choice == "cuda" and not available:
-        raise ConfigError(
-            "'train.device' = 'cuda' but CUDA is not available on this machine; "
-            "valid values here: 'auto', 'cpu'"
-        )
-    if choice == "auto":
-        return "cuda" if available else "cpu"
-    return choice
-
-
 def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> TensorSplit:
     """The split to evaluate on: a partition's local test split, or the central test set."""
     if isinstance(data, ClientPartition | CentralTestSet):
@@ -219,7 +207,7 @@ class ImageClassificationTask(Task):
             lr=float(opts["train.lr"]),
             momentum=float(opts["train.momentum"]),
             weight_decay=float(opts["train.weight-decay"]),
-            device=resolve_device(str(opts["train.device"])),
+            device=resolve_device(str(opts["train.device"]), "train.device"),
             seed=int(seed),
         )
         self._check_classes_per_client()
