@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from tasks.base import Task
+from tasks.lunar_lander import LunarLanderTask
 from tasks.options import ConfigError
 from tasks.vision import CIFAR10Task, DigitsTask, EMNISTTask, MNISTTask
 
 REGISTRY: dict[str, type[Task]] = {
-    cls.name: cls for cls in (DigitsTask, MNISTTask, CIFAR10Task, EMNISTTask)
+    cls.name: cls for cls in (DigitsTask, MNISTTask, CIFAR10Task, EMNISTTask, LunarLanderTask)
 }
 
 

@@ -1,0 +1,281 @@
+"""Local PPO (Schulman et al., 2017, "Proximal Policy Optimization Algorithms") with
+Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
+``n_envs`` copies of the client's environment, plus what federating it needs.
+
+* :func:`build_policy`: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy,
+  default ``net_arch``) for LunarLander's spaces. Only its ``state_dict()`` (the
+  policy and value networks) travels; PPO's Adam state never does.
+* :func:`train_ppo`: one round of local PPO from the received weights.
+* :func:`proximal_gradient_hooks`: the FedProx term (Li et al., 2020) inside SB3's
+  own update.
+* :class:`WeightStorageCallback`: seed 000's callback (episodes and weight snapshots).
+* :func:`evaluate_episodes`: deterministic evaluation episodes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+
+import gymnasium as gym
+import numpy as np
+import torch
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.logger import Logger
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
+
+from tasks.lunar_lander.clients import ENV_ID, ClientEnv, make_env
+from tasks.proximal import snapshot_parameters
+
+POLICY = "MlpPolicy"
+VEC_ENVS = {"dummy": DummyVecEnv, "subproc": SubprocVecEnv}
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """Local PPO settings of one client round (``ppo.*`` run-config keys)."""
+
+    local_steps: int
+    """``ppo.local-steps``: env steps per client per round (whole rollouts: rounded up)."""
+    n_envs: int
+    """``ppo.n-envs``: parallel copies of the client's environment."""
+    vec_env: str
+    """``ppo.vec-env``: ``dummy`` (one process) or ``subproc`` (one process per copy)."""
+    learning_rate: float
+    """``ppo.learning-rate``: Adam learning rate."""
+    n_steps: int
+    """``ppo.n-steps``: steps per environment copy per rollout."""
+    batch_size: int
+    """``ppo.batch-size``: minibatch size."""
+    n_epochs: int
+    """``ppo.n-epochs``: passes over each rollout."""
+    gamma: float
+    """``ppo.gamma``: discount factor."""
+    gae_lambda: float
+    """``ppo.gae-lambda``: GAE lambda."""
+    clip_range: float
+    """``ppo.clip-range``: PPO's ratio clip epsilon."""
+    ent_coef: float
+    """``ppo.ent-coef``: entropy bonus weight."""
+    vf_coef: float
+    """``ppo.vf-coef``: value loss weight."""
+    max_grad_norm: float
+    """``ppo.max-grad-norm``: gradient clipping norm."""
+    check_freq: int
+    """``ppo.check-freq``: env steps between weight snapshots."""
+    device: str
+    """``ppo.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
+
+    @property
+    def rollout_size(self) -> int:
+        """Env steps per PPO rollout, ``n_steps * n_envs`` (derived)."""
+        return self.n_steps * self.n_envs
+
+    def ppo_kwargs(self) -> dict[str, float | int]:
+        """The hyperparameters SB3's ``PPO`` constructor takes."""
+        return {
+            "learning_rate": self.learning_rate,
+            "n_steps": self.n_steps,
+            "batch_size": self.batch_size,
+            "n_epochs": self.n_epochs,
+            "gamma": self.gamma,
+            "gae_lambda": self.gae_lambda,
+            "clip_range": self.clip_range,
+            "ent_coef": self.ent_coef,
+            "vf_coef": self.vf_coef,
+            "max_grad_norm": self.max_grad_norm,
+        }
+
+
+def _constant_learning_rate(_progress_remaining: float) -> float:
+    return 3e-4  # only sizes the policy's own (unused) optimizer; PPO builds its own
+
+
+@lru_cache(maxsize=1)
+def policy_spaces() -> tuple[gym.Space, gym.Space]:
+    """LunarLander-v3's observation and action spaces (the same on every planet)."""
+    env = gym.make(ENV_ID)
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
+def build_policy(seed: int) -> ActorCriticPolicy:
+    """SB3's MlpPolicy for LunarLander, weights drawn from ``seed`` (global RNG untouched)."""
+    observation_space, action_space = policy_spaces()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PPO.policy_aliases[POLICY](observation_space, action_space, _constant_learning_rate)
+
+
+def flatten_state_dict(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
+    """All tensors of ``state_dict``, flattened in key order, as one float32 vector."""
+    return np.concatenate(
+        [t.detach().cpu().reshape(-1).to(torch.float32).numpy() for t in state_dict.values()]
+    )
+
+
+def _add_proximal_gradient(
+    param: torch.Tensor, anchor: torch.Tensor, mu: float, grad: torch.Tensor
+) -> torch.Tensor:
+    return grad + mu * (param.detach() - anchor)
+
+
+@contextmanager
+def proximal_gradient_hooks(module: torch.nn.Module, mu: float) -> Iterator[None]:
+    """While active, every gradient of ``module``'s trainable parameters gets
+    ``mu * (w - w_global)`` added, ``w_global`` being the weights on entry.
+
+    That is exactly the gradient of the FedProx term ``(mu/2)||w - w_global||^2``
+    (Li et al., 2020, eq. 2), so a backward pass of PPO's loss yields the gradient of
+    PPO's loss + the proximal term. Tensor hooks run inside ``loss.backward()``,
+    i.e. before SB3 clips the gradient norm and steps Adam, just as if the term were
+    part of SB3's loss; a callback runs between rollouts and could not do this. A
+    leaf's hook fires once per backward pass with its summed gradient; every
+    parameter of the actor-critic gets a gradient from PPO's loss, so every one gets
+    the term. ``mu <= 0`` registers nothing.
+    """
+    if mu <= 0:
+        yield
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    anchors = snapshot_parameters(module)
+    handles = [
+        p.register_hook(partial(_add_proximal_gradient, p, anchor, mu))
+        for p, anchor in zip(params, anchors, strict=True)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class WeightStorageCallback(BaseCallback):
+    """Seed 000's ``WeightStorageCallback``: every finished episode and a snapshot of
+    the policy weights every ``check_freq`` env steps.
+
+    Steps are the client's cumulative env steps: ``start_step`` (steps of earlier
+    rounds) + SB3's ``num_timesteps`` (all env copies). A snapshot is taken each time
+    the cumulative count passes a multiple of ``check_freq``.
+    """
+
+    def __init__(self, check_freq: int, start_step: int = 0) -> None:
+        super().__init__(verbose=0)
+        self.check_freq = check_freq
+        self.start_step = start_step
+        self._last_step = start_step
+        self.episode_rewards: list[float] = []
+        self.episode_lengths: list[int] = []
+        self.episode_end_steps: list[int] = []
+        self.weight_steps: list[int] = []
+        self.weights: list[np.ndarray] = []
+
+    def _on_step(self) -> bool:
+        step = self.start_step + self.num_timesteps
+        for info in self.locals["infos"]:
+            episode = info.get("episode")  # set by the Monitor wrapper at episode end
+            if episode is not None:
+                self.episode_rewards.append(float(episode["r"]))
+                self.episode_lengths.append(int(episode["l"]))
+                self.episode_end_steps.append(step)
+        if step // self.check_freq > self._last_step // self.check_freq:
+            self.weight_steps.append(step)
+            self.weights.append(flatten_state_dict(self.model.policy.state_dict()))
+        self._last_step = step
+        return True
+
+
+@dataclass
+class LocalPPOResult:
+    """What one round of local PPO produced (the policy itself is updated in place)."""
+
+    timesteps: int
+    """Env steps taken (whole rollouts, so possibly more than asked)."""
+    train_values: dict[str, float]
+    """SB3's ``train/*`` values of the last PPO update (``train/loss``, ...)."""
+    log: WeightStorageCallback = field(repr=False)
+    """Episodes and weight snapshots of the round."""
+
+
+@contextmanager
+def preserved_global_rngs(cuda: bool = False) -> Iterator[None]:
+    """Restore Python's, numpy's and torch's global RNGs on exit (SB3 seeds them all)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def train_ppo(
+    policy: torch.nn.Module,
+    client: ClientEnv,
+    cfg: PPOConfig,
+    *,
+    seed: int,
+    proximal_mu: float = 0.0,
+    start_step: int = 0,
+) -> LocalPPOResult:
+    """Train ``policy`` (in place) with ``cfg.local_steps`` env steps of PPO on ``client``.
+
+    A fresh SB3 ``PPO`` (seeded with ``seed``; env copy ``i`` seeded ``seed + i``)
+    loads the received weights, so Adam's moments start from zero every round:
+    optimizer state is neither federated nor kept between rounds. The environments
+    are closed whatever happens; global RNGs are restored on return.
+    """
+    vec_env = make_vec_env(
+        partial(make_env, client), n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env]
+    )
+    try:
+        with preserved_global_rngs(cuda=cfg.device == "cuda"):
+            ppo = PPO(POLICY, vec_env, seed=seed, device=cfg.device, verbose=0, **cfg.ppo_kwargs())
+            # No output formats: nothing printed; the last update's values stay in
+            # name_to_value because SB3 dumps the logs before each update, not after.
+            ppo.set_logger(Logger(folder=None, output_formats=[]))
+            ppo.policy.load_state_dict(policy.state_dict(), strict=True)
+            log = WeightStorageCallback(cfg.check_freq, start_step)
+            with proximal_gradient_hooks(ppo.policy, proximal_mu):
+                ppo.learn(total_timesteps=cfg.local_steps, callback=log)
+        policy.load_state_dict(ppo.policy.state_dict(), strict=True)
+    finally:
+        vec_env.close()
+    values = {
+        key: float(value)
+        for key, value in ppo.logger.name_to_value.items()
+        if key.startswith("train/")
+    }
+    return LocalPPOResult(timesteps=int(ppo.num_timesteps), train_values=values, log=log)
+
+
+def _monitored_env(client: ClientEnv) -> gym.Env:
+    return Monitor(make_env(client))
+
+
+def evaluate_episodes(
+    policy: ActorCriticPolicy, client: ClientEnv, episodes: int, seed: int
+) -> tuple[list[float], list[int]]:
+    """Returns and lengths of ``episodes`` deterministic episodes of ``policy`` on
+    ``client``'s environment, reset with ``seed`` (reproducible)."""
+    env = DummyVecEnv([partial(_monitored_env, client)])
+    env.seed(seed)
+    try:
+        rewards, lengths = evaluate_policy(
+            policy, env, n_eval_episodes=episodes, deterministic=True,
+            return_episode_rewards=True,
+        )  # fmt: skip
+    finally:
+        env.close()
+    return [float(r) for r in rewards], [int(n) for n in lengths]

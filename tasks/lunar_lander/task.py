@@ -1,0 +1,286 @@
+"""Federated PPO on LunarLander-v3 across planets (seed 000): each client is one
+environment (moon, earth or mars gravity, its own wind), trains SB3's PPO locally
+from the global policy and sends the policy's weights back.
+
+The model is SB3's ``ActorCriticPolicy`` (MlpPolicy); a partition is a
+:class:`~tasks.lunar_lander.clients.ClientEnv`; the central "test set" is the three
+base environments. FedProx's proximal term enters through gradient hooks
+(:func:`~tasks.lunar_lander.ppo.proximal_gradient_hooks`); sample-level DP-SGD is not
+supported (client-level mechanisms, e.g. ``privacy='laplace'``, are).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tasks.base import (
+    EVAL_REWARD,
+    NUM_EXAMPLES,
+    SEED,
+    TRAIN_LOSS,
+    TRAIN_REWARD,
+    LocalTraining,
+    Task,
+    resolve_device,
+)
+from tasks.lunar_lander.clients import (
+    TURBULENCE_POWER_RANGE,
+    WIND_POWER_RANGE,
+    ClientEnv,
+    client_from_node_config,
+    client_table,
+)
+from tasks.lunar_lander.logs import ClientRoundLog
+from tasks.lunar_lander.ppo import (
+    VEC_ENVS,
+    LocalPPOResult,
+    PPOConfig,
+    build_policy,
+    evaluate_episodes,
+    train_ppo,
+)
+from tasks.options import ConfigError, Option
+
+TIMESTEPS_KEY = "ppo-timesteps"  # the client's cumulative env steps, in its persistent state
+EVAL_STREAM = 0xE7A1  # seed stream of the evaluation episodes
+TRAIN_EPISODES = "train-episodes"
+TRAIN_ENTROPY_LOSS = "train-entropy-loss"
+TRAIN_APPROX_KL = "train-approx-kl"
+EVAL_REWARD_STD = "eval-reward-std"
+EVAL_LENGTH = "eval-length"
+
+WIND_LOW, WIND_HIGH = WIND_POWER_RANGE
+TURBULENCE_LOW, TURBULENCE_HIGH = TURBULENCE_POWER_RANGE
+LUNAR_OPTIONS: tuple[Option, ...] = (
+    Option("ppo.local-steps", 50000,
+           "Env steps per client per round (whole rollouts: rounded up to n-steps x n-envs).",
+           low=1),
+    Option("ppo.n-envs", 4, "Parallel copies of the client's environment.", low=1),
+    Option("ppo.vec-env", "dummy", "Vectorisation: `dummy` (one process) or `subproc`.",
+           choices=tuple(VEC_ENVS)),
+    Option("ppo.learning-rate", 3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True),
+    Option("ppo.n-steps", 2048, "Steps per environment copy per PPO rollout.", low=1),
+    Option("ppo.batch-size", 64, "PPO minibatch size.", low=1, low_open=True),
+    Option("ppo.n-epochs", 10, "PPO passes over each rollout.", low=1),
+    Option("ppo.gamma", 0.99, "Discount factor.", low=0.0, high=1.0),
+    Option("ppo.gae-lambda", 0.95, "GAE lambda.", low=0.0, high=1.0),
+    Option("ppo.clip-range", 0.2, "PPO's probability-ratio clip range.", low=0.0, low_open=True),
+    Option("ppo.ent-coef", 0.0, "Entropy bonus coefficient.", low=0.0),
+    Option("ppo.vf-coef", 0.5, "Value loss coefficient.", low=0.0),
+    Option("ppo.max-grad-norm", 0.5, "Gradient norm clip of each PPO update.",
+           low=0.0, low_open=True),
+    Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
+           low=1),
+    Option("ppo.eval-episodes", 10, "Deterministic evaluation episodes per environment.",
+           low=1),
+    Option("ppo.derived-per-base", 10,
+           "Derived clients per planet (random wind); the run has 3 + 3 x this many clients.",
+           low=0),
+    Option("ppo.base-wind-power", 0.5, "Wind power of the three base clients (0: no wind).",
+           low=WIND_LOW, high=WIND_HIGH),
+    Option("ppo.max-wind-power", 15.0, "Derived clients draw their wind power from [0, this].",
+           low=WIND_LOW, high=WIND_HIGH),
+    Option("ppo.turbulence-power", 1.5, "Rotational turbulence of every windy environment.",
+           low=TURBULENCE_LOW, high=TURBULENCE_HIGH),
+    Option("ppo.device", "cpu", "Device of local PPO; `auto`: cuda when available.",
+           choices=("cpu", "cuda", "auto")),
+)  # fmt: skip
+
+
+def episode_stats(rewards: Sequence[float], lengths: Sequence[int]) -> dict[str, float]:
+    """``num-examples`` (episodes), mean and std of the returns, mean length."""
+    return {
+        NUM_EXAMPLES: len(rewards),
+        EVAL_REWARD: float(np.mean(rewards)),
+        EVAL_REWARD_STD: float(np.std(rewards)),
+        EVAL_LENGTH: float(np.mean(lengths)),
+    }
+
+
+class LunarLanderTask(Task):
+    """PPO on LunarLander-v3, one environment per client (seed 000).
+
+    Options: :data:`LUNAR_OPTIONS` (``ppo.*``) plus the top-level ``seed``, which
+    also draws the derived clients' winds (:func:`client_table`). ``self.clients``
+    is the client table; partition ``i`` is ``self.clients[i]``, unless the
+    SuperNode's ``node_config`` names a ``planet``.
+    """
+
+    name = "lunar-lander"
+    OPTIONS: ClassVar[tuple[Option, ...]] = LUNAR_OPTIONS
+    SUPPORTS_DP_SGD: ClassVar[bool] = False
+    PRIVACY_UNIT: ClassVar[str] = (
+        "one client's whole environment interaction (every episode it plays, in every round)"
+    )
+
+    def __init__(self, run_config: Mapping[str, Any]) -> None:
+        super().__init__(run_config)
+        opts = self.options
+        self.seed = int(SEED.parse(run_config.get(SEED.key, SEED.default)))
+        n_steps, n_envs = int(opts["ppo.n-steps"]), int(opts["ppo.n-envs"])
+        if n_steps * n_envs <= 1:
+            raise ConfigError(
+                f"'ppo.n-steps' x 'ppo.n-envs' = {n_steps} x {n_envs} must be > 1 "
+                "(PPO normalises advantages over the rollout)"
+            )
+        self.config = PPOConfig(
+            local_steps=int(opts["ppo.local-steps"]),
+            n_envs=n_envs,
+            vec_env=str(opts["ppo.vec-env"]),
+            learning_rate=float(opts["ppo.learning-rate"]),
+            n_steps=n_steps,
+            batch_size=int(opts["ppo.batch-size"]),
+            n_epochs=int(opts["ppo.n-epochs"]),
+            gamma=float(opts["ppo.gamma"]),
+            gae_lambda=float(opts["ppo.gae-lambda"]),
+            clip_range=float(opts["ppo.clip-range"]),
+            ent_coef=float(opts["ppo.ent-coef"]),
+            vf_coef=float(opts["ppo.vf-coef"]),
+            max_grad_norm=float(opts["ppo.max-grad-norm"]),
+            check_freq=int(opts["ppo.check-freq"]),
+            device=resolve_device(str(opts["ppo.device"]), "ppo.device"),
+        )
+        self.eval_episodes = int(opts["ppo.eval-episodes"])
+        self.clients = client_table(
+            self.seed,
+            derived_per_base=int(opts["ppo.derived-per-base"]),
+            base_wind_power=float(opts["ppo.base-wind-power"]),
+            max_wind_power=float(opts["ppo.max-wind-power"]),
+            turbulence_power=float(opts["ppo.turbulence-power"]),
+        )
+
+    def num_partitions(self) -> int:
+        """The size of the client table: 3 + 3 x ``ppo.derived-per-base``."""
+        return len(self.clients)
+
+    def partition_from_node_config(self, node_config: Mapping[str, Any]) -> ClientEnv | None:
+        """The environment a SuperNode's ``node_config`` names (``planet=...``), if any."""
+        return client_from_node_config(
+            node_config,
+            default_wind_power=float(self.options["ppo.base-wind-power"]),
+            turbulence_power=float(self.options["ppo.turbulence-power"]),
+        )
+
+    def build_model(self, seed: int) -> torch.nn.Module:
+        """SB3's MlpPolicy (actor-critic) for LunarLander, weights drawn from ``seed``."""
+        return build_policy(seed)
+
+    def load_partition(self, partition_id: int, num_partitions: int) -> ClientEnv:
+        """Client ``partition_id``'s environment; the table fixes ``num_partitions``."""
+        size = len(self.clients)
+        if num_partitions != size:
+            derived = self.options["ppo.derived-per-base"]
+            raise ValueError(
+                f"lunar-lander defines {size} clients (3 planets + 3 x ppo.derived-per-base="
+                f"{derived} derived ones) but the federation has num-partitions="
+                f"{num_partitions}; start {size} SuperNodes (simulation: --federation-config "
+                f'"num-supernodes={size}") or set ppo.derived-per-base so that '
+                f"3 + 3 x ppo.derived-per-base = {num_partitions}"
+            )
+        if not 0 <= partition_id < size:
+            raise ValueError(f"partition-id {partition_id} is not in [0, {size})")
+        return self.clients[partition_id]
+
+    def load_central_test(self) -> tuple[ClientEnv, ...]:
+        """The three base environments (moon-00, earth-00, mars-00)."""
+        return self.clients[:3]
+
+    def train(
+        self, model: torch.nn.Module, partition: ClientEnv, local: LocalTraining
+    ) -> dict[str, float]:
+        """``ppo.local-steps`` env steps of PPO on the client's environment, in place.
+
+        PPO, its Adam optimizer and the environments are fresh every round (optimizer
+        state is not federated and not kept); the received weights are the FedProx
+        anchor. ``local.state["ppo-timesteps"]`` accumulates the client's env steps;
+        with ``local.artifacts_dir`` the round's episodes and weight snapshots are
+        written there (:class:`~tasks.lunar_lander.logs.ClientRoundLog`).
+        """
+        if local.dp_sgd is not None:
+            raise ValueError(
+                "lunar-lander does not support dp-sgd (sample-level DP-SGD needs "
+                "independent training examples, PPO's are correlated transitions); "
+                "use a client-level mechanism instead, e.g. privacy='laplace' or "
+                "'dp-fedavg-fixed'"
+            )
+        start_step = int(local.state.get(TIMESTEPS_KEY, 0))
+        result = train_ppo(
+            model, partition, self.config, seed=local.seed,
+            proximal_mu=local.proximal_mu, start_step=start_step,
+        )  # fmt: skip
+        local.state[TIMESTEPS_KEY] = start_step + result.timesteps
+        if local.artifacts_dir is not None:
+            self._round_log(partition, local, result).save(local.artifacts_dir)
+        rewards = result.log.episode_rewards
+        values = result.train_values
+        return {
+            NUM_EXAMPLES: result.timesteps,
+            TRAIN_LOSS: values.get("train/loss", float("nan")),
+            TRAIN_REWARD: float(np.mean(rewards)) if rewards else float("nan"),
+            TRAIN_EPISODES: len(rewards),
+            TRAIN_ENTROPY_LOSS: values.get("train/entropy_loss", float("nan")),
+            TRAIN_APPROX_KL: values.get("train/approx_kl", float("nan")),
+        }
+
+    def _round_log(
+        self, client: ClientEnv, local: LocalTraining, result: LocalPPOResult
+    ) -> ClientRoundLog:
+        log = result.log
+        return ClientRoundLog(
+            label=client.label,
+            planet=client.planet,
+            gravity=client.gravity,
+            wind_power=client.wind_power,
+            partition_id=local.partition_id,
+            server_round=local.server_round,
+            rollout_size=self.config.rollout_size,
+            episode_rewards=log.episode_rewards,
+            episode_lengths=log.episode_lengths,
+            episode_end_steps=log.episode_end_steps,
+            weight_steps=log.weight_steps,
+            weights=log.weights,
+        )
+
+    def _eval_seed(self, index: int) -> int:
+        """Seed of the evaluation episodes on environment ``index`` (run seed derived)."""
+        state = np.random.SeedSequence([self.seed, EVAL_STREAM, index]).generate_state(1)
+        return int(state[0])
+
+    def evaluate(
+        self, model: torch.nn.Module, data: ClientEnv | Sequence[ClientEnv]
+    ) -> dict[str, float]:
+        """``ppo.eval-episodes`` deterministic episodes per environment.
+
+        ``data`` is a client's environment (federated evaluation) or several
+        (central evaluation: the metrics over all episodes plus
+        ``eval-reward-<planet>`` and ``eval-reward-std-<planet>``). Episodes of the
+        environment at table position ``i`` (position in ``data`` for a sequence)
+        are seeded from the run seed and ``i``: results are reproducible.
+        """
+        if isinstance(data, ClientEnv):
+            index = self.clients.index(data) if data in self.clients else 0
+            return episode_stats(*self._episodes(model, data, index))
+        if not data or not all(isinstance(env, ClientEnv) for env in data):
+            raise TypeError("evaluate() takes a ClientEnv or a non-empty sequence of them")
+        rewards, lengths = [], []
+        by_planet: dict[str, list[float]] = defaultdict(list)
+        for index, env in enumerate(data):
+            env_rewards, env_lengths = self._episodes(model, env, index)
+            rewards += env_rewards
+            lengths += env_lengths
+            by_planet[env.planet] += env_rewards
+        metrics = episode_stats(rewards, lengths)
+        for planet, planet_rewards in by_planet.items():
+            metrics[f"{EVAL_REWARD}-{planet}"] = float(np.mean(planet_rewards))
+            metrics[f"{EVAL_REWARD_STD}-{planet}"] = float(np.std(planet_rewards))
+        return metrics
+
+    def _episodes(
+        self, model: torch.nn.Module, env: ClientEnv, index: int
+    ) -> tuple[list[float], list[int]]:
+        return evaluate_episodes(model, env, self.eval_episodes, self._eval_seed(index))

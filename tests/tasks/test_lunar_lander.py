@@ -1,0 +1,498 @@
+"""Federated PPO on LunarLander (seed 000) without Flower: client table, node-config
+environments, policy weights, the FedProx hooks, tiny local PPO rounds, evaluation
+and options.
+
+Local training runs SB3's real PPO on tiny budgets (256 env steps, one update
+epoch): well under a second per round on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord
+
+from tasks.base import DPSGD, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
+from tasks.lunar_lander import ClientEnv, LunarLanderTask, client_from_node_config, client_table
+from tasks.lunar_lander.clients import PLANETS
+from tasks.lunar_lander.logs import ClientRoundLog, load_episodes, load_snapshots
+from tasks.lunar_lander.ppo import build_policy, flatten_state_dict, proximal_gradient_hooks
+from tasks.options import ConfigError
+from tasks.proximal import proximal_term
+
+TRAIN_KEYS = {
+    NUM_EXAMPLES,
+    TRAIN_LOSS,
+    "train-reward",
+    "train-episodes",
+    "train-entropy-loss",
+    "train-approx-kl",
+}
+EVAL_KEYS = {NUM_EXAMPLES, "eval-reward", "eval-reward-std", "eval-length"}
+# Rollouts of 2 envs x 64 steps = 128 env steps; 256 local steps = 2 rollouts, 2 updates.
+TINY = {
+    "seed": 3,
+    "ppo.derived-per-base": 1,
+    "ppo.n-steps": 64,
+    "ppo.n-envs": 2,
+    "ppo.batch-size": 64,
+    "ppo.n-epochs": 1,
+    "ppo.local-steps": 256,
+    "ppo.check-freq": 64,
+    "ppo.eval-episodes": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def task() -> LunarLanderTask:
+    return LunarLanderTask(TINY)
+
+
+@pytest.fixture(scope="module")
+def earth(task) -> ClientEnv:
+    return task.clients[1]  # earth-00: heavy gravity, episodes end within ~100 steps
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- client table
+
+
+def test_client_table_lists_base_clients_then_derived_ones_per_planet():
+    # Execute
+    table = client_table(seed=0, derived_per_base=2, max_wind_power=15.0)
+
+    # Assert
+    assert [c.label for c in table] == [
+        "moon-00", "earth-00", "mars-00",
+        "moon-01", "moon-02", "earth-01", "earth-02", "mars-01", "mars-02",
+    ]  # fmt: skip
+    assert [(c.planet, c.gravity) for c in table[:3]] == [
+        ("moon", -1.6), ("earth", -9.8), ("mars", -3.73)
+    ]  # fmt: skip
+    assert all(c.wind_power == 0.5 and c.enable_wind for c in table[:3])
+    assert all(c.gravity == PLANETS[c.planet] for c in table)
+    assert all(0.0 <= c.wind_power <= 15.0 for c in table[3:])
+    assert all(c.enable_wind is (c.wind_power > 0) for c in table)
+    assert all(c.turbulence_power == 1.5 for c in table)
+
+
+def test_client_table_is_reproducible_from_the_seed_alone():
+    # Execute
+    first, again = client_table(seed=7), client_table(seed=7)
+    other = client_table(seed=8)
+
+    # Assert
+    assert first == again
+    assert len(first) == 33  # seed 000: 3 base clients + 10 derived per planet
+    assert first[:3] == other[:3]
+    assert [c.wind_power for c in first[3:]] != [c.wind_power for c in other[3:]]
+    assert len({c.wind_power for c in first[3:]}) == 30
+
+
+def test_client_table_draws_winds_in_the_configured_range():
+    # Execute
+    table = client_table(seed=1, derived_per_base=50, base_wind_power=0.0, max_wind_power=2.0)
+
+    # Assert
+    winds = np.array([c.wind_power for c in table[3:]])
+    assert winds.min() >= 0.0 and winds.max() <= 2.0
+    assert winds.max() > 1.5 and winds.min() < 0.5  # uniform over [0, 2], 150 draws
+    assert not any(c.enable_wind for c in table[:3])  # wind power 0: no wind
+
+
+def test_task_has_one_partition_per_table_entry():
+    # Prepare
+    task = LunarLanderTask({"seed": 5, "ppo.derived-per-base": 2})
+
+    # Execute
+    partitions = [task.load_partition(i, 9) for i in range(9)]
+
+    # Assert
+    assert task.num_partitions() == 9
+    assert tuple(partitions) == task.clients == client_table(5, derived_per_base=2)
+    assert task.load_central_test() == task.clients[:3]
+    assert LunarLanderTask({}).num_partitions() == 33
+
+
+def test_partition_count_mismatch_says_how_many_supernodes_to_start():
+    # Prepare
+    task = LunarLanderTask({"ppo.derived-per-base": 0})
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match=r"ppo\.derived-per-base") as err:
+        task.load_partition(0, 5)
+    message = str(err.value)
+    assert "3 clients" in message and "num-partitions=5" in message
+    assert '"num-supernodes=3"' in message
+
+
+# ---------------------------------------------------------------- node config
+
+
+def test_node_config_defines_the_clients_environment():
+    # Execute
+    env = client_from_node_config(
+        {"planet": "mars", "gravity": -4, "wind-power": 2.5, "label": "lab-mars"},
+        turbulence_power=0.5,
+    )
+    default = client_from_node_config({"planet": "moon", "partition-id": 4})
+
+    # Assert
+    assert env == ClientEnv("lab-mars", "mars", -4.0, 2.5, True, 0.5)
+    assert default == ClientEnv("moon-node-04", "moon", -1.6, 0.5, True, 1.5)
+    assert client_from_node_config({"partition-id": 0, "num-partitions": 3}) is None
+
+
+def test_task_reads_node_config_with_its_own_wind_options():
+    # Prepare
+    task = LunarLanderTask({"ppo.base-wind-power": 0.0, "ppo.turbulence-power": 1.0})
+
+    # Execute
+    env = task.partition_from_node_config({"planet": "earth", "label": "e1"})
+
+    # Assert
+    assert env == ClientEnv("e1", "earth", -9.8, 0.0, False, 1.0)
+    assert task.partition_from_node_config({"partition-id": 1}) is None
+
+
+@pytest.mark.parametrize(
+    ("node_config", "match"),
+    [
+        ({"planet": "venus"}, r"'planet' = 'venus'.*'moon', 'earth', 'mars'"),
+        ({"planet": "moon", "gravity": -12.0}, r"'gravity' = -12\.0.*\(-12, 0\)"),
+        ({"planet": "moon", "gravity": 0}, r"'gravity' = 0\.0.*\(-12, 0\)"),
+        ({"planet": "moon", "gravity": "low"}, r"'gravity' must be a finite number"),
+        ({"planet": "moon", "wind-power": 25.0}, r"'wind-power' = 25\.0.*\[0, 20\]"),
+        ({"planet": "moon", "label": "../x"}, r"'label'"),
+    ],
+)
+def test_invalid_node_config_is_rejected(node_config, match):
+    with pytest.raises(ConfigError, match=match):
+        client_from_node_config(node_config)
+
+
+# ---------------------------------------------------------------- model
+
+
+def test_build_model_is_deterministic_for_a_seed_and_leaves_the_global_rng(task):
+    # Prepare
+    rng_before = torch.get_rng_state()
+
+    # Execute
+    first, again, other = task.build_model(11), task.build_model(11), task.build_model(12)
+
+    # Assert
+    assert _same_weights(_weights(first), _weights(again))
+    assert not _same_weights(_weights(first), _weights(other))
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert sum(t.numel() for t in first.state_dict().values()) == 9797  # 8-64-64-{4,1} x2
+
+
+def test_policy_weights_round_trip_through_array_record_bit_exactly(task):
+    # Prepare
+    state = task.build_model(0).state_dict()
+
+    # Execute
+    back = ArrayRecord(state).to_torch_state_dict()
+
+    # Assert
+    assert list(back) == list(state)
+    for key, tensor in state.items():
+        assert back[key].dtype == tensor.dtype == torch.float32
+        assert torch.equal(back[key], tensor)
+    task.build_model(1).load_state_dict(back, strict=True)
+
+
+# ---------------------------------------------------------------- FedProx hooks
+
+
+def _ppo_like_loss(policy: torch.nn.Module) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    observations = torch.randn(6, 8, generator=generator)
+    actions = torch.tensor([0, 1, 2, 3, 2, 1])
+    values, log_prob, entropy = policy.evaluate_actions(observations, actions)
+    return -(log_prob * torch.linspace(-1, 1, 6)).mean() + values.pow(2).mean() - entropy.mean()
+
+
+def _gradients(policy: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    policy.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in policy.parameters()]
+
+
+def _drift(policy: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+
+
+def test_proximal_hooks_add_the_gradient_of_the_proximal_term():
+    # Prepare
+    policy, mu = build_policy(0), 0.7
+    anchor = [p.detach().clone() for p in policy.parameters()]
+    plain_policy = build_policy(0)
+
+    # Execute: hooks anchored at the start weights, then the weights drift
+    with proximal_gradient_hooks(policy, mu):
+        _drift(policy)
+        hooked = _gradients(policy, _ppo_like_loss(policy))
+    _drift(plain_policy)
+    expected = _gradients(plain_policy, _ppo_like_loss(plain_policy)
+                          + proximal_term(plain_policy, anchor, mu))  # fmt: skip
+    plain = _gradients(plain_policy, _ppo_like_loss(plain_policy))
+
+    # Assert
+    for got, want in zip(hooked, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    assert not all(torch.allclose(g, p) for g, p in zip(hooked, plain, strict=True))
+    # the hooks are gone after the block
+    after = _gradients(policy, _ppo_like_loss(policy))
+    assert all(torch.equal(a, p) for a, p in zip(after, plain, strict=True))
+
+
+def test_proximal_hooks_with_mu_zero_leave_gradients_unchanged():
+    # Prepare
+    policy = build_policy(0)
+    _drift(policy)
+    plain = _gradients(policy, _ppo_like_loss(policy))
+
+    # Execute
+    with proximal_gradient_hooks(policy, 0.0):
+        _drift(policy)
+        _drift(policy)  # any drift: no term
+        hooked = _gradients(policy, _ppo_like_loss(policy))
+    policy_again = build_policy(0)
+    for _ in range(3):
+        _drift(policy_again)
+    reference = _gradients(policy_again, _ppo_like_loss(policy_again))
+
+    # Assert
+    assert all(torch.equal(h, r) for h, r in zip(hooked, reference, strict=True))
+    assert not all(torch.equal(h, p) for h, p in zip(hooked, plain, strict=True))
+
+
+# ---------------------------------------------------------------- local training
+
+
+@pytest.fixture(scope="module")
+def two_rounds(task, earth, tmp_path_factory):
+    """Two rounds of local PPO of one client, with logs; returns what they produced."""
+    out = tmp_path_factory.mktemp("clients")
+    model = task.build_model(0)
+    start = _weights(model)
+    state: dict = {}
+    metrics, after = [], []
+    for server_round in (1, 2):
+        local = LocalTraining(
+            server_round=server_round, seed=100 + server_round, state=state,
+            partition_id=1, artifacts_dir=str(out),
+        )  # fmt: skip
+        metrics.append(task.train(model, earth, local))
+        after.append(_weights(model))
+    return {"start": start, "after": after, "metrics": metrics, "state": state, "dir": out}
+
+
+def test_train_changes_the_policy_and_reports_the_same_keys(two_rounds):
+    # Assert
+    start, after, metrics = two_rounds["start"], two_rounds["after"], two_rounds["metrics"]
+    assert not _same_weights(start, after[0]) and not _same_weights(after[0], after[1])
+    for round_metrics in metrics:
+        assert set(round_metrics) == TRAIN_KEYS
+        assert round_metrics[NUM_EXAMPLES] == 256
+        assert all(type(v) in (int, float) for v in round_metrics.values())
+        assert np.isfinite(round_metrics[TRAIN_LOSS])
+        assert round_metrics["train-approx-kl"] >= 0
+        # entropy loss = -entropy, entropy of 4 actions in (0, log 4]
+        assert -np.log(4) - 1e-6 <= round_metrics["train-entropy-loss"] < 0
+    assert two_rounds["state"] == {"ppo-timesteps": 512}
+
+
+def test_train_writes_episode_and_weight_logs(two_rounds, earth):
+    # Execute
+    directory = two_rounds["dir"]
+    episodes = load_episodes(directory)
+    frame, weights = load_snapshots(directory)
+    log = ClientRoundLog.load(directory / "earth-00-round-0001.npz")
+
+    # Assert: snapshots every 64 cumulative env steps over both rounds
+    assert frame["step"].tolist() == [64, 128, 192, 256, 320, 384, 448, 512]
+    assert frame["server_round"].tolist() == [1] * 4 + [2] * 4
+    assert weights.shape == (8, 9797) and weights.dtype == np.float32
+    # Rollout 1 acts with the received weights; rollout 3 (round 2) with round 1's result.
+    np.testing.assert_array_equal(weights[0], flatten_state_dict(two_rounds["start"]))
+    np.testing.assert_array_equal(weights[4], flatten_state_dict(two_rounds["after"][0]))
+    assert not np.array_equal(weights[2], weights[0])  # rollout 2 follows update 1
+    assert (log.label, log.planet, log.gravity, log.wind_power) == (
+        "earth-00", "earth", earth.gravity, earth.wind_power
+    )  # fmt: skip
+    assert (log.partition_id, log.server_round, log.rollout_size) == (1, 1, 128)
+    # Episodes: the reported ones, ending within the client's cumulative steps
+    for server_round, metrics in enumerate(two_rounds["metrics"], start=1):
+        rows = episodes[episodes["server_round"] == server_round]
+        assert len(rows) == metrics["train-episodes"] >= 1
+        assert rows["reward"].mean() == pytest.approx(metrics["train-reward"])
+        low, high = 256 * (server_round - 1), 256 * server_round
+        assert rows["end_step"].between(low + 1, high).all()
+        assert (rows["length"] >= 1).all()
+
+
+def test_train_is_reproducible_and_keeps_the_global_rngs(task, earth):
+    # Prepare
+    models = [task.build_model(0) for _ in range(3)]
+    states = (np.random.get_state()[1].copy(), random.getstate(), torch.get_rng_state())
+
+    # Execute
+    for model, seed in zip(models, (5, 5, 6), strict=True):
+        task.train(model, earth, LocalTraining(server_round=1, seed=seed))
+
+    # Assert
+    assert _same_weights(_weights(models[0]), _weights(models[1]))
+    assert not _same_weights(_weights(models[0]), _weights(models[2]))
+    assert np.array_equal(np.random.get_state()[1], states[0])
+    assert random.getstate() == states[1]
+    assert torch.equal(torch.get_rng_state(), states[2])
+
+
+def test_subprocess_environments_train_the_same_policy(task, earth):
+    # Prepare: the same round with env copies in subprocesses (SB3's SubprocVecEnv)
+    subproc = LunarLanderTask({**TINY, "ppo.vec-env": "subproc"})
+    models = [task.build_model(0), task.build_model(0)]
+
+    # Execute
+    dummy_metrics = task.train(models[0], earth, LocalTraining(1, seed=5))
+    subproc_metrics = subproc.train(models[1], earth, LocalTraining(1, seed=5))
+
+    # Assert
+    assert _same_weights(_weights(models[0]), _weights(models[1]))
+    assert subproc_metrics == dummy_metrics
+
+
+def test_train_runs_whole_rollouts():
+    # Prepare: 200 steps asked, rollouts of 128
+    task = LunarLanderTask({**TINY, "ppo.local-steps": 200})
+    model, state = task.build_model(0), {"ppo-timesteps": 1000}
+
+    # Execute
+    metrics = task.train(model, task.clients[1], LocalTraining(1, seed=0, state=state))
+
+    # Assert
+    assert metrics[NUM_EXAMPLES] == 256
+    assert state == {"ppo-timesteps": 1256}
+
+
+def test_proximal_term_pulls_local_training_towards_the_global_policy(task, earth):
+    # Prepare
+    start = flatten_state_dict(task.build_model(0).state_dict())
+    drift = {}
+
+    # Execute
+    for mu in (0.0, 100.0):
+        model = task.build_model(0)
+        task.train(model, earth, LocalTraining(server_round=1, seed=5, proximal_mu=mu))
+        drift[mu] = np.linalg.norm(flatten_state_dict(model.state_dict()) - start)
+
+    # Assert
+    assert 0 < drift[100.0] < drift[0.0]
+
+
+def test_train_rejects_dp_sgd(task, earth):
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    with pytest.raises(ValueError, match="lunar-lander does not support dp-sgd"):
+        task.train(task.build_model(0), earth, LocalTraining(1, seed=0, dp_sgd=dp))
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def test_evaluate_on_a_client_environment(task, earth):
+    # Prepare
+    model = task.build_model(0)
+
+    # Execute
+    metrics = task.evaluate(model, earth)
+
+    # Assert
+    assert set(metrics) == EVAL_KEYS
+    assert metrics[NUM_EXAMPLES] == 1
+    assert metrics["eval-reward-std"] == 0.0  # one episode
+    assert 1 <= metrics["eval-length"] <= 1000
+    assert task.evaluate(model, earth) == metrics
+
+
+def test_central_evaluation_reports_every_planet_reproducibly(task):
+    # Prepare
+    model, central = task.build_model(0), task.load_central_test()
+    singles = [task.evaluate(model, env) for env in central]
+
+    # Execute
+    metrics = task.evaluate(model, central)
+
+    # Assert
+    planet_keys = {f"eval-reward{s}-{p}" for p in PLANETS for s in ("", "-std")}
+    assert set(metrics) == EVAL_KEYS | planet_keys
+    assert metrics[NUM_EXAMPLES] == 3
+    rewards = [m["eval-reward"] for m in singles]  # base clients: table index = position
+    for planet, reward in zip(PLANETS, rewards, strict=True):
+        assert metrics[f"eval-reward-{planet}"] == pytest.approx(reward)
+    assert metrics["eval-reward"] == pytest.approx(np.mean(rewards))
+    assert metrics["eval-reward-std"] == pytest.approx(np.std(rewards))
+    assert len(set(rewards)) == 3
+    assert task.evaluate(model, central) == metrics
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("ppo.local-steps", 0),
+        ("ppo.n-envs", 0),
+        ("ppo.vec-env", "ray"),
+        ("ppo.learning-rate", 0.0),
+        ("ppo.batch-size", 1),
+        ("ppo.n-epochs", 0),
+        ("ppo.gamma", 1.5),
+        ("ppo.gae-lambda", -0.1),
+        ("ppo.clip-range", 0.0),
+        ("ppo.max-grad-norm", 0.0),
+        ("ppo.check-freq", 0),
+        ("ppo.eval-episodes", 0),
+        ("ppo.derived-per-base", -1),
+        ("ppo.max-wind-power", 25.0),
+        ("ppo.turbulence-power", 3.0),
+        ("ppo.device", "tpu"),
+        ("ppo.n-steps", 2.5),
+    ],
+)
+def test_invalid_option_names_its_key(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        LunarLanderTask({key: value})
+
+
+def test_rollout_of_one_step_is_rejected():
+    with pytest.raises(ConfigError, match=r"'ppo\.n-steps' x 'ppo\.n-envs' = 1 x 1"):
+        LunarLanderTask({"ppo.n-steps": 1, "ppo.n-envs": 1})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"'ppo\.device' = 'cuda'"):
+        LunarLanderTask({"ppo.device": "cuda"})
+
+
+def test_options_have_one_line_help():
+    assert all(opt.key.startswith("ppo.") for opt in LunarLanderTask.OPTIONS)
+    assert all(opt.help and "\n" not in opt.help for opt in LunarLanderTask.OPTIONS)
+    assert LunarLanderTask({}).config.device == "cpu"
