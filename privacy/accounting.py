@@ -190,6 +190,8 @@ class PrivacyLedger:
         self._unaccounted: list[UnaccountedRelease] = []
         self._local: list[LocalGuarantee] = []
         self._cache: dict[tuple, object] = {}
+        # What one "client" is for the task that ran (set by the app; shown in summary).
+        self.privacy_unit: str | None = None
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -372,6 +374,7 @@ class PrivacyLedger:
             "sampling": self.sampling,
             "neighboring-relation": self.neighboring,
             "target-delta": self.target_delta,
+            "privacy-unit": self.privacy_unit,
             "epsilon": epsilon,
             "max-epsilon": self.max_epsilon,
             "num-releases": sum(by_kind.values()),

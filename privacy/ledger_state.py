@@ -255,6 +255,10 @@ def statements(ledger, epsilon: float, basic: float | None) -> list[str]:
             "No client-level guarantee: no release of this run was made private at "
             "the client level (no client-level epsilon exists for it)."
         ]
+    if ledger.privacy_unit and n:
+        out.append(
+            f"Unit of privacy: {ledger.privacy_unit}; neighbouring runs differ in one such client."
+        )
     if basic is not None and n:
         out.append(
             f"Basic composition of the Laplace releases gives pure epsilon = {basic:.6g} "
