@@ -33,3 +33,14 @@ NUM_EXAMPLES = "num-examples"
 # Keys in a client's context.state.
 LOCAL_MODEL = "local-model"
 TASK_STATE = "task-state"  # ConfigRecord {"json": ...}: the task's persistent state
+
+# Where clients write their own diagnostics (e.g. PPO episode logs), sent by the
+# ServerApp in every train config; a SuperNode's node_config "artifacts-dir" wins.
+ARTIFACTS_DIR = "artifacts-dir"
+
+# Clustered FedAvg (seed 000 section 5; IFCA for cluster.assign = "loss").
+CLUSTER_ID = "cluster-id"  # train/evaluate config: index k of the global model sent
+CLUSTER_K = "cluster-k"  # query config: the number K of global models
+CLUSTER_QUERY = "cluster"  # query action: message_type "evaluate.cluster"
+CLUSTER_MODEL = "cluster-model"  # query ArrayRecords "cluster-model-<k>", k = 0..K-1
+CLUSTER_SCORE = "cluster-score"  # query reply metrics "cluster-score-<k>" (lower is better)

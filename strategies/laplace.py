@@ -13,6 +13,11 @@ is 2ε. Noise is added locally, so no amplification by subsampling is claimed; t
 ledger composes the rounds with its accountant and reports basic composition
 (T·ε) beside it.
 
+Around a strategy that aggregates the uploads itself (``AGGREGATES_UPLOADS``, e.g.
+clustered FedAvg: k-means over the uploads, one average per cluster), the wrapper
+checks and charges, then hands the valid noisy uploads to it: every upload is
+already ε-DP, so whatever the strategy computes from them is post-processing.
+
 Contract with the client (``client_app.mods.privacy_mod``)::
 
     delta = trained - received
@@ -103,13 +108,14 @@ class LaplaceDP(TrainingWrapper):
             return None, None
         current, population = self._round_state
         self._round_state = None
-        reference, deltas, contents = arrays_of(current), [], []
+        reference, deltas, contents, valid = arrays_of(current), [], [], []
         for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
             try:
                 if message.has_error():
                     raise InvalidReply(message.error.reason)
                 received = arrays_of(message.content.get(keys.ARRAYS), current)
                 contents.append(unweighted(message))
+                valid.append(message)
             except InvalidReply as err:
                 log(
                     WARNING,
@@ -122,6 +128,12 @@ class LaplaceDP(TrainingWrapper):
         if not deltas:
             log(WARNING, "Laplace round %d: no valid update, nothing released", server_round)
             return None, None
+        if getattr(self.strategy, "AGGREGATES_UPLOADS", False):
+            self.ledger.charge(self.release(server_round, len(valid), population))
+            new_arrays, metrics = self.strategy.aggregate_train(server_round, valid)
+            if metrics is not None:
+                metrics["dp-epsilon"] = self.ledger.epsilon()
+            return new_arrays, metrics
         mean = [sum(parts) / len(deltas) for parts in zip(*deltas, strict=True)]
         new_arrays = to_record(current, [c + d for c, d in zip(reference, mean, strict=True)])
         self.ledger.charge(self.release(server_round, len(deltas), population))

@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import noise_generator
+from strategies.clustered import ClusteredFedAvg
 from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
 from strategies.dpsgd import DPSGDClients
 from strategies.laplace import LaplaceDP
@@ -39,6 +40,7 @@ class StrategySettings:
     min_available_nodes: int
     seed: int
     options: Mapping[str, Any]  # the namespaced options: "fedprox.mu", "dp.clip-norm", ...
+    round_timeout: float = 600.0  # seconds to wait for replies (also for in-round queries)
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -55,6 +57,13 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
     "fedavg": lambda s: FedAvg(**_sampling(s)),
     "fedprox": lambda s: FedProx(**_sampling(s), proximal_mu=float(s.options["fedprox.mu"])),
     "local": lambda s: LocalTraining(**_sampling(s)),
+    "clustered": lambda s: ClusteredFedAvg(
+        **_sampling(s),
+        k=int(s.options["cluster.k"]),
+        assign=str(s.options["cluster.assign"]),
+        seed=s.seed,
+        query_timeout=s.round_timeout,
+    ),
 }
 
 

@@ -1,0 +1,472 @@
+"""Clustered FedAvg: K global models, k-means over the clients' uploads.
+
+Seed 000, section 5 ("Clustered Federated Learning", ``cluster_and_average_models`` and
+``find_closest_model``), with the loss-based assignment of IFCA (Ghosh et al. 2020,
+"An Efficient Framework for Clustered Federated Learning", arXiv:2006.04088).
+
+Every round:
+
+1. Assignment. Each sampled client gets one of the K global models: the one closest
+   in L2 to the weights it uploaded last time it trained (``assign="l2"``), or the one
+   with the lowest score in its own evaluation of all K (``assign="loss"``, IFCA).
+2. Local training from that model.
+3. Clustering. The valid uploads, flattened, go through k-means with min(K, n)
+   clusters; the clusters are matched to the current global models (Hungarian
+   assignment on the squared distance between centroids and models) so a model's
+   index is stable across rounds.
+4. Update. Each matched global model becomes the unweighted mean of its cluster;
+   unmatched models stay as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from scipy.optimize import linear_sum_assignment
+from sklearn.cluster import KMeans
+from sklearn.exceptions import ConvergenceWarning
+
+from strategies import keys
+from strategies.base import (
+    InvalidReply,
+    StopTraining,
+    arrays_of,
+    metrics_of,
+    sample_uniform,
+    to_record,
+    wait_for_nodes,
+)
+
+_STREAM = 0xC1  # the strategy's generator: sampling and random assignment
+_KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round
+
+ASSIGN_RULES = ("l2", "loss")
+QUERY_TYPE = f"{MessageType.EVALUATE}.{keys.CLUSTER_QUERY}"  # "evaluate.cluster"
+# One history row per sampled client per round: the model it trained from, the
+# cluster its upload fell into (-1: invalid reply), how it was assigned and the
+# distance or score that decided it (NaN when drawn at random).
+HISTORY_COLUMNS = ("round", "node-id", "assigned", "cluster", "how", "score")
+
+
+def model_key(k: int) -> str:
+    """The query's ArrayRecord key of global model ``k``: ``cluster-model-<k>``."""
+    return f"{keys.CLUSTER_MODEL}-{k}"
+
+
+def score_key(k: int) -> str:
+    """The query reply's metric key of global model ``k``: ``cluster-score-<k>``."""
+    return f"{keys.CLUSTER_SCORE}-{k}"
+
+
+def flatten(arrays: list[np.ndarray]) -> np.ndarray:
+    """All arrays, in order, as one float64 vector."""
+    return np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays])
+
+
+def pick_lowest(scores: np.ndarray, rng: np.random.Generator) -> tuple[int, str | None]:
+    """The index of the lowest score; ties are drawn uniformly from ``rng``.
+
+    Returns (index, None) for a unique minimum and (index, "random") for a tie.
+    """
+    tied = np.flatnonzero(scores == scores.min())
+    if len(tied) == 1:
+        return int(tied[0]), None
+    return int(rng.choice(tied)), "random"
+
+
+def query_scores(reply: Message | None, k: int) -> np.ndarray:
+    """The K scores of a query reply, or InvalidReply (none, error, missing, non-finite)."""
+    if reply is None:
+        raise InvalidReply("no reply to the cluster query")
+    if reply.has_error():
+        raise InvalidReply(f"error reply: {reply.error.reason}")
+    metrics = metrics_of(reply)
+    scores = []
+    for i in range(k):
+        value = metrics.get(score_key(i))
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidReply(f"'{score_key(i)}' missing or not a number")
+        if not math.isfinite(value):
+            raise InvalidReply(f"'{score_key(i)}' = {value} is not finite")
+        scores.append(float(value))
+    return np.asarray(scores)
+
+
+def kmeans_labels(points: np.ndarray, n_clusters: int, random_state: int) -> np.ndarray:
+    """k-means labels of ``points`` (rows), n_init=10; a cluster may come out empty."""
+    with warnings.catch_warnings():  # fewer distinct points than clusters: handled below
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        kmeans = KMeans(n_clusters=n_clusters, n_init=10, random_state=random_state)
+        return kmeans.fit_predict(points)
+
+
+def match_to_models(points: np.ndarray, labels: np.ndarray, models: np.ndarray) -> np.ndarray:
+    """The global model index of every point: each non-empty cluster is matched to one
+    model (rows of ``models``), minimising the total squared centroid-model distance."""
+    present = np.unique(labels)
+    centroids = np.stack([points[labels == c].mean(axis=0) for c in present])
+    cost = np.stack([((centroids - m) ** 2).sum(axis=1) for m in models], axis=1)
+    rows, cols = linear_sum_assignment(cost)
+    to_model = {int(present[r]): int(c) for r, c in zip(rows, cols, strict=True)}
+    return np.asarray([to_model[int(label)] for label in labels])
+
+
+def mean_arrays(uploads: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """The unweighted float64 mean of the uploads, array by array."""
+    return [
+        np.mean(np.stack([np.asarray(a, dtype=np.float64) for a in parts]), axis=0)
+        for parts in zip(*uploads, strict=True)
+    ]
+
+
+def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
+    """Flower's num-examples-weighted average (unweighted if all weights are 0)."""
+    if sum(float(r[keys.NUM_EXAMPLES]) for r in records) <= 0:
+        records = [MetricRecord({**r, keys.NUM_EXAMPLES: 1.0}) for r in records]
+    contents = [RecordDict({keys.METRICS: r}) for r in records]
+    return aggregate_metricrecords(contents, keys.NUM_EXAMPLES)
+
+
+def checked_metrics(message: Message) -> MetricRecord:
+    """The reply's metrics with a finite, non-negative ``num-examples`` (or InvalidReply)."""
+    if message.has_error():
+        raise InvalidReply(f"error reply: {message.error.reason}")
+    metrics = metrics_of(message)
+    weight = metrics.get(keys.NUM_EXAMPLES)
+    if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise InvalidReply(f"'{keys.NUM_EXAMPLES}' = {weight!r} is not a valid weight")
+    return metrics
+
+
+def _copy(record: ArrayRecord) -> ArrayRecord:
+    return to_record(record, [record[key].numpy() for key in record])
+
+
+class ClusteredFedAvg(Strategy):
+    """K global models; clients are assigned to one, uploads are clustered by k-means.
+
+    Contract with the client. Train and evaluate messages are FedAvg's: the model to
+    start from in ``content["arrays"]``, and ``config["cluster-id"]`` = k, the index of
+    that model (informational). With ``assign="loss"`` the server first sends each
+    sampled client a query, ``message_type="evaluate.cluster"``, holding
+    ``config`` = {"server-round": r, "cluster-k": K} and the ArrayRecords
+    ``"cluster-model-0"`` ... ``"cluster-model-{K-1}"``; the client scores every model
+    on its own data and replies with lower-is-better scores::
+
+        @app.evaluate("cluster")
+        def cluster_scores(msg: Message, context: Context) -> Message:
+            scores = {}
+            for k in range(msg.content["config"]["cluster-k"]):
+                model.load_state_dict(msg.content[f"cluster-model-{k}"].to_torch_state_dict())
+                scores[f"cluster-score-{k}"] = local_loss(model)  # RL: -mean return
+            return Message(RecordDict({"metrics": MetricRecord(scores)}), reply_to=msg)
+
+    An error or malformed query reply (missing or non-finite score) gets a random model.
+
+    Privacy. With ``assign="loss"`` each client releases which model fits its data
+    best: a data-dependent release that no DP mechanism here covers. k-means needs
+    every client's individual update, so this strategy cannot run behind a DP wrapper
+    that releases only a noised sum (DP-FedAvg); behind local noise (Laplace, DP-SGD)
+    the clustering is post-processing of already private uploads (``AGGREGATES_UPLOADS``).
+
+    Parameters
+    ----------
+    k : int
+        Number K of global models.
+    assign : str
+        ``"l2"`` (closest model to the client's last upload; unseen clients and ties
+        draw uniformly) or ``"loss"`` (IFCA: lowest score in the client's query reply).
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
+    min_available_nodes :
+        FedAvg's sampling, drawn with a generator seeded from ``seed``.
+    seed : int
+        Seeds sampling, random assignment and k-means.
+    query_timeout : float
+        Seconds to wait for query replies, and for enough nodes to connect.
+    """
+
+    AGGREGATES_UPLOADS = True  # privacy wrappers hand it the checked uploads
+
+    def __init__(
+        self,
+        *,
+        k: int,
+        assign: str,
+        fraction_train: float,
+        fraction_evaluate: float,
+        min_train_nodes: int,
+        min_evaluate_nodes: int,
+        min_available_nodes: int,
+        seed: int,
+        query_timeout: float,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"k = {k} must be at least 1")
+        if assign not in ASSIGN_RULES:
+            raise ValueError(f"assign = {assign!r}; valid values: {ASSIGN_RULES}")
+        self.k, self.assign, self.seed = k, assign, seed
+        self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
+        self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
+        self.min_available_nodes = min_available_nodes
+        self.query_timeout = query_timeout
+        self.rng = np.random.default_rng([seed, _STREAM])
+        self.models: list[ArrayRecord] | None = None
+        self.history: list[dict] = []
+        self._uploads: dict[int, np.ndarray] = {}  # node -> its last valid upload, flat
+        self._clusters: dict[int, int] = {}  # node -> its last (matched) cluster
+        self._sizes = [0] * k  # cluster sizes of the last aggregated round
+        self._round = 0  # the last aggregated round
+        self._pending: dict[int, tuple[int, str, float]] | None = None  # node -> choice
+
+    # -- public helpers -------------------------------------------------------------
+    def largest_cluster(self) -> int:
+        """Index of the largest cluster of the last aggregated round (ties: lowest)."""
+        return int(np.argmax(self._sizes))
+
+    def state(self) -> dict:
+        """Everything but the models, JSON-serialisable (NaN scores become null)."""
+        history = [
+            {**row, "score": None if math.isnan(row["score"]) else row["score"]}
+            for row in self.history
+        ]
+        return {
+            "k": self.k,
+            "assign": self.assign,
+            "seed": self.seed,
+            "round": self._round,
+            "cluster-sizes": list(self._sizes),
+            "largest-cluster": self.largest_cluster(),
+            "node-clusters": {str(n): c for n, c in sorted(self._clusters.items())},
+            "history": history,
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def summary(self) -> None:
+        """Log summary configuration of the strategy."""
+        log(INFO, "\t├──> Clustered FedAvg: K = %d global models", self.k)
+        rule = {"l2": "closest to last upload (L2)", "loss": "lowest client score (IFCA)"}
+        log(INFO, "\t├──> Assignment: %s; ties and unseen clients at random", rule[self.assign])
+        log(INFO, "\t├──> Update: k-means (n_init=10), clusters matched to models, mean")
+        log(INFO, "\t└──> Sampling (seed %d):", self.seed)
+        log(
+            INFO,
+            "\t\t├──Fraction: train (%.2f) | evaluate (%.2f)",
+            self.fraction_train,
+            self.fraction_evaluate,
+        )
+        log(
+            INFO,
+            "\t\t├──Minimum nodes: train (%d) | evaluate (%d)",
+            self.min_train_nodes,
+            self.min_evaluate_nodes,
+        )
+        log(INFO, "\t\t└──Minimum available nodes: %d", self.min_available_nodes)
+
+    # -- training -------------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes, assign each one of the K models, send it that model."""
+        self._pending = None
+        if self.fraction_train == 0.0:
+            return []
+        nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
+        if nodes is None:
+            raise StopTraining(
+                f"fewer than {max(self.min_available_nodes, self.min_train_nodes)} nodes "
+                f"connected within {self.query_timeout:g} s"
+            )
+        if self.models is None:
+            self.models = [_copy(arrays) for _ in range(self.k)]
+        if self.assign == "l2":
+            choices = self._assign_l2(nodes)
+        else:
+            choices = self._assign_loss(server_round, nodes, grid)
+        self._pending = choices
+        counts = np.bincount([c[0] for c in choices.values()], minlength=self.k)
+        log(INFO, "configure_train: %d nodes, per model %s", len(nodes), counts.tolist())
+        return [
+            self._message(node, k, self.models[k], config, server_round, True)
+            for node, (k, _, _) in choices.items()
+        ]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """k-means over the valid uploads; each matched model becomes its cluster's mean."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.models is None:
+            return None, None
+        valid = self._valid_uploads(replies, pending)
+        if not valid:
+            log(WARNING, "Clustered round %d: no valid reply, models unchanged", server_round)
+            self._record(server_round, pending, {})
+            return None, None
+        nodes = sorted(valid)
+        points = np.stack([flatten(valid[n][0]) for n in nodes])
+        labels = kmeans_labels(points, min(self.k, len(nodes)), self._kmeans_seed(server_round))
+        to_model = match_to_models(points, labels, self._flat_models())
+        matched = dict(zip(nodes, to_model.tolist(), strict=True))
+        for k in set(matched.values()):
+            members = [valid[n][0] for n in nodes if matched[n] == k]
+            self.models[k] = to_record(self.models[k], mean_arrays(members))
+        for node, point in zip(nodes, points, strict=True):
+            self._uploads[node], self._clusters[node] = point, matched[node]
+        self._sizes = np.bincount(list(matched.values()), minlength=self.k).tolist()
+        self._round = server_round
+        self._record(server_round, pending, matched)
+        metrics = weighted_metrics([valid[n][1] for n in nodes])
+        metrics.update(self._round_metrics(pending, matched))
+        log(INFO, "aggregate_train: cluster sizes %s", self._sizes)
+        return self.models[self.largest_cluster()], metrics
+
+    # -- evaluation -----------------------------------------------------------------
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Each sampled node evaluates the model of its last cluster (else the largest)."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        nodes = self._sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        if nodes is None:
+            log(WARNING, "configure_evaluate: too few nodes connected, evaluation skipped")
+            return []
+        models = self.models or [arrays]  # before round 1: the one model there is
+        largest = self.largest_cluster()
+        messages = []
+        for node in nodes:
+            k = self._clusters.get(node, largest) if self.models else 0
+            messages.append(self._message(node, k, models[k], config, server_round, False))
+        return messages
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """num-examples-weighted mean of the valid replies' metrics."""
+        records = []
+        for message in replies:
+            try:
+                records.append(checked_metrics(message))
+            except InvalidReply as err:
+                node = message.metadata.src_node_id
+                log(WARNING, "Clustered: evaluate reply of node %d skipped: %s", node, err)
+        return weighted_metrics(records) if records else None
+
+    # -- internals ------------------------------------------------------------------
+    def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int] | None:
+        needed = max(self.min_available_nodes, minimum)
+        nodes = wait_for_nodes(grid, needed, timeout=self.query_timeout)
+        if len(nodes) < needed:
+            return None
+        size = min(len(nodes), max(int(len(nodes) * fraction), minimum))
+        return sample_uniform(nodes, size, self.rng)
+
+    def _random(self) -> tuple[int, str, float]:
+        return int(self.rng.integers(self.k)), "random", math.nan
+
+    def _assign_l2(self, nodes: list[int]) -> dict[int, tuple[int, str, float]]:
+        models_flat = self._flat_models()
+        choices = {}
+        for node in nodes:
+            if node not in self._uploads:
+                choices[node] = self._random()
+                continue
+            distances = np.linalg.norm(models_flat - self._uploads[node], axis=1)
+            k, tie = pick_lowest(distances, self.rng)
+            choices[node] = (k, "random", math.nan) if tie else (k, "l2", float(distances[k]))
+        return choices
+
+    def _assign_loss(
+        self, server_round: int, nodes: list[int], grid: Grid
+    ) -> dict[int, tuple[int, str, float]]:
+        models_flat = self._flat_models()
+        if (models_flat == models_flat[0]).all():
+            return {node: self._random() for node in nodes}  # nothing to tell apart
+        config = {keys.SERVER_ROUND: server_round, keys.CLUSTER_K: self.k}
+        queries = [
+            Message(
+                content=RecordDict(
+                    {keys.CONFIG: ConfigRecord(config)}
+                    | {model_key(k): m for k, m in enumerate(self.models)}
+                ),
+                dst_node_id=node,
+                message_type=QUERY_TYPE,
+                group_id=str(server_round),
+            )
+            for node in nodes
+        ]
+        replies = {
+            m.metadata.src_node_id: m
+            for m in grid.send_and_receive(queries, timeout=self.query_timeout)
+        }
+        choices = {}
+        for node in nodes:
+            try:
+                scores = query_scores(replies.get(node), self.k)
+            except InvalidReply as err:
+                log(WARNING, "Clustered: node %d gets a random model: %s", node, err)
+                choices[node] = self._random()
+                continue
+            k, tie = pick_lowest(scores, self.rng)
+            choices[node] = (k, "random", math.nan) if tie else (k, "loss", float(scores[k]))
+        return choices
+
+    @staticmethod
+    def _message(
+        node: int, k: int, model: ArrayRecord, config: ConfigRecord, server_round: int, train: bool
+    ) -> Message:
+        """A train or evaluate message with its own copy of ``model`` and config."""
+        extra = {keys.SERVER_ROUND: server_round, keys.CLUSTER_ID: k}
+        content = RecordDict(
+            {keys.ARRAYS: _copy(model), keys.CONFIG: ConfigRecord({**config, **extra})}
+        )
+        return Message(
+            content=content,
+            dst_node_id=node,
+            message_type=MessageType.TRAIN if train else MessageType.EVALUATE,
+            group_id=str(server_round),
+        )
+
+    def _valid_uploads(
+        self, replies: Iterable[Message], pending: dict[int, tuple[int, str, float]]
+    ) -> dict[int, tuple[list[np.ndarray], MetricRecord]]:
+        valid = {}
+        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
+            node = message.metadata.src_node_id
+            try:
+                if node not in pending or node in valid:
+                    raise InvalidReply("not sent a model this round, or a second reply")
+                metrics = checked_metrics(message)
+                reference = self.models[pending[node][0]]
+                valid[node] = (arrays_of(message.content.get(keys.ARRAYS), reference), metrics)
+            except InvalidReply as err:
+                log(WARNING, "Clustered: train reply of node %d skipped: %s", node, err)
+        return valid
+
+    def _record(self, server_round: int, pending: dict, matched: dict[int, int]) -> None:
+        for node, (k, how, score) in sorted(pending.items()):
+            row = (server_round, int(node), k, matched.get(node, -1), how, score)
+            self.history.append(dict(zip(HISTORY_COLUMNS, row, strict=True)))
+
+    def _round_metrics(self, pending: dict, matched: dict[int, int]) -> dict[str, int]:
+        assigned = np.bincount([k for k, _, _ in pending.values()], minlength=self.k)
+        metrics = {f"cluster-{k}-size": self._sizes[k] for k in range(self.k)}
+        metrics |= {f"assigned-{k}": int(assigned[k]) for k in range(self.k)}
+        metrics["clusters-changed"] = sum(matched[n] != pending[n][0] for n in matched)
+        return metrics
+
+    def _flat_models(self) -> np.ndarray:
+        return np.stack([flatten(arrays_of(m)) for m in self.models])
+
+    def _kmeans_seed(self, server_round: int) -> int:
+        sequence = np.random.SeedSequence([self.seed, _KMEANS_STREAM, server_round])
+        return int(sequence.generate_state(1)[0])
