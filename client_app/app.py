@@ -18,7 +18,8 @@ from flwr.clientapp import ClientApp
 import tasks
 from client_app.mods import privacy_mod
 from strategies import keys
-from tasks.base import DPSGD, SEED, LocalTraining, Task, local_seed
+from strategies.clustered import model_key, score_key
+from tasks.base import DPSGD, EVAL_LOSS, EVAL_REWARD, SEED, LocalTraining, Task, local_seed
 
 app = ClientApp(mods=[privacy_mod])
 
@@ -47,16 +48,23 @@ def _node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
     return pid, num
 
 
-def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
-    """Return (task, model loaded with the weights to use, partition, partition id)."""
+def _setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
+    """Return (task, this process's model object, partition, partition id)."""
     run_config = context.run_config
     task = _task(tuple(sorted(run_config.items())))
     pid, num = _node_partition(context.node_config)
-    partition = task.load_partition(pid, num)
+    partition = task.partition_from_node_config(context.node_config)
+    if partition is None:
+        partition = task.load_partition(pid, num)
+    return task, _model(task, int(run_config.get(SEED.key, SEED.default))), partition, pid
+
+
+def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
+    """Return (task, model loaded with the weights to use, partition, partition id)."""
+    task, model, partition, pid = _setup(context)
     arrays = msg.content[keys.ARRAYS]
     if msg.content[keys.CONFIG].get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
         arrays = context.state[keys.LOCAL_MODEL]
-    model = _model(task, int(run_config.get(SEED.key, SEED.default)))
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     return task, model, partition, pid
 
@@ -85,6 +93,12 @@ def _task_state(context: Context) -> dict[str, Any]:
     return json.loads(str(record["json"])) if record is not None else {}
 
 
+def _artifacts_dir(config, node_config: Mapping[str, Any]) -> str | None:
+    """The SuperNode's own ``artifacts-dir`` if it sets one, else the server's."""
+    chosen = node_config.get(keys.ARTIFACTS_DIR, config.get(keys.ARTIFACTS_DIR))
+    return str(chosen) if chosen else None
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the received (or, under strategy=local, the client's own) model."""
@@ -97,6 +111,8 @@ def train(msg: Message, context: Context) -> Message:
         proximal_mu=float(config.get(keys.PROXIMAL_MU, 0.0)),
         dp_sgd=_dp_sgd(config, context.run_config),
         state=_task_state(context),
+        partition_id=pid,
+        artifacts_dir=_artifacts_dir(config, context.node_config),
     )
     metrics = task.train(model, partition, local)
     context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
@@ -110,3 +126,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received (or the client's own) model on the local test split."""
     task, model, partition, _ = _prepare(msg, context)
     return _reply(msg, task.evaluate(model, partition), None)
+
+
+@app.evaluate(keys.CLUSTER_QUERY)
+def cluster_scores(msg: Message, context: Context) -> Message:
+    """Clustered FedAvg with ``cluster.assign = "loss"`` (IFCA): evaluate each of the K
+    global models on the local test split and reply ``cluster-score-<k>``, lower is
+    better: the evaluation loss, or the negative mean reward for RL tasks."""
+    task, model, partition, _ = _setup(context)
+    scores = {}
+    for k in range(int(msg.content[keys.CONFIG][keys.CLUSTER_K])):
+        model.load_state_dict(msg.content[model_key(k)].to_torch_state_dict(), strict=True)
+        metrics = task.evaluate(model, partition)
+        score = metrics[EVAL_LOSS] if EVAL_LOSS in metrics else -metrics[EVAL_REWARD]
+        scores[score_key(k)] = float(score)
+    return Message(content=RecordDict({keys.METRICS: MetricRecord(scores)}), reply_to=msg)

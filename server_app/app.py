@@ -9,26 +9,68 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
 import strategies
 import tasks
 from server_app import config
 from server_app.results import RunDirectory, resolve_output_dir
 from server_app.rounds import run_rounds
+from strategies import keys
 from tasks.base import Task
 from tasks.options import ConfigError
 
 app = ServerApp()
 
 
-def _central_eval(task: Task, model: torch.nn.Module):
+def _central_eval(task: Task, model: torch.nn.Module, cluster_models=None):
+    """Evaluation of the global model on the central test set; with ``cluster_models``
+    (a callable returning the K models, or None before the first round) every model
+    is evaluated and :func:`best_of_clusters` merges the results."""
     test_set = task.load_central_test()  # loaded now: a missing dataset fails here
 
-    def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def evaluate_one(arrays: ArrayRecord) -> dict:
         model.load_state_dict(arrays.to_torch_state_dict())
-        return MetricRecord(task.evaluate(model, test_set))
+        return task.evaluate(model, test_set)
+
+    def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        models = cluster_models() if cluster_models is not None else None
+        if not models:
+            return MetricRecord(evaluate_one(arrays))
+        return MetricRecord(best_of_clusters([evaluate_one(m) for m in models]))
 
     return evaluate
+
+
+def best_of_clusters(per_model: list[dict[str, float]]) -> dict[str, float]:
+    """Merge the central evaluation of K cluster models.
+
+    Every model's metrics appear as ``cluster-<k>-<key>``. The plain keys are the
+    best model's per key (highest reward or accuracy, lowest loss): for a per-planet
+    reward, that is the cluster model the planet's clients would pick with perfect
+    assignment. Other keys (counts, stds) are model 0's.
+    """
+    merged: dict[str, float] = {}
+    for k, metrics in enumerate(per_model):
+        merged.update({f"cluster-{k}-{key}": value for key, value in metrics.items()})
+    for key, first in per_model[0].items():
+        values = [metrics[key] for metrics in per_model]
+        if "std" in key:
+            merged[key] = first
+        elif "reward" in key or "accuracy" in key:
+            merged[key] = max(values)
+        elif "loss" in key:
+            merged[key] = min(values)
+        else:
+            merged[key] = first
+    return merged
+
+
+def _innermost(strategy):
+    """The base strategy inside the privacy wrappers (which keep it as ``.strategy``)."""
+    while isinstance(getattr(strategy, "strategy", None), Strategy):
+        strategy = strategy.strategy
+    return strategy
 
 
 @app.main()
@@ -48,14 +90,28 @@ def main(grid: Grid, context: Context) -> None:
     run_dir.write_config(cfg.to_dict())
     log(INFO, "Run directory: %s", run_dir.path)
 
+    base = _innermost(strategy)
+    clustered = base if hasattr(base, "models") else None  # K global models
     model = task.build_model(cfg.seed)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
-        central = _central_eval(task, model)
+        central = _central_eval(task, model, clustered and (lambda: clustered.models))
     elif cfg.strategy == "local":
         log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
 
     ledger = getattr(strategy, "ledger", None)  # privacy wrappers own the run's ledger
+    if ledger is not None:
+        ledger.privacy_unit = task.PRIVACY_UNIT
+
+    def on_round(result) -> None:
+        models = None
+        if clustered is not None and clustered.models:
+            models = {
+                f"cluster-{k}": m.to_torch_state_dict() for k, m in enumerate(clustered.models)
+            }
+            run_dir.write_rows("clusters.csv", clustered.history)
+        run_dir.record_round(result, ledger, models)
+
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
     final = run_rounds(
@@ -65,7 +121,10 @@ def main(grid: Grid, context: Context) -> None:
         num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
         central_eval=central,
-        on_round=lambda result: run_dir.record_round(result, ledger),
+        on_round=on_round,
+        # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
+        # filesystem (simulation) that is inside the run directory.
+        train_config={keys.ARTIFACTS_DIR: str(run_dir.path / "clients")},
     )
     run_dir.finish(
         final.to_torch_state_dict(),

@@ -64,6 +64,14 @@ TOP_LEVEL: tuple[Option, ...] = (
 
 STRATEGY_OPTIONS: tuple[Option, ...] = (
     Option("fedprox.mu", 0.1, "FedProx proximal weight mu (strategy=fedprox).", low=0.0),
+    Option("cluster.k", 3, "Clustered FedAvg: number K of global models.", low=1),
+    Option(
+        "cluster.assign",
+        "l2",
+        "Clustered FedAvg: how a client picks its model: `l2` (closest weights to its "
+        "last upload, the seed's rule) or `loss` (best local evaluation, IFCA).",
+        choices=("l2", "loss"),
+    ),
 )
 
 PRIVACY_OPTIONS: tuple[Option, ...] = (
@@ -212,6 +220,7 @@ class RunConfig:
             min_available_nodes=self.min_available_nodes,
             seed=self.seed,
             options=self.options,
+            round_timeout=self.round_timeout,
         )
 
     def to_dict(self) -> dict[str, Scalar]:
@@ -245,6 +254,13 @@ def check_combinations(cfg: RunConfig) -> None:
             f"'privacy' = {cfg.privacy!r} needs a federated strategy: under "
             "'strategy' = 'local' nothing is released; use 'privacy' = 'none'"
         )
+    if cfg.privacy == "dp-sgd" and not tasks.get(cfg.task).SUPPORTS_DP_SGD:
+        raise ConfigError(
+            f"'privacy' = 'dp-sgd' is not available for 'task' = {cfg.task!r}; valid "
+            "values for this task: " + ", ".join(repr(p) for p in _privacy_for(cfg.task))
+        )
+    if cfg.strategy == "clustered":
+        _check_clustered(cfg)
     if cfg.privacy in registry.SELF_SAMPLING:
         sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
     elif cfg.privacy == "laplace":
@@ -265,6 +281,33 @@ def check_combinations(cfg: RunConfig) -> None:
                 f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "
                 f"= {z / 2:g} (adaptive clipping splits z between updates and count)"
             )
+
+
+def _privacy_for(task: str) -> list[str]:
+    supported = tasks.get(task).SUPPORTS_DP_SGD
+    return [p for p in strategies.PRIVACY if p != "dp-sgd" or supported]
+
+
+# Privacy under which clustered FedAvg stays sound: every client's upload is itself
+# private (local noise), so k-means over uploads is post-processing. DP-FedAvg only
+# makes the noised sum private, never the individual updates k-means needs.
+CLUSTERED_PRIVACY = ("none", "laplace", "dp-sgd")
+
+
+def _check_clustered(cfg: RunConfig) -> None:
+    if cfg.privacy not in CLUSTERED_PRIVACY:
+        raise ConfigError(
+            f"'privacy' = {cfg.privacy!r} cannot protect 'strategy' = 'clustered': k-means "
+            "runs over individual client updates, and DP-FedAvg makes only their noised "
+            "sum private; valid values with clustered: "
+            + ", ".join(repr(p) for p in CLUSTERED_PRIVACY)
+        )
+    if cfg.privacy != "none" and cfg.options["cluster.assign"] == "loss":
+        raise ConfigError(
+            "'cluster.assign' = 'loss' lets each client release which model fits its data "
+            f"best, which no mechanism protects; with 'privacy' = {cfg.privacy!r} use "
+            "'cluster.assign' = 'l2' (assignment from the already private uploads)"
+        )
 
 
 def _toml_value(value: Scalar) -> str:

@@ -103,11 +103,16 @@ class LocalSimulation:
             capture_output=True,
         )
 
-    def run(self, run_config: str = "", timeout: float = 900) -> RunOutcome:
-        """``flwr run . local-simulation --stream [--run-config run_config]``."""
+    def run(
+        self, run_config: str = "", timeout: float = 900, federation_config: str = ""
+    ) -> RunOutcome:
+        """``flwr run . local-simulation --stream [--run-config run_config]
+        [--federation-config federation_config]`` (e.g. ``"num-supernodes=9"``)."""
         cmd = [str(BIN / "flwr"), "run", ".", "local-simulation", "--stream"]
         if run_config:
             cmd += ["--run-config", run_config]
+        if federation_config:
+            cmd += ["--federation-config", federation_config]
         started = time.monotonic()
         proc = subprocess.run(
             cmd,

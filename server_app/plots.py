@@ -15,6 +15,11 @@ _ACCURACY = (
     ("central-eval", "eval-accuracy", "global model, central test set"),
     ("federated-eval", "eval-accuracy", "clients' local test splits"),
 )
+_REWARD = (
+    ("central-eval", "eval-reward", "global model, central environments"),
+    ("federated-eval", "eval-reward", "clients' own environments"),
+    ("train", "train-reward", "local training episodes (clients)"),
+)
 _LOSS = (
     ("train", "train-loss", "local training (clients)"),
     ("federated-eval", "eval-loss", "clients' local test splits"),
@@ -36,13 +41,23 @@ def _draw(ax, frame: pd.DataFrame, series, prefix: str = "") -> None:
             )
 
 
+def _has(frame: pd.DataFrame, metric: str) -> bool:
+    return metric in frame and frame[metric].notna().any()
+
+
 def plot_learning_curve(frame: pd.DataFrame, title: str) -> Figure:
-    """Accuracy and loss per round of one run's metrics frame."""
+    """Accuracy (or, for RL tasks, episode reward) and loss per round of one run."""
     fig, (acc, loss) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    _draw(acc, frame, _ACCURACY)
+    if not _has(frame, "eval-accuracy") and (
+        _has(frame, "eval-reward") or _has(frame, "train-reward")
+    ):
+        _draw(acc, frame, _REWARD)
+        acc.set(xlabel="server round", ylabel="mean episode reward", title="Reward")
+    else:
+        _draw(acc, frame, _ACCURACY)
+        acc.set(xlabel="server round", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
     _draw(loss, frame, _LOSS)
-    acc.set(xlabel="server round", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
-    loss.set(xlabel="server round", ylabel="cross-entropy loss", title="Loss")
+    loss.set(xlabel="server round", ylabel="training / evaluation loss", title="Loss")
     for ax in (acc, loss):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

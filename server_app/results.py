@@ -135,14 +135,26 @@ class RunDirectory:
         csv = pd.DataFrame(self.rows).to_csv(index=False)
         _atomic_write_text(self.path / "metrics.csv", csv)
 
-    def checkpoint(self, server_round: int, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Save the global model of ``server_round`` (the latest finished round)."""
+    def checkpoint(
+        self,
+        server_round: int,
+        state_dict: Mapping[str, torch.Tensor],
+        models: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """Save the global model of ``server_round`` (the latest finished round), and
+        any further named global models (e.g. ``cluster-0``: ``checkpoint/cluster-0.pt``)."""
         _atomic_torch_save(self.path / "checkpoint" / "global.pt", dict(state_dict))
-        state = {"round": server_round}
+        for name, model in (models or {}).items():
+            _atomic_torch_save(self.path / "checkpoint" / f"{name}.pt", dict(model))
+        state = {"round": server_round, "models": sorted(models or {})}
         _atomic_write_text(self.path / "checkpoint" / "state.json", json.dumps(state) + "\n")
 
-    def record_round(self, result, ledger=None) -> None:
-        """Record one round's metrics by scope; checkpoint the model and the ledger."""
+    def write_rows(self, name: str, rows: list[Mapping[str, Any]]) -> None:
+        """Write ``rows`` as the CSV file ``name`` (e.g. per-client cluster assignments)."""
+        _atomic_write_text(self.path / name, pd.DataFrame(rows).to_csv(index=False))
+
+    def record_round(self, result, ledger=None, models=None) -> None:
+        """Record one round's metrics by scope; checkpoint the model(s) and the ledger."""
         for scope, record in (
             ("train", result.train),
             ("federated-eval", result.federated_eval),
@@ -151,7 +163,7 @@ class RunDirectory:
             if record is not None:
                 self.record(result.server_round, scope, dict(record))
         if result.server_round > 0:
-            self.checkpoint(result.server_round, result.arrays.to_torch_state_dict())
+            self.checkpoint(result.server_round, result.arrays.to_torch_state_dict(), models)
             if ledger is not None:
                 self.write_ledger(ledger)
 

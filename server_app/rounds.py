@@ -10,7 +10,7 @@ every round.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -22,6 +22,8 @@ from flwr.serverapp.strategy import Strategy
 from strategies import StopTraining
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
+
+_SHOWN = ("loss", "accuracy", "reward", "epsilon")  # metric-name endings on the progress line
 
 
 @dataclass
@@ -59,7 +61,7 @@ class Progress:
             ("central", result.central_eval),
         ):
             for key, value in (record or {}).items():
-                if isinstance(value, float) and key.endswith(("loss", "accuracy", "epsilon")):
+                if isinstance(value, float) and key.endswith(_SHOWN):
                     parts.append(f"{name} {key} {value:.4f}")
         return " | ".join(parts)
 
@@ -79,13 +81,15 @@ def run_rounds(
     timeout: float,
     central_eval: CentralEval | None,
     on_round: Callable[[RoundResult], None],
+    train_config: Mapping[str, str | int | float | bool] | None = None,
 ) -> ArrayRecord:
     """Run ``num_rounds`` rounds and return the final global arrays.
 
     ``central_eval`` (if given) runs on the initial model as round 0 and after every
     round; ``on_round`` receives every round's result, round 0 included. A strategy
     ends the run early (e.g. privacy budget exhausted) by raising ``StopTraining``
-    from ``configure_train``, before anything is sent.
+    from ``configure_train``, before anything is sent. ``train_config`` entries are
+    added to every round's train config (e.g. where clients write their logs).
     """
     arrays = initial_arrays
     if central_eval is not None:
@@ -94,7 +98,9 @@ def run_rounds(
     for server_round in range(1, num_rounds + 1):
         started = time.monotonic()
         try:
-            messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+            messages = strategy.configure_train(
+                server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+            )
         except StopTraining as stop:
             log(WARNING, "Stopping before round %d: %s", server_round, stop)
             break

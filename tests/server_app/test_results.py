@@ -46,7 +46,10 @@ def test_run_directory_layout_and_round_trip(tmp_path):
     assert "note" not in frame.columns
     assert frame["seed"].unique().tolist() == [3]
     assert pd.isna(frame.loc[1, "eval-accuracy"])
-    assert json.loads((run.path / "checkpoint" / "state.json").read_text()) == {"round": 1}
+    assert json.loads((run.path / "checkpoint" / "state.json").read_text()) == {
+        "round": 1,
+        "models": [],
+    }
     assert torch.equal(torch.load(run.path / "model.pt")["w"], weights["w"])
     assert (run.path / "plots" / "learning_curve.png").stat().st_size > 10_000
     assert not list(run.path.rglob(".*.tmp"))  # atomic writes leave no temporaries

@@ -1,0 +1,84 @@
+"""Valid values that cannot run together are refused with a message naming the keys."""
+
+import pytest
+
+from server_app import config
+from server_app.app import best_of_clusters
+from tasks.options import ConfigError
+from tests.server_app.test_config import _pyproject_defaults
+
+
+def _load(**overrides):
+    return config.load({**_pyproject_defaults(), **overrides})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"strategy": "local", "privacy": "laplace"}, "needs a federated strategy"),
+        (
+            {"strategy": "clustered", "privacy": "dp-fedavg-fixed"},
+            "valid values with clustered: 'none', 'laplace', 'dp-sgd'",
+        ),
+        (
+            {"strategy": "clustered", "privacy": "dp-fedavg-adaptive"},
+            "DP-FedAvg makes only their noised sum private",
+        ),
+        (
+            {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "loss"},
+            "use 'cluster.assign' = 'l2'",
+        ),
+        (
+            {"task": "lunar-lander", "privacy": "dp-sgd"},
+            "'privacy' = 'dp-sgd' is not available for 'task' = 'lunar-lander'",
+        ),
+        ({"cluster.assign": "nearest"}, "valid values: 'l2', 'loss'"),
+        ({"cluster.k": 0}, "'cluster.k' = 0 is out of range"),
+    ],
+)
+def test_impossible_combinations_are_refused(overrides, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        _load(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"strategy": "clustered", "privacy": "none", "cluster.assign": "loss"},
+        {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "l2"},
+        {"strategy": "clustered", "privacy": "dp-sgd"},
+        {"task": "lunar-lander", "privacy": "laplace"},
+        {"task": "lunar-lander", "privacy": "dp-fedavg-adaptive", "dp.noise-site": "client"},
+    ],
+)
+def test_sound_combinations_load(overrides):
+    cfg = _load(**overrides)
+    assert cfg.strategy == overrides.get("strategy", "fedavg")
+
+
+def test_best_of_clusters_takes_each_metrics_best_model():
+    merged = best_of_clusters(
+        [
+            {
+                "eval-reward-moon": -50.0,
+                "eval-reward-mars": 10.0,
+                "eval-loss": 2.0,
+                "eval-reward-std-moon": 3.0,
+                "num-examples": 5,
+            },
+            {
+                "eval-reward-moon": 20.0,
+                "eval-reward-mars": -80.0,
+                "eval-loss": 1.5,
+                "eval-reward-std-moon": 9.0,
+                "num-examples": 5,
+            },
+        ]
+    )
+    assert merged["eval-reward-moon"] == 20.0  # cluster 1 is best on the moon
+    assert merged["eval-reward-mars"] == 10.0  # cluster 0 on mars
+    assert merged["eval-loss"] == 1.5
+    assert merged["eval-reward-std-moon"] == 3.0 and merged["num-examples"] == 5
+    assert merged["cluster-0-eval-reward-moon"] == -50.0
+    assert merged["cluster-1-eval-reward-mars"] == -80.0
+    assert len(merged) == 5 + 2 * 5
