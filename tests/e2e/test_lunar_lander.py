@@ -1,0 +1,96 @@
+"""`flwr run` of the federated PPO task (seed 000) on 3 SuperNodes (one per planet):
+fedavg, clustered FedAvg and the Laplace mechanism, each for 2 tiny rounds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tasks.lunar_lander.logs import load_snapshots
+
+pytestmark = pytest.mark.e2e
+
+PLANETS = ("moon", "earth", "mars")
+# 3 clients (no derived ones), 2 of them per round, 256 env steps each, tiny PPO.
+TINY = (
+    "task='lunar-lander' num-server-rounds=2 fraction-train=0.67 fraction-evaluate=1.0 "
+    "ppo.derived-per-base=0 ppo.local-steps=256 ppo.n-steps=64 ppo.n-envs=2 "
+    "ppo.batch-size=64 ppo.n-epochs=1 ppo.check-freq=64 ppo.eval-episodes=1"
+)
+VARIANTS = {
+    "fedavg": "strategy='fedavg'",
+    "clustered": "strategy='clustered' cluster.k=2 cluster.assign='l2'",
+    "laplace": "strategy='fedavg' privacy='laplace' dp.sensitivity=15.0 dp.epsilon=30.0",
+}
+
+
+@pytest.fixture(scope="module")
+def lunar_runs(flower, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lunar-runs")
+    runs = {}
+    for name, options in VARIANTS.items():
+        result = flower.run(
+            f"{TINY} {options} output-dir='{root}'", federation_config="num-supernodes=3"
+        )
+        assert result.returncode == 0 and result.run_dir is not None, result.output
+        runs[name] = result
+    return runs
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_global_policy_evaluated_on_every_planet(lunar_runs, name):
+    result = lunar_runs[name]
+    metrics = pd.read_csv(result.run_dir / "metrics.csv")
+    central = metrics[metrics["scope"] == "central-eval"].set_index("round")
+    assert list(central.index) == [0, 1, 2], result.output
+    for planet in PLANETS:
+        assert central[f"eval-reward-{planet}"].notna().all()
+    train = metrics[metrics["scope"] == "train"].set_index("round")
+    assert list(train.index) == [1, 2] and train["train-loss"].notna().all()
+    assert "[round 2/2]" in result.output and "train-reward" in result.output
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_clients_write_episode_logs_into_the_run_directory(lunar_runs, name):
+    run_dir = lunar_runs[name].run_dir
+    files = sorted((run_dir / "clients").glob("*.npz"))
+    assert len(files) == 4  # 2 clients x 2 rounds
+    frame, weights = load_snapshots(run_dir / "clients")
+    assert len(frame) == 4 * (256 // 64) and weights.shape[0] == len(frame)
+    model = torch.load(run_dir / "model.pt")
+    assert weights.shape[1] == sum(t.numel() for t in model.values())
+    assert set(frame["planet"]) <= set(PLANETS)
+
+
+def test_clustered_keeps_and_checkpoints_k_models(lunar_runs):
+    run_dir = lunar_runs["clustered"].run_dir
+    for k in range(2):
+        assert (run_dir / "checkpoint" / f"cluster-{k}.pt").is_file()
+    state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+    assert state == {"round": 2, "models": ["cluster-0", "cluster-1"]}
+    clusters = pd.read_csv(run_dir / "clusters.csv")
+    assert len(clusters) == 4 and set(clusters["round"]) == {1, 2}
+    assert set(clusters["cluster"]) <= {0, 1}
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    train = metrics[metrics["scope"] == "train"]
+    assert (train["cluster-0-size"] + train["cluster-1-size"] == 2).all()
+    central = metrics[metrics["scope"] == "central-eval"].set_index("round")
+    for planet in PLANETS:
+        best = np.maximum(
+            central.loc[2, f"cluster-0-eval-reward-{planet}"],
+            central.loc[2, f"cluster-1-eval-reward-{planet}"],
+        )
+        assert central.loc[2, f"eval-reward-{planet}"] == pytest.approx(best)
+
+
+def test_laplace_ledger_names_the_unit_of_privacy(lunar_runs):
+    result = lunar_runs["laplace"]
+    ledger = json.loads((result.run_dir / "ledger.json").read_text())["summary"]
+    assert ledger["num-releases"] == 2
+    assert ledger["basic-composition-epsilon"] == pytest.approx(60.0)
+    assert "environment" in ledger["privacy-unit"]
+    assert any(s.startswith("Unit of privacy") for s in ledger["statements"])
