@@ -1,0 +1,131 @@
+"""Environment steps per second: federated PPO (`flwr run`) vs plain SB3 PPO.
+
+Both sides train SB3's PPO (MlpPolicy, SB3's default hyperparameters, ``n_envs``
+DummyVecEnv copies of LunarLander-v3) for the same total number of environment
+steps. Plain SB3 trains one policy in this process; the federated run trains
+``clients-per-round`` clients per round for ``rounds`` rounds through a private
+local SuperLink (Ray simulation), with central and federated evaluation off so that
+only training is timed. Two federated throughputs are reported:
+
+* all rounds: total steps / time from the ServerApp's first round to its last;
+* steady state: rounds 2..R only (round 1 also pays Ray's actor start-up and each
+  actor's first import of torch/SB3).
+
+and each with ``client-resources-num-cpus`` = the machine's cores (one ClientApp at a
+time: the like-for-like comparison with single-process SB3) and = 1 (as many
+ClientApps at once as there are cores).
+
+    python bench/ppo_throughput.py --rounds 4 --local-steps 16384
+
+Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
+working tree, so editing the app while it runs changes what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+from stable_baselines3 import PPO
+from stable_baselines3.common.env_util import make_vec_env
+
+from server_app.launcher import LocalSimulation
+
+
+def standalone_steps_per_second(total_steps: int, n_envs: int, seed: int) -> tuple[int, float]:
+    """(steps taken, steps/s) of plain SB3 PPO on the moon client's environment."""
+    torch.set_num_threads(1)  # as each ClientApp does under Ray with num-cpus=1
+    env = make_vec_env(
+        "LunarLander-v3",
+        n_envs=n_envs,
+        seed=seed,
+        env_kwargs={"gravity": -1.6, "enable_wind": True, "wind_power": 0.5},
+    )
+    model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0)
+    started = time.perf_counter()
+    model.learn(total_timesteps=total_steps)
+    seconds = time.perf_counter() - started
+    env.close()
+    return model.num_timesteps, model.num_timesteps / seconds
+
+
+def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
+    num_clients = 3 + 3 * args.derived_per_base
+    fraction = (args.clients_per_round + 0.5) / num_clients  # int(n * f) = clients/round
+    run_config = (
+        f"task='lunar-lander' strategy='fedavg' num-server-rounds={args.rounds} "
+        f"fraction-train={fraction:.6f} min-train-nodes={args.clients_per_round} "
+        f"fraction-evaluate=0.0 central-eval=false ppo.derived-per-base={args.derived_per_base} "
+        f"ppo.local-steps={args.local_steps} ppo.n-envs={args.n_envs} "
+        f"output-dir='{out}/cpus-{cpus}'"
+    )
+    result = sim.run(
+        run_config,
+        federation_config=f"num-supernodes={num_clients} client-resources-num-cpus={cpus}",
+    )
+    if result.returncode != 0 or result.run_dir is None:
+        raise SystemExit(result.output)
+    train = pd.read_csv(result.run_dir / "metrics.csv").query("scope == 'train'")
+    train = train.sort_values("round")
+    rollout = 2048 * args.n_envs  # SB3's n_steps x n_envs; PPO runs whole rollouts
+    per_client = -(-args.local_steps // rollout) * rollout
+    steps_per_round = np.full(len(train), args.clients_per_round * per_client)
+    elapsed = train["elapsed-s"].to_numpy()  # since the run directory was created
+    return {
+        "cpus": cpus,
+        "steps": int(steps_per_round.sum()),
+        "all": steps_per_round.sum() / elapsed[-1],
+        "steady": steps_per_round[1:].sum() / (elapsed[-1] - elapsed[0]),
+        "wall": result.seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--clients-per-round", type=int, default=2)
+    parser.add_argument("--derived-per-base", type=int, default=1)
+    parser.add_argument("--local-steps", type=int, default=16384)
+    parser.add_argument("--n-envs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
+
+    total = args.rounds * args.clients_per_round * args.local_steps
+    steps, plain = standalone_steps_per_second(total, args.n_envs, args.seed)
+    print(f"plain SB3 PPO: {steps} steps, {plain:.0f} steps/s", flush=True)
+
+    rows = []
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
+        for cpus in sorted({cores, 1}, reverse=True):
+            row = federated(sim, args, cpus, out)
+            rows.append(row)
+            print(
+                f"federated, {cores // cpus} ClientApp(s) at once: {row['steps']} steps, "
+                f"{row['all']:.0f} steps/s (all rounds), {row['steady']:.0f} steps/s "
+                f"(rounds 2..{args.rounds}), whole `flwr run` {row['wall']:.1f} s",
+                flush=True,
+            )
+
+    print(f"\n| setting | env steps | steps/s | ratio to plain SB3 ({plain:.0f} steps/s) |")
+    print("| --- | --- | --- | --- |")
+    print(f"| plain SB3 PPO, one process | {steps} | {plain:.0f} | 1.00 |")
+    for row in rows:
+        at_once = cores // row["cpus"]
+        for key, label in (("all", "all rounds"), ("steady", "rounds 2..R")):
+            print(
+                f"| federated, {at_once} ClientApp(s) at once, {label} | {row['steps']} | "
+                f"{row[key]:.0f} | {row[key] / plain:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
