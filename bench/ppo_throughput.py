@@ -12,8 +12,9 @@ only training is timed. Two federated throughputs are reported:
   actor's first import of torch/SB3).
 
 and each with ``client-resources-num-cpus`` = the machine's cores (one ClientApp at a
-time: the like-for-like comparison with single-process SB3) and = 1 (as many
-ClientApps at once as there are cores).
+time) and = 1 (as many ClientApps at once as there are cores). Ray sets each
+ClientApp's ``OMP_NUM_THREADS`` to its num-cpus, so each ClientApp's share of the
+throughput is compared with plain SB3 on that many torch threads.
 
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384
 
@@ -29,6 +30,7 @@ import signal
 import sys
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -37,17 +39,22 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 
 from server_app.launcher import LocalSimulation
+from tasks.lunar_lander.clients import client_table, make_env
 
 
-def standalone_steps_per_second(total_steps: int, n_envs: int, seed: int) -> tuple[int, float]:
-    """(steps taken, steps/s) of plain SB3 PPO on the moon client's environment."""
-    torch.set_num_threads(1)  # as each ClientApp does under Ray with num-cpus=1
-    env = make_vec_env(
-        "LunarLander-v3",
-        n_envs=n_envs,
-        seed=seed,
-        env_kwargs={"gravity": -1.6, "enable_wind": True, "wind_power": 0.5},
-    )
+def standalone_steps_per_second(
+    total_steps: int, n_envs: int, seed: int, threads: int
+) -> tuple[int, float]:
+    """(steps taken, steps/s) of plain SB3 PPO on the moon client's environment.
+
+    The environment is built as the task builds it (``make_env``, no render mode):
+    ``make_vec_env("LunarLander-v3")`` would default to ``render_mode="rgb_array"``,
+    with which LunarLander adds a Box2D body per engine particle and steps about 25 %
+    slower, flattering the federated side.
+    """
+    torch.set_num_threads(threads)
+    moon = client_table(seed, derived_per_base=0)[0]
+    env = make_vec_env(partial(make_env, moon), n_envs=n_envs, seed=seed)
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0)
     started = time.perf_counter()
     model.learn(total_timesteps=total_steps)
@@ -99,11 +106,17 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
 
     total = args.rounds * args.clients_per_round * args.local_steps
-    steps, plain = standalone_steps_per_second(total, args.n_envs, args.seed)
-    print(f"plain SB3 PPO: {steps} steps, {plain:.0f} steps/s", flush=True)
+    cores = os.cpu_count() or 1
+    plain = {}
+    for threads in sorted({1, cores}):
+        steps, plain[threads] = standalone_steps_per_second(total, args.n_envs, args.seed, threads)
+        print(
+            f"plain SB3 PPO, {threads} torch thread(s): {steps} steps, "
+            f"{plain[threads]:.0f} steps/s",
+            flush=True,
+        )
 
     rows = []
-    cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
         for cpus in sorted({cores, 1}, reverse=True):
             row = federated(sim, args, cpus, out)
@@ -115,15 +128,23 @@ def main() -> None:
                 flush=True,
             )
 
-    print(f"\n| setting | env steps | steps/s | ratio to plain SB3 ({plain:.0f} steps/s) |")
-    print("| --- | --- | --- | --- |")
-    print(f"| plain SB3 PPO, one process | {steps} | {plain:.0f} | 1.00 |")
+    # Ray gives each ClientApp OMP_NUM_THREADS = num-cpus torch threads: compare each
+    # ClientApp's share of the throughput with plain SB3 on as many threads.
+    print("\n| setting | env steps | steps/s | per process | plain SB3, same threads | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for threads, rate in plain.items():
+        print(
+            f"| plain SB3 PPO, {threads} thread(s) | {steps} | {rate:.0f} | {rate:.0f} | "
+            f"{rate:.0f} | 1.00 |"
+        )
     for row in rows:
         at_once = cores // row["cpus"]
         for key, label in (("all", "all rounds"), ("steady", "rounds 2..R")):
+            share = row[key] / at_once
             print(
-                f"| federated, {at_once} ClientApp(s) at once, {label} | {row['steps']} | "
-                f"{row[key]:.0f} | {row[key] / plain:.2f} |"
+                f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU, {label} | "
+                f"{row['steps']} | {row[key]:.0f} | {share:.0f} | {plain[row['cpus']]:.0f} | "
+                f"{share / plain[row['cpus']]:.2f} |"
             )
 
 
