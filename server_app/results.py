@@ -6,6 +6,8 @@ Layout (DESIGN.md)::
         config.json      resolved run-config + environment
         metrics.csv      one row per (round, scope); scope in train, federated-eval,
                          central-eval
+        participation.csv one row per (round, client sent a train message): node-id,
+                         replied, error, and the metrics the client reported
         checkpoint/      global arrays of the last finished round + state.json
         model.pt         final global model (torch state dict)
         plots/learning_curve.png
@@ -86,6 +88,7 @@ class RunDirectory:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
+        self.participation: list[dict[str, Any]] = []
         self.started = time.monotonic()
 
     @classmethod
@@ -162,6 +165,9 @@ class RunDirectory:
         ):
             if record is not None:
                 self.record(result.server_round, scope, dict(record))
+        if result.clients:
+            self.participation.extend(result.clients)
+            self.write_rows("participation.csv", self.participation)
         if result.server_round > 0:
             self.checkpoint(result.server_round, result.arrays.to_torch_state_dict(), models)
             if ledger is not None:

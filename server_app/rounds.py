@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from strategies import StopTraining
+from strategies import StopTraining, keys
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -35,6 +35,30 @@ class RoundResult:
     train: MetricRecord | None = None
     federated_eval: MetricRecord | None = None
     central_eval: MetricRecord | None = None
+    clients: list[dict] = field(default_factory=list)
+    """One row per client sent a train message: its node id, whether it replied
+    without error (else the reason), and the metrics it reported."""
+
+
+def participation(server_round: int, sent: list[Message], replies: list[Message]) -> list[dict]:
+    """The ``clients`` rows of a round from the train messages and their replies."""
+    by_node = {reply.metadata.src_node_id: reply for reply in replies}
+    rows = []
+    for message in sent:
+        node = message.metadata.dst_node_id
+        row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
+        reply = by_node.get(node)
+        if reply is None:
+            row["error"] = "no reply"
+        elif reply.has_error():
+            row["error"] = reply.error.reason
+        else:
+            row["replied"] = True
+            metrics = reply.content.get(keys.METRICS)
+            if isinstance(metrics, MetricRecord):
+                row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+        rows.append(row)
+    return rows
 
 
 @dataclass
@@ -98,13 +122,16 @@ def run_rounds(
     for server_round in range(1, num_rounds + 1):
         started = time.monotonic()
         try:
-            messages = strategy.configure_train(
-                server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+            messages = list(
+                strategy.configure_train(
+                    server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+                )
             )
         except StopTraining as stop:
             log(WARNING, "Stopping before round %d: %s", server_round, stop)
             break
-        replies = grid.send_and_receive(messages, timeout=timeout)
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        clients = participation(server_round, messages, replies)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
@@ -118,6 +145,7 @@ def run_rounds(
             train=train_metrics,
             federated_eval=strategy.aggregate_evaluate(server_round, replies),
             central_eval=central_eval(server_round, arrays) if central_eval else None,
+            clients=clients,
         )
         on_round(result)
         log(INFO, progress.line(result, time.monotonic() - started))

@@ -3,12 +3,15 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
+from flwr.app import Array, ArrayRecord
 
 from server_app import results
 from server_app.results import RunDirectory, load_metrics, resolve_output_dir
+from server_app.rounds import RoundResult
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,3 +62,16 @@ def test_unknown_scope_is_rejected(tmp_path):
     run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
     with pytest.raises(ValueError, match="scope 'eval'"):
         run.record(1, "eval", {})
+
+
+def test_participation_rows_accumulate_in_participation_csv(tmp_path):
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    arrays = ArrayRecord({"w": Array(np.zeros(1, dtype=np.float32))})
+    for server_round, loss in ((1, 0.5), (2, 0.25)):
+        rows = [{"round": server_round, "node-id": 9, "replied": True, "train-loss": loss}]
+        run.record_round(RoundResult(server_round, arrays, clients=rows))
+
+    frame = pd.read_csv(run.path / "participation.csv")
+
+    assert frame["round"].tolist() == [1, 2]
+    assert frame["train-loss"].tolist() == [0.5, 0.25]
