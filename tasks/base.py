@@ -129,6 +129,9 @@ class Task(ABC):
     SUPPORTS_DP_SGD: ClassVar[bool] = True  # sample-level DP-SGD (Opacus) in train()
     # What one client contributes: the unit a client-level epsilon protects.
     PRIVACY_UNIT: ClassVar[str] = "one client's whole local dataset, in every round"
+    # The option holding the local epochs per round (SmartFedProx scales mu by it);
+    # None: the task has no epochs (e.g. PPO's env steps), counted as 1.
+    EPOCHS_KEY: ClassVar[str | None] = None
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         self.options = parse_options(run_config, self.OPTIONS)
@@ -137,6 +140,11 @@ class Task(ABC):
         """The partition a real SuperNode describes in its ``node_config``, if it does
         (e.g. an RL client's environment); ``None``: use ``load_partition``."""
         return None
+
+    def local_state_keys(self) -> tuple[str, ...]:
+        """State-dict keys that stay on the client (e.g. FedBN's BatchNorm layers): the
+        ClientApp restores them from its own state after loading the global weights."""
+        return ()
 
     def num_partitions(self) -> int | None:
         """The number of clients this task's configuration defines, or ``None`` when

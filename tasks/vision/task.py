@@ -186,6 +186,7 @@ class ImageClassificationTask(Task):
     :class:`~tasks.vision.data.CentralTestSet`; ``evaluate`` accepts either.
     """
 
+    EPOCHS_KEY: ClassVar[str | None] = "train.local-epochs"
     OPTIONS: ClassVar[tuple[Option, ...]] = VISION_OPTIONS
     SPEC: ClassVar[DatasetSpec]
     DEFAULT_MODEL: ClassVar[str] = "lenet"
