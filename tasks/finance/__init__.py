@@ -1,0 +1,35 @@
+"""Disposable-income regression on Indian personal-finance data (seed 001): the real
+Kaggle CSV (``finance.data-path``) or its synthetic twin, the seed's non-IID
+partitionings, a BatchNorm MLP and FedBN as an option."""
+
+from tasks.finance import data, task
+from tasks.finance.data import FinanceTable, PreparedData
+from tasks.finance.task import (
+    EVAL_MSE,
+    EVAL_R2,
+    FinanceCentralTest,
+    FinanceConfig,
+    FinancePartition,
+    FinanceTask,
+    RegressionSplit,
+)
+
+
+def clear_caches() -> None:
+    """Forget every cached table, prepared array and partition of this process."""
+    for cached in (data.load_table, data.prepared_data, task.load_partitions):
+        cached.cache_clear()
+
+
+__all__ = [
+    "EVAL_MSE",
+    "EVAL_R2",
+    "FinanceCentralTest",
+    "FinanceConfig",
+    "FinancePartition",
+    "FinanceTable",
+    "FinanceTask",
+    "PreparedData",
+    "RegressionSplit",
+    "clear_caches",
+]

@@ -1,0 +1,353 @@
+"""Disposable-income regression on the Indian personal-finance table (seed 001).
+
+Each client trains the seed's MLP (:mod:`tasks.finance.model`) with Adam on the MSE
+of the standardised target, plus the FedProx proximal term (Li et al., 2020) when
+the server sends ``proximal_mu > 0``. Clients hold the seed's non-IID partitions
+(:mod:`tasks.finance.partitioning`) of the table's client pool; the server evaluates
+on a held-out central test set. Metrics: MSE on the standardised target and R²
+(R² is invariant to the target's affine scaling, so it equals R² in rupees).
+
+DP-SGD is not supported: BatchNorm mixes the examples of a batch, so per-example
+gradients are undefined. With ``finance.bn = local`` the BatchNorm layers stay on
+each client (FedBN, Li et al., 2021): :meth:`FinanceTask.local_state_keys` names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.base import (
+    EVAL_LOSS,
+    NUM_EXAMPLES,
+    SEED,
+    TRAIN_LOSS,
+    LocalTraining,
+    Task,
+    resolve_device,
+)
+from tasks.finance.data import (
+    PARTITION_STREAM,
+    SPLIT_STREAM,
+    PreparedData,
+    describe_source,
+    prepared_data,
+)
+from tasks.finance.model import batchnorm_state_keys, build_model
+from tasks.finance.partitioning import parse_scheme, partition_rows, split_local
+from tasks.options import ConfigError, Option
+from tasks.proximal import proximal_term, snapshot_parameters
+
+EVAL_MSE = "eval-mse"
+EVAL_R2 = "eval-r2"
+EVAL_CHUNK = 4096  # rows per forward pass in evaluation (eval-mode BN: no batch effect)
+
+FINANCE_OPTIONS: tuple[Option, ...] = (
+    Option("finance.data-path", "", "CSV of Kaggle's Indian personal finance data; "
+           "empty: a synthetic table with its schema."),
+    Option("finance.synthetic-rows", 20000, "Rows of the synthetic table.", low=100),
+    Option("finance.central-test-fraction", 0.2, "Share of rows held out for the server.",
+           low=0.05, high=0.5),
+    Option("finance.test-fraction", 0.2, "Share of each client's rows held out locally.",
+           low=0.05, high=0.5),
+    Option("finance.partitioning", "multi-key+label-skew+quantity-skew",
+           "`iid` or a `+`-joined combination of multi-key, label-skew, quantity-skew."),
+    Option("finance.batch-size", 64, "Mini-batch size of local training.", low=2),
+    Option("finance.local-epochs", 3, "Local epochs per round.", low=1),
+    Option("finance.lr", 1e-3, "Adam learning rate.", low=0.0, low_open=True),
+    Option("finance.bn", "average", "BatchNorm layers: `average` (federated) or `local` "
+           "(FedBN: kept on each client).", choices=("average", "local")),
+    Option("finance.device", "auto", "Device; `auto`: cuda when available.",
+           choices=("auto", "cpu", "cuda")),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FinanceConfig:
+    """Parsed run-config of the finance task."""
+
+    data_path: str
+    """``finance.data-path``; empty: synthetic."""
+    synthetic_rows: int
+    """``finance.synthetic-rows``."""
+    central_test_fraction: float
+    """``finance.central-test-fraction``."""
+    test_fraction: float
+    """``finance.test-fraction``."""
+    scheme: tuple[str, ...]
+    """``finance.partitioning`` parsed into its parts, ``()`` for iid (derived)."""
+    batch_size: int
+    """``finance.batch-size``."""
+    local_epochs: int
+    """``finance.local-epochs``."""
+    lr: float
+    """``finance.lr``."""
+    bn: str
+    """``finance.bn``: ``average`` or ``local``."""
+    device: str
+    """``finance.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
+    seed: int
+    """Top-level ``seed``."""
+
+
+@dataclass(frozen=True)
+class RegressionSplit:
+    """Standardised features and target of some rows.
+
+    Attributes
+    ----------
+    features : torch.Tensor
+        ``float32 (N, 26)``.
+    target : torch.Tensor
+        ``float32 (N,)``.
+    ids : torch.Tensor
+        ``int64 (N,)``: the rows of the table.
+    """
+
+    features: torch.Tensor
+    target: torch.Tensor
+    ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+
+@dataclass(frozen=True)
+class FinancePartition:
+    """One client's data: its local train and test splits."""
+
+    partition_id: int
+    num_partitions: int
+    train: RegressionSplit
+    test: RegressionSplit
+
+
+@dataclass(frozen=True)
+class FinanceCentralTest:
+    """The held-out rows the server evaluates the global model on."""
+
+    test: RegressionSplit
+
+
+def rows_split(data: PreparedData, rows: np.ndarray) -> RegressionSplit:
+    """The rows ``rows`` of ``data`` as tensors."""
+    return RegressionSplit(
+        torch.from_numpy(data.features[rows]),
+        torch.from_numpy(data.target[rows]),
+        torch.from_numpy(np.asarray(rows, dtype=np.int64)),
+    )
+
+
+@lru_cache(maxsize=8)
+def load_partitions(cfg: FinanceConfig, num_partitions: int) -> tuple[FinancePartition, ...]:
+    """Every client's partition for ``num_partitions`` clients (cached per process)."""
+    data = prepared_data(cfg.data_path, cfg.synthetic_rows, cfg.seed, cfg.central_test_fraction)
+    rng = np.random.default_rng([cfg.seed, PARTITION_STREAM])
+    pool = data.pool
+    positions = partition_rows(
+        data.keys[pool], data.brackets[pool], num_partitions, cfg.scheme, rng
+    )
+    partitions = []
+    for pid, part in enumerate(positions):
+        rows = pool[part]
+        split_rng = np.random.default_rng([cfg.seed, SPLIT_STREAM, pid])
+        train, test = split_local(len(rows), cfg.test_fraction, split_rng)
+        partitions.append(
+            FinancePartition(
+                pid, num_partitions, rows_split(data, rows[train]), rows_split(data, rows[test])
+            )
+        )
+    return tuple(partitions)
+
+
+def training_batches(
+    num_rows: int, batch_size: int, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """A shuffled epoch's batches of row positions; a batch of one row (which
+    BatchNorm cannot train on) is dropped."""
+    order = torch.randperm(num_rows, generator=generator)
+    return [batch for batch in order.split(batch_size) if len(batch) > 1]
+
+
+def train_epoch(
+    model: nn.Module,
+    split: RegressionSplit,
+    optimizer: torch.optim.Optimizer,
+    batches: list[torch.Tensor],
+    device: torch.device,
+    proximal: tuple[list[torch.Tensor], float],
+) -> float:
+    """One pass over ``batches``; returns the mean squared error per trained row,
+    without the proximal term. ``proximal`` is (global parameters, mu)."""
+    global_params, mu = proximal
+    model.train()
+    total, seen = 0.0, 0
+    for batch in batches:
+        x, y = split.features[batch].to(device), split.target[batch].to(device)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        objective = loss + proximal_term(model, global_params, mu) if mu > 0 else loss
+        objective.backward()
+        optimizer.step()
+        total += loss.item() * len(batch)
+        seen += len(batch)
+    return total / seen if seen else 0.0
+
+
+@torch.no_grad()
+def predict(model: nn.Module, features: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Eval-mode predictions of ``model`` for ``features``, as a CPU ``(N,)`` tensor."""
+    model.eval()
+    chunks = [model(x.to(device)).reshape(-1).cpu() for x in features.split(EVAL_CHUNK)]
+    return torch.cat(chunks) if chunks else torch.empty(0)
+
+
+def regression_metrics(prediction: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+    """Mean squared error and R² = 1 - SSE / SST (computed in float64).
+
+    As scikit-learn's ``r2_score`` (``force_finite=True``): a constant target gives
+    1.0 if predicted exactly, else 0.0; no rows give (0.0, 0.0).
+    """
+    prediction, target = prediction.astype(np.float64), target.astype(np.float64)
+    if len(target) == 0:
+        return 0.0, 0.0
+    sse = float(np.sum((prediction - target) ** 2))
+    sst = float(np.sum((target - target.mean()) ** 2))
+    r2 = 1.0 - sse / sst if sst > 0 else float(sse == 0)
+    return sse / len(target), r2
+
+
+class FinanceTask(Task):
+    """Federated regression of disposable income (seed 001).
+
+    Options are :data:`FINANCE_OPTIONS` (``finance.*``) plus the top-level ``seed``.
+    ``load_partition`` returns a :class:`FinancePartition`, ``load_central_test`` a
+    :class:`FinanceCentralTest`; ``evaluate`` accepts either, or a bare
+    :class:`RegressionSplit`.
+    """
+
+    name = "finance"
+    OPTIONS: ClassVar[tuple[Option, ...]] = FINANCE_OPTIONS
+    SUPPORTS_DP_SGD: ClassVar[bool] = False
+    EPOCHS_KEY: ClassVar[str | None] = "finance.local-epochs"
+
+    def __init__(self, run_config: Mapping[str, Any]) -> None:
+        super().__init__(run_config)
+        opts = self.options
+        self.config = FinanceConfig(
+            data_path=str(opts["finance.data-path"]),
+            synthetic_rows=int(opts["finance.synthetic-rows"]),
+            central_test_fraction=float(opts["finance.central-test-fraction"]),
+            test_fraction=float(opts["finance.test-fraction"]),
+            scheme=parse_scheme(str(opts["finance.partitioning"])),
+            batch_size=int(opts["finance.batch-size"]),
+            local_epochs=int(opts["finance.local-epochs"]),
+            lr=float(opts["finance.lr"]),
+            bn=str(opts["finance.bn"]),
+            device=resolve_device(str(opts["finance.device"]), "finance.device"),
+            seed=int(SEED.parse(run_config.get(SEED.key, SEED.default))),
+        )
+
+    @property
+    def data_source(self) -> str:
+        """The file path of the data, or ``"synthetic (seed S, N rows)"``."""
+        cfg = self.config
+        return describe_source(cfg.data_path, cfg.synthetic_rows, cfg.seed)
+
+    @property
+    def device(self) -> torch.device:
+        """The device local training and evaluation run on."""
+        return torch.device(self.config.device)
+
+    def build_model(self, seed: int) -> nn.Module:
+        """A fresh :class:`~tasks.finance.model.FinanceMLP`, weights drawn from ``seed``."""
+        return build_model(seed)
+
+    def local_state_keys(self) -> tuple[str, ...]:
+        """The BatchNorm state keys with ``finance.bn = local`` (FedBN), else ``()``."""
+        if self.config.bn != "local":
+            return ()
+        return batchnorm_state_keys(build_model(0))
+
+    def load_partition(self, partition_id: int, num_partitions: int) -> FinancePartition:
+        """Client ``partition_id`` of ``num_partitions``: local train and test splits."""
+        if num_partitions < 1 or not 0 <= partition_id < num_partitions:
+            raise ValueError(f"partition_id {partition_id} not in [0, {num_partitions})")
+        return load_partitions(self.config, num_partitions)[partition_id]
+
+    def load_central_test(self) -> FinanceCentralTest:
+        """The server's held-out test rows."""
+        cfg = self.config
+        data = prepared_data(
+            cfg.data_path, cfg.synthetic_rows, cfg.seed, cfg.central_test_fraction
+        )
+        return FinanceCentralTest(rows_split(data, data.central))
+
+    def train(
+        self, model: nn.Module, partition: FinancePartition, local: LocalTraining
+    ) -> dict[str, float]:
+        """``finance.local-epochs`` epochs of Adam on the MSE, in place.
+
+        The parameters received are the proximal anchor; shuffling (a
+        ``torch.Generator``) and dropout draw from ``local.seed`` (the global RNG is
+        restored on return). ``train-loss`` is the mean MSE per row of the last
+        epoch, without the proximal term. The model is back on the CPU on return.
+
+        Raises
+        ------
+        ConfigError
+            If ``local.dp_sgd`` is set: BatchNorm rules out per-example gradients.
+        """
+        if local.dp_sgd is not None:
+            raise ConfigError(
+                "finance does not support dp-sgd: BatchNorm mixes the examples of a batch, "
+                "so per-example gradients are undefined; use a client-level mechanism "
+                "instead, e.g. privacy='dp-fedavg-fixed' or privacy='laplace'"
+            )
+        device = self.device
+        model.to(device)
+        rng_devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=rng_devices):
+                torch.manual_seed(local.seed)
+                loss = self._run_epochs(model, partition.train, local)
+        finally:
+            model.to("cpu")
+        return {NUM_EXAMPLES: len(partition.train), TRAIN_LOSS: float(loss)}
+
+    def _run_epochs(self, model: nn.Module, split: RegressionSplit, local: LocalTraining) -> float:
+        """The local epochs; the last epoch's mean MSE."""
+        cfg = self.config
+        proximal = (snapshot_parameters(model), local.proximal_mu)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        generator = torch.Generator().manual_seed(local.seed)
+        loss = 0.0
+        for _ in range(cfg.local_epochs):
+            batches = training_batches(len(split), cfg.batch_size, generator)
+            loss = train_epoch(model, split, optimizer, batches, self.device, proximal)
+        return loss
+
+    def evaluate(
+        self, model: nn.Module, data: FinancePartition | FinanceCentralTest | RegressionSplit
+    ) -> dict[str, float]:
+        """MSE (``eval-loss`` and ``eval-mse``) and R² on the standardised target, on a
+        partition's local test split, the central test set or a bare split."""
+        if isinstance(data, FinancePartition | FinanceCentralTest):
+            split = data.test
+        elif isinstance(data, RegressionSplit):
+            split = data
+        else:
+            raise TypeError(f"cannot evaluate on {type(data).__name__}")
+        model.to(self.device)
+        try:
+            prediction = predict(model, split.features, self.device)
+        finally:
+            model.to("cpu")
+        mse, r2 = regression_metrics(prediction.numpy(), split.target.numpy())
+        return {NUM_EXAMPLES: len(split), EVAL_LOSS: mse, EVAL_MSE: mse, EVAL_R2: r2}
