@@ -3,6 +3,7 @@ uniform sampling with the run's generator, and the signal to end a run early."""
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC
 from collections.abc import Iterable
@@ -136,6 +137,17 @@ def metrics_of(message: Message, weight: float | None = None) -> MetricRecord:
     if weight is not None:
         copy[keys.NUM_EXAMPLES] = weight
     return copy
+
+
+def checked_metrics(message: Message) -> MetricRecord:
+    """The reply's metrics with a finite, non-negative ``num-examples`` (or InvalidReply)."""
+    if message.has_error():
+        raise InvalidReply(f"error reply: {message.error.reason}")
+    metrics = metrics_of(message)
+    weight = metrics.get(keys.NUM_EXAMPLES)
+    if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise InvalidReply(f"'{keys.NUM_EXAMPLES}' = {weight!r} is not a valid weight")
+    return metrics
 
 
 def unweighted(message: Message) -> RecordDict:

@@ -40,6 +40,7 @@ from strategies.base import (
     InvalidReply,
     StopTraining,
     arrays_of,
+    checked_metrics,
     metrics_of,
     sample_uniform,
     to_record,
@@ -136,17 +137,6 @@ def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
     return aggregate_metricrecords(contents, keys.NUM_EXAMPLES)
 
 
-def checked_metrics(message: Message) -> MetricRecord:
-    """The reply's metrics with a finite, non-negative ``num-examples`` (or InvalidReply)."""
-    if message.has_error():
-        raise InvalidReply(f"error reply: {message.error.reason}")
-    metrics = metrics_of(message)
-    weight = metrics.get(keys.NUM_EXAMPLES)
-    if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
-        raise InvalidReply(f"'{keys.NUM_EXAMPLES}' = {weight!r} is not a valid weight")
-    return metrics
-
-
 def _copy(record: ArrayRecord) -> ArrayRecord:
     return to_record(record, [record[key].numpy() for key in record])
 
@@ -228,6 +218,10 @@ class ClusteredFedAvg(Strategy):
         self._pending: dict[int, tuple[int, str, float]] | None = None  # node -> choice
 
     # -- public helpers -------------------------------------------------------------
+    def tables(self) -> dict[str, list[dict]]:
+        """Per-client records for the run directory: every assignment, every round."""
+        return {"clusters.csv": self.history}
+
     def largest_cluster(self) -> int:
         """Index of the largest cluster of the last aggregated round (ties: lowest)."""
         return int(np.argmax(self._sizes))

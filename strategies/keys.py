@@ -44,3 +44,17 @@ CLUSTER_K = "cluster-k"  # query config: the number K of global models
 CLUSTER_QUERY = "cluster"  # query action: message_type "evaluate.cluster"
 CLUSTER_MODEL = "cluster-model"  # query ArrayRecords "cluster-model-<k>", k = 0..K-1
 CLUSTER_SCORE = "cluster-score"  # query reply metrics "cluster-score-<k>" (lower is better)
+
+# SmartFedProx (seed 001): the adaptive-mu inputs the server sends each client (one
+# ConfigRecord per node) and the metrics every SmartFedProx train reply carries.
+SMART_ADAPTIVE_MU = "smart-adaptive-mu"  # bool: compute the effective mu adaptively
+SMART_CLIENT_DIVERGENCE = "smart-client-divergence"  # server's EMA of this node (0.0 unseen)
+SMART_GLOBAL_DIVERGENCE = "smart-global-divergence"  # mean EMA over reporting nodes (or 0.0)
+SMART_LOCAL_EPOCHS = "smart-local-epochs"  # epochs entering the epoch factor
+SMART_MU_MIN = "smart-mu-min"  # lower clamp of the effective mu
+SMART_MU_MAX = "smart-mu-max"  # upper clamp of the effective mu
+SMART_EMA_ALPHA = "smart-ema-alpha"  # EMA smoothing of the historical divergence
+DIVERGENCE = "divergence"  # MetricRecord: ||w_local - w_global|| after training
+EFFECTIVE_MU = "effective-mu"  # MetricRecord: the mu the client trained with
+HISTORICAL_DIVERGENCE = "historical-divergence"  # MetricRecord: the client's EMA after it
+TRAIN_LOSS = "train-loss"  # MetricRecord: mean local training loss (tasks.base.TRAIN_LOSS)

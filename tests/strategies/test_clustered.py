@@ -329,3 +329,9 @@ def test_rejects_bad_k_and_rule():
         _strategy(k=0)
     with pytest.raises(ValueError, match="assign"):
         _strategy(assign="nearest")
+
+
+def test_tables_name_the_assignment_history():
+    strategy = _strategy()
+
+    assert strategy.tables() == {"clusters.csv": strategy.history}
