@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 import tasks
+from client_app import proximal
 from client_app.mods import privacy_mod
 from strategies import keys
 from strategies.clustered import model_key, score_key
@@ -66,6 +67,7 @@ def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any
     if msg.content[keys.CONFIG].get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
         arrays = context.state[keys.LOCAL_MODEL]
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    proximal.restore_local_layers(model, task.local_state_keys(), context.state)
     return task, model, partition, pid
 
 
@@ -105,16 +107,19 @@ def train(msg: Message, context: Context) -> Message:
     task, model, partition, pid = _prepare(msg, context)
     config = msg.content[keys.CONFIG]
     server_round = int(config[keys.SERVER_ROUND])
+    received, mu = proximal.parameters(model), proximal.effective_mu(config, context.state)
     local = LocalTraining(
         server_round=server_round,
         seed=local_seed(int(context.run_config.get(SEED.key, SEED.default)), server_round, pid),
-        proximal_mu=float(config.get(keys.PROXIMAL_MU, 0.0)),
+        proximal_mu=mu,
         dp_sgd=_dp_sgd(config, context.run_config),
         state=_task_state(context),
         partition_id=pid,
         artifacts_dir=_artifacts_dir(config, context.node_config),
     )
     metrics = task.train(model, partition, local)
+    metrics |= proximal.divergence_metrics(model, received, mu, config, context.state)
+    proximal.keep_local_layers(model, task.local_state_keys(), context.state)
     context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
     if config.get(keys.LOCAL_ONLY):
         context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
