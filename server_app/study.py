@@ -283,12 +283,13 @@ def write_study_json(out: Path, runs: Mapping[str, Path], presets: Mapping[str, 
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def _named_runs(pairs: Sequence[str]) -> dict[str, Path]:
+def _named_runs(pairs: Sequence[str], form: str = "NAME=RUN_DIR") -> dict[str, Path]:
+    """``{name: run_dir}`` from ``NAME=RUN_DIR`` pairs (``form`` names them in errors)."""
     runs: dict[str, Path] = {}
     for pair in pairs:
         name, sep, run_dir = pair.partition("=")
         if not sep or not name or not run_dir:
-            raise StudyError(f"--runs takes NAME=RUN_DIR, got {pair!r}")
+            raise StudyError(f"--runs takes {form}, got {pair!r}")
         if name in runs:
             raise StudyError(f"experiment name {name!r} is given twice")
         if not (Path(run_dir) / "config.json").is_file():
@@ -297,17 +298,18 @@ def _named_runs(pairs: Sequence[str]) -> dict[str, Path]:
     return runs
 
 
-def load_presets(paths: Sequence[str]) -> list[Preset]:
-    """Validate every preset before running any; the study needs task lunar-lander."""
+def load_presets(paths: Sequence[str], task: str | None = STUDY_TASK) -> list[Preset]:
+    """Validate every preset before running any; each must have task ``task`` (the
+    study's lunar-lander by default; None: any task)."""
     defaults = app_defaults()
     presets = [load_preset(path, defaults) for path in paths]
     names = [p.name for p in presets]
     if len(set(names)) != len(names):
         raise StudyError(f"experiment names (file stems) must be unique: {names}")
     for preset in presets:
-        if preset.run_config["task"] != STUDY_TASK:
+        if task is not None and preset.run_config["task"] != task:
             raise StudyError(
-                f"{preset.path}: the study analyses task {STUDY_TASK!r} runs, "
+                f"{preset.path}: the study analyses task {task!r} runs, "
                 f"this preset has task {preset.run_config['task']!r}"
             )
     return presets
