@@ -281,6 +281,7 @@ def statements(ledger, epsilon: float, basic: float | None) -> list[str]:
         )
     out.append(
         "Not covered by any epsilon: the clients' training and evaluation metrics "
-        "(losses, accuracies, example counts) that the server receives and logs."
+        "(losses, accuracies, rewards, example counts, model divergences) that the "
+        "server receives and logs."
     )
     return out

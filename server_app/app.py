@@ -80,6 +80,8 @@ def main(grid: Grid, context: Context) -> None:
         cfg = config.load(context.run_config)
         # The task checks what depends on it (e.g. a CUDA device that is not there).
         task = tasks.get(cfg.task)(context.run_config)
+        if hasattr(task, "data_source"):
+            log(INFO, "Data: %s", task.data_source)
         strategy = strategies.build(cfg.privacy, cfg.strategy_settings())
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
@@ -109,7 +111,9 @@ def main(grid: Grid, context: Context) -> None:
             models = {
                 f"cluster-{k}": m.to_torch_state_dict() for k, m in enumerate(clustered.models)
             }
-            run_dir.write_rows("clusters.csv", clustered.history)
+        # Strategies with per-client records (clusters.csv, selection.csv) expose them.
+        for name, rows in getattr(base, "tables", dict)().items():
+            run_dir.write_rows(name, rows)
         run_dir.record_round(result, ledger, models)
 
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)

@@ -72,6 +72,36 @@ STRATEGY_OPTIONS: tuple[Option, ...] = (
         "last upload, the seed's rule) or `loss` (best local evaluation, IFCA).",
         choices=("l2", "loss"),
     ),
+    Option(
+        "smart.selection",
+        "hybrid",
+        "SmartFedProx client selection: `hybrid` (30/50/20 % from the high/middle/low "
+        "smoothed-divergence thirds) or `random`.",
+        choices=("hybrid", "random"),
+    ),
+    Option(
+        "smart.adaptive-mu",
+        True,
+        "SmartFedProx: clients scale `fedprox.mu` by their divergence history and epochs.",
+    ),
+    Option("smart.cold-start-rounds", 3, "SmartFedProx: first rounds sampled at random.", low=0),
+    Option(
+        "smart.exploration-rate",
+        0.15,
+        "SmartFedProx: probability that a round after the cold start samples at random.",
+        low=0.0,
+        high=1.0,
+    ),
+    Option("smart.mu-min", 0.0, "SmartFedProx: lower clamp of the adaptive mu.", low=0.0),
+    Option("smart.mu-max", 1.0, "SmartFedProx: upper clamp of the adaptive mu.", low=0.0),
+    Option(
+        "smart.ema-alpha",
+        0.3,
+        "SmartFedProx: weight of the newest divergence in the clients' EMA.",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    ),
 )
 
 PRIVACY_OPTIONS: tuple[Option, ...] = (
@@ -221,7 +251,14 @@ class RunConfig:
             seed=self.seed,
             options=self.options,
             round_timeout=self.round_timeout,
+            local_epochs=self.local_epochs,
         )
+
+    @property
+    def local_epochs(self) -> int:
+        """The task's local epochs per round (1 for tasks without epochs)."""
+        key = tasks.get(self.task).EPOCHS_KEY
+        return int(self.options[key]) if key is not None else 1
 
     def to_dict(self) -> dict[str, Scalar]:
         """The resolved flat run-config (every key, defaults filled in)."""
@@ -261,6 +298,8 @@ def check_combinations(cfg: RunConfig) -> None:
         )
     if cfg.strategy == "clustered":
         _check_clustered(cfg)
+    if cfg.strategy == "smart-fedprox":
+        _check_smart(cfg)
     if cfg.privacy in registry.SELF_SAMPLING:
         sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
     elif cfg.privacy == "laplace":
@@ -308,6 +347,25 @@ def _check_clustered(cfg: RunConfig) -> None:
             f"best, which no mechanism protects; with 'privacy' = {cfg.privacy!r} use "
             "'cluster.assign' = 'l2' (assignment from the already private uploads)"
         )
+
+
+# SmartFedProx selects clients by the raw divergence each one reports: sound only where
+# that report is post-processing of an already private model (DP-SGD) or nothing is
+# claimed. DP-FedAvg also samples clients itself, uniformly, which selection would undo.
+SMART_PRIVACY = ("none", "dp-sgd")
+
+
+def _check_smart(cfg: RunConfig) -> None:
+    if cfg.privacy not in SMART_PRIVACY:
+        raise ConfigError(
+            f"'privacy' = {cfg.privacy!r} cannot protect 'strategy' = 'smart-fedprox': it "
+            "selects clients by the divergence ||w_local - w_global|| each reports, which "
+            "only DP-SGD makes private; valid values with smart-fedprox: "
+            + ", ".join(repr(p) for p in SMART_PRIVACY)
+        )
+    low, high = float(cfg.options["smart.mu-min"]), float(cfg.options["smart.mu-max"])
+    if low > high:
+        raise ConfigError(f"'smart.mu-min' = {low:g} must not exceed 'smart.mu-max' = {high:g}")
 
 
 def _toml_value(value: Scalar) -> str:

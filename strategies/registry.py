@@ -20,12 +20,13 @@ from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
 from strategies.dpsgd import DPSGDClients
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
+from strategies.smart_fedprox import SmartFedProx
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
 # Strategies that pick clients from what the clients report (no uniform sampling,
 # so DP wrappers claim no amplification by subsampling for them).
-DATA_DEPENDENT_SELECTION: frozenset[str] = frozenset()
+DATA_DEPENDENT_SELECTION: frozenset[str] = frozenset({"smart-fedprox"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class StrategySettings:
     seed: int
     options: Mapping[str, Any]  # the namespaced options: "fedprox.mu", "dp.clip-norm", ...
     round_timeout: float = 600.0  # seconds to wait for replies (also for in-round queries)
+    local_epochs: int = 1  # the task's local epochs per round (SmartFedProx's epoch factor)
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -63,6 +65,20 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
         assign=str(s.options["cluster.assign"]),
         seed=s.seed,
         query_timeout=s.round_timeout,
+    ),
+    "smart-fedprox": lambda s: SmartFedProx(
+        **_sampling(s),
+        proximal_mu=float(s.options["fedprox.mu"]),
+        selection=str(s.options["smart.selection"]),
+        adaptive_mu=bool(s.options["smart.adaptive-mu"]),
+        cold_start_rounds=int(s.options["smart.cold-start-rounds"]),
+        exploration_rate=float(s.options["smart.exploration-rate"]),
+        mu_min=float(s.options["smart.mu-min"]),
+        mu_max=float(s.options["smart.mu-max"]),
+        local_epochs=s.local_epochs,
+        ema_alpha=float(s.options["smart.ema-alpha"]),
+        seed=s.seed,
+        connect_timeout=s.round_timeout,
     ),
 }
 
