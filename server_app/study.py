@@ -29,6 +29,7 @@ from typing import Any
 
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 from flwr.common.config import flatten_dict
 
@@ -201,7 +202,8 @@ def _embeddings(name: str, run_dir: Path, out: Path, echo: Callable[[str], None]
     try:
         snapshots, weights = load_snapshots(run_dir / "clients")
         for method, label in (("tsne", "t-SNE"), ("umap", "UMAP")):
-            title = f"{name}: {label} of {len(weights)} policy weight snapshots"
+            distinct = len(np.unique(weights, axis=0))  # PPO updates once per rollout
+            title = f"{name}: {label} of {len(weights)} policy snapshots ({distinct} distinct)"
             figure = plots.weight_embedding(snapshots, weights, method=method, title=title)
             _save(figure, out / method / f"{name}.png")
     except ValueError as err:  # too few snapshots: the other plots still stand

@@ -61,8 +61,10 @@ def split_by_divergence(
     nodes = sorted(values)
     shuffled = [nodes[i] for i in rng.permutation(len(nodes))]
     ranked = sorted(shuffled, key=lambda n: -values[n])  # stable: ties stay shuffled
-    high, middle, low = np.array_split(np.asarray(ranked, dtype=np.int64), 3)
-    return high.tolist(), middle.tolist(), low.tolist()
+    # np.array_split's sizes, on a list: node ids are unsigned 64-bit, beyond int64.
+    size, extra = divmod(len(ranked), 3)
+    ends = np.cumsum([size + (i < extra) for i in range(3)]).tolist()
+    return ranked[: ends[0]], ranked[ends[0] : ends[1]], ranked[ends[1] :]
 
 
 def sample_hybrid_groups(

@@ -185,7 +185,7 @@ class SmartFedProx(FedProx):
         if self.selection == "hybrid":
             log(INFO, "\t│\t│\t├── Cold start: %d random rounds", self.cold_start_rounds)
             log(INFO, "\t│\t│\t├── Exploration rate: %.2f", self.exploration_rate)
-            log(INFO, "\t│\t│\t└── Groups high / middle / low: 30%% / 50%% / 20%%")
+            log(INFO, "\t│\t│\t└── Groups high / middle / low: 30 / 50 / 20 %")
         log(INFO, "\t│\t├── Adaptive mu: %s", self.adaptive_mu)
         log(INFO, "\t│\t├── mu range: [%g, %g]", self.mu_min, self.mu_max)
         log(INFO, "\t│\t├── Local epochs: %d", self.local_epochs)

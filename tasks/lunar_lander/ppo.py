@@ -162,11 +162,15 @@ def proximal_gradient_hooks(module: torch.nn.Module, mu: float) -> Iterator[None
 
 class WeightStorageCallback(BaseCallback):
     """Seed 000's ``WeightStorageCallback``: every finished episode and a snapshot of
-    the policy weights every ``check_freq`` env steps.
+    the policy weights every ``check_freq`` env steps, plus the trained weights.
 
     Steps are the client's cumulative env steps: ``start_step`` (steps of earlier
     rounds) + SB3's ``num_timesteps`` (all env copies). A snapshot is taken each time
-    the cumulative count passes a multiple of ``check_freq``.
+    the cumulative count passes a multiple of ``check_freq``, and once more when
+    training ends (same step as the last one): PPO changes the weights only after
+    each rollout, so with ``check_freq`` below the rollout size the in-rollout
+    snapshots repeat the weights the rollout acted with, and without the last one
+    the weights a client uploads would never be recorded (a departure from the seed).
     """
 
     def __init__(self, check_freq: int, start_step: int = 0) -> None:
@@ -193,6 +197,10 @@ class WeightStorageCallback(BaseCallback):
             self.weights.append(flatten_state_dict(self.model.policy.state_dict()))
         self._last_step = step
         return True
+
+    def _on_training_end(self) -> None:
+        self.weight_steps.append(self.start_step + self.num_timesteps)
+        self.weights.append(flatten_state_dict(self.model.policy.state_dict()))
 
 
 @dataclass

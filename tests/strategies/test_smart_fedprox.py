@@ -391,3 +391,14 @@ def test_too_few_nodes_stop_the_run():
 def test_bad_settings_name_the_setting(overrides, name):
     with pytest.raises(ValueError, match=name):
         _strategy(**overrides)
+
+
+def test_hybrid_selection_takes_flower_node_ids_beyond_int64():
+    # Flower's node ids are unsigned 64-bit integers.
+    nodes = [2**63 + i for i in range(10)]
+    smoothed = {node: float(i) for i, node in enumerate(nodes)}
+
+    groups = sample_hybrid_groups(nodes, smoothed, 5, np.random.default_rng(0))
+
+    assert len(groups) == 5 and set(groups) <= set(nodes)
+    assert sorted(groups.values()) == sorted(["high", "high", "middle", "middle", "middle"])

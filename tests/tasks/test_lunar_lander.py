@@ -325,13 +325,15 @@ def test_train_writes_episode_and_weight_logs(two_rounds, earth):
     frame, weights = load_snapshots(directory)
     log = ClientRoundLog.load(directory / "earth-00-round-0001.npz")
 
-    # Assert: snapshots every 64 cumulative env steps over both rounds
-    assert frame["step"].tolist() == [64, 128, 192, 256, 320, 384, 448, 512]
-    assert frame["server_round"].tolist() == [1] * 4 + [2] * 4
-    assert weights.shape == (8, 9797) and weights.dtype == np.float32
+    # Assert: snapshots every 64 cumulative env steps, and the trained weights at the end
+    assert frame["step"].tolist() == [64, 128, 192, 256, 256, 320, 384, 448, 512, 512]
+    assert frame["server_round"].tolist() == [1] * 5 + [2] * 5
+    assert weights.shape == (10, 9797) and weights.dtype == np.float32
     # Rollout 1 acts with the received weights; rollout 3 (round 2) with round 1's result.
     np.testing.assert_array_equal(weights[0], flatten_state_dict(two_rounds["start"]))
     np.testing.assert_array_equal(weights[4], flatten_state_dict(two_rounds["after"][0]))
+    np.testing.assert_array_equal(weights[5], flatten_state_dict(two_rounds["after"][0]))
+    np.testing.assert_array_equal(weights[9], flatten_state_dict(two_rounds["after"][1]))
     assert not np.array_equal(weights[2], weights[0])  # rollout 2 follows update 1
     assert (log.label, log.planet, log.gravity, log.wind_power) == (
         "earth-00", "earth", earth.gravity, earth.wind_power
