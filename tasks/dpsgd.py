@@ -25,6 +25,7 @@ privacy.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tasks.base import DPSGD
+
+# opacus/utils/module_utils.py calls logging.basicConfig() when imported, which puts a
+# handler on the root logger and prints every Flower log line a second time. Remove
+# that handler (recognised by Opacus' format) and nothing else.
+_OPACUS_LOG_FORMAT = "%(asctime)s:%(levelname)s:%(message)s"
+for _handler in list(logging.root.handlers):
+    if getattr(_handler.formatter, "_fmt", None) == _OPACUS_LOG_FORMAT:
+        logging.root.removeHandler(_handler)
 
 HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
 # Attributes Opacus leaves on parameters (DPOptimizer) and layers (activation capture)

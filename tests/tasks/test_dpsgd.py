@@ -326,3 +326,13 @@ def test_target_epsilon_is_met_after_the_planned_rounds():
     assert epsilons[2] == pytest.approx(3.0, rel=0.02)
     plain = _replace(dp, target_epsilon=0.0)
     assert task._calibrated(LocalTraining(1, 1, dp_sgd=plain), 0.1) is plain
+
+
+def test_importing_opacus_leaves_no_root_log_handler_behind():
+    # Opacus' basicConfig() would print every Flower log line twice.
+    import logging
+
+    from tasks import dpsgd
+
+    formats = [getattr(h.formatter, "_fmt", None) for h in logging.root.handlers]
+    assert dpsgd._OPACUS_LOG_FORMAT not in formats
