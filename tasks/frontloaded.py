@@ -1,0 +1,450 @@
+"""Front-loaded DP client modes for hierarchical FL (seed 003): CG-NG, CG-NP, CP-NP.
+
+Ratnayake, Chen & Ding (2025), "Privacy-Preserving Hierarchical Federated Learning
+with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloaded-dp-hfl).
+
+* **CG-NG** (:func:`train_clipped_gradients`): in every local epoch each batch
+  gradient (global L2 norm over all parameters) is clipped, ``g * min(1, C / (||g||
+  + 1e-6))``, and accumulated; at the epoch's end ``.grad`` is set to their average
+  and ONE optimizer step is taken. Only in the final epoch is ``N(0, sigma^2)`` added
+  to every coordinate of that average.
+* **CG-NP**: the same epochs without gradient noise; afterwards ``N(0, sigma^2)`` is
+  added to every trainable parameter (not to buffers).
+* **CP-NP** (:func:`clip_and_noise_delta`): after ordinary local training the update
+  ``dw = w_after - w_before`` is clipped to global L2 norm ``C`` and ``N(0, sigma^2)``
+  is added to every coordinate; only the noisy ``dw`` is sent. The edge applies
+  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (:func:`apply_edge_deltas`).
+
+All noise comes from an explicit ``torch.Generator``, one draw per trainable parameter
+in ``model.parameters()`` order; the global RNG is never used.
+
+Privacy
+-------
+CP-NP is client-level Gaussian: with noise multiplier ``z = sigma / C`` each upload is
+a Gaussian mechanism of L2 sensitivity ``C`` when adding or removing a client means
+replacing its clipped ``dw`` by zero (replacing its data instead doubles the
+sensitivity). Edge and cloud averaging and the scaling by ``eta`` are
+post-processing; the server's ledger composes the releases.
+
+CG-NG and CG-NP, as in the seed, clip per *batch*: no sample-level guarantee. Clipping
+each example's gradient instead (``per_example=True``, Opacus' per-sample hooks as in
+:mod:`tasks.dpsgd`) is not enough on its own: CG-NG's noiseless earlier epochs and
+CG-NP's noise after training have no per-example bound better than the trivial one.
+In a non-convex model one changed example moves the next iterate by up to
+``2 lr C / n``, after which every later clipped gradient, taken at a different point,
+may differ by up to ``2C``; what remains is the data-independent bound (each step
+moves the weights by at most ``lr C``), the same as for replacing the whole dataset.
+Hence, with ``per_example=True``:
+
+* CG-NG adds noise in EVERY epoch's step: full-batch DP-SGD. Each step is a Gaussian
+  mechanism on the sum of the ``n`` clipped per-example gradients, sensitivity ``C``
+  under add/remove of one example (``n``, the client's example count, is treated as
+  public, as Opacus treats the expected batch size); ``N(0, sigma^2)`` on the average
+  is std ``n sigma`` on the sum: noise multiplier ``z = n sigma / C`` at sample rate 1.
+  Opacus' RDP accountant composes the steps over a history in the client's state
+  (:data:`tasks.dpsgd.HISTORY_KEY`, the client's sample-level history whatever
+  mechanism made it); ``local-epsilon`` at ``delta`` is reported.
+* CG-NP raises: noise only on the final parameters has no per-example bound beyond
+  the client-level one; use ``privacy = "cg-ng"`` with ``dp.per-example = true``, or
+  ``privacy = "dp-sgd"``.
+
+That data-independent bound does give CG-NG/CG-NP a (loose) client-level guarantee,
+for plain SGD (fresh momentum ``m`` buffer each round, no dampening, Nesterov or weight
+decay): ``||dw|| <= lr C S`` with ``S = sum_{t=1..E} sum_{j<t} m^j`` (``S = E`` without
+momentum), so under zero-out neighbours CG-NP is Gaussian with ``z = sigma / (lr C S)``
+and CG-NG (noise ``lr sigma`` on the weights) with ``z = sigma / (C S)``; per-example
+CG-NG composes ``E`` Gaussian steps of ``z = sigma / C``.
+
+Data-dependent buffers (e.g. BatchNorm statistics) are neither clipped nor noised
+here; per-example mode rejects such models (:func:`tasks.dpsgd.check_compatible`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from opacus.grad_sample import GradSampleHooks
+from torch import nn
+
+from tasks.base import LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS
+from tasks.dpsgd import (
+    HISTORY_KEY,
+    LEFTOVER_MODULE_ATTRS,
+    LEFTOVER_PARAM_ATTRS,
+    check_compatible,
+    epsilon_from_history,
+    history_from_state,
+    history_to_state,
+)
+from tasks.options import ConfigError
+
+MODES = ("cg-ng", "cg-np", "cp-np")
+CLIP_EPSILON = 1e-6  # the seed's min(1, C / (||g|| + 1e-6))
+
+# Metric keys (kebab-case) besides num-examples, train-loss and local-epsilon.
+NOISE_STD = "noise-std"
+CLIP_FRACTION = "clip-fraction"
+OPTIMIZER_STEPS = "optimizer-steps"
+UPDATE_NORM = "update-norm"
+CLIPPED = "clipped"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
+
+
+@dataclass(frozen=True)
+class FrontLoadedDP:
+    """One client's front-loaded DP settings.
+
+    Attributes
+    ----------
+    mode : str
+        ``privacy``: one of :data:`MODES`.
+    clip : float
+        ``dp.clip-norm``: the L2 clipping bound C.
+    sigma : float
+        ``dp.noise-std``: std of the Gaussian noise, in the units of what it is added
+        to (averaged gradient, parameters or clipped update).
+    per_example : bool
+        ``dp.per-example``: clip each example's gradient (CG-NG only).
+    delta : float
+        ``dp.target-delta``: delta of the reported per-example epsilon.
+    """
+
+    mode: str
+    clip: float
+    sigma: float
+    per_example: bool = False
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"'privacy' = {self.mode!r} is not a front-loaded mode; "
+                              f"valid values: {', '.join(repr(m) for m in MODES)}")  # fmt: skip
+        if not (self.clip > 0 and math.isfinite(self.clip)):
+            raise ConfigError(f"'dp.clip-norm' = {self.clip!r}; valid values: finite > 0")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ConfigError(f"'dp.noise-std' = {self.sigma!r}; valid values: finite >= 0")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"'dp.target-delta' = {self.delta!r}; valid range: (0, 1)")
+        if self.per_example and self.mode == "cg-np":
+            raise ConfigError(
+                "'dp.per-example' = true with 'privacy' = 'cg-np': noise added only to the "
+                "final parameters, after noiseless steps, has no per-example bound beyond "
+                "the client-level one. Use 'privacy' = 'cg-ng' with 'dp.per-example' = "
+                "true (noise in every step) or 'privacy' = 'dp-sgd'."
+            )
+        if self.per_example and self.mode == "cp-np":
+            raise ConfigError(
+                "'dp.per-example' = true applies only to 'privacy' = 'cg-ng'; CP-NP is "
+                "client-level DP. Valid values with 'cp-np': false"
+            )
+
+
+# --- mechanisms -----------------------------------------------------------------------
+
+
+def gaussian_noise(like: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """I.i.d. ``N(0, sigma^2)`` shaped like ``like``, drawn on ``generator``'s device and
+    returned on ``like``'s device and dtype (the seed's ``gaussian_noise``)."""
+    noise = torch.randn(like.shape, generator=generator, device=generator.device)
+    return noise.mul_(sigma).to(device=like.device, dtype=like.dtype)
+
+
+def global_l2_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``tensors`` concatenated (0-d, at least float32 precision)."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return torch.zeros(())
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors], torch.float32)
+    device = tensors[0].device
+    norms = [torch.linalg.vector_norm(t.to(dtype)).to(device) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_factor(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    """``min(1, C / (norm + 1e-6))``, elementwise."""
+    return (clip / (norm + CLIP_EPSILON)).clamp(max=1.0)
+
+
+def clip_and_noise_delta(
+    delta: Sequence[torch.Tensor], *, clip: float, sigma: float, generator: torch.Generator
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """CP-NP: clip the update ``dw`` to global L2 norm ``clip``, add ``N(0, sigma^2)``.
+
+    Parameters
+    ----------
+    delta : sequence of Tensor
+        ``w_after - w_before`` (floating tensors); not modified.
+    clip, sigma : float
+        The clipping bound C and the noise std.
+    generator : torch.Generator
+        Source of the noise.
+
+    Returns
+    -------
+    list of Tensor, dict
+        The noisy clipped update; metrics ``update-norm`` (before clipping),
+        ``clipped`` (1.0 if scaled down) and ``noise-std``.
+    """
+    FrontLoadedDP("cp-np", clip, sigma)  # validates clip and sigma
+    for i, d in enumerate(delta):
+        if not d.is_floating_point():
+            raise ValueError(f"CP-NP delta tensor {i} has dtype {d.dtype}; need floating")
+    norm = global_l2_norm(delta)
+    factor = clip_factor(norm, clip)
+    noisy = []
+    for d in delta:
+        clipped = d.detach() * factor.to(device=d.device, dtype=d.dtype)
+        noisy.append(clipped + gaussian_noise(d, sigma, generator) if sigma > 0 else clipped)
+    metrics = {UPDATE_NORM: float(norm), CLIPPED: float(factor < 1), NOISE_STD: float(sigma)}
+    return noisy, metrics
+
+
+def apply_edge_deltas(
+    edge_params: Sequence[ArrayT],
+    deltas: Sequence[Sequence[ArrayT]],
+    weights: Sequence[float],
+    eta: float,
+) -> list[ArrayT]:
+    """``w_edge + eta * sum_i (n_i / sum n) dw_i`` (the seed's ``average_weights_edge``).
+
+    Pure; works on torch tensors or numpy arrays (results keep the edge's type).
+    Non-floating edge tensors are returned unchanged, as in the seed.
+
+    Parameters
+    ----------
+    edge_params : sequence of Tensor or ndarray
+        The current edge model.
+    deltas : sequence of sequences
+        One update per client, tensors matching ``edge_params``.
+    weights : sequence of float
+        ``n_i``: each client's number of training examples.
+    eta : float
+        Edge learning rate (1.0: FedAvg on deltas).
+    """
+    if not deltas or len(deltas) != len(weights):
+        raise ValueError(f"need one weight per client delta and at least one client; got "
+                         f"{len(deltas)} deltas and {len(weights)} weights")  # fmt: skip
+    if any(not w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"client weights must be >= 0 with a positive sum; got {weights}")
+    if not (eta > 0 and math.isfinite(eta)):
+        raise ValueError(f"edge learning rate eta = {eta!r}; valid values: finite > 0")
+    if any(len(d) != len(edge_params) for d in deltas):
+        raise ValueError(f"every client delta needs {len(edge_params)} tensors, as the edge")
+    total = float(sum(weights))
+    result = []
+    for k, w in enumerate(edge_params):
+        if any(tuple(d[k].shape) != tuple(w.shape) for d in deltas):
+            raise ValueError(f"client deltas do not match the edge model's tensor {k} shape")
+        if not _is_floating(w):  # e.g. BatchNorm's step counter: kept, as in the seed
+            result.append(w.clone() if isinstance(w, torch.Tensor) else w.copy())
+            continue
+        mean = sum((n / total) * d[k] for n, d in zip(weights, deltas, strict=True))
+        result.append(w + eta * mean)
+    return result
+
+
+def _is_floating(array: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(array, torch.Tensor):
+        return array.is_floating_point()
+    return bool(np.issubdtype(np.asarray(array).dtype, np.floating))
+
+
+# --- local training (CG-NG, CG-NP) ------------------------------------------------------
+
+
+@dataclass
+class _EpochSums:
+    """What one epoch's pass accumulates."""
+
+    grads: list[torch.Tensor]  # sum of clipped batch (or per-example) gradients
+    units: int = 0  # batches (per-batch clipping) or examples (per-example)
+    clipped: int = 0
+    examples: int = 0
+    loss_sum: float = 0.0  # sum of per-batch mean loss x batch size
+
+
+def train_clipped_gradients(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    dp: FrontLoadedDP,
+    local_epochs: int,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    generator: torch.Generator,
+    device: torch.device | str,
+    state: dict[str, Any] | None = None,
+) -> dict[str, float]:
+    """CG-NG / CG-NP local training, in place: one optimizer step per local epoch.
+
+    Parameters
+    ----------
+    model : nn.Module
+        On ``device``; its trainable parameters are those ``optimizer`` updates.
+    loader : iterable of (inputs, targets)
+        Re-iterated once per epoch.
+    dp : FrontLoadedDP
+        Mode ``cg-ng`` or ``cg-np``, C, sigma, per-example clipping.
+    local_epochs : int
+        Epochs, i.e. optimizer steps.
+    optimizer : torch.optim.Optimizer
+        Over ``model``'s trainable parameters.
+    loss_fn : callable
+        ``loss_fn(outputs, targets)``: the batch's MEAN loss.
+    generator : torch.Generator
+        Source of all noise.
+    device : torch.device or str
+        Where batches are moved.
+    state : dict, optional
+        The client's persistent state; required with ``dp.per_example`` (its
+        accountant history under :data:`tasks.dpsgd.HISTORY_KEY` is extended).
+
+    Returns
+    -------
+    dict
+        ``num-examples`` (per epoch), ``train-loss`` (last epoch), ``noise-std``,
+        ``clip-fraction``, ``optimizer-steps``; ``local-epsilon`` with per-example.
+    """
+    _check_training_args(dp, local_epochs, state)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clipped = units = 0
+    sample_level: list[tuple[float, float, int]] = []  # (z, q=1, 1 step) per epoch
+    with per_example_hooks(model) if dp.per_example else nullcontext():
+        model.train()
+        for epoch in range(local_epochs):
+            sums = _clipped_epoch(model, params, loader, loss_fn, dp.clip, device, dp.per_example)
+            clipped, units = clipped + sums.clipped, units + sums.units
+            noisy = dp.mode == "cg-ng" and (dp.per_example or epoch == local_epochs - 1)
+            _step_on_average(params, sums, optimizer, dp.sigma if noisy else 0.0, generator)
+            sample_level.append((sums.examples * dp.sigma / dp.clip, 1.0, 1))
+    if dp.mode == "cg-np" and dp.sigma > 0:
+        with torch.no_grad():
+            for p in params:
+                p.add_(gaussian_noise(p, dp.sigma, generator))
+    metrics = {
+        NUM_EXAMPLES: float(sums.examples),
+        TRAIN_LOSS: sums.loss_sum / sums.examples,
+        NOISE_STD: float(dp.sigma),
+        CLIP_FRACTION: clipped / units,
+        OPTIMIZER_STEPS: float(local_epochs),
+    }
+    if dp.per_example:
+        metrics[LOCAL_EPSILON] = record_full_batch_steps(state, sample_level, dp.delta)
+    return metrics
+
+
+def _check_training_args(dp: FrontLoadedDP, local_epochs: int, state: dict | None) -> None:
+    if dp.mode not in ("cg-ng", "cg-np"):
+        raise ValueError(f"'privacy' = {dp.mode!r} does not clip gradients; valid values "
+                         "here: 'cg-ng', 'cg-np' (CP-NP: clip_and_noise_delta)")  # fmt: skip
+    if local_epochs < 1:
+        raise ValueError(f"local epochs = {local_epochs}; valid values: >= 1")
+    if dp.per_example and state is None:
+        raise ValueError("per-example CG-NG needs the client's state for its accountant")
+
+
+def _clipped_epoch(
+    model: nn.Module, params: list[torch.Tensor], loader: Iterable, loss_fn: LossFn,
+    clip: float, device: torch.device | str, per_example: bool,
+) -> _EpochSums:  # fmt: skip
+    """One pass; the sum of the batch (or per-example) gradients, each clipped to
+    global L2 norm ``clip``."""
+    sums = _EpochSums([torch.zeros_like(p) for p in params])
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
+        if len(targets) == 0:
+            continue
+        for p in params:
+            p.grad = None
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if per_example:
+            samples = [_take_grad_sample(p, len(targets)) for p in params]
+        else:  # the batch gradient as a batch of one
+            samples = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None]
+                       for p in params]  # fmt: skip
+        norms = torch.stack([s.flatten(1).norm(dim=1) for s in samples], dim=1).norm(dim=1)
+        factors = clip_factor(norms, clip)
+        for acc, s in zip(sums.grads, samples, strict=True):
+            acc.add_(torch.einsum("i,i...->...", factors.to(s.dtype), s))
+        sums.units += len(factors)
+        sums.clipped += int((factors < 1).sum())
+        sums.examples += len(targets)
+        sums.loss_sum += loss.item() * len(targets)
+    return sums
+
+
+def _take_grad_sample(p: torch.Tensor, batch: int) -> torch.Tensor:
+    """``p``'s per-example gradients of the last backward pass (zeros if unused);
+    clears ``p.grad_sample`` and ``p.grad``."""
+    sample = getattr(p, "grad_sample", None)
+    p.grad_sample, p.grad = None, None
+    if sample is None:
+        return torch.zeros((batch, *p.shape), device=p.device, dtype=p.dtype)
+    return torch.cat(sample) if isinstance(sample, list) else sample
+
+
+def _step_on_average(
+    params: list[torch.Tensor], sums: _EpochSums, optimizer: torch.optim.Optimizer,
+    sigma: float, generator: torch.Generator,
+) -> None:  # fmt: skip
+    """Set ``.grad`` to the mean clipped gradient (+ ``N(0, sigma^2)``); one step."""
+    if sums.units == 0:
+        raise ValueError("front-loaded DP training needs at least one training example")
+    for p, acc in zip(params, sums.grads, strict=True):
+        p.grad = acc / sums.units
+        if sigma > 0:
+            p.grad.add_(gaussian_noise(p, sigma, generator))
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+@contextmanager
+def per_example_hooks(model: nn.Module) -> Iterator[GradSampleHooks]:
+    """Attach Opacus' per-sample gradient hooks to ``model``; remove every hook and
+    attribute they leave on leaving the block."""
+    check_compatible(model, type(model).__name__)
+    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            yield hooks
+    finally:
+        hooks.cleanup()
+        for p in model.parameters():
+            for attr in LEFTOVER_PARAM_ATTRS:
+                if hasattr(p, attr):
+                    delattr(p, attr)
+        for module in model.modules():
+            for attr in LEFTOVER_MODULE_ATTRS:
+                if attr in module.__dict__:
+                    delattr(module, attr)
+
+
+def record_full_batch_steps(
+    state: dict[str, Any], steps: Sequence[tuple[float, float, int]], delta: float
+) -> float:
+    """Append Gaussian steps ``(noise_multiplier, sample_rate, count)`` to the accountant
+    history in ``state`` (merging runs of equal settings, as Opacus' accountant does);
+    return the cumulative epsilon at ``delta``."""
+    history = history_from_state(state.get(HISTORY_KEY))
+    for z, q, count in history_from_state(steps):
+        if history and history[-1][:2] == (z, q):
+            history[-1] = (z, q, history[-1][2] + count)
+        else:
+            history.append((z, q, count))
+    state[HISTORY_KEY] = history_to_state(history)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the")
+        return epsilon_from_history(history, delta)
