@@ -10,12 +10,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from tasks.options import ConfigError, Option, parse_options
+
+if TYPE_CHECKING:
+    from tasks.frontloaded import FrontLoadedDP
 
 SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
 
@@ -30,13 +33,15 @@ TRAIN_REWARD = "train-reward"  # RL tasks: mean return of the episodes played in
 EVAL_REWARD = "eval-reward"  # RL tasks: mean return of the evaluation episodes
 
 
-def local_seed(run_seed: int, server_round: int, partition_id: int) -> int:
+def local_seed(run_seed: int, server_round: int, partition_id: int, *more: int) -> int:
     """Seed for one client's local randomness in one round, derived from the run seed.
 
-    Distinct (round, partition) pairs get independent streams (numpy SeedSequence).
+    Distinct (round, partition, *more) tuples get independent streams (numpy
+    SeedSequence); ``more`` distinguishes several trainings in one round (e.g. the
+    edge aggregations of hierarchical FL, whose noise must be independent).
     """
-    state = np.random.SeedSequence([run_seed, server_round, partition_id]).generate_state(1)
-    return int(state[0])
+    entropy = [run_seed, server_round, partition_id, *more]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def resolve_device(choice: str, key: str) -> str:
@@ -105,6 +110,11 @@ class LocalTraining:
         Directory for the client's own diagnostic files (e.g. PPO episode logs);
         ``None``: write none. These files stay where the client runs: they are never
         sent to the server and are not covered by any privacy mechanism.
+    local_updates : int, optional
+        Hierarchical FL (tau_1): train this many mini-batch iterations instead of the
+        task's local epochs (under CG-NG / CG-NP: this many epochs of one step each).
+    front_loaded : tasks.frontloaded.FrontLoadedDP, optional
+        Seed 003's client mode (CG-NG, CG-NP, CP-NP) to train under.
     """
 
     server_round: int
@@ -114,6 +124,8 @@ class LocalTraining:
     state: dict[str, Any] = field(default_factory=dict)
     partition_id: int = 0
     artifacts_dir: str | None = None
+    local_updates: int | None = None
+    front_loaded: FrontLoadedDP | None = None
 
 
 class Task(ABC):
@@ -132,6 +144,9 @@ class Task(ABC):
     # The option holding the local epochs per round (SmartFedProx scales mu by it);
     # None: the task has no epochs (e.g. PPO's env steps), counted as 1.
     EPOCHS_KEY: ClassVar[str | None] = None
+    # Trains for LocalTraining.local_updates iterations and runs the seed-003 client
+    # modes (LocalTraining.front_loaded): usable under strategy = "hierarchical".
+    HIERARCHICAL: ClassVar[bool] = False
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         self.options = parse_options(run_config, self.OPTIONS)
@@ -145,6 +160,10 @@ class Task(ABC):
         """State-dict keys that stay on the client (e.g. FedBN's BatchNorm layers): the
         ClientApp restores them from its own state after loading the global weights."""
         return ()
+
+    def train_size(self, partition: Any) -> int:
+        """Training examples in ``partition`` (hierarchical FL weights edges by them)."""
+        return len(partition.train)
 
     def num_partitions(self) -> int | None:
         """The number of clients this task's configuration defines, or ``None`` when

@@ -5,6 +5,17 @@
   where the image is too small for the classic unpadded 5x5 stack.
 - ``cnn``: three conv-GroupNorm-ReLU-maxpool blocks and a two-layer head with dropout,
   the usual small CIFAR-10 network of federated-learning papers.
+- ``cnn-complex-2`` and ``cnn-complex-3``: seed 003's CIFAR-10 CNNs (frontloaded-dp-hfl
+  ``--model cnn_complex_2`` / ``cnn_complex_3``, from HierFL, Liu et al., 2020,
+  ``models/cifar_cnn_3conv_layer.py`` and ``cifar_cnn_2conv``). ``cnn-complex-2``: two
+  unpadded 5x5 conv(64)-ReLU-maxpool blocks and a 200-unit hidden layer (429,538
+  parameters on CIFAR-10). ``cnn-complex-3``: three blocks of two 3x3 convolutions
+  (32-64, 128-128, 256-256), each block max-pooled, and a 1024-512 head with dropout
+  (5,852,170 parameters on CIFAR-10). Changes from the seed: any input channels and
+  classes; the flattened size follows the image (the seed hard-codes 32x32); below 16
+  pixels ``cnn-complex-2`` pads its convolutions by 2 (digits' 8x8 images would
+  otherwise vanish); GroupNorm replaces ``cnn-complex-3``'s BatchNorm and ReLUs are
+  not in-place (both for Opacus). Both keep PyTorch's default init, as the seed does.
 - ``resnet18`` (He et al., 2016) and ``mobilenet_v2`` (Sandler et al., 2018) from
   torchvision, randomly initialised, with the first convolution adapted to the input
   channels and, for images up to 64 pixels, the CIFAR-style stem (3x3 stride-1
@@ -28,7 +39,7 @@ import torch
 import torchvision
 from torch import nn
 
-MODEL_NAMES = ("lenet", "cnn", "resnet18", "mobilenet_v2")
+MODEL_NAMES = ("lenet", "cnn", "cnn-complex-2", "cnn-complex-3", "resnet18", "mobilenet_v2")
 SMALL_IMAGE_MAX = 64  # images up to this side use the CIFAR-style stem
 
 
@@ -129,6 +140,88 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class CifarCNN2Conv(nn.Module):
+    """Seed 003's ``cnn_complex_2``: conv5x5(64)-pool-conv5x5(64)-pool-fc(200)-fc.
+
+    Parameters
+    ----------
+    in_channels, num_classes, image_size : int
+        Input channels, output classes and image side (>= 8).
+    hidden : int
+        Units of the hidden layer (200 in the seed).
+    """
+
+    def __init__(
+        self, in_channels: int, num_classes: int, image_size: int, hidden: int = 200
+    ) -> None:
+        super().__init__()
+        pad = 0 if image_size >= 16 else 2  # 16x16 and up: the seed's unpadded stack
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 64, kernel_size=5, padding=pad),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, kernel_size=5, padding=pad),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(flattened_size(self.features, in_channels, image_size), hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, num_classes)``."""
+        return self.classifier(self.features(x))
+
+
+def conv_block(channels: tuple[int, int, int], dropout: float = 0.0) -> list[nn.Module]:
+    """conv3x3-GroupNorm-ReLU-conv3x3-ReLU-maxpool(2) [-Dropout2d], ``(in, mid, out)``."""
+    c_in, c_mid, c_out = channels
+    layers: list[nn.Module] = [
+        nn.Conv2d(c_in, c_mid, kernel_size=3, padding=1),
+        group_norm(c_mid),
+        nn.ReLU(),
+        nn.Conv2d(c_mid, c_out, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+    ]
+    return [*layers, nn.Dropout2d(dropout)] if dropout > 0 else layers
+
+
+class CifarCNN3Conv(nn.Module):
+    """Seed 003's ``cnn_complex_3``: three two-conv blocks and a 1024-512 MLP head.
+
+    Parameters
+    ----------
+    in_channels, num_classes, image_size : int
+        Input channels, output classes and image side (>= 8).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            *conv_block((in_channels, 32, 64)),
+            *conv_block((64, 128, 128), dropout=0.05),
+            *conv_block((128, 256, 256)),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(
+            nn.Dropout(0.1),
+            nn.Linear(flattened_size(self.features, in_channels, image_size), 1024),
+            nn.ReLU(),
+            nn.Linear(1024, 512),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(512, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, num_classes)``."""
+        return self.classifier(self.features(x))
+
+
 def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     """torchvision ResNet-18 with GroupNorm and a stem fitted to the image size."""
     model = torchvision.models.resnet18(
@@ -161,6 +254,8 @@ def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Modu
 BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
     "lenet": LeNet5,
     "cnn": SmallCNN,
+    "cnn-complex-2": CifarCNN2Conv,
+    "cnn-complex-3": CifarCNN3Conv,
     "resnet18": resnet18,
     "mobilenet_v2": mobilenet_v2,
 }

@@ -17,6 +17,33 @@ Modes (run-config ``data.partitioner``):
 - ``linear`` / ``square`` / ``exponential``: quantity skew with IID labels; client
   ``i`` (0-based) holds a share of the pool proportional to ``i + 1``,
   ``(i + 1)^2`` or ``e^(i + 1)`` (flwr-datasets ``IdToSizeFncPartitioner`` family).
+- ``one-class``: every client holds a single class; ``data.edge-iid`` decides how
+  the classes spread over the edges of hierarchical FL (:func:`one_class_partition`,
+  written here: flwr-datasets has no edge-aware partitioner).
+
+Seed 003 (frontloaded-dp-hfl, after HierFL) names its splits by ``--iid``; they map
+to these modes as follows.
+
+- ``1`` (IID labels, equal sizes) -> ``iid``.
+- ``0`` (non-IID labels, equal sizes) -> ``pathological`` with
+  ``data.classes-per-client`` (the seed uses 2). Not identical: the seed sorts the
+  pool by label and hands each client ``2`` random shards of equal size, so sizes
+  are equal and a client holds 1 to 4 classes (a shard can straddle a class
+  boundary); PathologicalPartitioner gives every client *exactly* its classes and
+  divides each class equally among the clients holding it, so sizes vary with how
+  many clients share a class (digits, 10 clients x 2 classes, seed 1: 119 to 215
+  examples; with 1 class per client sizes are equal up to the class frequencies).
+- ``-1`` (IID labels, unequal sizes) -> ``linear`` / ``square`` / ``exponential``.
+  Not identical: the seed draws the sizes at random (``100`` each plus a
+  ``Multinomial`` over ``Dirichlet(1)`` shares); here the sizes grow with the
+  partition id by a fixed law.
+- ``-2`` (one class per client) with ``--edgeiid 1`` / ``0`` -> ``one-class`` with
+  ``data.edge-iid`` true / false. The seed cuts the label-sorted pool into one shard
+  per client and then builds the edges from the clients' classes (edge-iid: one
+  client of each of its 10 classes per edge; edge-non-iid: hand-written 5-class
+  ranges for 5 edges). Here the edges are fixed contiguous blocks of partition ids
+  (:func:`tasks.topology.edge_of`, ``hier.num-edges``) and the *classes* are dealt to
+  fit them, which works for any numbers of clients, edges and classes.
 
 Each partition is then split into a local train and test split with a seeded
 permutation (:func:`split_local`).
@@ -24,8 +51,10 @@ permutation (:func:`split_local`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
+import datasets
 import numpy as np
 from flwr_datasets.partitioner import (
     DirichletPartitioner,
@@ -38,8 +67,11 @@ from flwr_datasets.partitioner import (
 from flwr_datasets.partitioner.partitioner import Partitioner
 
 from tasks.options import ConfigError
+from tasks.topology import edge_members, edge_start
 
-PARTITIONERS = ("iid", "dirichlet", "pathological", "linear", "square", "exponential")
+PARTITIONERS = (
+    "iid", "dirichlet", "pathological", "linear", "square", "exponential", "one-class"
+)  # fmt: skip
 QUANTITY_SKEW = {
     "linear": LinearPartitioner,
     "square": SquarePartitioner,
@@ -66,6 +98,10 @@ class PartitionSettings:
         Fraction of each partition held out as the client's local test split.
     seed : int
         Run seed: the pool shuffle, Dirichlet draws, class assignment and local split.
+    num_edges : int
+        Edges of the hierarchical topology, ``hier.num-edges`` (``one-class`` only).
+    edge_iid : bool
+        ``data.edge-iid``: every edge covers all classes (``one-class`` only).
     """
 
     partitioner: str = "iid"
@@ -73,6 +109,8 @@ class PartitionSettings:
     classes_per_client: int = 2
     test_fraction: float = 0.2
     seed: int = 42
+    num_edges: int = 1
+    edge_iid: bool = True
 
 
 def build_partitioner(
@@ -120,10 +158,177 @@ def build_partitioner(
         )
     if mode in QUANTITY_SKEW:
         return QUANTITY_SKEW[mode](num_partitions=num_partitions)
+    if mode == "one-class":
+        return OneClassPartitioner(
+            num_partitions=num_partitions,
+            partition_by=label_column,
+            num_edges=settings.num_edges,
+            edge_iid=settings.edge_iid,
+            seed=settings.seed,
+        )
     raise ConfigError(
         f"'data.partitioner' = {mode!r} is not valid; valid values: "
         + ", ".join(repr(p) for p in PARTITIONERS)
     )
+
+
+def edge_classes(
+    classes: np.ndarray, edge: int, num_partitions: int, num_edges: int, edge_iid: bool
+) -> np.ndarray:
+    """The classes dealt to the clients of ``edge`` (in dealing order).
+
+    Edge-iid: all classes. Edge-non-iid: the slice ``[floor(s_e C / n),
+    floor(s_{e+1} C / n))`` of ``classes``, ``s_e`` the edge's first partition id: a
+    share of the ``C`` classes proportional to the edge's size, at least one class.
+    With ``n >= C`` clients, no slice is longer than its edge and the slices cover
+    every class; with ``C >= E`` classes, edges share no class.
+    """
+    if edge_iid:
+        return classes
+    num_classes = len(classes)
+    start = edge_start(edge, num_partitions, num_edges) * num_classes // num_partitions
+    stop = edge_start(edge + 1, num_partitions, num_edges) * num_classes // num_partitions
+    return classes[start : max(stop, start + 1)]
+
+
+def one_class_assignment(
+    classes: np.ndarray, num_partitions: int, num_edges: int, edge_iid: bool
+) -> np.ndarray:
+    """The single class of every client: ``assignment[p]`` is client ``p``'s class.
+
+    The ``k``-th client of edge ``e`` gets ``pool[(offset + k) % len(pool)]`` with
+    ``pool = edge_classes(...)``. Edge-iid: ``offset`` is the edge's first partition
+    id, so client ``p`` gets ``classes[p % C]``: an edge of ``m`` clients covers
+    ``min(C, m)`` classes and every class is held by ``floor(n / C)`` or
+    ``ceil(n / C)`` clients. Edge-non-iid: ``offset = 0`` within the edge's own slice
+    of about ``C / E`` classes, the fewest an edge can cover while every class is
+    used (given at least as many clients as classes).
+    """
+    assignment = np.empty(num_partitions, dtype=classes.dtype)
+    for edge, members in enumerate(edge_members(num_partitions, num_edges)):
+        pool = edge_classes(classes, edge, num_partitions, num_edges, edge_iid)
+        offset = edge_start(edge, num_partitions, num_edges) if edge_iid else 0
+        for k, partition_id in enumerate(members):
+            assignment[partition_id] = pool[(offset + k) % len(pool)]
+    return assignment
+
+
+def one_class_partition(
+    labels: np.ndarray,
+    num_partitions: int,
+    num_edges: int,
+    edge_iid: bool,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Give every client one class; spread the classes over the edges (seed 003, -2).
+
+    The classes are shuffled with ``rng`` and dealt by :func:`one_class_assignment`;
+    the examples of a class are shuffled with ``rng`` and split among the clients
+    holding it in near-equal parts (sizes differ by at most one). A class no client
+    holds (fewer clients than classes) is left out, with a warning.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        Label of every example of the pool, shape ``(N,)``.
+    num_partitions : int
+        Number of clients.
+    num_edges : int
+        Number of edges (``hier.num-edges``); edges are contiguous blocks of ids
+        (:func:`tasks.topology.edge_of`).
+    edge_iid : bool
+        ``data.edge-iid``: true, each edge covers as many classes as it can; false,
+        as few as it can (its clients share classes; edges differ).
+    rng : numpy.random.Generator
+        Source of the class order and of each class's split.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        Sorted positions into ``labels`` of each partition; disjoint.
+
+    Raises
+    ------
+    ValueError
+        If ``num_edges`` is out of range or a class has fewer examples than clients.
+    """
+    labels = np.asarray(labels)
+    classes = rng.permutation(np.unique(labels))
+    assignment = one_class_assignment(classes, num_partitions, num_edges, edge_iid)
+    parts: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_partitions
+    unused = []
+    for label in classes:
+        holders = np.flatnonzero(assignment == label)
+        examples = rng.permutation(np.flatnonzero(labels == label))
+        if len(holders) == 0:
+            unused.append(label.item())
+            continue
+        if len(examples) < len(holders):
+            raise ValueError(
+                f"class {label!r} has {len(examples)} examples for {len(holders)} clients"
+            )
+        for partition_id, chunk in zip(
+            holders, np.array_split(examples, len(holders)), strict=True
+        ):
+            parts[partition_id] = np.sort(chunk)
+    if unused:
+        warnings.warn(
+            f"one-class partitioning: classes {sorted(unused)} are held by no client "
+            f"({num_partitions} clients); use at least as many clients as classes",
+            stacklevel=2,
+        )
+    return parts
+
+
+class OneClassPartitioner(Partitioner):
+    """flwr-datasets wrapper of :func:`one_class_partition` (one class per client).
+
+    Parameters
+    ----------
+    num_partitions : int
+        Number of clients.
+    partition_by : str
+        Label column.
+    num_edges : int
+        Number of edges (``hier.num-edges``).
+    edge_iid : bool
+        ``data.edge-iid``.
+    seed : int
+        Seed of the class order and the per-class splits.
+    """
+
+    def __init__(
+        self, num_partitions: int, partition_by: str, num_edges: int, edge_iid: bool, seed: int
+    ) -> None:
+        super().__init__()
+        self._num_partitions = num_partitions
+        self._partition_by = partition_by
+        self._num_edges = num_edges
+        self._edge_iid = edge_iid
+        self._seed = seed
+        self._indices: list[np.ndarray] | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        """Total number of partitions."""
+        return self._num_partitions
+
+    def partition_indices(self) -> list[np.ndarray]:
+        """Row indices of every partition (computed once)."""
+        if self._indices is None:
+            labels = np.asarray(self.dataset[self._partition_by])
+            self._indices = one_class_partition(
+                labels,
+                self._num_partitions,
+                self._num_edges,
+                self._edge_iid,
+                np.random.default_rng(self._seed),
+            )
+        return self._indices
+
+    def load_partition(self, partition_id: int) -> datasets.Dataset:
+        """Partition ``partition_id``: the rows of its single class."""
+        return self.dataset.select(self.partition_indices()[partition_id])
 
 
 def check_partition_id(partition_id: int, num_partitions: int) -> None:
@@ -139,7 +344,8 @@ def infeasible_partitioning(
 
     flwr-datasets raises ``ValueError`` when e.g. an exponential partition would be
     empty, Dirichlet sampling misses the minimum partition size in 10 tries, or more
-    clients need a class than it has examples.
+    clients need a class than it has examples; ``one-class`` also when
+    ``hier.num-edges`` exceeds the number of partitions (its message names the key).
     """
     key = {"dirichlet": "data.alpha", "pathological": "data.classes-per-client"}
     return ConfigError(

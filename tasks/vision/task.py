@@ -4,11 +4,19 @@ Local training is plain SGD with momentum on the cross-entropy loss, plus the Fe
 proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``, or, when
 the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
 :mod:`tasks.dpsgd`.
+
+As in seed 003 (frontloaded-dp-hfl, after HierFL), the learning rate can decay
+exponentially with the client's cumulative local epochs (``train.lr-decay`` every
+``train.lr-decay-epochs``; :func:`decayed_lr`), and ``train.deterministic`` runs local
+training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
+section; :func:`deterministic_torch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, ClassVar
@@ -38,6 +46,7 @@ from tasks.dpsgd import (
 )
 from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
+from tasks.topology import NUM_EDGES_KEY
 from tasks.vision.data import (
     CIFAR10,
     DIGITS,
@@ -51,11 +60,15 @@ from tasks.vision.data import (
     load_digits_partition,
     make_loader,
 )
+from tasks.vision.hierarchical import train_local_updates
 from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
 
 CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's persistent state
+EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
+# Declared by the app (hierarchical strategy); read here for the `one-class` partitioner.
+NUM_EDGES = Option(NUM_EDGES_KEY, 1, "Edges of the client -> edge -> cloud topology.", low=1)
 
 VISION_OPTIONS: tuple[Option, ...] = (
     Option("data.partitioner", "iid", "How the train pool is split among clients.",
@@ -63,6 +76,8 @@ VISION_OPTIONS: tuple[Option, ...] = (
     Option("data.alpha", 0.5, "Dirichlet concentration (smaller: stronger label skew).",
            low=0.0, low_open=True),
     Option("data.classes-per-client", 2, "Classes per client for `pathological`.", low=1),
+    Option("data.edge-iid", True,
+           "`one-class`: every edge covers all classes (true) or as few as it can (false)."),
     Option("data.test-fraction", 0.2, "Fraction of each client's data held out locally.",
            low=0.05, high=0.5),
     Option("data.central-test-fraction", 0.2,
@@ -75,6 +90,12 @@ VISION_OPTIONS: tuple[Option, ...] = (
     Option("train.lr", 0.05, "SGD learning rate.", low=0.0, low_open=True),
     Option("train.momentum", 0.9, "SGD momentum.", low=0.0, high=1.0, high_open=True),
     Option("train.weight-decay", 0.0, "SGD weight decay (L2).", low=0.0),
+    Option("train.lr-decay", 1.0,
+           "LR factor per `train.lr-decay-epochs` cumulative local epochs (1: constant).",
+           low=0.0, high=1.0, low_open=True),
+    Option("train.lr-decay-epochs", 1, "Cumulative local epochs between LR decays.", low=1),
+    Option("train.deterministic", False,
+           "Deterministic torch algorithms and cuDNN during local training."),
     Option("train.device", "auto", "Device; `auto`: cuda when available.",
            choices=("auto", "cpu", "cuda")),
 )  # fmt: skip
@@ -90,6 +111,10 @@ class VisionConfig:
     """``data.alpha``: Dirichlet concentration."""
     classes_per_client: int
     """``data.classes-per-client``: classes per client (pathological)."""
+    edge_iid: bool
+    """``data.edge-iid``: class coverage of the edges (one-class)."""
+    num_edges: int
+    """``hier.num-edges`` (declared by the app, default 1): edges (one-class)."""
     test_fraction: float
     """``data.test-fraction``: local test split of each client."""
     central_test_fraction: float
@@ -106,6 +131,12 @@ class VisionConfig:
     """``train.momentum``."""
     weight_decay: float
     """``train.weight-decay``."""
+    lr_decay: float
+    """``train.lr-decay``: LR factor per ``lr_decay_epochs`` cumulative local epochs."""
+    lr_decay_epochs: int
+    """``train.lr-decay-epochs``."""
+    deterministic: bool
+    """``train.deterministic``: deterministic algorithms in local training."""
     device: str
     """``train.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
     seed: int
@@ -113,10 +144,50 @@ class VisionConfig:
 
     @property
     def partition_settings(self) -> PartitionSettings:
-        """The hashable partitioning key of the data caches."""
+        """The hashable partitioning key of the data caches (edge options: one-class only)."""
+        one_class = self.partitioner == "one-class"
         return PartitionSettings(
-            self.partitioner, self.alpha, self.classes_per_client, self.test_fraction, self.seed
-        )
+            self.partitioner, self.alpha, self.classes_per_client, self.test_fraction,
+            self.seed, self.num_edges if one_class else 1, self.edge_iid or not one_class,
+        )  # fmt: skip
+
+
+def decayed_lr(lr: float, decay: float, decay_epochs: int, epochs_done: int) -> float:
+    """``lr * decay ** floor(epochs_done / decay_epochs)`` (seed 003's exponential decay).
+
+    ``epochs_done`` counts the client's local epochs before the current one, over all
+    the rounds it trained in.
+    """
+    return lr * decay ** (epochs_done // decay_epochs)
+
+
+@contextmanager
+def deterministic_torch(enabled: bool) -> Iterator[None]:
+    """Use deterministic torch algorithms and cuDNN inside the block, then restore.
+
+    Sets ``torch.use_deterministic_algorithms(True)``, ``cudnn.deterministic = True``
+    and ``cudnn.benchmark = False``. CUDA's cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG``
+    for determinism: it is set to ``:4096:8`` if unset, and left set (it only sizes
+    cuBLAS workspaces). Does nothing when ``enabled`` is false.
+    """
+    if not enabled:
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn.deterministic,
+        cudnn.benchmark,
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]
 
 
 def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> TensorSplit:
@@ -187,6 +258,7 @@ class ImageClassificationTask(Task):
     """
 
     EPOCHS_KEY: ClassVar[str | None] = "train.local-epochs"
+    HIERARCHICAL: ClassVar[bool] = True
     OPTIONS: ClassVar[tuple[Option, ...]] = VISION_OPTIONS
     SPEC: ClassVar[DatasetSpec]
     DEFAULT_MODEL: ClassVar[str] = "lenet"
@@ -200,6 +272,8 @@ class ImageClassificationTask(Task):
             partitioner=str(opts["data.partitioner"]),
             alpha=float(opts["data.alpha"]),
             classes_per_client=int(opts["data.classes-per-client"]),
+            edge_iid=bool(opts["data.edge-iid"]),
+            num_edges=int(NUM_EDGES.parse(run_config.get(NUM_EDGES.key, NUM_EDGES.default))),
             test_fraction=float(opts["data.test-fraction"]),
             central_test_fraction=float(opts["data.central-test-fraction"]),
             batch_size=int(opts["data.batch-size"]),
@@ -208,6 +282,9 @@ class ImageClassificationTask(Task):
             lr=float(opts["train.lr"]),
             momentum=float(opts["train.momentum"]),
             weight_decay=float(opts["train.weight-decay"]),
+            lr_decay=float(opts["train.lr-decay"]),
+            lr_decay_epochs=int(opts["train.lr-decay-epochs"]),
+            deterministic=bool(opts["train.deterministic"]),
             device=resolve_device(str(opts["train.device"]), "train.device"),
             seed=int(seed),
         )
@@ -262,16 +339,30 @@ class ImageClassificationTask(Task):
         DP-SGD noise and dropout draw from ``local.seed`` (the global RNG is restored
         on return). With ``local.dp_sgd`` the model trains with DP-SGD, the
         accountant history in ``local.state`` is extended and the cumulative
-        ``local-epsilon`` is reported. The model is back on the CPU on return.
+        ``local-epsilon`` is reported. The learning rate follows :func:`decayed_lr`
+        over the client's cumulative epochs (``local.state``). The model is back on
+        the CPU on return.
         """
         cfg, device = self.config, self.device
         model.to(device)
         loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
         rng_devices = [device] if device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=rng_devices):
+            with (
+                torch.random.fork_rng(devices=rng_devices),
+                deterministic_torch(cfg.deterministic),
+            ):
                 torch.manual_seed(local.seed)
                 metrics = self._train_epochs(model, loader, local)
+        except RuntimeError as err:
+            if cfg.deterministic and "deterministic" in str(err):
+                raise ConfigError(
+                    f"'train.deterministic' = true, but model.name = {cfg.model_name!r} "
+                    f"uses an operation without a deterministic implementation on "
+                    f"{device.type} ({err}); set 'train.deterministic' = false or pick "
+                    "another 'model.name'"
+                ) from err
+            raise
         finally:
             model.to("cpu")
         return {NUM_EXAMPLES: len(partition.train), **metrics}
@@ -287,8 +378,18 @@ class ImageClassificationTask(Task):
         )
         if local.dp_sgd is not None:
             return self._train_private(model, loader, optimizer, global_params, local)
+        if local.local_updates is not None:  # hierarchical FL: tau_1 iterations
+            epochs_done = int(local.state.get(EPOCHS_DONE_KEY, 0))
+            lr = decayed_lr(cfg.lr, cfg.lr_decay, cfg.lr_decay_epochs, epochs_done)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            metrics = train_local_updates(
+                model, loader, optimizer, self.device, local, global_params
+            )
+            local.state[EPOCHS_DONE_KEY] = epochs_done + 1
+            return metrics
         loss, accuracy = self._run_epochs(
-            model, loader, optimizer, global_params, local.proximal_mu
+            model, loader, optimizer, global_params, local.proximal_mu, local.state
         )
         return {TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy}
 
@@ -299,13 +400,24 @@ class ImageClassificationTask(Task):
         optimizer: torch.optim.Optimizer,
         global_params: list[torch.Tensor],
         proximal_mu: float,
+        state: dict[str, Any],
     ) -> tuple[float, float]:
-        """``train.local-epochs`` passes; loss and accuracy of the last one."""
+        """``train.local-epochs`` passes at the decayed LR; loss and accuracy of the last.
+
+        Counts the epochs in ``state[EPOCHS_DONE_KEY]`` (the client's cumulative epochs).
+        """
+        cfg = self.config
         loss, accuracy = 0.0, 0.0
-        for _ in range(self.config.local_epochs):
+        epochs_done = int(state.get(EPOCHS_DONE_KEY, 0))
+        for _ in range(cfg.local_epochs):
+            lr = decayed_lr(cfg.lr, cfg.lr_decay, cfg.lr_decay_epochs, epochs_done)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             loss, accuracy = train_epoch(
                 model, loader, optimizer, self.device, global_params, proximal_mu
             )
+            epochs_done += 1
+        state[EPOCHS_DONE_KEY] = epochs_done
         return float(loss), float(accuracy)
 
     def _train_private(
@@ -331,7 +443,7 @@ class ImageClassificationTask(Task):
         )  # fmt: skip
         with private:
             loss, accuracy = self._run_epochs(
-                model, private.loader, private.optimizer, global_params, 0.0
+                model, private.loader, private.optimizer, global_params, 0.0, local.state
             )
         spent = private.finish()
         local.state[HISTORY_KEY] = spent.history

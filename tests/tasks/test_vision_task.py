@@ -26,6 +26,8 @@ from tasks.vision import (
     clear_caches,
 )
 from tasks.vision import hub as vhub
+from tasks.vision import task as vtask
+from tasks.vision.task import EPOCHS_DONE_KEY, decayed_lr, deterministic_torch
 
 # A small learning rate and batch: 3 epochs on one client's ~230 digits is ~45 steps.
 DIGITS_CONFIG = {
@@ -107,17 +109,164 @@ def test_defaults_and_parsed_config():
     assert task.config.seed == 42
     assert task.config.device == "cpu"  # this test machine has no CUDA
     assert cifar.config.model_name == "cnn"
+    assert (task.config.lr_decay, task.config.lr_decay_epochs) == (1.0, 1)
+    assert task.config.deterministic is False
+    assert (task.config.num_edges, task.config.edge_iid) == (1, True)
+
+
+def test_edge_options_reach_partition_settings_of_one_class_only():
+    # Execute
+    one_class = DigitsTask(
+        {"data.partitioner": "one-class", "hier.num-edges": 3, "data.edge-iid": False}
+    )
+    iid = DigitsTask({"hier.num-edges": 3, "data.edge-iid": False})
+
+    # Assert: other modes ignore the edges, so their cache key does not depend on them.
+    settings = one_class.config.partition_settings
+    ignored = iid.config.partition_settings
+    assert (settings.num_edges, settings.edge_iid) == (3, False)
+    assert iid.config.num_edges == 3
+    assert (ignored.num_edges, ignored.edge_iid) == (1, True)
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
     [("data.partitioner", "nope"), ("train.lr", -1), ("data.alpha", 0.0),
      ("data.test-fraction", 0.9), ("data.batch-size", 0), ("train.momentum", 1.0),
-     ("model.name", "vgg"), ("data.classes-per-client", 1.5)],
+     ("model.name", "vgg"), ("data.classes-per-client", 1.5), ("train.lr-decay", 0.0),
+     ("train.lr-decay", 1.5), ("train.lr-decay-epochs", 0), ("data.edge-iid", "yes"),
+     ("train.deterministic", 1), ("hier.num-edges", 0), ("hier.num-edges", 2.5)],
 )  # fmt: skip
 def test_invalid_option_raises_config_error_naming_key(key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         DigitsTask({key: value})
+
+
+@pytest.mark.parametrize(
+    ("epochs_done", "expected"),
+    [(0, 0.1), (1, 0.1), (2, 0.05), (3, 0.05), (4, 0.025), (7, 0.0125)],
+)
+def test_decayed_lr_halves_every_two_epochs(epochs_done, expected):
+    assert decayed_lr(0.1, 0.5, 2, epochs_done) == pytest.approx(expected)
+
+
+def _record_epochs(monkeypatch) -> list[tuple[float, bool, bool, bool]]:
+    """Replace train_epoch by a recorder of (lr, deterministic algorithms, cuDNN
+    deterministic, cuDNN benchmark) at each epoch."""
+    calls = []
+
+    def fake_epoch(model, loader, optimizer, device, global_params, proximal_mu):
+        calls.append(
+            (
+                optimizer.param_groups[0]["lr"],
+                torch.are_deterministic_algorithms_enabled(),
+                torch.backends.cudnn.deterministic,
+                torch.backends.cudnn.benchmark,
+            )
+        )
+        return 1.0, 0.5
+
+    monkeypatch.setattr(vtask, "train_epoch", fake_epoch)
+    return calls
+
+
+def test_lr_decays_over_cumulative_local_epochs_across_rounds(monkeypatch):
+    # Prepare: lr 0.1, halved every 2 local epochs, 3 epochs per round.
+    calls = _record_epochs(monkeypatch)
+    task = DigitsTask(
+        {**DIGITS_CONFIG, "train.lr": 0.1, "train.lr-decay": 0.5, "train.lr-decay-epochs": 2}
+    )
+    partition = task.load_partition(0, 5)
+    state: dict = {}
+
+    # Execute: two rounds; the client's state carries the epoch count between them.
+    task.train(task.build_model(0), partition, LocalTraining(1, seed=0, state=state))
+    after_first = dict(state)
+    task.train(task.build_model(0), partition, LocalTraining(2, seed=1, state=state))
+
+    # Assert: epochs 0..5 at 0.1 * 0.5 ** floor(t / 2).
+    lrs = [c[0] for c in calls]
+    assert lrs == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
+    assert after_first == {EPOCHS_DONE_KEY: 3}
+    assert state == {EPOCHS_DONE_KEY: 6}
+
+
+def test_no_decay_keeps_lr_constant(monkeypatch):
+    calls = _record_epochs(monkeypatch)
+    task = DigitsTask({**DIGITS_CONFIG, "train.lr": 0.03})
+    state = {EPOCHS_DONE_KEY: 40}
+
+    task.train(task.build_model(0), task.load_partition(0, 5), LocalTraining(9, 0, state=state))
+
+    assert [c[0] for c in calls] == [0.03] * 3
+    assert state[EPOCHS_DONE_KEY] == 43
+
+
+def test_deterministic_flag_applies_during_training_and_restores(monkeypatch):
+    # Prepare: non-default global settings, to see them restored.
+    calls = _record_epochs(monkeypatch)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    task = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 1, "train.deterministic": True})
+    off = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 1})
+    partition = task.load_partition(0, 5)
+
+    # Execute
+    task.train(task.build_model(0), partition, LocalTraining(1, seed=0))
+    restored = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    off.train(off.build_model(0), partition, LocalTraining(1, seed=0))
+
+    # Assert
+    assert calls[0][1:] == (True, True, False)
+    assert restored == (False, False, True)
+    assert calls[1][1:] == (False, False, True)
+
+
+def test_deterministic_context_restores_after_an_error():
+    # Prepare
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+
+    # Execute
+    with pytest.raises(KeyError), deterministic_torch(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        raise KeyError("boom")
+
+    # Assert
+    after = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+    assert after == before
+
+
+def test_deterministic_training_is_real_and_reproducible():
+    # Prepare
+    task = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 1, "train.deterministic": True})
+    partition = task.load_partition(3, 5)
+    models = [task.build_model(seed=0) for _ in range(2)]
+
+    # Execute
+    for model in models:
+        task.train(model, partition, LocalTraining(1, seed=2))
+
+    # Assert
+    first, second = ([p.detach().flatten() for p in m.parameters()] for m in models)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_missing_deterministic_kernel_becomes_config_error(monkeypatch):
+    # Prepare: what torch raises for e.g. adaptive average pooling's CUDA backward.
+    def no_kernel(*args):
+        raise RuntimeError("op does not have a deterministic implementation, but you set ...")
+
+    monkeypatch.setattr(vtask, "train_epoch", no_kernel)
+    task = DigitsTask({**DIGITS_CONFIG, "train.deterministic": True})
+
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"train\.deterministic.*model\.name"):
+        task.train(task.build_model(0), task.load_partition(0, 5), LocalTraining(1, seed=0))
 
 
 def test_more_classes_per_client_than_classes_raises():
@@ -208,3 +357,27 @@ def test_hub_tasks_load_through_federated_dataset(fake_hub, task_cls, shape, poo
     assert int(test_set.test.labels.max()) == 9
     assert metrics[NUM_EXAMPLES] == len(parts[0].train)
     assert task.load_partition(1, 3) is parts[1]
+
+
+def test_one_class_on_a_hub_dataset(fake_hub):
+    # Prepare: 120 CIFAR-shaped images, 12 per class; 10 clients in 2 edges, edge-non-iid.
+    task = CIFAR10Task(
+        {"data.partitioner": "one-class", "hier.num-edges": 2, "data.edge-iid": False}
+    )
+
+    # Execute
+    parts = [task.load_partition(i, 10) for i in range(10)]
+
+    # Assert: one class (12 images) per client; each edge of 5 clients holds 5 classes.
+    labels = [set(torch.cat([p.train.labels, p.test.labels]).tolist()) for p in parts]
+    assert all(len(c) == 1 for c in labels)
+    assert [len(p.train) + len(p.test) for p in parts] == [12] * 10
+    assert len(set().union(*labels[:5])) == 5
+    assert not set().union(*labels[:5]) & set().union(*labels[5:])
+
+
+def test_one_class_with_more_edges_than_clients_raises(fake_hub):
+    task = MNISTTask({"data.partitioner": "one-class", "hier.num-edges": 4})
+
+    with pytest.raises(ConfigError, match=r"hier\.num-edges.*\[1, 3\]"):
+        task.load_partition(0, 3)
