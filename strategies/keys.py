@@ -58,3 +58,17 @@ DIVERGENCE = "divergence"  # MetricRecord: ||w_local - w_global|| after training
 EFFECTIVE_MU = "effective-mu"  # MetricRecord: the mu the client trained with
 HISTORICAL_DIVERGENCE = "historical-divergence"  # MetricRecord: the client's EMA after it
 TRAIN_LOSS = "train-loss"  # MetricRecord: mean local training loss (tasks.base.TRAIN_LOSS)
+
+# Hierarchical FedAvg (seed 003, HierFAVG: client -> edge -> cloud).
+HIER_QUERY = "edge"  # query action: message_type "query.edge" (learn a node's edge)
+NUM_EDGES = "num-edges"  # query config: the number of edges E (edge ids 0..E-1)
+EDGE_ID = "edge-id"  # query reply metric (the node's edge) and train config
+PARTITION_ID = "partition-id"  # query reply metric: the node's data partition
+EDGE_ROUND = "edge-round"  # train config: edge aggregation k = 1..tau_2 of the cloud round
+LOCAL_UPDATES = "local-updates"  # train config: tau_1, local updates per edge aggregation
+
+# Front-loaded DP of hierarchical FL (seed 003): train config of the client modes.
+FRONT_LOADED_MODE = "fl-mode"  # "cg-ng" | "cg-np" | "cp-np" (absent: baseline)
+FRONT_LOADED_CLIP = "fl-clip"  # C: per-batch (per-example) gradient clip, or delta clip
+FRONT_LOADED_SIGMA = "fl-sigma"  # sigma: std of the Gaussian noise
+FRONT_LOADED_PER_EXAMPLE = "fl-per-example"  # CG-NG: clip per example, noise every step

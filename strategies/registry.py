@@ -18,6 +18,9 @@ from privacy.mechanisms import noise_generator
 from strategies.clustered import ClusteredFedAvg
 from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
 from strategies.dpsgd import DPSGDClients
+from strategies.frontloaded import MODES as FRONT_LOADED
+from strategies.frontloaded import FrontLoadedDP
+from strategies.hierarchical import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
 from strategies.smart_fedprox import SmartFedProx
@@ -80,6 +83,19 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
         seed=s.seed,
         connect_timeout=s.round_timeout,
     ),
+    "hierarchical": lambda s: HierarchicalFedAvg(
+        fraction_evaluate=s.fraction_evaluate,
+        min_evaluate_nodes=s.min_evaluate_nodes,
+        num_edges=int(s.options["hier.num-edges"]),
+        edge_rounds=int(s.options["hier.edge-rounds"]),
+        local_updates=int(s.options["hier.local-updates"]),
+        client_fraction=float(s.options["hier.client-fraction"]),
+        edge_fraction=float(s.options["hier.edge-fraction"]),
+        eta=float(s.options["hier.eta"]),
+        seed=s.seed,
+        timeout=s.round_timeout,
+        min_available_nodes=s.min_available_nodes,
+    ),
 }
 
 
@@ -89,15 +105,20 @@ def dp_fedavg_sampling(strategy: str) -> str:
 
 
 def make_ledger(
-    s: StrategySettings, sampling: str, mechanisms: tuple[str, ...] = ("gaussian",)
+    s: StrategySettings,
+    sampling: str,
+    mechanisms: tuple[str, ...] = ("gaussian",),
+    *,
+    budget: bool = True,
 ) -> PrivacyLedger:
     """The run's ledger, configured from the ``dp.*`` options; it refuses at once an
-    accountant x sampling x mechanism combination dp-accounting cannot account."""
+    accountant x sampling x mechanism combination dp-accounting cannot account.
+    ``budget=False``: no ``dp.max-epsilon`` (a second view, never a stopping rule)."""
     o = s.options
     return PrivacyLedger(
         accountant=str(o["dp.accountant"]),
         target_delta=float(o["dp.target-delta"]),
-        max_epsilon=float(o["dp.max-epsilon"]) or None,
+        max_epsilon=(float(o["dp.max-epsilon"]) or None) if budget else None,
         sampling=sampling,
         mechanisms=mechanisms,
     )
@@ -156,12 +177,35 @@ def _dp_sgd(base: Strategy, s: StrategySettings) -> Strategy:
     )
 
 
+def _front_loaded(mode: str) -> Callable[[Strategy, StrategySettings], Strategy]:
+    def build(base: Strategy, s: StrategySettings) -> Strategy:
+        o = s.options
+        cp_np = mode == "cp-np"
+        return FrontLoadedDP(
+            base,
+            mode=mode,
+            clip=float(o["dp.clip-norm"]),
+            sigma=float(o["dp.noise-std"]),
+            per_example=bool(o["dp.per-example"]),
+            ledger=make_ledger(
+                s, "without-replacement" if cp_np else "none", ("gaussian",) if cp_np else ()
+            ),
+            # An edge sees its clients' noisy deltas and who sent them: no
+            # amplification, never a stopping rule (FrontLoadedDP charges it with the
+            # run ledger's sensitivity, so both count the same neighbours).
+            edge_view=make_ledger(s, "none", budget=False),
+        )
+
+    return build
+
+
 PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "none": lambda strategy, _settings: strategy,
     "dp-fedavg-fixed": lambda b, s: _dp_fedavg(b, s, adaptive=False),
     "dp-fedavg-adaptive": lambda b, s: _dp_fedavg(b, s, adaptive=True),
     "laplace": _laplace,
     "dp-sgd": _dp_sgd,
+    **{mode: _front_loaded(mode) for mode in FRONT_LOADED},
 }
 
 # Wrappers that sample clients themselves: the base strategy must take every node
