@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 import tasks
-from client_app import proximal
+from client_app import hierarchy, proximal
 from client_app.mods import privacy_mod
 from strategies import keys
 from strategies.clustered import model_key, score_key
@@ -110,12 +110,19 @@ def train(msg: Message, context: Context) -> Message:
     received, mu = proximal.parameters(model), proximal.effective_mu(config, context.state)
     local = LocalTraining(
         server_round=server_round,
-        seed=local_seed(int(context.run_config.get(SEED.key, SEED.default)), server_round, pid),
+        seed=local_seed(
+            int(context.run_config.get(SEED.key, SEED.default)),
+            server_round,
+            pid,
+            *([int(config[keys.EDGE_ROUND])] if keys.EDGE_ROUND in config else []),
+        ),
         proximal_mu=mu,
         dp_sgd=_dp_sgd(config, context.run_config),
         state=_task_state(context),
         partition_id=pid,
         artifacts_dir=_artifacts_dir(config, context.node_config),
+        local_updates=int(config[keys.LOCAL_UPDATES]) if keys.LOCAL_UPDATES in config else None,
+        front_loaded=hierarchy.front_loaded(config),
     )
     metrics = task.train(model, partition, local)
     metrics |= proximal.divergence_metrics(model, received, mu, config, context.state)
@@ -123,6 +130,12 @@ def train(msg: Message, context: Context) -> Message:
     context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
     if config.get(keys.LOCAL_ONLY):
         context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
+    if local.front_loaded is not None and local.front_loaded.mode == "cp-np":
+        delta, extra = hierarchy.cp_np_reply(
+            model, msg.content[keys.ARRAYS], local.front_loaded, local.seed
+        )
+        content = RecordDict({keys.ARRAYS: delta, keys.METRICS: MetricRecord(metrics | extra)})
+        return Message(content=content, reply_to=msg)  # only the noisy delta leaves
     return _reply(msg, metrics, model)
 
 
@@ -146,3 +159,17 @@ def cluster_scores(msg: Message, context: Context) -> Message:
         score = metrics[EVAL_LOSS] if EVAL_LOSS in metrics else -metrics[EVAL_REWARD]
         scores[score_key(k)] = float(score)
     return Message(content=RecordDict({keys.METRICS: MetricRecord(scores)}), reply_to=msg)
+
+
+@app.query(keys.HIER_QUERY)
+def edge(msg: Message, context: Context) -> Message:
+    """Hierarchical FL: tell the server this node's edge, partition and training size."""
+    task, _, partition, pid = _setup(context)
+    _, num = _node_partition(context.node_config)
+    num_edges = int(msg.content[keys.CONFIG][keys.NUM_EDGES])
+    metrics = {
+        keys.EDGE_ID: hierarchy.edge_id(context.node_config, pid, num, num_edges),
+        keys.PARTITION_ID: pid,
+        keys.NUM_EXAMPLES: task.train_size(partition),
+    }
+    return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)

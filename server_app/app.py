@@ -23,10 +23,12 @@ from tasks.options import ConfigError
 app = ServerApp()
 
 
-def _central_eval(task: Task, model: torch.nn.Module, cluster_models=None):
+def _central_eval(task: Task, model: torch.nn.Module, cluster_models=None, edge_models=None):
     """Evaluation of the global model on the central test set; with ``cluster_models``
     (a callable returning the K models, or None before the first round) every model
-    is evaluated and :func:`best_of_clusters` merges the results."""
+    is evaluated and :func:`best_of_clusters` merges the results; with
+    ``edge_models`` (hierarchical FL) the cloud model is the global one and each edge
+    model is evaluated too, as ``edge-<e>-<key>``."""
     test_set = task.load_central_test()  # loaded now: a missing dataset fails here
 
     def evaluate_one(arrays: ArrayRecord) -> dict:
@@ -34,6 +36,11 @@ def _central_eval(task: Task, model: torch.nn.Module, cluster_models=None):
         return task.evaluate(model, test_set)
 
     def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        if edge_models is not None:
+            merged = evaluate_one(arrays)
+            for e, edge in enumerate(edge_models() if _server_round > 0 else []):
+                merged |= {f"edge-{e}-{k}": v for k, v in evaluate_one(edge).items()}
+            return MetricRecord(merged)
         models = cluster_models() if cluster_models is not None else None
         if not models:
             return MetricRecord(evaluate_one(arrays))
@@ -93,11 +100,18 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "Run directory: %s", run_dir.path)
 
     base = _innermost(strategy)
-    clustered = base if hasattr(base, "models") else None  # K global models
+    label = getattr(base, "MODEL_LABEL", "cluster")
+    clustered = base if hasattr(base, "models") and label == "cluster" else None  # K models
+    edges = base if label == "edge" else None  # hierarchical: the edge models
     model = task.build_model(cfg.seed)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
-        central = _central_eval(task, model, clustered and (lambda: clustered.models))
+        central = _central_eval(
+            task,
+            model,
+            clustered and (lambda: clustered.models),
+            edges and (lambda: edges.models),
+        )
     elif cfg.strategy == "local":
         log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
 

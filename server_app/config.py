@@ -102,6 +102,43 @@ STRATEGY_OPTIONS: tuple[Option, ...] = (
         high=1.0,
         low_open=True,
     ),
+    Option("hier.num-edges", 2, "Hierarchical: edges (groups of SuperNodes).", low=1),
+    Option(
+        "hier.edge-rounds",
+        2,
+        "Hierarchical: edge aggregations per cloud round (tau_2).",
+        low=1,
+    ),
+    Option(
+        "hier.local-updates",
+        6,
+        "Hierarchical: local iterations per edge aggregation (tau_1; CG modes: epochs of "
+        "one step each).",
+        low=1,
+    ),
+    Option(
+        "hier.client-fraction",
+        0.2,
+        "Hierarchical: share of an edge's clients in each edge aggregation (cfrac).",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    ),
+    Option(
+        "hier.edge-fraction",
+        1.0,
+        "Hierarchical: share of the edges in each cloud round (efrac).",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    ),
+    Option(
+        "hier.eta",
+        1.0,
+        "Hierarchical CP-NP: edge learning rate on the averaged deltas (1: FedAvg).",
+        low=0.0,
+        low_open=True,
+    ),
 )
 
 PRIVACY_OPTIONS: tuple[Option, ...] = (
@@ -189,6 +226,19 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
         "DP-SGD: each client calibrates its noise to reach this sample-level epsilon "
         "over the whole run (0: use dp.noise-multiplier).",
         low=0.0,
+    ),
+    Option(
+        "dp.noise-std",
+        0.01,
+        "CG-NG / CG-NP / CP-NP: std sigma of the Gaussian noise on the averaged gradient, "
+        "the parameters or the clipped delta (the seed's --sigma).",
+        low=0.0,
+    ),
+    Option(
+        "dp.per-example",
+        False,
+        "CG-NG: clip per example (Opacus) and noise every step, then accounted as "
+        "sample-level DP; false: the seed's per-batch clipping, no formal guarantee.",
     ),
 )
 
@@ -300,6 +350,8 @@ def check_combinations(cfg: RunConfig) -> None:
         _check_clustered(cfg)
     if cfg.strategy == "smart-fedprox":
         _check_smart(cfg)
+    if cfg.strategy == "hierarchical" or cfg.privacy in FRONT_LOADED:
+        _check_hierarchical(cfg)
     if cfg.privacy in registry.SELF_SAMPLING:
         sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
     elif cfg.privacy == "laplace":
@@ -366,6 +418,38 @@ def _check_smart(cfg: RunConfig) -> None:
     low, high = float(cfg.options["smart.mu-min"]), float(cfg.options["smart.mu-max"])
     if low > high:
         raise ConfigError(f"'smart.mu-min' = {low:g} must not exceed 'smart.mu-max' = {high:g}")
+
+
+# The seed-003 client modes exist only in the client -> edge -> cloud topology, and the
+# hierarchical strategy takes no other privacy (DP-FedAvg samples clients itself).
+FRONT_LOADED = ("cg-ng", "cg-np", "cp-np")
+HIERARCHICAL_PRIVACY = ("none", *FRONT_LOADED)
+
+
+def _check_hierarchical(cfg: RunConfig) -> None:
+    if cfg.strategy != "hierarchical":
+        raise ConfigError(
+            f"'privacy' = {cfg.privacy!r} is a client mode of hierarchical FL (seed 003); "
+            "use it with 'strategy' = 'hierarchical'"
+        )
+    if cfg.privacy not in HIERARCHICAL_PRIVACY:
+        raise ConfigError(
+            f"'privacy' = {cfg.privacy!r} is not available with 'strategy' = 'hierarchical'; "
+            "valid values: " + ", ".join(repr(p) for p in HIERARCHICAL_PRIVACY)
+        )
+    if not tasks.get(cfg.task).HIERARCHICAL:
+        valid = [name for name, cls in tasks.REGISTRY.items() if cls.HIERARCHICAL]
+        raise ConfigError(
+            f"'strategy' = 'hierarchical' needs a task that trains for a number of local "
+            f"iterations; 'task' = {cfg.task!r} does not; valid tasks: "
+            + ", ".join(repr(t) for t in valid)
+        )
+    if bool(cfg.options["dp.per-example"]) and cfg.privacy != "cg-ng":
+        raise ConfigError(
+            f"'dp.per-example' = true applies to 'privacy' = 'cg-ng' only (got "
+            f"{cfg.privacy!r}): noise added once to the final parameters (cg-np) has no "
+            "sound per-example bound, and cp-np is already client-level"
+        )
 
 
 def _toml_value(value: Scalar) -> str:

@@ -8,6 +8,8 @@ Layout (DESIGN.md)::
                          central-eval
         participation.csv one row per (round, client sent a train message): node-id,
                          replied, error, and the metrics the client reported
+        tensorboard/     the metrics.csv numbers as TensorBoard scalars
+                         (``tensorboard --logdir <run dir>``)
         checkpoint/      global arrays of the last finished round + state.json
         model.pt         final global model (torch state dict)
         plots/learning_curve.png
@@ -89,6 +91,7 @@ class RunDirectory:
         self.path = path
         self.rows: list[dict[str, Any]] = []
         self.participation: list[dict[str, Any]] = []
+        self._writer = None  # TensorBoard SummaryWriter, opened with the first row
         self.started = time.monotonic()
 
     @classmethod
@@ -137,6 +140,18 @@ class RunDirectory:
         self.rows.append(row)
         csv = pd.DataFrame(self.rows).to_csv(index=False)
         _atomic_write_text(self.path / "metrics.csv", csv)
+        self._tensorboard(server_round, scope, row)
+
+    def _tensorboard(self, server_round: int, scope: str, row: Mapping[str, Any]) -> None:
+        """The same numbers as TensorBoard scalars ``<scope>/<metric>`` at step = round."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.path / "tensorboard"))
+        for key, value in row.items():
+            if key not in ("round", "scope") and isinstance(value, int | float):
+                self._writer.add_scalar(f"{scope}/{key}", value, server_round)
+        self._writer.flush()
 
     def checkpoint(
         self,
@@ -188,6 +203,8 @@ class RunDirectory:
         from server_app.plots import plot_learning_curve
 
         _atomic_torch_save(self.path / "model.pt", dict(state_dict))
+        if self._writer is not None:
+            self._writer.close()
         if self.rows:
             figure = plot_learning_curve(pd.DataFrame(self.rows), title=title)
             figure.savefig(self.path / "plots" / "learning_curve.png", dpi=120)

@@ -33,6 +33,24 @@ def _load(**overrides):
             "'privacy' = 'dp-sgd' is not available for 'task' = 'lunar-lander'",
         ),
         ({"cluster.assign": "nearest"}, "valid values: 'l2', 'loss'"),
+        (
+            {"strategy": "smart-fedprox", "privacy": "dp-fedavg-fixed"},
+            "valid values with smart-fedprox: 'none', 'dp-sgd'",
+        ),
+        (
+            {"strategy": "smart-fedprox", "smart.mu-min": 0.5, "smart.mu-max": 0.1},
+            "'smart.mu-min' = 0.5 must not exceed 'smart.mu-max' = 0.1",
+        ),
+        ({"privacy": "cp-np"}, "use it with 'strategy' = 'hierarchical'"),
+        (
+            {"strategy": "hierarchical", "privacy": "dp-fedavg-fixed"},
+            "valid values: 'none', 'cg-ng', 'cg-np', 'cp-np'",
+        ),
+        ({"strategy": "hierarchical", "task": "lunar-lander"}, "valid tasks: 'digits'"),
+        (
+            {"strategy": "hierarchical", "privacy": "cg-np", "dp.per-example": True},
+            "no sound per-example bound",
+        ),
         ({"cluster.k": 0}, "'cluster.k' = 0 is out of range"),
     ],
 )

@@ -75,3 +75,18 @@ def test_participation_rows_accumulate_in_participation_csv(tmp_path):
 
     assert frame["round"].tolist() == [1, 2]
     assert frame["train-loss"].tolist() == [0.5, 0.25]
+
+
+def test_metrics_are_also_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    run.record(1, "central-eval", {"eval-accuracy": 0.5})
+    run.record(2, "central-eval", {"eval-accuracy": 0.75})
+    run.finish({"w": torch.zeros(1)}, title="t")
+
+    events = EventAccumulator(str(run.path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("central-eval/eval-accuracy")
+
+    assert [(s.step, s.value) for s in scalars] == [(1, 0.5), (2, 0.75)]
