@@ -62,7 +62,10 @@ TABLE: tuple[Statistic, ...] = (
     Statistic("final-eval-r2", "final", "eval-r2", "final R²"),
     Statistic("final-eval-mse", "final", "eval-mse", "final MSE"),
     Statistic("best-eval-r2", "max", "eval-r2", "best R²"),
-)
+    Statistic("final-eval-accuracy", "final", "eval-accuracy", "final accuracy"),
+    Statistic("final-eval-loss", "final", "eval-loss", "final loss"),
+    Statistic("best-eval-accuracy", "max", "eval-accuracy", "best accuracy"),
+)  # regression (finance) and classification (vision) runs: the Markdown shows those reported
 
 
 def check_seeds(seeds: Sequence[int]) -> list[int]:
@@ -267,16 +270,19 @@ def mean_std(mean: float, std: float) -> str:
 
 
 def to_markdown(table: pd.DataFrame) -> str:
-    """The results table as a Markdown table (experiment, ``TABLE`` columns, seeds,
-    rounds)."""
-    header = ["experiment", *(stat.label for stat in TABLE), "seeds", "rounds"]
+    """The results table as a Markdown table (experiment, the ``TABLE`` columns some
+    run reports, seeds, rounds)."""
+    groups = [TABLE[:3], TABLE[3:]]  # regression, classification: shown when reported
+    shown = [g for g in groups if table[f"{g[0].column}-mean"].notna().any()]
+    stats = [s for g in shown for s in g] or list(TABLE[:3])
+    header = ["experiment", *(stat.label for stat in stats), "seeds", "rounds"]
     lines = [
         "| " + " | ".join(header) + " |",
         "| --- |" + " ---: |" * (len(header) - 1),
     ]
     for row in table.to_dict("records"):
         cells = [str(row["experiment"])]
-        cells += [mean_std(row[f"{s.column}-mean"], row[f"{s.column}-std"]) for s in TABLE]
+        cells += [mean_std(row[f"{s.column}-mean"], row[f"{s.column}-std"]) for s in stats]
         rounds = row["rounds"]
         cells += [str(row["seeds"]), "–" if rounds is None or rounds != rounds else str(rounds)]
         lines.append("| " + " | ".join(cells) + " |")
