@@ -23,6 +23,32 @@ from strategies import keys
 from strategies.base import InvalidReply, TrainingWrapper, add_to_config, metrics_of
 
 
+def record_local_epsilons(
+    ledger: PrivacyLedger, server_round: int, replies: Iterable[Message], label: str
+) -> list[float]:
+    """Ledger every reply's sample-level ``local-epsilon`` (kept apart from the
+    client-level epsilon); return them. Replies without one are logged and skipped."""
+    reported = []
+    for message in replies:
+        if message.has_error():
+            continue
+        try:
+            epsilon = float(metrics_of(message)[keys.LOCAL_EPSILON])
+        except (InvalidReply, KeyError, TypeError, ValueError):
+            node = message.metadata.src_node_id
+            log(WARNING, "%s: node %d reported no '%s'", label, node, keys.LOCAL_EPSILON)
+            continue
+        ledger.record_local_guarantee(
+            server_round,
+            client=str(message.metadata.src_node_id),
+            epsilon=epsilon,
+            delta=ledger.target_delta,
+            unit="sample-level",
+        )
+        reported.append(epsilon)
+    return reported
+
+
 class DPSGDClients(TrainingWrapper):
     """Ask every sampled client for DP-SGD training; ledger its reported epsilon."""
 
@@ -60,28 +86,7 @@ class DPSGDClients(TrainingWrapper):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Record each client's sample-level epsilon, then aggregate as the wrapped one."""
         replies = list(replies)
-        reported = []
-        for message in replies:
-            if message.has_error():
-                continue
-            try:
-                epsilon = float(metrics_of(message)[keys.LOCAL_EPSILON])
-            except (InvalidReply, KeyError, TypeError, ValueError):
-                log(
-                    WARNING,
-                    "DP-SGD: node %d reported no '%s'",
-                    message.metadata.src_node_id,
-                    keys.LOCAL_EPSILON,
-                )
-                continue
-            self.ledger.record_local_guarantee(
-                server_round,
-                client=str(message.metadata.src_node_id),
-                epsilon=epsilon,
-                delta=self.ledger.target_delta,
-                unit="sample-level",
-            )
-            reported.append(epsilon)
+        reported = record_local_epsilons(self.ledger, server_round, replies, "DP-SGD")
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if metrics is not None and reported:
             metrics[keys.LOCAL_EPSILON] = max(reported)  # the worst client, not the mean

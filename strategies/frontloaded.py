@@ -25,7 +25,7 @@ aggregation for CP-NP, and keeps the run's privacy ledger honest:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import INFO
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -33,7 +33,8 @@ from flwr.serverapp import Grid
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from strategies import keys
-from strategies.base import InvalidReply, StopTraining, TrainingWrapper, metrics_of
+from strategies.base import StopTraining, TrainingWrapper
+from strategies.dpsgd import record_local_epsilons
 
 MODES = ("cg-ng", "cg-np", "cp-np")
 
@@ -88,22 +89,31 @@ class FrontLoadedDP(TrainingWrapper):
         if per_example:  # every edge aggregation's replies, not only the last one's
             strategy.on_replies = self._record_local_epsilons
 
-    def releases(self, server_round: int, edges: dict[int, tuple[int, int]]) -> list[Release]:
-        """One edge aggregation of CP-NP, as the ledger accounts it (worst edge's rate)."""
+    def releases(
+        self, server_round: int, edges: dict[int, tuple[int, int]], sampling: str | None = None
+    ) -> list[Release]:
+        """One edge aggregation of CP-NP, as the ledger accounts it (the worst edge's
+        sampling rate); ``sampling="none"``: as an edge sees it, without amplification
+        (same neighbours, so same sensitivity: replace-one counts 2C)."""
         sampled, size = max(edges.values(), key=lambda pair: pair[0] / pair[1])
+        sampling = sampling or self.ledger.sampling
+        note = (
+            "CP-NP: clipped, noised client deltas; largest edge sampling rate"
+            if sampling != "none"
+            else "CP-NP as an edge sees it: no amplification by sampling"
+        )
+        z = self.sigma / self.clip / l2_sensitivity_factor(self.ledger.neighboring)
         return [
             Release(
                 server_round=server_round,
                 kind="edge-aggregation",
                 mechanism="gaussian",
-                noise_multiplier=self.sigma
-                / self.clip
-                / l2_sensitivity_factor(self.ledger.neighboring),
+                noise_multiplier=z,
                 laplace_epsilon=None,
-                sampling=self.ledger.sampling,
+                sampling=sampling,
                 sample_size=sampled,
                 population=size,
-                note="CP-NP: clipped, noised client deltas; largest edge sampling rate",
+                note=note,
             )
         ]
 
@@ -118,27 +128,7 @@ class FrontLoadedDP(TrainingWrapper):
                 f"delta {self.ledger.target_delta:g}); nothing was sent"
             )
         self.ledger.charge(releases)
-        sampled, size = max(edges.values(), key=lambda pair: pair[0] / pair[1])
-        self.edge_view.charge(
-            [
-                Release(
-                    server_round=server_round,
-                    kind="edge-aggregation",
-                    mechanism="gaussian",
-                    # The run ledger's neighbours (replace-one: sensitivity 2C) without
-                    # sampling: the same Gaussian, no amplification.
-                    noise_multiplier=self.sigma
-                    / self.clip
-                    / l2_sensitivity_factor(self.ledger.neighboring),
-                    laplace_epsilon=None,
-                    sampling="none",
-                    sample_size=sampled,
-                    population=size,
-                    note="CP-NP as an edge sees it: no amplification by sampling, "
-                    "sensitivity of the run ledger's neighbouring relation",
-                )
-            ]
-        )
+        self.edge_view.charge(self.releases(server_round, edges, sampling="none"))
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -166,20 +156,7 @@ class FrontLoadedDP(TrainingWrapper):
         return arrays, metrics
 
     def _record_local_epsilons(self, server_round: int, replies: list[Message]) -> None:
-        for message in replies:
-            if message.has_error():
-                continue
-            try:
-                epsilon = float(metrics_of(message)[keys.LOCAL_EPSILON])
-            except (InvalidReply, KeyError, TypeError, ValueError):
-                log(WARNING, "CG-NG: node %d reported no epsilon", message.metadata.src_node_id)
-                continue
-            self.ledger.record_local_guarantee(
-                server_round,
-                client=str(message.metadata.src_node_id),
-                epsilon=epsilon,
-                delta=self.ledger.target_delta,
-            )
+        record_local_epsilons(self.ledger, server_round, replies, "CG-NG")
 
     def summary(self) -> None:
         """Log the mode and its guarantee, then the wrapped strategy's summary."""

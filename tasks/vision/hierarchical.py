@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from tasks.base import TRAIN_ACCURACY, TRAIN_LOSS, LocalTraining
 from tasks.frontloaded import train_clipped_gradients
-from tasks.proximal import proximal_term
+from tasks.vision.steps import train_batch
 
 CLIPPED_GRADIENT_MODES = ("cg-ng", "cg-np")
 
@@ -39,17 +39,10 @@ def train_iterations(
             if done == steps:
                 break
             images, labels = images.to(device), labels.to(device)
-            optimizer.zero_grad()
-            logits = model(images)
-            loss = nn.functional.cross_entropy(logits, labels)
-            if proximal_mu > 0:
-                (loss + proximal_term(model, global_params, proximal_mu)).backward()
-            else:
-                loss.backward()
-            optimizer.step()
+            loss, right = train_batch(model, images, labels, optimizer, global_params, proximal_mu)
             done += 1
-            total_loss += loss.item() * len(labels)
-            correct += int((logits.argmax(dim=1) == labels).sum())
+            total_loss += loss
+            correct += right
             seen += len(labels)
         if seen == 0:  # an empty loader would never finish
             raise ValueError("cannot train local iterations on an empty training split")

@@ -45,7 +45,7 @@ from tasks.dpsgd import (
     make_private,
 )
 from tasks.options import ConfigError, Option
-from tasks.proximal import proximal_term, snapshot_parameters
+from tasks.proximal import snapshot_parameters
 from tasks.topology import NUM_EDGES_KEY
 from tasks.vision.data import (
     CIFAR10,
@@ -64,6 +64,7 @@ from tasks.vision.hierarchical import train_local_updates
 from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
+from tasks.vision.steps import train_batch
 
 CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's persistent state
 EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
@@ -216,18 +217,11 @@ def train_epoch(
     total_loss, correct, seen = 0.0, 0, 0
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
-        optimizer.zero_grad()
-        logits = model(images)
-        loss = nn.functional.cross_entropy(logits, labels)
-        if proximal_mu > 0:
-            (loss + proximal_term(model, global_params, proximal_mu)).backward()
-        else:
-            loss.backward()
-        optimizer.step()
+        loss, right = train_batch(model, images, labels, optimizer, global_params, proximal_mu)
         if len(labels) == 0:
             continue
-        total_loss += loss.item() * len(labels)
-        correct += int((logits.argmax(dim=1) == labels).sum())
+        total_loss += loss
+        correct += right
         seen += len(labels)
     return (total_loss / seen, correct / seen) if seen else (0.0, 0.0)
 
