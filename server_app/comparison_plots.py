@@ -59,6 +59,23 @@ FIGURES: dict[str, Panel] = {
     "r2_comparison.png": PANELS[0],
     "mse_comparison.png": PANELS[1],
 }
+# Classification runs (no eval-r2, an eval-accuracy): the first two panels and figures.
+CLASSIFICATION_PANELS: tuple[Panel, ...] = (
+    Panel("central-eval", "eval-accuracy", "Accuracy (global model, central test set)", "acc."),
+    Panel("central-eval", "eval-loss", "Loss (global model, central test set)", "loss"),
+)
+CLASSIFICATION_FIGURES = ("accuracy_comparison.png", "loss_comparison.png")
+
+
+def panels_for(metrics: pd.DataFrame) -> tuple[tuple[Panel, ...], dict[str, Panel]]:
+    """The six panels and the single-panel figures for what the runs report: the seed's
+    regression panels, or accuracy and loss in their place for classification runs."""
+    if "eval-r2" in metrics or "eval-accuracy" not in metrics:
+        return PANELS, FIGURES
+    panels = (*CLASSIFICATION_PANELS, *PANELS[2:])
+    return panels, dict(zip(CLASSIFICATION_FIGURES, CLASSIFICATION_PANELS, strict=True))
+
+
 # metrics.csv / load_metrics columns that are not metrics, and metrics not worth a curve.
 TAGS = ("round", "scope", "experiment", "seed", "task", "strategy", "privacy", "run")
 NO_CURVE = ("elapsed-s", "num-examples")
@@ -305,8 +322,10 @@ def save_figures(
 ) -> list[Path]:
     """``comparison_results.png``, the ``FIGURES`` and ``curves/<scope>/<metric>.png`` for
     every reported metric; returns the paths."""
-    saved = [_save(comparison_figure(metrics, selection, runs), out / "comparison_results.png")]
-    for file, panel in FIGURES.items():
+    panels, figures = panels_for(metrics)
+    comparison = comparison_figure(metrics, selection, runs, panels)
+    saved = [_save(comparison, out / "comparison_results.png")]
+    for file, panel in figures.items():
         saved.append(_save(metric_figure(metrics, selection, runs, panel), out / file))
     for scope, metric in reported_metrics(metrics):
         panel = Panel(scope, metric, f"{metric} ({scope}), mean ± std over seeds", metric)

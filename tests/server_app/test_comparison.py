@@ -408,3 +408,13 @@ def test_presets_of_different_tasks_are_refused(tmp_path):
 
     with pytest.raises(SystemExit, match=r"one task.*'a': 'digits', 'b': 'mnist'"):
         comparison.main([*argv, "--out", str(tmp_path / "out")])
+
+
+def test_classification_runs_get_accuracy_and_loss_panels():
+    frame = pd.DataFrame({"round": [0, 1], "scope": "central-eval", "eval-accuracy": [0.1, 0.9]})
+
+    panels, figures = cplots.panels_for(frame)
+
+    assert [p.metric for p in panels[:2]] == ["eval-accuracy", "eval-loss"]
+    assert list(figures) == ["accuracy_comparison.png", "loss_comparison.png"]
+    assert cplots.panels_for(frame.assign(**{"eval-r2": 0.5}))[0] == cplots.PANELS
