@@ -267,8 +267,15 @@ class HierarchicalFedAvg(FedAvg):
         return members
 
     def tables(self) -> dict[str, list[dict]]:
-        """One row per (round, edge aggregation, node sent a train message)."""
-        return {"edges.csv": self.rows}
+        """``edges.csv``: one row per (round, edge aggregation, node sent a train
+        message); ``edge-membership.csv``: every registered node's edge, partition and
+        training examples."""
+        members = [
+            {"node-id": node, "edge-id": r.edge, "partition-id": r.partition,
+             "num-examples": r.num_examples}
+            for node, r in sorted(self.registrations.items())
+        ]  # fmt: skip
+        return {"edges.csv": self.rows, "edge-membership.csv": members}
 
     def summary(self) -> None:
         """Log the hierarchical settings as a tree, then FedAvg's summary."""

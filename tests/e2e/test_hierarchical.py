@@ -49,6 +49,9 @@ def test_every_edge_aggregation_is_recorded(hier_runs, mode):
     assert sorted(edges.groupby(["round", "edge-round"]).size().tolist()) == [2, 2, 2, 2]
     # edges are contiguous blocks of partition ids: 0, 1 -> edge 0; 2, 3 -> edge 1
     assert (edges["edge-id"] == edges["partition-id"] // 2).all()
+    members = pd.read_csv(hier_runs[mode].run_dir / "edge-membership.csv")
+    assert sorted(members["partition-id"]) == [0, 1, 2, 3]
+    assert (members["edge-id"] == members["partition-id"] // 2).all()
 
 
 def test_baseline_learns(hier_runs):

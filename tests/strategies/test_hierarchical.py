@@ -381,3 +381,16 @@ def test_summary_logs_the_settings_tree(caplog):
 
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "Hierarchical FedAvg" in logged and "eta = 0.5" in logged and "cp-np" in logged
+
+
+def test_membership_table_lists_every_registered_node():
+    strategy = _strategy()
+    grid = HierGrid(lambda node, model: _reply(node, {"w": [1.0, 1.0]}), EDGES)
+
+    _round(strategy, grid)
+    members = strategy.tables()["edge-membership.csv"]
+
+    assert [(m["node-id"], m["edge-id"]) for m in members] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+    assert [m["partition-id"] for m in members] == [
+        strategy.registrations[n].partition for n in (1, 2, 3, 4)
+    ]
