@@ -134,8 +134,11 @@ def train(msg: Message, context: Context) -> Message:
         delta, extra = hierarchy.cp_np_reply(
             model, msg.content[keys.ARRAYS], local.front_loaded, local.seed
         )
-        content = RecordDict({keys.ARRAYS: delta, keys.METRICS: MetricRecord(metrics | extra)})
-        return Message(content=content, reply_to=msg)  # only the noisy delta leaves
+        # Only the noisy delta leaves (the seed): no loss, divergence or update norm,
+        # which no mechanism protects; the example count weights the edge average.
+        kept = {keys.NUM_EXAMPLES: metrics[keys.NUM_EXAMPLES], "noise-std": extra["noise-std"]}
+        content = RecordDict({keys.ARRAYS: delta, keys.METRICS: MetricRecord(kept)})
+        return Message(content=content, reply_to=msg)
     return _reply(msg, metrics, model)
 
 

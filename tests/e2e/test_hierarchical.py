@@ -76,6 +76,10 @@ def test_cp_np_is_accounted_per_edge_aggregation(hier_runs):
     # sigma dp-accounting's without-replacement amplification bound is the looser one.
     assert (train["dp-epsilon-edge-view"] > 0).all() and (train["dp-epsilon"] > 0).all()
     assert train["dp-epsilon"].is_monotonic_increasing
+    # only the noisy delta and its example count leave a CP-NP client
+    replied = pd.read_csv(result.run_dir / "participation.csv")
+    assert set(replied.columns) == {"round", "node-id", "replied", "error", "num-examples",
+                                    "noise-std"}  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["cg-ng", "cg-np"])
