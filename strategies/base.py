@@ -119,13 +119,46 @@ def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.n
 
 
 def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:
-    """An ArrayRecord with ``reference``'s keys and dtypes holding ``arrays``."""
-    return ArrayRecord(
-        {
-            key: Array(np.asarray(value, dtype=reference[key].numpy().dtype))
-            for key, value in zip(reference.keys(), arrays, strict=True)
-        }
+    """An ArrayRecord with ``reference``'s keys and dtypes holding ``arrays``.
+
+    Averages of integer arrays (e.g. BatchNorm's ``num_batches_tracked``) are rounded,
+    not truncated, so every aggregate keeps the dtypes the next replies validate against.
+    """
+    out = {}
+    for key, value in zip(reference.keys(), arrays, strict=True):
+        dtype = np.dtype(reference[key].dtype)
+        value = np.rint(value) if np.issubdtype(dtype, np.integer) else value
+        out[key] = Array(np.asarray(value, dtype=dtype))
+    return ArrayRecord(out)
+
+
+def copy_record(record: ArrayRecord) -> ArrayRecord:
+    """A copy of ``record`` that shares no buffer with it."""
+    return to_record(record, [record[key].numpy() for key in record])
+
+
+def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
+    """The ``num-examples``-weighted mean of every scalar metric all ``records`` report
+    (unweighted when the weights sum to 0); ``num-examples`` itself is left out.
+
+    Unlike Flower's ``aggregate_metricrecords``, a key only some replies report is left
+    out rather than summed over those replies alone.
+    """
+    if not records:
+        return MetricRecord({})
+    weights = np.asarray([float(r[keys.NUM_EXAMPLES]) for r in records])
+    if not weights.sum() > 0:
+        weights = np.ones(len(records))
+    common = set.intersection(*(set(r.keys()) for r in records)) - {keys.NUM_EXAMPLES}
+    scalar = [k for k in sorted(common) if all(is_number(r[k]) for r in records)]
+    return MetricRecord(
+        {k: float(weights @ [float(r[k]) for r in records] / weights.sum()) for k in scalar}
     )
+
+
+def is_number(value: object) -> bool:
+    """An int or float metric value (bool is not a number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def metrics_of(message: Message, weight: float | None = None) -> MetricRecord:

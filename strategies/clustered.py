@@ -30,7 +30,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from scipy.optimize import linear_sum_assignment
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
@@ -41,10 +40,12 @@ from strategies.base import (
     StopTraining,
     arrays_of,
     checked_metrics,
+    copy_record,
     metrics_of,
     sample_uniform,
     to_record,
     wait_for_nodes,
+    weighted_metrics,
 )
 
 _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
@@ -127,18 +128,6 @@ def mean_arrays(uploads: list[list[np.ndarray]]) -> list[np.ndarray]:
         np.mean(np.stack([np.asarray(a, dtype=np.float64) for a in parts]), axis=0)
         for parts in zip(*uploads, strict=True)
     ]
-
-
-def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
-    """Flower's num-examples-weighted average (unweighted if all weights are 0)."""
-    if sum(float(r[keys.NUM_EXAMPLES]) for r in records) <= 0:
-        records = [MetricRecord({**r, keys.NUM_EXAMPLES: 1.0}) for r in records]
-    contents = [RecordDict({keys.METRICS: r}) for r in records]
-    return aggregate_metricrecords(contents, keys.NUM_EXAMPLES)
-
-
-def _copy(record: ArrayRecord) -> ArrayRecord:
-    return to_record(record, [record[key].numpy() for key in record])
 
 
 class ClusteredFedAvg(Strategy):
@@ -280,7 +269,7 @@ class ClusteredFedAvg(Strategy):
                 f"connected within {self.query_timeout:g} s"
             )
         if self.models is None:
-            self.models = [_copy(arrays) for _ in range(self.k)]
+            self.models = [copy_record(arrays) for _ in range(self.k)]
         if self.assign == "l2":
             choices = self._assign_l2(nodes)
         else:
@@ -421,7 +410,7 @@ class ClusteredFedAvg(Strategy):
         """A train or evaluate message with its own copy of ``model`` and config."""
         extra = {keys.SERVER_ROUND: server_round, keys.CLUSTER_ID: k}
         content = RecordDict(
-            {keys.ARRAYS: _copy(model), keys.CONFIG: ConfigRecord({**config, **extra})}
+            {keys.ARRAYS: copy_record(model), keys.CONFIG: ConfigRecord({**config, **extra})}
         )
         return Message(
             content=content,

@@ -29,10 +29,13 @@ from strategies.base import (
     StopTraining,
     arrays_of,
     checked_metrics,
+    copy_record,
+    is_number,
     metrics_of,
     sample_uniform,
     to_record,
     wait_for_nodes,
+    weighted_metrics,
 )
 
 _STREAM = 0x4E  # edge and client sampling
@@ -84,19 +87,10 @@ def sample_edges(edges: list[int], fraction: float, rng: np.random.Generator) ->
     return sample_uniform(edges, sample_size(len(edges), fraction), rng) if edges else []
 
 
-def cast_like(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:
-    """``arrays`` with ``reference``'s keys and dtypes, integer arrays (e.g. BatchNorm's
-    ``num_batches_tracked``) rounded, so the next replies validate against it."""
-    ints = [np.issubdtype(np.dtype(reference[key].dtype), np.integer) for key in reference]
-    return to_record(
-        reference, [np.rint(a) if i else a for a, i in zip(arrays, ints, strict=True)]
-    )
-
-
 def integer_metric(metrics: MetricRecord, key: str, low: int, high: float = math.inf) -> int:
     """``metrics[key]`` as an int in ``[low, high)``, or InvalidReply naming the key."""
     value = metrics.get(key)
-    integral = _is_number(value) and math.isfinite(value) and value == int(value)
+    integral = is_number(value) and math.isfinite(value) and value == int(value)
     if not integral or not low <= value < high:
         raise InvalidReply(f"'{key}' = {value!r} is not an integer in [{low}, {high})")
     return int(value)
@@ -114,20 +108,6 @@ def registration_of(reply: Message | None, num_edges: int) -> Registration:
         integer_metric(metrics, keys.PARTITION_ID, 0),
         integer_metric(metrics, keys.NUM_EXAMPLES, 0),
     )
-
-
-def weighted_metrics(records: list[MetricRecord]) -> dict[str, float]:
-    """num-examples-weighted mean of every scalar metric all ``records`` report."""
-    if not records:
-        return {}
-    common = set.intersection(*(set(r.keys()) for r in records)) - {keys.NUM_EXAMPLES}
-    weights = np.asarray([float(r[keys.NUM_EXAMPLES]) for r in records])
-    scalar = [k for k in sorted(common) if all(_is_number(r[k]) for r in records)]
-    return {k: float(weights @ [float(r[k]) for r in records] / weights.sum()) for k in scalar}
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _message(node: int, content: RecordDict, kind: str, server_round: int) -> Message:
@@ -300,7 +280,7 @@ class HierarchicalFedAvg(FedAvg):
         nodes = [int(n) for n in wait_for_nodes(grid, needed, timeout=self.timeout)]
         if len(nodes) < needed:
             raise StopTraining(f"fewer than {needed} nodes connected in {self.timeout:g} s")
-        cloud = to_record(arrays, [arrays[key].numpy() for key in arrays])  # a copy
+        cloud = copy_record(arrays)
         state = _CloudRound(server_round, cloud, ConfigRecord(dict(config)), set(nodes))
         state.failed_queries = self._register(server_round, nodes, grid)
         self.models = [cloud] * self.num_edges  # HierFL's cloud.send_to_edge
@@ -335,7 +315,7 @@ class HierarchicalFedAvg(FedAvg):
         models = [arrays_of(self.models[e]) for e in edges]
         average = weighted_average(models, [state.weights[e] for e in edges])
         log(INFO, "aggregate_train: cloud = FedAvg of edges %s", edges)
-        return cast_like(state.cloud, average), self._round_metrics(state)
+        return to_record(state.cloud, average), self._round_metrics(state)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -420,7 +400,7 @@ class HierarchicalFedAvg(FedAvg):
                 new = apply_deltas(arrays_of(reference), uploads, weights, self.eta)
             else:
                 new = weighted_average(uploads, weights)
-            self.models[edge] = cast_like(reference, new)
+            self.models[edge] = to_record(reference, new)
             state.weights[edge] = state.weights.get(edge, 0.0) + float(sum(weights))
         self._call(self.on_edge_aggregation, state, k, sample)
 
@@ -452,7 +432,7 @@ class HierarchicalFedAvg(FedAvg):
             state.records.setdefault(edge, []).append(metrics)
             loss = metrics.get(keys.TRAIN_LOSS)
             row |= {"num-examples": weights[-1], "replied-ok": True}
-            row["train-loss"] = float(loss) if _is_number(loss) else math.nan
+            row["train-loss"] = float(loss) if is_number(loss) else math.nan
         return uploads, weights
 
     def _round_metrics(self, state: _CloudRound) -> MetricRecord:

@@ -28,6 +28,7 @@ from strategies.base import (
     StopTraining,
     arrays_of,
     checked_metrics,
+    is_number,
     sample_uniform,
     to_record,
     wait_for_nodes,
@@ -51,17 +52,9 @@ HISTORY_COLUMNS += ("divergence", "effective-mu", "train-loss", "reason")
 def finite_metric(metrics: MetricRecord, key: str) -> float:
     """``metrics[key]`` as a finite float, or InvalidReply naming the key."""
     value = metrics.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise InvalidReply(f"'{key}' = {value!r} is missing or not a finite number")
     return float(value)
-
-
-def like_reference(reference: ArrayRecord, aggregate: ArrayRecord) -> ArrayRecord:
-    """``aggregate`` with ``reference``'s dtypes (integer arrays, e.g. BatchNorm's
-    ``num_batches_tracked``, rounded), so next round's replies match it again."""
-    ints = [np.issubdtype(reference[k].numpy().dtype, np.integer) for k in reference]
-    arrays = [np.rint(a) if i else a for a, i in zip(arrays_of(aggregate), ints, strict=True)]
-    return to_record(reference, arrays)
 
 
 class SmartFedProx(FedProx):
@@ -243,7 +236,7 @@ class SmartFedProx(FedProx):
         aggregate, metrics = super().aggregate_train(server_round, [m for m, _ in valid.values()])
         metrics["divergence-std"] = float(np.std(divergences))
         metrics["failed-replies"] = len(pending) - len(valid)
-        return like_reference(current, aggregate), metrics
+        return to_record(current, arrays_of(aggregate)), metrics
 
     # -- evaluation -----------------------------------------------------------------
     def configure_evaluate(

@@ -4,10 +4,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 import strategies
 from strategies import keys
+from strategies.base import to_record, weighted_metrics
 from tests.fakes import FakeGrid, reply_from
 
 SETTINGS = strategies.StrategySettings(
@@ -67,3 +68,23 @@ def test_local_strategy_flags_clients_and_averages_nothing():
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None
     assert metrics["train-loss"] == pytest.approx(0.25 * 2.0 + 0.75 * 4.0)
+
+
+def test_weighted_metrics_average_only_the_keys_every_reply_reports():
+    records = [
+        MetricRecord({"num-examples": 1, "train-loss": 1.0, "divergence": 5.0}),
+        MetricRecord({"num-examples": 3, "train-loss": 3.0}),
+    ]
+    assert dict(weighted_metrics(records)) == {"train-loss": 2.5}  # (1 + 9) / 4
+    zero = [
+        MetricRecord({"num-examples": 0, "x": 1.0}),
+        MetricRecord({"num-examples": 0, "x": 3.0}),
+    ]
+    assert dict(weighted_metrics(zero)) == {"x": 2.0}  # no weight: unweighted
+
+
+def test_to_record_rounds_integer_averages():
+    reference = ArrayRecord({"n": Array(np.array([4], dtype=np.int64))})
+    out = to_record(reference, [np.array([4.6])])
+
+    assert out["n"].numpy().tolist() == [5] and out["n"].numpy().dtype == np.int64
