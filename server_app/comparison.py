@@ -184,7 +184,7 @@ def parse_runs(pairs: Sequence[str]) -> Runs:
     ``config.json`` must agree on the seed."""
     form = "NAME:SEED=RUN_DIR"
     runs: Runs = {}
-    for key, run_dir in study._named_runs(pairs, form=form).items():
+    for key, run_dir in study.named_runs(pairs, form=form).items():
         name, sep, text = key.rpartition(":")
         if not sep or not name:
             raise StudyError(f"--runs takes {form}, got {f'{key}={run_dir}'!r}")
@@ -342,25 +342,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="COMPARISON.json",
         help="analyse the runs of an earlier comparison.json",
     )
-    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
-    parser.add_argument(
-        "--num-supernodes",
-        type=int,
-        default=study.DEFAULT_SUPERNODES,
-        help="SuperNodes for presets whose task takes any number of clients "
-        f"(default {study.DEFAULT_SUPERNODES})",
-    )
-    parser.add_argument(
-        "--runs-dir",
-        type=Path,
-        help="output-dir of the runs (default: OUT/runs; overrides the presets' output-dir)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=study.DEFAULT_TIMEOUT,
-        help=f"seconds one run may take (default {study.DEFAULT_TIMEOUT:.0f})",
-    )
+    study.add_run_arguments(parser)
     args = parser.parse_args(argv)
     if sum(map(bool, (args.presets, args.runs, args.from_json))) != 1:
         parser.error("give one of: PRESET.toml files, --runs NAME:SEED=RUN_DIR, --from FILE")

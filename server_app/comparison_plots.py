@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from server_app.results import SCOPES, load_metrics
-from server_app.study import StudyError, _save
+from server_app.study import StudyError, save_figure
 
 SELECTION = "selection"  # Panel.scope of the per-client selection counts (participation.csv:
 # one row per client sent a train message, whatever the strategy)
@@ -324,11 +324,11 @@ def save_figures(
     every reported metric; returns the paths."""
     panels, figures = panels_for(metrics)
     comparison = comparison_figure(metrics, selection, runs, panels)
-    saved = [_save(comparison, out / "comparison_results.png")]
+    saved = [save_figure(comparison, out / "comparison_results.png")]
     for file, panel in figures.items():
-        saved.append(_save(metric_figure(metrics, selection, runs, panel), out / file))
+        saved.append(save_figure(metric_figure(metrics, selection, runs, panel), out / file))
     for scope, metric in reported_metrics(metrics):
         panel = Panel(scope, metric, f"{metric} ({scope}), mean ± std over seeds", metric)
         figure = metric_figure(metrics, selection, runs, panel)
-        saved.append(_save(figure, out / "curves" / scope / f"{metric}.png"))
+        saved.append(save_figure(figure, out / "curves" / scope / f"{metric}.png"))
     return saved

@@ -191,7 +191,7 @@ def run_presets(
     return done
 
 
-def _save(figure, path: Path) -> Path:
+def save_figure(figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -205,7 +205,7 @@ def _embeddings(name: str, run_dir: Path, out: Path, echo: Callable[[str], None]
             distinct = len(np.unique(weights, axis=0))  # PPO updates once per rollout
             title = f"{name}: {label} of {len(weights)} policy snapshots ({distinct} distinct)"
             figure = plots.weight_embedding(snapshots, weights, method=method, title=title)
-            _save(figure, out / method / f"{name}.png")
+            save_figure(figure, out / method / f"{name}.png")
     except ValueError as err:  # too few snapshots: the other plots still stand
         echo(f"{name}: no weight embedding: {err}")
 
@@ -248,12 +248,12 @@ def analyse(
         except (FileNotFoundError, ValueError) as err:
             raise StudyError(f"{name}: {err} (is {run_dir} a {STUDY_TASK} run?)") from None
         title = f"{name}: rolling reward of each client"
-        _save(
+        save_figure(
             plots.learning_curves(episodes[name], title), out / "learning_curves" / f"{name}.png"
         )
         _embeddings(name, run_dir, out, echo)
-    _save(plots.comparison_combined(episodes), out / "comparison_combined.png")
-    _save(plots.comparison_side_by_side(episodes), out / "comparison_side_by_side.png")
+    save_figure(plots.comparison_combined(episodes), out / "comparison_combined.png")
+    save_figure(plots.comparison_side_by_side(episodes), out / "comparison_side_by_side.png")
     table = plots.results_table(runs)
     table.to_csv(out / "results.csv", index=False)
     comparison_text = _comparison_text(table, runs, baseline)
@@ -285,7 +285,7 @@ def write_study_json(out: Path, runs: Mapping[str, Path], presets: Mapping[str, 
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def _named_runs(pairs: Sequence[str], form: str = "NAME=RUN_DIR") -> dict[str, Path]:
+def named_runs(pairs: Sequence[str], form: str = "NAME=RUN_DIR") -> dict[str, Path]:
     """``{name: run_dir}`` from ``NAME=RUN_DIR`` pairs (``form`` names them in errors)."""
     runs: dict[str, Path] = {}
     for pair in pairs:
@@ -317,23 +317,9 @@ def load_presets(paths: Sequence[str], task: str | None = STUDY_TASK) -> list[Pr
     return presets
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m server_app.study",
-        description=__doc__.split("\n\n")[0],
-        epilog=(
-            "Writes into --out: learning_curves/<name>.png, comparison_combined.png, "
-            "comparison_side_by_side.png, tsne/<name>.png, umap/<name>.png, results.csv, "
-            "results.md and study.json (name -> run directory and preset)."
-        ),
-    )
-    parser.add_argument("presets", nargs="*", metavar="PRESET.toml", help="presets to run")
-    parser.add_argument(
-        "--runs",
-        nargs="+",
-        metavar="NAME=RUN_DIR",
-        help="analyse these existing run directories instead of running presets",
-    )
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every experiment command: --out, --num-supernodes, --runs-dir,
+    --timeout."""
     parser.add_argument("--out", type=Path, required=True, help="directory for the results")
     parser.add_argument(
         "--num-supernodes",
@@ -353,6 +339,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_TIMEOUT,
         help=f"seconds one run may take (default {DEFAULT_TIMEOUT:.0f})",
     )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m server_app.study",
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "Writes into --out: learning_curves/<name>.png, comparison_combined.png, "
+            "comparison_side_by_side.png, tsne/<name>.png, umap/<name>.png, results.csv, "
+            "results.md and study.json (name -> run directory and preset)."
+        ),
+    )
+    parser.add_argument("presets", nargs="*", metavar="PRESET.toml", help="presets to run")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="NAME=RUN_DIR",
+        help="analyse these existing run directories instead of running presets",
+    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--baseline",
         metavar="NAME",
@@ -372,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     out: Path = args.out
     try:
         if args.runs:
-            runs, preset_paths = _named_runs(args.runs), {}
+            runs, preset_paths = named_runs(args.runs), {}
         else:
             presets = load_presets(args.presets)
             preset_paths = {p.name: p.path for p in presets}
