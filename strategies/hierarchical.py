@@ -72,9 +72,16 @@ def weighted_average(arrays_list: list[list[np.ndarray]], weights: list[float]) 
 def apply_deltas(
     model: list[np.ndarray], deltas: list[list[np.ndarray]], weights: list[float], eta: float
 ) -> list[np.ndarray]:
-    """The seed's CP-NP edge update ``w + eta * sum_i n_i dw_i / sum_i n_i`` (float64)."""
+    """The seed's CP-NP edge update ``w + eta * sum_i n_i dw_i / sum_i n_i`` (float64);
+    non-floating arrays (e.g. BatchNorm's step counter) are kept, as in the seed's
+    ``average_weights_edge``."""
     mean = weighted_average(deltas, weights)
-    return [np.asarray(w, dtype=np.float64) + eta * d for w, d in zip(model, mean, strict=True)]
+    return [
+        np.asarray(w, dtype=np.float64) + eta * d
+        if np.issubdtype(np.asarray(w).dtype, np.floating)
+        else np.asarray(w)
+        for w, d in zip(model, mean, strict=True)
+    ]
 
 
 def sample_size(population: int, fraction: float) -> int:

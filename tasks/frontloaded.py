@@ -13,7 +13,7 @@ with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloa
 * **CP-NP** (:func:`clip_and_noise_delta`): after ordinary local training the update
   ``dw = w_after - w_before`` is clipped to global L2 norm ``C`` and ``N(0, sigma^2)``
   is added to every coordinate; only the noisy ``dw`` is sent. The edge applies
-  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (:func:`apply_edge_deltas`).
+  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (``strategies.hierarchical.apply_deltas``).
 
 All noise comes from an explicit ``torch.Generator``, one draw per trainable parameter
 in ``model.parameters()`` order; the global RNG is never used.
@@ -207,56 +207,6 @@ def clip_and_noise_delta(
         noisy.append(clipped + gaussian_noise(d, sigma, generator) if sigma > 0 else clipped)
     metrics = {UPDATE_NORM: float(norm), CLIPPED: float(factor < 1), NOISE_STD: float(sigma)}
     return noisy, metrics
-
-
-def apply_edge_deltas(
-    edge_params: Sequence[ArrayT],
-    deltas: Sequence[Sequence[ArrayT]],
-    weights: Sequence[float],
-    eta: float,
-) -> list[ArrayT]:
-    """``w_edge + eta * sum_i (n_i / sum n) dw_i`` (the seed's ``average_weights_edge``).
-
-    Pure; works on torch tensors or numpy arrays (results keep the edge's type).
-    Non-floating edge tensors are returned unchanged, as in the seed.
-
-    Parameters
-    ----------
-    edge_params : sequence of Tensor or ndarray
-        The current edge model.
-    deltas : sequence of sequences
-        One update per client, tensors matching ``edge_params``.
-    weights : sequence of float
-        ``n_i``: each client's number of training examples.
-    eta : float
-        Edge learning rate (1.0: FedAvg on deltas).
-    """
-    if not deltas or len(deltas) != len(weights):
-        raise ValueError(f"need one weight per client delta and at least one client; got "
-                         f"{len(deltas)} deltas and {len(weights)} weights")  # fmt: skip
-    if any(not w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"client weights must be >= 0 with a positive sum; got {weights}")
-    if not (eta > 0 and math.isfinite(eta)):
-        raise ValueError(f"edge learning rate eta = {eta!r}; valid values: finite > 0")
-    if any(len(d) != len(edge_params) for d in deltas):
-        raise ValueError(f"every client delta needs {len(edge_params)} tensors, as the edge")
-    total = float(sum(weights))
-    result = []
-    for k, w in enumerate(edge_params):
-        if any(tuple(d[k].shape) != tuple(w.shape) for d in deltas):
-            raise ValueError(f"client deltas do not match the edge model's tensor {k} shape")
-        if not _is_floating(w):  # e.g. BatchNorm's step counter: kept, as in the seed
-            result.append(w.clone() if isinstance(w, torch.Tensor) else w.copy())
-            continue
-        mean = sum((n / total) * d[k] for n, d in zip(weights, deltas, strict=True))
-        result.append(w + eta * mean)
-    return result
-
-
-def _is_floating(array: torch.Tensor | np.ndarray) -> bool:
-    if isinstance(array, torch.Tensor):
-        return array.is_floating_point()
-    return bool(np.issubdtype(np.asarray(array).dtype, np.floating))
 
 
 # --- local training (CG-NG, CG-NP) ------------------------------------------------------

@@ -394,3 +394,29 @@ def test_membership_table_lists_every_registered_node():
     assert [m["partition-id"] for m in members] == [
         strategy.registrations[n].partition for n in (1, 2, 3, 4)
     ]
+
+
+def test_apply_deltas_by_hand():
+    # weights 1 and 3 -> mean dw = 0.25 [2, 4] + 0.75 [6, -4] = [5, -2].
+    edge = [np.array([1.0, 2.0]), np.array([0.0])]
+    deltas = [[np.array([2.0, 4.0]), np.array([4.0])], [np.array([6.0, -4.0]), np.array([0.0])]]
+
+    result = apply_deltas(edge, deltas, weights=[1, 3], eta=0.5)
+
+    assert [r.tolist() for r in result] == [[3.5, 1.0], [0.5]]  # w + 0.5 * mean
+    assert edge[0].tolist() == [1.0, 2.0]  # inputs untouched
+
+
+def test_apply_deltas_keeps_integer_arrays_as_the_seed_does():
+    edge = [np.array([7]), np.array([1.0])]
+    deltas = [[np.array([5]), np.array([2.0])]]
+
+    result = apply_deltas(edge, deltas, weights=[4], eta=1.0)
+
+    assert result[0].tolist() == [7] and result[0].dtype == np.int64
+    assert result[1].tolist() == [3.0]
+
+
+def test_apply_deltas_needs_a_positive_weight_sum():
+    with pytest.raises(ValueError, match="must sum to a positive number"):
+        apply_deltas([np.zeros(2)], [[np.ones(2)], [np.ones(2)]], [0.0, 0.0], 1.0)

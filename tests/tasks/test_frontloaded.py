@@ -10,7 +10,6 @@ import copy
 import json
 
 import dp_accounting
-import numpy as np
 import pytest
 import torch
 from dp_accounting import rdp as dp_rdp
@@ -24,7 +23,6 @@ from tasks.frontloaded import (
     OPTIMIZER_STEPS,
     UPDATE_NORM,
     FrontLoadedDP,
-    apply_edge_deltas,
     clip_and_noise_delta,
     train_clipped_gradients,
 )
@@ -325,40 +323,3 @@ def test_cp_np_adds_noise_with_std_sigma_from_the_generator():
 def test_cp_np_rejects_bad_settings():
     with pytest.raises(ConfigError, match=r"'dp\.clip-norm'"):
         clip_and_noise_delta([torch.ones(2)], clip=0.0, sigma=0.1, generator=torch.Generator())
-
-
-# --- edge aggregation -------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("array", [torch.tensor, np.array])
-def test_apply_edge_deltas_by_hand(array):
-    # Prepare: weights 1 and 3 -> mean dw = 0.25 [2, 4] + 0.75 [6, -4] = [5, -2].
-    edge = [array([1.0, 2.0]), array([0.0])]
-    deltas = [[array([2.0, 4.0]), array([4.0])], [array([6.0, -4.0]), array([0.0])]]
-
-    # Execute
-    result = apply_edge_deltas(edge, deltas, weights=[1, 3], eta=0.5)
-
-    # Assert: w + 0.5 * mean; inputs untouched.
-    assert [r.tolist() for r in result] == [[3.5, 1.0], [0.5]]
-    assert type(result[0]) is type(edge[0])
-    assert edge[0].tolist() == [1.0, 2.0]
-
-
-def test_apply_edge_deltas_keeps_integer_tensors():
-    edge = [torch.tensor([7]), torch.tensor([1.0])]
-    deltas = [[torch.tensor([5]), torch.tensor([2.0])]]
-    result = apply_edge_deltas(edge, deltas, weights=[4], eta=1.0)
-    assert result[0].tolist() == [7] and result[0].dtype == torch.int64
-    assert result[1].tolist() == [3.0]
-
-
-@pytest.mark.parametrize(
-    ("weights", "eta", "match"),
-    [([1.0], 1.0, "one weight per client"), ([1.0, -1.0], 1.0, ">= 0"),
-     ([0.0, 0.0], 1.0, "positive sum"), ([1.0, 1.0], 0.0, "eta")],
-)  # fmt: skip
-def test_apply_edge_deltas_rejects_bad_input(weights, eta, match):
-    deltas = [[torch.ones(2)], [torch.ones(2)]]
-    with pytest.raises(ValueError, match=match):
-        apply_edge_deltas([torch.zeros(2)], deltas, weights, eta)
