@@ -17,36 +17,46 @@ from server_app import config
 from server_app.results import RunDirectory, resolve_output_dir
 from server_app.rounds import run_rounds
 from strategies import keys
+from strategies.clustered import ClusteredFedAvg
 from tasks.base import Task
 from tasks.options import ConfigError
 
 app = ServerApp()
 
 
-def _central_eval(task: Task, model: torch.nn.Module, cluster_models=None, edge_models=None):
-    """Evaluation of the global model on the central test set; with ``cluster_models``
-    (a callable returning the K models, or None before the first round) every model
-    is evaluated and :func:`best_of_clusters` merges the results; with
-    ``edge_models`` (hierarchical FL) the cloud model is the global one and each edge
-    model is evaluated too, as ``edge-<e>-<key>``."""
+def _central_eval(task: Task, model: torch.nn.Module, strategy=None):
+    """Evaluation of the global model on the central test set.
+
+    A strategy that keeps several models (``models``, named by ``MODEL_LABEL``) has
+    each one evaluated too, as ``<label>-<k>-<key>``. For clusters (K global models)
+    the plain keys are :func:`best_of_clusters`; otherwise (hierarchical edges) they
+    are the global model's own.
+    """
     test_set = task.load_central_test()  # loaded now: a missing dataset fails here
+    label = getattr(strategy, "MODEL_LABEL", "cluster")
 
     def evaluate_one(arrays: ArrayRecord) -> dict:
         model.load_state_dict(arrays.to_torch_state_dict())
         return task.evaluate(model, test_set)
 
     def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        if edge_models is not None:
-            merged = evaluate_one(arrays)
-            for e, edge in enumerate(edge_models() if _server_round > 0 else []):
-                merged |= {f"edge-{e}-{k}": v for k, v in evaluate_one(edge).items()}
-            return MetricRecord(merged)
-        models = cluster_models() if cluster_models is not None else None
+        models = list(getattr(strategy, "models", None) or [])  # none before round 1
         if not models:
             return MetricRecord(evaluate_one(arrays))
-        return MetricRecord(best_of_clusters([evaluate_one(m) for m in models]))
+        per_model = [evaluate_one(m) for m in models]
+        if label == "cluster":
+            return MetricRecord(best_of_clusters(per_model))
+        return MetricRecord(evaluate_one(arrays) | _prefixed(per_model, label))
 
     return evaluate
+
+
+def _prefixed(per_model: list[dict[str, float]], label: str) -> dict[str, float]:
+    return {
+        f"{label}-{k}-{key}": value
+        for k, metrics in enumerate(per_model)
+        for key, value in metrics.items()
+    }
 
 
 def best_of_clusters(per_model: list[dict[str, float]]) -> dict[str, float]:
@@ -57,9 +67,7 @@ def best_of_clusters(per_model: list[dict[str, float]]) -> dict[str, float]:
     reward, that is the cluster model the planet's clients would pick with perfect
     assignment. Other keys (counts, stds) are model 0's.
     """
-    merged: dict[str, float] = {}
-    for k, metrics in enumerate(per_model):
-        merged.update({f"cluster-{k}-{key}": value for key, value in metrics.items()})
+    merged = _prefixed(per_model, "cluster")
     for key, first in per_model[0].items():
         values = [metrics[key] for metrics in per_model]
         if "std" in key:
@@ -100,18 +108,11 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "Run directory: %s", run_dir.path)
 
     base = _innermost(strategy)
-    label = getattr(base, "MODEL_LABEL", "cluster")
-    clustered = base if hasattr(base, "models") and label == "cluster" else None  # K models
-    edges = base if label == "edge" else None  # hierarchical: the edge models
+    clustered = base if isinstance(base, ClusteredFedAvg) else None  # K global models
     model = task.build_model(cfg.seed)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
-        central = _central_eval(
-            task,
-            model,
-            clustered and (lambda: clustered.models),
-            edges and (lambda: edges.models),
-        )
+        central = _central_eval(task, model, base)
     elif cfg.strategy == "local":
         log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
 
