@@ -363,9 +363,17 @@ class PrivacyLedger:
         self._cache = {}
 
     def summary(self) -> dict:
-        """The human-readable record for ``ledger.json``."""
+        """The human-readable record for ``ledger.json``.
+
+        ``epsilon`` is ``None`` (JSON null) when the run released something without a
+        client-level accounting (only unaccounted releases or client-reported
+        sample-level guarantees): no client-level epsilon exists, and 0 would claim
+        perfect privacy. With nothing released at all it is 0.
+        """
         epsilon = self.epsilon()
         basic = self.basic_composition_epsilon()
+        released_unaccounted = bool(self._unaccounted or self._local)
+        shown = None if not self._releases and released_unaccounted else epsilon
         by_kind = Counter()
         for release in self._releases:
             by_kind[release.kind] += release.count
@@ -375,11 +383,11 @@ class PrivacyLedger:
             "neighboring-relation": self.neighboring,
             "target-delta": self.target_delta,
             "privacy-unit": self.privacy_unit,
-            "epsilon": epsilon,
+            "epsilon": shown,
             "max-epsilon": self.max_epsilon,
             "num-releases": sum(by_kind.values()),
             "releases-by-kind": dict(by_kind),
-            "basic-composition-epsilon": basic,
+            "basic-composition-epsilon": basic if shown is not None else None,
             "unaccounted": [asdict(u) for u in self._unaccounted],
             "local-guarantees": [asdict(g) for g in self._local],
             "statements": ledger_state.statements(self, epsilon, basic),

@@ -228,3 +228,14 @@ def test_summary_counts_by_kind_and_reports_basic_composition():
     assert laplace.summary()["basic-composition-epsilon"] == 2.0
     assert any("Basic composition" in s for s in laplace.summary()["statements"])
     assert _ledger().summary()["epsilon"] == 0.0
+
+
+def test_summary_has_no_epsilon_when_only_unaccounted_releases_happened():
+    ledger = _ledger()
+    ledger.record_unaccounted(1, kind="cg-ng edge models", reason="per-batch clipping")
+
+    summary = ledger.summary()
+
+    assert summary["epsilon"] is None and summary["basic-composition-epsilon"] is None
+    assert summary["statements"][0].startswith("No client-level guarantee")
+    assert _ledger().summary()["epsilon"] == 0.0  # nothing released: nothing charged
