@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import dp_accounting
@@ -149,8 +149,9 @@ def _out_dtype(array: np.ndarray) -> np.dtype:
 
 def _within(arrays64, clip_norm, norm64, plain64) -> bool:
     """Both the overflow-safe norm and the textbook one (unless it overflows) are <= C."""
-    plain = plain64(arrays64)
-    return norm64(arrays64) <= clip_norm and (plain <= clip_norm or math.isinf(plain))
+    norm = norm64(arrays64)
+    plain = norm if plain64 is norm64 else plain64(arrays64)
+    return norm <= clip_norm and (plain <= clip_norm or math.isinf(plain))
 
 
 def _scale_within(arrays, arrays64, scale, clip_norm, norms) -> tuple[ArrayList, float]:
@@ -206,6 +207,21 @@ def clip_by_l2_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipRe
 def clip_by_l1_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipResult:
     """Scale the whole update by min(1, C/‖update‖₁); see :func:`clip_by_l2_norm`."""
     return _clip(arrays, clip_norm, _l1_norm64, _l1_norm64_plain)
+
+
+def clip_by_norm(
+    arrays: Sequence[np.ndarray],
+    *,
+    clip_norm: float,
+    norm: Callable[[Sequence[np.ndarray]], float],
+) -> ClipResult:
+    """Scale the whole update by min(1, C/norm(update)) for any norm (e.g. a P-norm).
+
+    ``norm`` receives the update as float64 arrays (already checked finite) and must be
+    a norm (absolutely homogeneous). The returned arrays satisfy ``norm(...) <= C`` after
+    casting back to their dtypes, as for :func:`clip_by_l2_norm`.
+    """
+    return _clip(arrays, clip_norm, norm, norm)
 
 
 def clip_metrics(results: Sequence[ClipResult]) -> dict[str, float]:
