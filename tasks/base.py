@@ -161,6 +161,20 @@ class Task(ABC):
         ClientApp restores them from its own state after loading the global weights."""
         return ()
 
+    def head_keys(self) -> tuple[str, ...]:
+        """State-dict keys of the model's head, the only part that trains and travels
+        under head-only training (``subspace.head-only``).
+
+        Raises
+        ------
+        ConfigError
+            Here, always: only the vision tasks have a head-only mode.
+        """
+        raise ConfigError(
+            f"task {self.name!r} has no head-only mode ('subspace.head-only'); "
+            "valid tasks: 'digits', 'mnist', 'cifar10', 'emnist'"
+        )
+
     def train_size(self, partition: Any) -> int:
         """Training examples in ``partition`` (hierarchical FL weights edges by them)."""
         return len(partition.train)

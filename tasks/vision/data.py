@@ -3,6 +3,8 @@
 ``digits`` is scikit-learn's 1797 8x8 handwritten digits (Alpaydin & Kaynak, UCI),
 shipped with scikit-learn, so it works offline: a seeded stratified split holds out
 ``data.central-test-fraction`` as the central test set and the rest is partitioned.
+With a central warm start, :func:`split_public` splits the held-out set once more
+into public warm-start data and the central test set.
 ``mnist``, ``cifar10`` and ``emnist`` come from the Hugging Face Hub through
 ``flwr_datasets.FederatedDataset`` (see :mod:`tasks.vision.hub`).
 
@@ -152,6 +154,41 @@ def make_loader(
         shuffle=shuffle,
         generator=generator,
     )
+
+
+def split_public(
+    held_out: TensorSplit, public_fraction: float, seed: int
+) -> tuple[TensorSplit, TensorSplit]:
+    """Seeded stratified split of the server's held-out set into (public, central test).
+
+    The public part is server-side warm-start data: no client's data is in it.
+
+    Parameters
+    ----------
+    held_out : TensorSplit
+        The held-out set (digits: the central ids of :func:`digits_central_split`).
+    public_fraction : float
+        Share of ``held_out`` that becomes public, in (0, 1).
+    seed : int
+        The run seed (``random_state`` of scikit-learn's ``train_test_split``).
+
+    Returns
+    -------
+    tuple of TensorSplit
+        The public split and the rest: disjoint, together ``held_out``, each in the
+        order of ``held_out``, with every class in both.
+
+    Raises
+    ------
+    ValueError
+        If no stratified split exists (a class with one example, or fewer public or
+        remaining examples than classes).
+    """
+    labels = held_out.labels.numpy()
+    public, test = train_test_split(
+        np.arange(len(labels)), train_size=public_fraction, stratify=labels, random_state=seed
+    )
+    return held_out.subset(np.sort(public)), held_out.subset(np.sort(test))
 
 
 def split_partition(

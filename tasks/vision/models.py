@@ -28,12 +28,17 @@ init: with GroupNorm, He init of its head diverges at the default ``train.lr`` 0
 
 BatchNorm is replaced by GroupNorm (Wu & He, 2018) everywhere: DP-SGD with Opacus
 needs per-example gradients, which BatchNorm's batch statistics break.
+
+Head-only training (the Subspace-DP-FL seed's "head-only FedAvg: fine-tune final
+layers only"): a model's head is its last ``nn.Linear`` (:func:`head_parameter_names`);
+:func:`train_head_only` freezes everything else, parameters and running statistics.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 
 import torch
 import torchvision
@@ -285,3 +290,61 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return BUILDERS[name](in_channels, num_classes, image_size)
+
+
+def head_parameter_names(model: nn.Module) -> tuple[str, ...]:
+    """Names (= state-dict keys) of the head's parameters: weight and bias of the last
+    ``nn.Linear`` in ``model.modules()`` order.
+
+    Raises
+    ------
+    ValueError
+        If ``model`` has no ``nn.Linear``.
+    """
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layer to use as its head")
+    prefix, head = linears[-1]
+    return tuple(f"{prefix}.{name}" if prefix else name for name, _ in head.named_parameters())
+
+
+@contextmanager
+def train_head_only(model: nn.Module, head_names: Collection[str]) -> Iterator[None]:
+    """Inside the block only the parameters ``head_names`` train; the body is frozen.
+
+    Every other parameter gets ``requires_grad = False`` (optimizers then skip it),
+    and every module holding none of the head's parameters runs in eval mode: a
+    forward pre-hook on ``model`` sets it before each forward pass, so a training
+    loop's ``model.train()`` does not undo it (BatchNorm statistics and dropout of
+    the body stay frozen). On exit the ``requires_grad`` flags are restored, the hook
+    is removed and the body modules take ``model``'s mode again.
+
+    Raises
+    ------
+    ValueError
+        If a name in ``head_names`` is not a parameter of ``model``.
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(set(head_names) - set(params))
+    if missing:
+        raise ValueError(f"{type(model).__name__} has no parameter(s) {', '.join(missing)}")
+    head = {id(params[name]) for name in head_names}
+    body = [m for m in model.modules() if not any(id(p) in head for p in m.parameters())]
+    saved = {name: p.requires_grad for name, p in params.items()}
+    for name, p in params.items():
+        if name not in head_names:
+            p.requires_grad_(False)
+
+    def body_to_eval(module: nn.Module, args: tuple[object, ...]) -> None:
+        for m in body:
+            m.training = False
+
+    handle = model.register_forward_pre_hook(body_to_eval)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for name, p in params.items():
+            p.requires_grad_(saved[name])
+        for m in body:
+            m.training = model.training

@@ -10,17 +10,26 @@ exponentially with the client's cumulative local epochs (``train.lr-decay`` ever
 ``train.lr-decay-epochs``; :func:`decayed_lr`), and ``train.deterministic`` runs local
 training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
 section; :func:`deterministic_torch`).
+
+Subspace-DP-FL's CIFAR-10 preset ("central warm-start ... head-only FedAvg,
+fine-tune final layers only"): ``subspace.warm-start`` epochs of central SGD on public
+data before round 1 (:meth:`ImageClassificationTask.warm_start`), then, with
+``subspace.head-only``, clients train only the last linear layer
+(:func:`~tasks.vision.models.train_head_only`). No client's data is public: the public
+split is a seeded stratified ``subspace.public-fraction`` of the server's held-out set,
+and the central test set is the rest of it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -36,6 +45,7 @@ from tasks.base import (
     TRAIN_LOSS,
     LocalTraining,
     Task,
+    local_seed,
     resolve_device,
 )
 from tasks.dpsgd import (
@@ -59,15 +69,24 @@ from tasks.vision.data import (
     load_digits_central_test,
     load_digits_partition,
     make_loader,
+    split_public,
 )
+from tasks.vision.gradients import per_example_gradients
 from tasks.vision.hierarchical import train_local_updates
 from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
-from tasks.vision.models import MODEL_NAMES, build_model
+from tasks.vision.models import (
+    MODEL_NAMES,
+    build_model,
+    head_parameter_names,
+    train_head_only,
+)
 from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
 from tasks.vision.steps import train_batch
 
 CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's persistent state
 EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
+WARM_START_LOSS = "warm-start-loss"
+WARM_START_ACCURACY = "warm-start-accuracy"
 # Declared by the app (hierarchical strategy); read here for the `one-class` partitioner.
 NUM_EDGES = Option(NUM_EDGES_KEY, 1, "Edges of the client -> edge -> cloud topology.", low=1)
 
@@ -99,6 +118,16 @@ VISION_OPTIONS: tuple[Option, ...] = (
            "Deterministic torch algorithms and cuDNN during local training."),
     Option("train.device", "auto", "Device; `auto`: cuda when available.",
            choices=("auto", "cpu", "cuda")),
+    Option("subspace.head-only", False,
+           "Train and share only the model's head (its last linear layer); "
+           "the rest stays as warm-started."),
+    Option("subspace.warm-start", 0,
+           "Epochs of central training on the public split before round 1 (0: none).",
+           low=0),
+    Option("subspace.public-fraction", 0.5,
+           "Share of the central held-out set used as public warm-start data when "
+           "`subspace.warm-start` > 0 (the rest is the central test set).",
+           low=0.0, high=1.0, low_open=True, high_open=True),
 )  # fmt: skip
 
 
@@ -140,6 +169,12 @@ class VisionConfig:
     """``train.deterministic``: deterministic algorithms in local training."""
     device: str
     """``train.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
+    head_only: bool
+    """``subspace.head-only``: local training updates only the head (last linear layer)."""
+    warm_start_epochs: int
+    """``subspace.warm-start``: central epochs on the public split before round 1."""
+    public_fraction: float
+    """``subspace.public-fraction``: public share of the held-out set (with a warm start)."""
     seed: int
     """Top-level ``seed``."""
 
@@ -280,9 +315,14 @@ class ImageClassificationTask(Task):
             lr_decay_epochs=int(opts["train.lr-decay-epochs"]),
             deterministic=bool(opts["train.deterministic"]),
             device=resolve_device(str(opts["train.device"]), "train.device"),
+            head_only=bool(opts["subspace.head-only"]),
+            warm_start_epochs=int(opts["subspace.warm-start"]),
+            public_fraction=float(opts["subspace.public-fraction"]),
             seed=int(seed),
         )
         self._check_classes_per_client()
+        self._head_keys: tuple[str, ...] | None = None
+        self._public_and_test: tuple[TensorSplit, TensorSplit] | None = None
 
     def _check_classes_per_client(self) -> None:
         cfg, num_classes = self.config, self.SPEC.num_classes
@@ -316,13 +356,124 @@ class ImageClassificationTask(Task):
             self.SPEC, cfg.partition_settings, central, partition_id, num_partitions
         )
 
+    def head_keys(self) -> tuple[str, ...]:
+        """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a
+        freshly built ``model.name`` (:func:`~tasks.vision.models.head_parameter_names`)."""
+        if self._head_keys is None:
+            self._head_keys = head_parameter_names(self.build_model(self.config.seed))
+        return self._head_keys
+
     def load_central_test(self) -> CentralTestSet:
-        """The server's held-out test set."""
+        """The server's held-out test set; with ``subspace.warm-start`` > 0 only its part
+        that is not public (the rest of :meth:`load_public`)."""
+        if self.config.warm_start_epochs == 0:
+            return self._load_held_out()
+        return CentralTestSet(self._split_held_out()[1])
+
+    def load_public(self) -> TensorSplit:
+        """The public warm-start data: a seeded stratified ``subspace.public-fraction``
+        of the server's held-out set (:func:`~tasks.vision.data.split_public`).
+
+        Raises
+        ------
+        ConfigError
+            If ``subspace.warm-start`` is 0 (there is no public split then).
+        """
+        if self.config.warm_start_epochs == 0:
+            raise ConfigError(
+                "'subspace.warm-start' = 0: there is no public split without a warm start; "
+                "valid range for one: [1, inf)"
+            )
+        return self._split_held_out()[0]
+
+    def _load_held_out(self) -> CentralTestSet:
+        """The whole held-out set (digits: central ids; Hub: the test split)."""
         cfg = self.config
         if self.SPEC.hf_id is None:
             return load_digits_central_test(cfg.seed, cfg.central_test_fraction)
         central = hub_central_fraction(self.SPEC, cfg.central_test_fraction)
         return load_hub_central_test(self.SPEC, cfg.seed, central)
+
+    def _split_held_out(self) -> tuple[TensorSplit, TensorSplit]:
+        """(public, central test) parts of the held-out set, split once per task."""
+        if self._public_and_test is None:
+            cfg, held_out = self.config, self._load_held_out().test
+            try:
+                self._public_and_test = split_public(held_out, cfg.public_fraction, cfg.seed)
+            except ValueError as err:
+                raise ConfigError(
+                    f"'subspace.public-fraction' = {cfg.public_fraction} cannot split the "
+                    f"{len(held_out)} held-out examples of {self.name} by class ({err}); "
+                    "valid range: (0, 1), leaving each class an example on both sides"
+                ) from err
+        return self._public_and_test
+
+    def public_gradients(self, model: nn.Module, keys: Sequence[str]) -> np.ndarray:
+        """Per-example gradients (n, d) on :meth:`load_public` w.r.t. the state-dict
+        entries ``keys`` (:func:`~tasks.vision.gradients.per_example_gradients`): the
+        public geometry ``subspace.init = "public"`` starts from."""
+        return per_example_gradients(
+            model, self.load_public(), keys, batch_size=self.config.batch_size
+        )
+
+    def warm_start(self, model: nn.Module) -> dict[str, float]:
+        """``subspace.warm-start`` epochs of SGD on :meth:`load_public`, in place.
+
+        Central training of the whole model before round 1 with ``train.lr`` (no decay),
+        ``train.momentum``, ``train.weight-decay`` and ``data.batch-size``; shuffling
+        and dropout draw from a seed derived from the run seed (round 0, in which no
+        client trains), the global RNG is restored. The model is back on the CPU.
+
+        Returns
+        -------
+        dict
+            ``warm-start-loss`` and ``warm-start-accuracy`` of the last epoch; empty,
+            with ``model`` untouched, when ``subspace.warm-start`` is 0.
+        """
+        cfg, device = self.config, self.device
+        if cfg.warm_start_epochs == 0:
+            return {}
+        seed = local_seed(cfg.seed, 0, 0)
+        loader = make_loader(self.load_public(), cfg.batch_size, shuffle=True, seed=seed)
+        model.to(device)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+        loss, accuracy = 0.0, 0.0
+        try:
+            with self._seeded(seed):
+                for _ in range(cfg.warm_start_epochs):
+                    loss, accuracy = train_epoch(model, loader, optimizer, device, [], 0.0)
+        finally:
+            model.to("cpu")
+        return {WARM_START_LOSS: float(loss), WARM_START_ACCURACY: float(accuracy)}
+
+    @contextmanager
+    def _seeded(self, seed: int) -> Iterator[None]:
+        """Training context: the global RNG forked and seeded with ``seed``, and
+        ``train.deterministic``; a missing deterministic kernel becomes a ConfigError."""
+        cfg, device = self.config, self.device
+        rng_devices = [device] if device.type == "cuda" else []
+        try:
+            with (
+                torch.random.fork_rng(devices=rng_devices),
+                deterministic_torch(cfg.deterministic),
+            ):
+                torch.manual_seed(seed)
+                yield
+        except RuntimeError as err:
+            if cfg.deterministic and "deterministic" in str(err):
+                raise ConfigError(
+                    f"'train.deterministic' = true, but model.name = {cfg.model_name!r} "
+                    f"uses an operation without a deterministic implementation on "
+                    f"{device.type} ({err}); set 'train.deterministic' = false or pick "
+                    "another 'model.name'"
+                ) from err
+            raise
+
+    def _head_only(self, model: nn.Module) -> AbstractContextManager[None]:
+        """:func:`~tasks.vision.models.train_head_only` if ``subspace.head-only``."""
+        return train_head_only(model, self.head_keys()) if self.config.head_only else nullcontext()
 
     def train(
         self, model: nn.Module, partition: ClientPartition, local: LocalTraining
@@ -334,29 +485,17 @@ class ImageClassificationTask(Task):
         on return). With ``local.dp_sgd`` the model trains with DP-SGD, the
         accountant history in ``local.state`` is extended and the cumulative
         ``local-epsilon`` is reported. The learning rate follows :func:`decayed_lr`
-        over the client's cumulative epochs (``local.state``). The model is back on
-        the CPU on return.
+        over the client's cumulative epochs (``local.state``). With
+        ``subspace.head-only`` only the head trains: every other state-dict tensor is
+        unchanged on return (:func:`~tasks.vision.models.train_head_only`). The model
+        is back on the CPU on return.
         """
-        cfg, device = self.config, self.device
-        model.to(device)
+        cfg = self.config
+        model.to(self.device)
         loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
-        rng_devices = [device] if device.type == "cuda" else []
         try:
-            with (
-                torch.random.fork_rng(devices=rng_devices),
-                deterministic_torch(cfg.deterministic),
-            ):
-                torch.manual_seed(local.seed)
+            with self._seeded(local.seed), self._head_only(model):
                 metrics = self._train_epochs(model, loader, local)
-        except RuntimeError as err:
-            if cfg.deterministic and "deterministic" in str(err):
-                raise ConfigError(
-                    f"'train.deterministic' = true, but model.name = {cfg.model_name!r} "
-                    f"uses an operation without a deterministic implementation on "
-                    f"{device.type} ({err}); set 'train.deterministic' = false or pick "
-                    "another 'model.name'"
-                ) from err
-            raise
         finally:
             model.to("cpu")
         return {NUM_EXAMPLES: len(partition.train), **metrics}
