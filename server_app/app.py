@@ -3,6 +3,7 @@ write the run directory."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from logging import ERROR, INFO
 
 import torch
@@ -13,6 +14,7 @@ from flwr.serverapp.strategy import Strategy
 
 import strategies
 import tasks
+from privacy.subspace import top_subspace
 from server_app import config
 from server_app.results import RunDirectory, resolve_output_dir
 from server_app.rounds import run_rounds
@@ -97,7 +99,11 @@ def main(grid: Grid, context: Context) -> None:
         task = tasks.get(cfg.task)(context.run_config)
         if hasattr(task, "data_source"):
             log(INFO, "Data: %s", task.data_source)
-        strategy = strategies.build(cfg.privacy, cfg.strategy_settings())
+        head_only = bool(cfg.options.get("subspace.head-only", False))
+        settings = cfg.strategy_settings()
+        if head_only:  # DP wrappers release (and update) only the head's arrays
+            settings = replace(settings, released_keys=task.head_keys())
+        strategy = strategies.build(cfg.privacy, settings)
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
@@ -110,6 +116,25 @@ def main(grid: Grid, context: Context) -> None:
     base = _innermost(strategy)
     clustered = base if isinstance(base, ClusteredFedAvg) else None  # K global models
     model = task.build_model(cfg.seed)
+    if int(cfg.options.get("subspace.warm-start", 0)) > 0:
+        warm = task.warm_start(model)  # public data only: no client is touched
+        log(
+            INFO,
+            "Warm start on public data: %s",
+            ", ".join(f"{k} {v:.4f}" for k, v in warm.items()),
+        )
+        run_dir.write_json("warm-start.json", warm)
+    if head_only:
+        log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
+    if cfg.privacy == "subspace-dp" and cfg.options["subspace.init"] == "public":
+        released = task.head_keys() if head_only else tuple(model.state_dict())
+        gradients = task.public_gradients(model, released)
+        strategy.initial_basis = top_subspace(gradients, int(cfg.options["subspace.rank"]))
+        log(
+            INFO,
+            "Subspace-DP: initial metric from %d public per-example gradients (no privacy cost)",
+            len(gradients),
+        )
     central = None
     if cfg.central_eval and cfg.strategy != "local":
         central = _central_eval(task, model, base)
@@ -173,7 +198,7 @@ def _log_privacy_summary(ledger, cfg: config.RunConfig) -> None:
             ledger.sampling,
             ledger.neighboring,
         )
-    if cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
+    if cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"):
         log(INFO, "\t├── noise added by the %s", cfg.options["dp.noise-site"])
     for line in summary.get("statements", []):
         log(INFO, "\t├── %s", line)

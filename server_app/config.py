@@ -235,6 +235,62 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
         low=0.0,
     ),
     Option(
+        "subspace.rank",
+        32,
+        "Subspace-DP: k, directions of the metric P = U diag(lambda) U^T + tau I.",
+        low=1,
+    ),
+    Option(
+        "subspace.tau",
+        0.8,
+        "Subspace-DP: tau, the metric's floor (its eigenvalue off U).",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "subspace.trace-budget",
+        25.0,
+        "Subspace-DP: B = Tr(diag(lambda)), split evenly over the k directions.",
+        low=0.0,
+    ),
+    Option(
+        "subspace.sketch-dim",
+        256,
+        "Subspace-DP: s > k, JL sketch dimension of Private Metric Updates (the server "
+        "holds a d x s sketch).",
+        low=2,
+    ),
+    Option(
+        "subspace.pmu-every",
+        40,
+        "Subspace-DP: rounds between Private Metric Updates (rounds 1, 1 + every, ...).",
+        low=1,
+    ),
+    Option(
+        "subspace.lambda-ptr",
+        1.0,
+        "Subspace-DP: PTR gate factor; a new subspace is adopted when its eigengap and "
+        "k-th eigenvalue exceed this many noise spectral norms.",
+        low=0.0,
+    ),
+    Option(
+        "subspace.init",
+        "isotropic",
+        "Subspace-DP: the metric before the first adopted PMU: `isotropic` (P = tau I) or "
+        "`public` (top-k subspace of per-example gradients on the public warm-start split; "
+        "no privacy cost).",
+        choices=("isotropic", "public"),
+    ),
+    Option(
+        "subspace.pmu-budget-reserve",
+        0.15,
+        "Subspace-DP: share of the noise budget (zCDP rho) spent on PMU sketches (0: no "
+        "PMU, P = tau I).",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    ),
+    Option(
         "dp.per-example",
         False,
         "CG-NG: clip per example (Opacus) and noise every step, then accounted as "
@@ -302,6 +358,7 @@ class RunConfig:
             options=self.options,
             round_timeout=self.round_timeout,
             local_epochs=self.local_epochs,
+            num_rounds=self.num_server_rounds,
         )
 
     @property
@@ -352,6 +409,9 @@ def check_combinations(cfg: RunConfig) -> None:
         _check_smart(cfg)
     if cfg.strategy == "hierarchical" or cfg.privacy in FRONT_LOADED:
         _check_hierarchical(cfg)
+    _check_head_only(cfg)
+    if cfg.privacy == "subspace-dp":
+        _check_subspace(cfg)
     if cfg.privacy in registry.SELF_SAMPLING:
         sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
     elif cfg.privacy == "laplace":
@@ -372,6 +432,58 @@ def check_combinations(cfg: RunConfig) -> None:
                 f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "
                 f"= {z / 2:g} (adaptive clipping splits z between updates and count)"
             )
+
+
+# Privacy under which head-only training releases only the head: the DP-FedAvg family
+# updates just the released arrays; other mechanisms would noise (or clip) everything.
+HEAD_ONLY_PRIVACY = ("none", "dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp")
+
+
+def _check_head_only(cfg: RunConfig) -> None:
+    o = cfg.options
+    if not bool(o.get("subspace.head-only", False)):
+        return
+    task_cls = tasks.get(cfg.task)
+    if not any(opt.key == "subspace.head-only" for opt in task_cls.OPTIONS):
+        valid = [
+            name
+            for name, cls in tasks.REGISTRY.items()
+            if any(opt.key == "subspace.head-only" for opt in cls.OPTIONS)
+        ]
+        raise ConfigError(
+            f"'subspace.head-only' = true: 'task' = {cfg.task!r} has no head-only mode; "
+            "valid tasks: " + ", ".join(repr(t) for t in valid)
+        )
+    if cfg.privacy not in HEAD_ONLY_PRIVACY:
+        raise ConfigError(
+            f"'subspace.head-only' = true is not available with 'privacy' = "
+            f"{cfg.privacy!r}; valid values: " + ", ".join(repr(p) for p in HEAD_ONLY_PRIVACY)
+        )
+    if cfg.strategy not in ("fedavg", "fedprox"):
+        raise ConfigError(
+            f"'subspace.head-only' = true is not available with 'strategy' = "
+            f"{cfg.strategy!r}; valid values: 'fedavg', 'fedprox'"
+        )
+
+
+def _check_subspace(cfg: RunConfig) -> None:
+    o = cfg.options
+    rank, sketch = int(o["subspace.rank"]), int(o["subspace.sketch-dim"])
+    if rank >= sketch:
+        raise ConfigError(
+            f"'subspace.rank' = {rank} must be below 'subspace.sketch-dim' = {sketch} (PMU "
+            "takes the top-k eigenpairs of an s x s sketch and tests the gap to the next)"
+        )
+    if o["subspace.init"] == "public" and int(o.get("subspace.warm-start", 0)) == 0:
+        raise ConfigError(
+            "'subspace.init' = 'public' needs public data: set 'subspace.warm-start' > 0 (a "
+            "vision task's public split of the held-out set), or 'subspace.init' = 'isotropic'"
+        )
+    if str(o["dp.noise-site"]) != "server":
+        raise ConfigError(
+            "'privacy' = 'subspace-dp' clips in the P-norm and adds elliptical noise on the "
+            "server (clients would need U, d x k, every round); set 'dp.noise-site' = 'server'"
+        )
 
 
 def _privacy_for(task: str) -> list[str]:

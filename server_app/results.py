@@ -111,6 +111,10 @@ class RunDirectory:
         (path / "plots").mkdir()
         return cls(path)
 
+    def write_json(self, name: str, doc: Mapping[str, Any]) -> None:
+        """Write ``doc`` as ``<name>`` (JSON) in the run directory."""
+        (self.path / name).write_text(json.dumps(dict(doc), indent=2) + "\n")
+
     def write_config(self, run_config: Mapping[str, Any]) -> None:
         """Write the resolved run-config and the software environment."""
         doc = {

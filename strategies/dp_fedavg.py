@@ -87,6 +87,9 @@ class DPFedAvgFixed(TrainingWrapper):
         SmartFedProx): then no amplification by subsampling is claimed.
     connect_timeout : float
         Seconds to wait for enough nodes before ending the run.
+    released_keys : tuple of str, optional
+        Head-only training: only these arrays are clipped, noised and updated; the
+        others keep the global values whatever a client sends. None: every array.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class DPFedAvgFixed(TrainingWrapper):
         min_available_nodes: int = 1,
         uniform_sampling: bool = True,
         connect_timeout: float = 300.0,
+        released_keys: tuple[str, ...] | None = None,
     ) -> None:
         if clip_norm <= 0 or noise_multiplier <= 0 or num_sampled_clients < 1:
             raise ValueError("clip_norm and noise_multiplier must be > 0, m >= 1")
@@ -117,6 +121,8 @@ class DPFedAvgFixed(TrainingWrapper):
         self.min_available_nodes = min_available_nodes
         self.uniform_sampling = uniform_sampling
         self.connect_timeout = connect_timeout
+        self.released_keys = released_keys
+        self._mask: list[bool] | None = None
         self._round_state: tuple[ArrayRecord, set[int], int] | None = None
 
     # -- what one round releases ------------------------------------------------
@@ -194,6 +200,8 @@ class DPFedAvgFixed(TrainingWrapper):
                 f"exactly 'dp.num-sampled-clients' = {self.num_sampled_clients}"
             )
         messages = add_to_config(messages, self.client_config())
+        if self._mask is None:
+            self._mask = self._released_mask(arrays)
         sent = {m.metadata.dst_node_id for m in messages}
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
@@ -217,7 +225,7 @@ class DPFedAvgFixed(TrainingWrapper):
                 err,
             )
             return None, None
-        mean = self._private_mean(deltas)
+        mean = self._merge(self._private_mean([self._released(d) for d in deltas]), deltas)
         new_arrays = to_record(
             current, [c + d for c, d in zip(arrays_of(current), mean, strict=True)]
         )
@@ -242,7 +250,40 @@ class DPFedAvgFixed(TrainingWrapper):
             deltas.append([r - c for r, c in zip(received, reference, strict=True)])
         return deltas, [unweighted(m) for m in replies]
 
+    # -- head-only: which arrays are released ------------------------------------
+    def _released_mask(self, arrays: ArrayRecord) -> list[bool]:
+        keys_ = list(arrays.keys())
+        if self.released_keys is None:
+            return [True] * len(keys_)
+        missing = sorted(set(self.released_keys) - set(keys_))
+        if missing:
+            raise StopTraining(f"head-only arrays {missing} are not in the global model")
+        return [key in self.released_keys for key in keys_]
+
+    def _released(self, delta: list[np.ndarray]) -> list[np.ndarray]:
+        assert self._mask is not None
+        return [d for d, keep in zip(delta, self._mask, strict=True) if keep]
+
+    def _merge(self, mean: list[np.ndarray], deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """The released mean back among zero deltas of the frozen arrays."""
+        assert self._mask is not None
+        frozen = [i for i, keep in enumerate(self._mask) if not keep]
+        changed = sum(any(np.any(delta[i] != 0) for i in frozen) for delta in deltas)
+        if changed and self.noise_site == "server":  # client noise covers every array
+            log(
+                WARNING,
+                "%d client(s) changed arrays outside the released (head-only) arrays; "
+                "those changes were ignored",
+                changed,
+            )
+        released = iter(mean)
+        return [
+            next(released) if keep else np.zeros_like(d)
+            for d, keep in zip(deltas[0], self._mask, strict=True)
+        ]
+
     def _private_mean(self, deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """The private mean of the released arrays of the clients' deltas."""
         mech, m = self._mechanism(), len(deltas)
         total = None
         for delta in deltas:

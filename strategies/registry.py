@@ -24,6 +24,7 @@ from strategies.hierarchical import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
 from strategies.smart_fedprox import SmartFedProx
+from strategies.subspace_dp import SubspaceDP
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
@@ -46,6 +47,9 @@ class StrategySettings:
     options: Mapping[str, Any]  # the namespaced options: "fedprox.mu", "dp.clip-norm", ...
     round_timeout: float = 600.0  # seconds to wait for replies (also for in-round queries)
     local_epochs: int = 1  # the task's local epochs per round (SmartFedProx's epoch factor)
+    num_rounds: int = 1  # rounds the run plans (subspace-dp splits its noise budget over them)
+    released_keys: tuple[str, ...] | None = None  # head-only: the arrays DP wrappers release
+    initial_basis: Any = None  # subspace-dp: a d x k basis from public data (numpy array)
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -131,20 +135,26 @@ def count_stddev(s: StrategySettings) -> float:
     return float(o["dp.clip-count-stddev"]) or auto
 
 
-def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
+def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
+    """What DP-FedAvg and subspace-dp take from the ``dp.*`` options."""
     o = s.options
-    kwargs: dict[str, Any] = {
+    return {
         "clip_norm": float(o["dp.clip-norm"]),
         "noise_multiplier": float(o["dp.noise-multiplier"]),
         "num_sampled_clients": int(o["dp.num-sampled-clients"]),
-        "noise_site": str(o["dp.noise-site"]),
         "ledger": make_ledger(s, dp_fedavg_sampling(s.strategy)),
         "rng": noise_generator(
             seed=s.seed, streams=(_SERVER_STREAM,), secure=bool(o["dp.secure-rng"])
         ),
         "min_available_nodes": s.min_available_nodes,
         "uniform_sampling": s.strategy not in DATA_DEPENDENT_SELECTION,
+        "released_keys": s.released_keys,
     }
+
+
+def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
+    o = s.options
+    kwargs = {**_dp_fedavg_kwargs(s), "noise_site": str(o["dp.noise-site"])}
     if not adaptive:
         return DPFedAvgFixed(base, **kwargs)
     return DPFedAvgAdaptive(
@@ -153,6 +163,24 @@ def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
         clip_lr=float(o["dp.clip-lr"]),
         count_stddev=count_stddev(s),
         **kwargs,
+    )
+
+
+def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
+    o = s.options
+    return SubspaceDP(
+        base,
+        rank=int(o["subspace.rank"]),
+        tau=float(o["subspace.tau"]),
+        trace_budget=float(o["subspace.trace-budget"]),
+        sketch_dim=int(o["subspace.sketch-dim"]),
+        pmu_every=int(o["subspace.pmu-every"]),
+        lambda_ptr=float(o["subspace.lambda-ptr"]),
+        pmu_reserve=float(o["subspace.pmu-budget-reserve"]),
+        num_rounds=s.num_rounds,
+        seed=s.seed,
+        initial_basis=s.initial_basis,
+        **_dp_fedavg_kwargs(s),
     )
 
 
@@ -203,6 +231,7 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "none": lambda strategy, _settings: strategy,
     "dp-fedavg-fixed": lambda b, s: _dp_fedavg(b, s, adaptive=False),
     "dp-fedavg-adaptive": lambda b, s: _dp_fedavg(b, s, adaptive=True),
+    "subspace-dp": _subspace_dp,
     "laplace": _laplace,
     "dp-sgd": _dp_sgd,
     **{mode: _front_loaded(mode) for mode in FRONT_LOADED},
@@ -210,7 +239,7 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
 
 # Wrappers that sample clients themselves: the base strategy must take every node
 # of the (restricted) grid it is shown.
-SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptive"})
+SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"})
 
 
 def build(privacy: str, settings: StrategySettings) -> Strategy:

@@ -21,6 +21,10 @@ VARIANTS = {
     "dp.noise-site='client' dp.clip-count-stddev=1.0 dp.clip-norm=0.5",
     "laplace": "dp.sensitivity=1.0 dp.epsilon=30.0 dp.accountant='pld'",
     "dp-sgd": "dp.target-epsilon=5.0 dp.clip-norm=1.0",
+    # Head-only after a 2-epoch warm start on the public split; PMU in rounds 1 and 3.
+    "subspace-dp": "dp.num-sampled-clients=3 dp.noise-multiplier=0.1 dp.clip-norm=0.5 "
+    "subspace.head-only=true subspace.warm-start=2 subspace.rank=2 subspace.sketch-dim=8 "
+    "subspace.pmu-every=2",
 }
 
 
@@ -39,7 +43,9 @@ def dp_runs(flower, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("privacy", ["dp-fedavg-fixed", "dp-fedavg-adaptive", "laplace"])
+@pytest.mark.parametrize(
+    "privacy", ["dp-fedavg-fixed", "dp-fedavg-adaptive", "laplace", "subspace-dp"]
+)
 def test_client_level_epsilon_grows_and_reloads(dp_runs, privacy):
     result, metrics, ledger_doc = dp_runs[privacy]
     train = metrics[metrics["scope"] == "train"].set_index("round")
@@ -79,3 +85,30 @@ def test_dp_sgd_target_epsilon_holds(dp_runs):
     _, _, ledger_doc = dp_runs["dp-sgd"]
     worst = max(g["epsilon"] for g in ledger_doc["summary"]["local-guarantees"])
     assert 0 < worst <= 5.0
+
+
+def test_subspace_dp_head_only_charges_pmu_and_keeps_the_body(dp_runs):
+    """The ledger charges the PMU rounds (1 and 3) with the update; only the head moved
+    away from the warm-started model, which is exactly the deterministic warm start."""
+    import torch
+
+    from tasks.vision.task import DigitsTask
+
+    result, metrics, ledger_doc = dp_runs["subspace-dp"]
+    kinds = [r["kind"] for r in ledger_doc["state"]["releases"]]
+    assert kinds == ["model-update+pmu-sketch", "model-update", "model-update+pmu-sketch"]
+    train = metrics[metrics["scope"] == "train"].set_index("round")
+    assert train["subspace-pmu-adopted"].notna().tolist() == [True, False, True]
+    warm = json.loads((result.run_dir / "warm-start.json").read_text())
+    assert warm["warm-start-accuracy"] > 0.3  # 2 epochs on 180 images; chance is 0.1
+    config = json.loads((result.run_dir / "config.json").read_text())["run-config"]
+    task = DigitsTask(config)
+    expected = task.build_model(int(config["seed"]))
+    task.warm_start(expected)
+    final = torch.load(result.run_dir / "model.pt")
+    head = set(task.head_keys())
+    for key, value in expected.state_dict().items():
+        if key in head:
+            assert not torch.equal(final[key], value), key
+        else:
+            assert torch.equal(final[key], value), key

@@ -1,0 +1,310 @@
+"""Subspace-DP-FL around any strategy (seed 004): geometry-aligned DP-FedAvg.
+
+The wrapper is DP-FedAvg (:class:`strategies.dp_fedavg.DPFedAvgFixed`: the same
+fixed-size uniform sampling, abort-on-failure rounds and ledger refusal) with the
+Gaussian mechanism replaced by the elliptical one of :mod:`privacy.subspace`:
+
+* clients send their raw updates (the server is trusted, as DP-FedAvg's server-side
+  noising); the server clips each in the P-norm of the current metric
+  ``P = U Λ Uᵀ + τI``, sums, adds ``N(0, σ²C² P⁻¹)`` once and averages over m;
+* every ``subspace.pmu-every`` rounds (rounds 1, 1 + every, ...) it also sketches the
+  round's update directions (a public JL matrix from the run seed), releases the sketch
+  with Gaussian noise and, if the PTR gate adopts the Nyström estimate, uses the new U
+  with the uniform trace allocation from the next round on;
+* ``dp.noise-multiplier`` z is the run's noise budget: training uses
+  ``z / √(1 − r)`` and the sketches ``z·√(n/(T r))`` (r = ``subspace.pmu-budget-reserve``,
+  n PMU rounds of T), so the unamplified zCDP ρ equals DP-FedAvg's with multiplier z.
+  A PMU round's update and sketch use the same sample, so they are charged as one
+  Gaussian release with ``(z_train⁻² + z_PMU⁻²)^(-½)`` (composition before sampling).
+
+With ``released_keys`` (head-only training) only those arrays are clipped, noised and
+updated; the others keep the global values, whatever a client sends for them.
+"""
+
+from __future__ import annotations
+
+import math
+from logging import INFO
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from privacy.accounting import Release, l2_sensitivity_factor
+from privacy.mechanisms import NonFiniteUpdateError, make_generator
+from privacy.subspace import (
+    EllipticalGaussianMechanism,
+    SketchAccumulator,
+    SubspaceMetric,
+    combined_noise_multiplier,
+    estimate_subspace,
+    flatten,
+    pmu_noise_multiplier,
+    release_sketch,
+    sketch_matrix,
+    uniform_allocation,
+)
+from strategies.base import InvalidReply, StopTraining, arrays_of
+from strategies.dp_fedavg import DPFedAvgFixed
+
+_SKETCH_STREAM = 0x5C  # the public JL matrix of each PMU round
+# Largest PMU sketch (d x s float64) the server builds: 4 GiB.
+MAX_SKETCH_BYTES = 4 * 2**30
+
+
+def pmu_rounds(num_rounds: int, every: int) -> int:
+    """How many of rounds 1..T run PMU (rounds 1, 1 + every, 1 + 2·every, ...)."""
+    return math.ceil(num_rounds / every)
+
+
+class SubspaceDP(DPFedAvgFixed):
+    """Geometry-aligned DP-FedAvg with Private Metric Updates (see the module doc).
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The wrapped strategy (must train every node of the grid it is shown).
+    clip_norm : float
+        C, the P-norm bound of one client's update.
+    noise_multiplier : float
+        z, the run's noise budget (split with the PMU sketches).
+    num_sampled_clients : int
+        m, clients per round.
+    rank : int
+        k, directions of U.
+    tau : float
+        τ, the metric's floor (its eigenvalue off U).
+    trace_budget : float
+        B = Tr(Λ), split evenly over the k directions.
+    sketch_dim : int
+        s > k, the JL sketch dimension.
+    pmu_every : int
+        Rounds between PMU releases.
+    lambda_ptr : float
+        The PTR gate's threshold factor.
+    pmu_reserve : float
+        r in [0, 1): the share of the zCDP budget spent on PMU (0: no PMU, P = τI).
+    num_rounds : int
+        T, the rounds the run plans (for the budget split).
+    seed : int
+        Run seed: the public sketch matrices derive from it.
+    initial_basis : numpy.ndarray, optional
+        A d×k orthonormal U computed from public data (no privacy cost) to start from;
+        None: start isotropic (P = τI) until PMU adopts a subspace.
+    **kwargs
+        ``ledger``, ``rng``, ``min_available_nodes``, ``uniform_sampling``,
+        ``connect_timeout``, ``released_keys`` as for :class:`DPFedAvgFixed`.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        clip_norm: float,
+        noise_multiplier: float,
+        num_sampled_clients: int,
+        rank: int,
+        tau: float,
+        trace_budget: float,
+        sketch_dim: int,
+        pmu_every: int,
+        lambda_ptr: float,
+        pmu_reserve: float,
+        num_rounds: int,
+        seed: int,
+        initial_basis: np.ndarray | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(
+            strategy,
+            clip_norm=clip_norm,
+            noise_multiplier=noise_multiplier,
+            num_sampled_clients=num_sampled_clients,
+            noise_site="server",
+            **kwargs,
+        )
+        if not 1 <= rank < sketch_dim:
+            raise ValueError(f"need 1 <= rank k = {rank} < sketch_dim s = {sketch_dim}")
+        self.rank, self.tau, self.trace_budget = rank, tau, trace_budget
+        self.sketch_dim, self.pmu_every, self.lambda_ptr = sketch_dim, pmu_every, lambda_ptr
+        self.pmu_reserve, self.seed = pmu_reserve, seed
+        self.z_train, self.z_pmu = pmu_noise_multiplier(
+            noise_multiplier, pmu_reserve, num_rounds, pmu_rounds(num_rounds, pmu_every)
+        )
+        self.initial_basis = initial_basis
+        self.metric: SubspaceMetric | None = None
+        self._round = 0
+        self._stats: dict[str, float] = {}
+
+    # -- schedule and accounting ----------------------------------------------------
+    def is_pmu_round(self, server_round: int) -> bool:
+        """PMU runs in rounds 1, 1 + every, ... when a budget share is reserved for it."""
+        return math.isfinite(self.z_pmu) and (server_round - 1) % self.pmu_every == 0
+
+    def update_noise_multiplier(self) -> float:
+        """z_train = z/√(1 − r), the model-update share of the noise budget."""
+        return self.z_train
+
+    def release(self, server_round: int, population: int) -> list[Release]:
+        """One Gaussian release: the update, joined by the sketch in PMU rounds."""
+        (update,) = super().release(server_round, population)
+        factor = l2_sensitivity_factor(self.ledger.neighboring)
+        # The rank that clipped this round (PMU may already have replaced the metric).
+        rank = int(self._stats.get("subspace-rank", self.metric.rank if self.metric else 0))
+        note = (
+            f"P-norm clip C = {self.clip_norm:g}, elliptical noise N(0, z^2 C^2 P^-1) with "
+            f"z_train = {self.z_train:.4f}, metric rank {rank} (tau {self.tau:g}): whitened by "
+            "P^1/2 a Gaussian mechanism with L2 sensitivity C"
+        )
+        if not self.is_pmu_round(server_round):
+            return [
+                Release(
+                    **{**update.__dict__, "noise_multiplier": self.z_train / factor, "note": note}
+                )
+            ]
+        z = combined_noise_multiplier(self.z_train, self.z_pmu)
+        note += (
+            f"; PMU sketch (sensitivity sqrt 2, z_pmu = {self.z_pmu:.4f}) of the same sample, "
+            f"composed with the update as one Gaussian with z = {z:.4f}; the PTR gate reads "
+            "only the released sketch (post-processing)"
+        )
+        return [
+            Release(
+                **{
+                    **update.__dict__,
+                    "kind": "model-update+pmu-sketch",
+                    "noise_multiplier": z / factor,
+                    "note": note,
+                }
+            )
+        ]
+
+    # -- training half --------------------------------------------------------------
+    def client_config(self) -> dict[str, float | bool]:
+        """Nothing: clients send raw updates, the server clips in the P-norm."""
+        return {}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ):
+        """Set up the metric (isotropic at first) over the released arrays, then sample."""
+        if self.metric is None:
+            mask = self._released_mask(arrays)
+            dim = sum(a.size for a, keep in zip(arrays_of(arrays), mask, strict=True) if keep)
+            if self.is_pmu_round(1) and dim * self.sketch_dim * 8 > MAX_SKETCH_BYTES:
+                raise StopTraining(
+                    f"the PMU sketch would hold d x s = {dim} x {self.sketch_dim} float64 "
+                    f"values (> {MAX_SKETCH_BYTES / 2**30:g} GiB); lower 'subspace.sketch-dim', "
+                    "train the head only ('subspace.head-only' = true) or set "
+                    "'subspace.pmu-budget-reserve' = 0"
+                )
+            self.metric = self._initial_metric(dim)
+        self._round = server_round
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _initial_metric(self, dim: int) -> SubspaceMetric:
+        if self.initial_basis is None:
+            return SubspaceMetric.isotropic(dim, self.tau)
+        if self.initial_basis.shape != (dim, self.rank):
+            raise StopTraining(
+                f"the public initial basis has shape {self.initial_basis.shape}, the released "
+                f"arrays need ({dim}, {self.rank})"
+            )
+        lam = uniform_allocation(self.rank, self.trace_budget)
+        return SubspaceMetric(basis=self.initial_basis, lam=lam, tau=self.tau)
+
+    def _private_mean(self, deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Clip each released delta in the P-norm, add elliptical noise, average; run PMU."""
+        assert self.metric is not None
+        m = len(deltas)
+        mech = EllipticalGaussianMechanism(self.metric, self.clip_norm, self.z_train)
+        pmu = self.is_pmu_round(self._round)
+        sketch = (
+            SketchAccumulator(
+                sketch_matrix(
+                    self.metric.dim,
+                    self.sketch_dim,
+                    make_generator(self.seed, self._round, _SKETCH_STREAM),
+                )
+            )
+            if pmu
+            else None
+        )
+        total, norms, clipped = None, [], 0
+        for released in deltas:
+            try:
+                result = mech.clip(released)
+            except NonFiniteUpdateError as err:  # checked already; defensive
+                raise InvalidReply(str(err)) from err
+            norms.append(result.norm)
+            clipped += result.clipped
+            if sketch is not None:
+                sketch.add(flatten(released))
+            arrays = [np.asarray(a, dtype=np.float64) for a in result.arrays]
+            if total is not None:
+                arrays = [t + a for t, a in zip(total, arrays, strict=True)]
+            total = arrays
+        noised = mech.noise_sum(total, rng=self.rng)
+        self._stats = {
+            "subspace-clip-fraction": clipped / m,
+            "subspace-mean-pnorm": float(np.mean(norms)),
+            "subspace-rank": float(self.metric.rank),
+        }
+        if sketch is not None:
+            self._metric_update(sketch)
+        return [n / m for n in noised]
+
+    def _metric_update(self, sketch: SketchAccumulator) -> None:
+        """Release the sketch, estimate U, and adopt it if the PTR gate passes."""
+        release = release_sketch(sketch, noise_multiplier=self.z_pmu, rng=self.rng)
+        estimate = estimate_subspace(release, self.rank, self.lambda_ptr)
+        if estimate.adopt:
+            self.metric = SubspaceMetric(
+                basis=estimate.basis,
+                lam=uniform_allocation(self.rank, self.trace_budget),
+                tau=self.tau,
+            )
+        self._stats.update(
+            {
+                "subspace-pmu-adopted": float(estimate.adopt),
+                "subspace-pmu-gap": estimate.gap,
+                "subspace-pmu-gap-threshold": estimate.gap_threshold,
+                "subspace-pmu-kth-eigenvalue": estimate.kth_eigenvalue,
+                "subspace-pmu-lift-threshold": estimate.lift_threshold,
+            }
+        )
+        log(
+            INFO,
+            "subspace-dp round %d: PMU %s (gap %.3g vs %.3g, theta_k %.3g vs %.3g)",
+            self._round,
+            "adopted a new subspace" if estimate.adopt else "kept the metric",
+            estimate.gap,
+            estimate.gap_threshold,
+            estimate.kth_eigenvalue,
+            estimate.lift_threshold,
+        )
+
+    def round_metrics(self, replies: list[Message]) -> dict[str, float]:
+        """The clip norm, P-norm statistics and, in PMU rounds, the gate's numbers."""
+        stats, self._stats = self._stats, {}
+        return {"dp-clip-norm": self.clip_norm, **stats}
+
+    def summary(self) -> None:
+        """Log the subspace settings, then DP-FedAvg's summary."""
+        log(
+            INFO,
+            "\t├──> Subspace-DP: k = %d, tau = %g, trace B = %g, sketch s = %d, PMU every %d "
+            "rounds (reserve %g, z_pmu %.4g), lambda_ptr %g, z_train %.4g",
+            self.rank,
+            self.tau,
+            self.trace_budget,
+            self.sketch_dim,
+            self.pmu_every,
+            self.pmu_reserve,
+            self.z_pmu,
+            self.lambda_ptr,
+            self.z_train,
+        )
+        super().summary()
