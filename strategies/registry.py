@@ -49,7 +49,6 @@ class StrategySettings:
     local_epochs: int = 1  # the task's local epochs per round (SmartFedProx's epoch factor)
     num_rounds: int = 1  # rounds the run plans (subspace-dp splits its noise budget over them)
     released_keys: tuple[str, ...] | None = None  # head-only: the arrays DP wrappers release
-    initial_basis: Any = None  # subspace-dp: a d x k basis from public data (numpy array)
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -179,7 +178,6 @@ def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
         pmu_reserve=float(o["subspace.pmu-budget-reserve"]),
         num_rounds=s.num_rounds,
         seed=s.seed,
-        initial_basis=s.initial_basis,
         **_dp_fedavg_kwargs(s),
     )
 

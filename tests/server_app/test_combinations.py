@@ -52,6 +52,29 @@ def _load(**overrides):
             "no sound per-example bound",
         ),
         ({"cluster.k": 0}, "'cluster.k' = 0 is out of range"),
+        (
+            {"privacy": "subspace-dp", "subspace.rank": 256},
+            "'subspace.rank' = 256 must be below 'subspace.sketch-dim' = 256",
+        ),
+        (
+            {"privacy": "subspace-dp", "dp.noise-site": "client"},
+            "set 'dp.noise-site' = 'server'",
+        ),
+        ({"privacy": "subspace-dp", "subspace.init": "public"}, "set 'subspace.warm-start' > 0"),
+        (
+            {"task": "finance", "subspace.head-only": True},
+            "'task' = 'finance' has no head-only mode; valid tasks: 'digits'",
+        ),
+        (
+            {"subspace.head-only": True, "privacy": "laplace"},
+            "valid values: 'none', 'dp-fedavg-fixed', 'dp-fedavg-adaptive', 'subspace-dp'",
+        ),
+        (
+            {"subspace.head-only": True, "strategy": "clustered"},
+            "valid values: 'fedavg', 'fedprox'",
+        ),
+        ({"privacy": "subspace-dp", "strategy": "clustered"}, "valid values with clustered"),
+        ({"privacy": "subspace-dp", "strategy": "hierarchical"}, "valid values: 'none', 'cg-ng'"),
     ],
 )
 def test_impossible_combinations_are_refused(overrides, expected):
@@ -67,6 +90,14 @@ def test_impossible_combinations_are_refused(overrides, expected):
         {"strategy": "clustered", "privacy": "dp-sgd"},
         {"task": "lunar-lander", "privacy": "laplace"},
         {"task": "lunar-lander", "privacy": "dp-fedavg-adaptive", "dp.noise-site": "client"},
+        {
+            "privacy": "subspace-dp",
+            "subspace.head-only": True,
+            "subspace.warm-start": 1,
+            "subspace.init": "public",
+        },
+        {"privacy": "dp-fedavg-fixed", "subspace.head-only": True, "strategy": "fedprox"},
+        {"task": "lunar-lander", "privacy": "subspace-dp"},
     ],
 )
 def test_sound_combinations_load(overrides):
