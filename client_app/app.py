@@ -164,6 +164,15 @@ def cluster_scores(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({keys.METRICS: MetricRecord(scores)}), reply_to=msg)
 
 
+@app.query(keys.PARTITION_QUERY)
+def partition(msg: Message, context: Context) -> Message:
+    """Tell the server this node's partition id (it orders nodes by it: reproducible
+    sampling and summation whatever node ids Flower assigned)."""
+    pid, _ = _node_partition(context.node_config)
+    metrics = {keys.PARTITION_ID: pid}
+    return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
 @app.query(keys.HIER_QUERY)
 def edge(msg: Message, context: Context) -> Message:
     """Hierarchical FL: tell the server this node's edge, partition and training size."""

@@ -15,7 +15,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from strategies import keys
+from strategies import keys, partitions
 
 
 class StopTraining(Exception):
@@ -74,18 +74,28 @@ class GridView:
         return getattr(self._grid, name)
 
 
-def wait_for_nodes(grid: Grid, needed: int, *, timeout: float, poll: float = 1.0) -> list[int]:
-    """The connected node ids, once at least ``needed`` are there or ``timeout`` passed."""
+def wait_for_nodes(
+    grid: Grid, needed: int, *, timeout: float, poll: float = 1.0, discover: bool = True
+) -> list[int]:
+    """The connected node ids, once at least ``needed`` are there or ``timeout`` passed,
+    in partition order. ``discover``: ask new nodes for their partition id (once);
+    strategies that learn it from their own query (hierarchical) pass False."""
     deadline = time.monotonic() + timeout
     while len(nodes := sorted(grid.get_node_ids())) < needed and time.monotonic() < deadline:
         log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), needed)
         time.sleep(poll)
-    return nodes
+    if discover:
+        partitions.discover(grid, nodes, timeout=timeout)
+    return partitions.order(nodes)
 
 
 def sample_uniform(node_ids: list[int], size: int, rng: np.random.Generator) -> list[int]:
-    """``size`` distinct nodes drawn uniformly without replacement (sorted)."""
-    ordered = sorted(node_ids)
+    """``size`` distinct nodes drawn uniformly without replacement, in partition order.
+
+    The draw is over the nodes' positions in partition order, so the same generator
+    state picks the same partitions whatever ids Flower gave their nodes.
+    """
+    ordered = partitions.order(node_ids)
     picked = rng.choice(len(ordered), size=size, replace=False)
     return [ordered[i] for i in sorted(picked)]
 

@@ -34,7 +34,7 @@ from scipy.optimize import linear_sum_assignment
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 
-from strategies import keys
+from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
     StopTraining,
@@ -336,7 +336,7 @@ class ClusteredFedAvg(Strategy):
     ) -> MetricRecord | None:
         """num-examples-weighted mean of the valid replies' metrics."""
         records = []
-        for message in replies:
+        for message in partitions.sort_replies(replies):
             try:
                 records.append(checked_metrics(message))
             except InvalidReply as err:
@@ -423,7 +423,7 @@ class ClusteredFedAvg(Strategy):
         self, replies: Iterable[Message], pending: dict[int, tuple[int, str, float]]
     ) -> dict[int, tuple[list[np.ndarray], MetricRecord]]:
         valid = {}
-        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
+        for message in partitions.sort_replies(replies):
             node = message.metadata.src_node_id
             try:
                 if node not in pending or node in valid:

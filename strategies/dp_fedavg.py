@@ -44,7 +44,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError
-from strategies import keys
+from strategies import keys, partitions
 from strategies.base import (
     GridView,
     InvalidReply,
@@ -214,7 +214,7 @@ class DPFedAvgFixed(TrainingWrapper):
             return None, None
         current, sent, population = self._round_state
         self._round_state = None
-        replies = sorted(replies, key=lambda m: m.metadata.src_node_id)
+        replies = partitions.sort_replies(replies)
         try:
             deltas, metrics = self._check_round(replies, sent, current)
         except InvalidReply as err:

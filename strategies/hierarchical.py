@@ -23,7 +23,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import keys
+from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
     StopTraining,
@@ -284,7 +284,10 @@ class HierarchicalFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Register new nodes, run edge aggregations 1..tau_2-1, send the last one."""
         self._state, needed = None, self.min_available_nodes
-        nodes = [int(n) for n in wait_for_nodes(grid, needed, timeout=self.timeout)]
+        # The edge query (below) reports each node's partition id: no separate query.
+        nodes = [
+            int(n) for n in wait_for_nodes(grid, needed, timeout=self.timeout, discover=False)
+        ]
         if len(nodes) < needed:
             raise StopTraining(f"fewer than {needed} nodes connected in {self.timeout:g} s")
         cloud = copy_record(arrays)
@@ -324,6 +327,12 @@ class HierarchicalFedAvg(FedAvg):
         log(INFO, "aggregate_train: cloud = FedAvg of edges %s", edges)
         return to_record(state.cloud, average), self._round_metrics(state)
 
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """FedAvg's weighted evaluation metrics, summed in partition order."""
+        return super().aggregate_evaluate(server_round, partitions.sort_replies(replies))
+
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -331,7 +340,7 @@ class HierarchicalFedAvg(FedAvg):
         if self.fraction_evaluate == 0.0:
             return []
         needed = max(self.min_available_nodes, self.min_evaluate_nodes)
-        nodes = wait_for_nodes(grid, needed, timeout=self.timeout)
+        nodes = wait_for_nodes(grid, needed, timeout=self.timeout, discover=False)
         if len(nodes) < needed:
             log(WARNING, "configure_evaluate: too few nodes connected, evaluation skipped")
             return []
@@ -357,6 +366,7 @@ class HierarchicalFedAvg(FedAvg):
         for node in unknown:
             try:
                 self.registrations[node] = registration_of(replies.get(node), self.num_edges)
+                partitions.record(node, self.registrations[node].partition)
             except InvalidReply as err:
                 failed += 1
                 log(WARNING, "Hierarchical: node %d not registered (asked again): %s", node, err)

@@ -59,6 +59,9 @@ EFFECTIVE_MU = "effective-mu"  # MetricRecord: the mu the client trained with
 HISTORICAL_DIVERGENCE = "historical-divergence"  # MetricRecord: the client's EMA after it
 TRAIN_LOSS = "train-loss"  # MetricRecord: mean local training loss (tasks.base.TRAIN_LOSS)
 
+# Reproducibility: every strategy orders nodes by the partition id they report.
+PARTITION_QUERY = "partition"  # query action: message_type "query.partition"
+
 # Hierarchical FedAvg (seed 003, HierFAVG: client -> edge -> cloud).
 HIER_QUERY = "edge"  # query action: message_type "query.edge" (learn a node's edge)
 NUM_EDGES = "num-edges"  # query config: the number of edges E (edge ids 0..E-1)

@@ -39,7 +39,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from privacy.accounting import PrivacyLedger, Release
 from privacy.mechanisms import LaplaceMechanism
-from strategies import keys
+from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
     StopTraining,
@@ -109,7 +109,7 @@ class LaplaceDP(TrainingWrapper):
         current, population = self._round_state
         self._round_state = None
         reference, deltas, contents, valid = arrays_of(current), [], [], []
-        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
+        for message in partitions.sort_replies(replies):
             try:
                 if message.has_error():
                     raise InvalidReply(message.error.reason)

@@ -23,6 +23,7 @@ from strategies.frontloaded import FrontLoadedDP
 from strategies.hierarchical import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
+from strategies.seeded import SeededSampling
 from strategies.smart_fedprox import SmartFedProx
 from strategies.subspace_dp import SubspaceDP
 
@@ -61,10 +62,26 @@ def _sampling(s: StrategySettings) -> dict:
     }
 
 
+# Flower's FedAvg family takes every node it is shown; SeededSampling picks them.
+_TAKE_ALL = {
+    "fraction_train": 1.0,
+    "fraction_evaluate": 1.0,
+    "min_train_nodes": 1,
+    "min_evaluate_nodes": 1,
+    "min_available_nodes": 1,
+}
+
+
+def _seeded(strategy: Strategy, s: StrategySettings) -> Strategy:
+    return SeededSampling(strategy, **_sampling(s), seed=s.seed, timeout=s.round_timeout)
+
+
 STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
-    "fedavg": lambda s: FedAvg(**_sampling(s)),
-    "fedprox": lambda s: FedProx(**_sampling(s), proximal_mu=float(s.options["fedprox.mu"])),
-    "local": lambda s: LocalTraining(**_sampling(s)),
+    "fedavg": lambda s: _seeded(FedAvg(**_TAKE_ALL), s),
+    "fedprox": lambda s: _seeded(
+        FedProx(**_TAKE_ALL, proximal_mu=float(s.options["fedprox.mu"])), s
+    ),
+    "local": lambda s: _seeded(LocalTraining(**_TAKE_ALL), s),
     "clustered": lambda s: ClusteredFedAvg(
         **_sampling(s),
         k=int(s.options["cluster.k"]),

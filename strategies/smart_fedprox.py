@@ -22,7 +22,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedProx
 
-from strategies import keys
+from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
     StopTraining,
@@ -239,6 +239,12 @@ class SmartFedProx(FedProx):
         return to_record(current, arrays_of(aggregate)), metrics
 
     # -- evaluation -----------------------------------------------------------------
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """FedAvg's weighted evaluation metrics, summed in partition order."""
+        return super().aggregate_evaluate(server_round, partitions.sort_replies(replies))
+
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -301,7 +307,7 @@ class SmartFedProx(FedProx):
         """node -> (reply, metrics) of the valid replies; the others are marked faulty."""
         valid: dict[int, tuple[Message, MetricRecord]] = {}
         seen: set[int] = set()
-        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
+        for message in partitions.sort_replies(replies):
             node = message.metadata.src_node_id
             if node not in pending or node in seen:
                 self._fault(node, None, "not selected this round, or a second reply")

@@ -40,3 +40,9 @@ def reply_from(node_id: int, arrays: dict | None, metrics: dict, kind: str = "tr
 def error_from(node_id: int, reason: str = "boom") -> Message:
     sent = Message(content=RecordDict(), dst_node_id=node_id, message_type="train")
     return Message(Error(code=0, reason=reason), reply_to=sent)
+
+
+def partition_reply(message: Message, partition_id: int) -> Message:
+    """A ClientApp's answer to the ``query.partition`` message (strategies.partitions)."""
+    content = RecordDict({keys.METRICS: MetricRecord({keys.PARTITION_ID: partition_id})})
+    return Message(content, reply_to=message)

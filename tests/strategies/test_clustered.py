@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from strategies import StopTraining, keys
+from strategies import StopTraining, keys, partitions
 from strategies.clustered import ClusteredFedAvg
-from tests.fakes import FakeGrid, error_from, record, reply_from
+from tests.fakes import FakeGrid, error_from, partition_reply, record, reply_from
 
 # Three groups of uploads: w near (0, 0), (10, 10), (-10, 5); b = the node id.
 UPLOADS = {
@@ -47,6 +47,8 @@ class QueryGrid(FakeGrid):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
+        if messages and messages[0].metadata.message_type == partitions.QUERY_TYPE:
+            return [partition_reply(m, m.metadata.dst_node_id) for m in messages]
         self.sent.extend(messages)
         replies = [self.answers.get(m.metadata.dst_node_id) for m in messages]
         return [r for r in replies if r is not None]

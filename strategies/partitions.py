@@ -1,0 +1,107 @@
+"""Node ids -> partition ids: sampling and summation order independent of node ids.
+
+Flower draws fresh node ids in every simulation run (and a SuperNode gets a new one
+when it reconnects), so a sample drawn with a seeded generator over sorted *node ids*
+picks different clients, and a sum in node-id order adds in a different order, from
+run to run. Every strategy here therefore orders nodes by the partition id each
+client reports (``node_config["partition-id"]``, what its data is), and only then
+samples or sums:
+
+* :func:`discover` asks each node it has not seen yet, once, with a
+  ``query.partition`` message (the ClientApp answers with ``partition-id``);
+* :func:`order` sorts node ids by (partition id, node id); nodes that did not answer
+  come last, by node id (such a run is reproducible only as far as node ids are);
+* :func:`sort_replies` puts replies in that order before anything is summed.
+
+The map lives for the ServerApp process, i.e. one run (a simulation run or a
+deployed ServerApp run each get their own process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import WARNING
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
+
+from strategies import keys
+
+QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
+
+_PARTITION: dict[int, int] = {}  # node id -> partition id, for this process (one run)
+_ASKED: set[int] = set()  # nodes already asked (answered or not)
+
+
+def reset() -> None:
+    """Forget every node (tests; a new run gets a new process anyway)."""
+    _PARTITION.clear()
+    _ASKED.clear()
+
+
+def partition_of(node_id: int) -> int | None:
+    """The partition id ``node_id`` reported, or None."""
+    return _PARTITION.get(int(node_id))
+
+
+def record(node_id: int, partition_id: int) -> None:
+    """Learn ``node_id``'s partition from a reply that carries it (e.g. an edge query)."""
+    _PARTITION[int(node_id)] = int(partition_id)
+    _ASKED.add(int(node_id))
+
+
+def discover(grid, node_ids: Iterable[int], *, timeout: float) -> None:
+    """Ask every node not asked before for its partition id (one message each, once).
+
+    A node that fails, does not answer within ``timeout`` or sends no valid
+    ``partition-id`` is ordered by its node id; a warning names how many.
+    """
+    unknown = sorted(int(n) for n in node_ids if int(n) not in _ASKED)
+    if not unknown or not hasattr(grid, "send_and_receive"):
+        return
+    queries = [
+        Message(
+            content=RecordDict({keys.CONFIG: ConfigRecord({})}),
+            dst_node_id=node,
+            message_type=QUERY_TYPE,
+        )
+        for node in unknown
+    ]
+    _ASKED.update(unknown)
+    for reply in grid.send_and_receive(queries, timeout=timeout):
+        if reply.has_error():
+            continue
+        metrics = reply.content.get(keys.METRICS)
+        value = None if metrics is None else metrics.get(keys.PARTITION_ID)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            _PARTITION[int(reply.metadata.src_node_id)] = int(value)
+    missing = [n for n in unknown if n not in _PARTITION]
+    if missing:
+        log(
+            WARNING,
+            "%d node(s) reported no partition id; they are ordered by node id, so runs "
+            "are reproducible only if their node ids are the same",
+            len(missing),
+        )
+    claimed: dict[int, list[int]] = {}
+    for node, partition in _PARTITION.items():
+        claimed.setdefault(partition, []).append(node)
+    shared = {p: n for p, n in claimed.items() if len(n) > 1}
+    if shared:
+        log(WARNING, "nodes share partition ids %s: ordered by node id among them", shared)
+
+
+def sort_key(node_id: int) -> tuple[int, int, int]:
+    """(0, partition id, node id) for known nodes, (1, 0, node id) for the others."""
+    partition = _PARTITION.get(int(node_id))
+    return (0, partition, int(node_id)) if partition is not None else (1, 0, int(node_id))
+
+
+def order(node_ids: Iterable[int]) -> list[int]:
+    """``node_ids`` sorted by partition id (unknown nodes last, by node id)."""
+    return sorted((int(n) for n in node_ids), key=sort_key)
+
+
+def sort_replies(replies: Iterable[Message]) -> list[Message]:
+    """Replies in partition order of their senders: sums no longer depend on arrival."""
+    return sorted(replies, key=lambda m: sort_key(m.metadata.src_node_id))

@@ -1,0 +1,119 @@
+"""Seeded node sampling around Flower's FedAvg family (fedavg, fedprox, local).
+
+Flower's ``FedAvg`` samples nodes with Python's global ``random`` over whatever node
+ids the grid returns, and sums replies in arrival order: two runs of one
+configuration train different clients and add in different orders (adap/flower
+issue 3328). :class:`SeededSampling` samples instead with a generator derived from
+the run seed, over the nodes in partition order (:mod:`strategies.partitions`), and
+hands the wrapped strategy (built with ``fraction_* = 1``) a grid holding only the
+sampled nodes; replies reach it sorted by partition id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from strategies import partitions
+from strategies.base import GridView, sample_uniform, wait_for_nodes
+
+_STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
+
+
+class SeededSampling(Strategy):
+    """Sample ``fraction`` of the nodes (at least ``min_*``) with the run's generator.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        A FedAvg-family strategy that takes every node of the grid it is shown.
+    fraction_train, fraction_evaluate : float
+        Shares of the connected nodes sampled per round (0: no such round).
+    min_train_nodes, min_evaluate_nodes, min_available_nodes : int
+        As Flower's FedAvg: the sample is ``max(int(n · fraction), min_*)`` of the
+        ``n`` connected nodes, after waiting for ``min_available_nodes``.
+    seed : int
+        Run seed.
+    timeout : float
+        Seconds to wait for nodes (and for their partition ids) before sampling
+        from those connected.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        fraction_train: float,
+        fraction_evaluate: float,
+        min_train_nodes: int,
+        min_evaluate_nodes: int,
+        min_available_nodes: int,
+        seed: int,
+        timeout: float,
+    ) -> None:
+        self.strategy = strategy
+        self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
+        self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
+        self.min_available_nodes = min_available_nodes
+        self.timeout = timeout
+        self.rng_train = np.random.default_rng([seed, _STREAM, 0])
+        self.rng_evaluate = np.random.default_rng([seed, _STREAM, 1])
+
+    def _sample(self, grid: Grid, fraction: float, minimum: int, rng) -> list[int]:
+        needed = max(self.min_available_nodes, minimum)
+        nodes = wait_for_nodes(grid, needed, timeout=self.timeout)
+        size = min(len(nodes), max(int(len(nodes) * fraction), minimum))
+        return sample_uniform(nodes, size, rng)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's round on the seeded sample."""
+        if self.fraction_train == 0.0:
+            return []
+        nodes = self._sample(grid, self.fraction_train, self.min_train_nodes, self.rng_train)
+        return self.strategy.configure_train(server_round, arrays, config, GridView(grid, nodes))
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The wrapped strategy's aggregate of the replies in partition order."""
+        return self.strategy.aggregate_train(server_round, partitions.sort_replies(replies))
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's evaluation on the seeded sample."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        nodes = self._sample(
+            grid, self.fraction_evaluate, self.min_evaluate_nodes, self.rng_evaluate
+        )
+        return self.strategy.configure_evaluate(
+            server_round, arrays, config, GridView(grid, nodes)
+        )
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """The wrapped strategy's evaluation metrics, in partition order."""
+        return self.strategy.aggregate_evaluate(server_round, partitions.sort_replies(replies))
+
+    def summary(self) -> None:
+        """Log the sampling, then the wrapped strategy's summary."""
+        log(
+            INFO,
+            "\t├──> Seeded sampling: %g of the nodes to train (at least %d), %g to evaluate "
+            "(at least %d), in partition order",
+            self.fraction_train,
+            self.min_train_nodes,
+            self.fraction_evaluate,
+            self.min_evaluate_nodes,
+        )
+        self.strategy.summary()

@@ -1,0 +1,120 @@
+"""Sampling and summation follow partition ids, not Flower's node ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+from strategies import keys, partitions
+from strategies.base import sample_uniform, wait_for_nodes
+from strategies.seeded import SeededSampling
+from tests.fakes import FakeGrid, record, reply_from
+
+
+class PartitionGrid(FakeGrid):
+    """Answers ``query.partition`` with the partition of each node (None: error)."""
+
+    def __init__(self, partition_of: dict[int, int | None]):
+        super().__init__(partition_of)
+        self.partition_of = partition_of
+        self.queries = 0
+
+    def send_and_receive(self, messages, timeout=None):
+        out = []
+        for message in messages:
+            assert message.metadata.message_type == partitions.QUERY_TYPE
+            self.queries += 1
+            node, pid = (
+                message.metadata.dst_node_id,
+                self.partition_of[message.metadata.dst_node_id],
+            )
+            metrics = {} if pid is None else {keys.PARTITION_ID: pid}
+            sent = Message(content=RecordDict(), dst_node_id=node, message_type="query")
+            out.append(Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=sent))
+        return out
+
+
+def _grid(node_ids, seed):
+    """Partitions 0..n-1 behind node ids drawn at random, as Flower does per run."""
+    return PartitionGrid(dict(zip(node_ids, range(len(node_ids)), strict=True)))
+
+
+def _seeded(fraction_train, fraction_evaluate, *, min_available_nodes, seed):
+    return SeededSampling(
+        FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1),
+        fraction_train=fraction_train,
+        fraction_evaluate=fraction_evaluate,
+        min_train_nodes=2,
+        min_evaluate_nodes=2,
+        min_available_nodes=min_available_nodes,
+        seed=seed,
+        timeout=1.0,
+    )
+
+
+def test_same_seed_same_partitions_whatever_the_node_ids():
+    picks = []
+    for ids_seed in (1, 2):
+        partitions.reset()
+        ids = np.random.default_rng(ids_seed).choice(10**9, size=20, replace=False).tolist()
+        grid = _grid(ids, ids_seed)
+        nodes = wait_for_nodes(grid, 20, timeout=1.0)
+        sample = sample_uniform(nodes, 5, np.random.default_rng(7))
+        picks.append([partitions.partition_of(n) for n in sample])
+    assert picks[0] == picks[1]
+    assert picks[0] == sorted(picks[0])  # returned in partition order
+
+
+def test_nodes_are_asked_once_and_silent_nodes_go_last():
+    grid = PartitionGrid({30: 2, 10: None, 20: 0, 40: 1})
+    assert wait_for_nodes(grid, 4, timeout=1.0) == [20, 40, 30, 10]
+    wait_for_nodes(grid, 4, timeout=1.0)
+    assert grid.queries == 4
+
+
+def test_replies_are_summed_in_partition_order():
+    partitions.record(7, 1)
+    partitions.record(3, 0)
+    replies = [reply_from(7, {"w": [1.0]}, {}), reply_from(3, {"w": [2.0]}, {})]
+    assert [m.metadata.src_node_id for m in partitions.sort_replies(replies)] == [3, 7]
+
+
+def test_seeded_fedavg_samples_the_same_partitions_and_aggregates_identically():
+    results = []
+    for ids in ([101, 205, 309, 412, 515, 618], [9, 8, 7, 6, 5, 4]):
+        partitions.reset()
+        grid = _grid(ids, 0)
+        strategy = _seeded(0.5, 0.0, min_available_nodes=6, seed=3)
+        messages = list(strategy.configure_train(1, record({"w": [0.0]}), ConfigRecord(), grid))
+        sampled = sorted(partitions.partition_of(m.metadata.dst_node_id) for m in messages)
+        # Float sums depend on order: (1e16 + 1) - 1e16 = 0 but (1e16 - 1e16) + 1 = 1.
+        value = {p: v for p, v in zip(sampled, [1e16, 1.0, -1e16], strict=True)}
+        replies = [
+            reply_from(
+                m.metadata.dst_node_id,
+                {"w": [value[partitions.partition_of(m.metadata.dst_node_id)]]},
+                {"num-examples": 1},
+            )
+            for m in messages
+        ]
+        by_partition = sorted(
+            replies, key=lambda m: partitions.partition_of(m.metadata.src_node_id)
+        )
+        first, middle, last = by_partition
+        # Partition order sums to 0; the second run's arrival order alone would give 1.
+        arrival = by_partition if not results else [first, last, middle]
+        arrays, _ = strategy.aggregate_train(1, arrival)
+        results.append((sampled, arrays["w"].numpy().tobytes()))
+        assert strategy.configure_evaluate(1, record({"w": [0.0]}), ConfigRecord(), grid) == []
+    assert len(results[0][0]) == 3
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
+def test_sample_size_follows_flower(fraction):
+    grid = _grid(list(range(1, 11)), 0)
+    strategy = _seeded(fraction, fraction, min_available_nodes=2, seed=0)
+    messages = list(strategy.configure_train(1, record({"w": [0.0]}), ConfigRecord(), grid))
+    assert len(messages) == max(int(10 * fraction), 2)
