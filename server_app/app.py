@@ -133,6 +133,7 @@ def _run(grid: Grid, context: Context) -> None:
             ", ".join(f"{k} {v:.4f}" for k, v in warm.items()),
         )
         run_dir.write_json("warm-start.json", warm)
+        run_dir.write_model("warm-start.pt", model.state_dict())
     if head_only:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
     if cfg.privacy == "subspace-dp" and cfg.options["subspace.init"] == "public":

@@ -111,6 +111,10 @@ class RunDirectory:
         (path / "plots").mkdir()
         return cls(path)
 
+    def write_model(self, name: str, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Save a model's state dict as ``<name>`` (e.g. the warm-started model)."""
+        _atomic_torch_save(self.path / name, dict(state_dict))
+
     def write_json(self, name: str, doc: Mapping[str, Any]) -> None:
         """Write ``doc`` as ``<name>`` (JSON) in the run directory."""
         (self.path / name).write_text(json.dumps(dict(doc), indent=2) + "\n")
