@@ -24,7 +24,7 @@ updated; the others keep the global values, whatever a client sends for them.
 from __future__ import annotations
 
 import math
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -259,7 +259,12 @@ class SubspaceDP(DPFedAvgFixed):
     def _metric_update(self, sketch: SketchAccumulator) -> None:
         """Release the sketch, estimate U, and adopt it if the PTR gate passes."""
         release = release_sketch(sketch, noise_multiplier=self.z_pmu, rng=self.rng)
-        estimate = estimate_subspace(release, self.rank, self.lambda_ptr)
+        try:
+            estimate = estimate_subspace(release, self.rank, self.lambda_ptr)
+        except ValueError as err:  # e.g. a numerically rank-deficient lift: nothing to adopt
+            log(WARNING, "subspace-dp round %d: PMU kept the metric: %s", self._round, err)
+            self._stats["subspace-pmu-adopted"] = 0.0
+            return
         if estimate.adopt:
             self.metric = SubspaceMetric(
                 basis=estimate.basis,

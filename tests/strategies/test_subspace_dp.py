@@ -200,3 +200,14 @@ def test_public_initial_basis_is_used_from_round_one():
     wrong = _wrapper(initial_basis=basis[:5])
     with pytest.raises(StopTraining, match="initial basis"):
         _round(wrong, {"w": np.zeros(10)}, [{"w": g}] * 3)
+
+
+def test_unusable_pmu_estimate_keeps_the_metric(monkeypatch):
+    def rank_deficient(*_args, **_kwargs):
+        raise ValueError("the vectors are linearly dependent: no rank-k basis")
+
+    monkeypatch.setattr("strategies.subspace_dp.estimate_subspace", rank_deficient)
+    strategy = _wrapper(reserve=0.2)
+    _, (arrays, metrics) = _round(strategy, {"w": np.zeros(20)}, [{"w": np.ones(20)}] * 3)
+    assert arrays is not None and metrics["subspace-pmu-adopted"] == 0.0
+    assert strategy.metric.rank == 0 and len(strategy.ledger.releases) == 1  # still charged
