@@ -191,7 +191,8 @@ class SubspaceDP(DPFedAvgFixed):
     ):
         """Set up the metric (isotropic at first) over the released arrays, then sample."""
         if self.metric is None:
-            mask = self._released_mask(arrays)
+            self._mask = self._released_mask(arrays)  # DPFedAvgFixed then keeps it
+            mask = self._mask
             dim = sum(a.size for a, keep in zip(arrays_of(arrays), mask, strict=True) if keep)
             if self.is_pmu_round(1) and dim * self.sketch_dim * 8 > MAX_SKETCH_BYTES:
                 raise StopTraining(
