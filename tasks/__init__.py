@@ -11,12 +11,21 @@ from typing import Any
 from tasks.base import Task
 from tasks.finance import FinanceTask
 from tasks.lunar_lander import LunarLanderTask
+from tasks.movielens import MovieLensTask
 from tasks.options import ConfigError
 from tasks.vision import CIFAR10Task, DigitsTask, EMNISTTask, MNISTTask
 
 REGISTRY: dict[str, type[Task]] = {
     cls.name: cls
-    for cls in (DigitsTask, MNISTTask, CIFAR10Task, EMNISTTask, LunarLanderTask, FinanceTask)
+    for cls in (
+        DigitsTask,
+        MNISTTask,
+        CIFAR10Task,
+        EMNISTTask,
+        LunarLanderTask,
+        FinanceTask,
+        MovieLensTask,
+    )
 }
 
 
