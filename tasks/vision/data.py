@@ -5,6 +5,14 @@ shipped with scikit-learn, so it works offline: a seeded stratified split holds 
 ``data.central-test-fraction`` as the central test set and the rest is partitioned.
 With a central warm start, :func:`split_public` splits the held-out set once more
 into public warm-start data and the central test set.
+
+Label groups (seed 004, Subspace-DP-FL: "group fairness metrics (digits vs.
+letters)" on EMNIST): :func:`label_groups` names disjoint sets of labels, EMNIST's
+``digits`` (0-9) and ``letters`` (10-61), or ``low`` / ``high`` halves of any label
+set, the offline stand-in on digits. :func:`thin_labels` keeps a seeded fraction of
+one group's training examples, making it a minority as EMNIST's letters are (each
+letter class is rarer than each digit class); :func:`group_metrics` turns per-label
+evaluation tallies into per-group accuracies and the fairness gap.
 ``mnist``, ``cifar10`` and ``emnist`` come from the Hugging Face Hub through
 ``flwr_datasets.FederatedDataset`` (see :mod:`tasks.vision.hub`).
 
@@ -15,6 +23,7 @@ partitioning settings, the partition id and the number of partitions.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -115,6 +124,11 @@ class TensorSplit:
         index = torch.as_tensor(positions, dtype=torch.long)
         ids = None if self.ids is None else self.ids[index]
         return TensorSplit(self.images[index], self.labels[index], ids)
+
+    def with_labels(self, labels: Collection[int]) -> TensorSplit:
+        """The examples whose label is in ``labels``, in order (possibly none)."""
+        wanted = np.isin(self.labels.numpy(), np.fromiter(labels, dtype=np.int64))
+        return self.subset(np.flatnonzero(wanted))
 
 
 @dataclass(frozen=True)
@@ -265,3 +279,108 @@ def load_digits_central_test(seed: int, central_test_fraction: float) -> Central
     """The digits central test set (cached per process)."""
     _, central = digits_central_split(seed, central_test_fraction)
     return CentralTestSet(digits_tensors().subset(central))
+
+
+# --- label groups (seed 004: digits vs. letters) -------------------------------------
+
+GROUPINGS = ("auto", "none", "digits-letters", "low-high")
+GROUP_KEEP_STREAM = 1  # tells the thinning generator apart from the local split's
+GROUP_ACCURACY = "eval-accuracy-{}"  # accuracy on the examples of one label group
+GROUP_NUM_EXAMPLES = "num-examples-{}"  # how many examples of the group were evaluated
+FAIRNESS_GAP = "fairness-gap"  # best minus worst accuracy over groups with an example
+
+
+def label_groups(grouping: str, num_classes: int) -> dict[str, tuple[int, ...]]:
+    """The named label groups of ``grouping``, in order (empty for ``"none"``).
+
+    Parameters
+    ----------
+    grouping : str
+        ``"none"``; ``"digits-letters"`` (EMNIST ByClass: ``digits`` = 0-9,
+        ``letters`` = 10-61); ``"low-high"`` (``low`` = labels below
+        ``num_classes / 2``, ``high`` = the rest).
+    num_classes : int
+        Number of labels ``0 .. num_classes - 1``.
+
+    Raises
+    ------
+    ValueError
+        If ``grouping`` is unknown, ``digits-letters`` meets other than 62 classes, or
+        ``low-high`` fewer than 2.
+    """
+    if grouping == "none":
+        return {}
+    if grouping == "digits-letters":
+        if num_classes != 62:
+            raise ValueError(f"'grouping' = 'digits-letters' needs 62 classes, got {num_classes}")
+        return {"digits": tuple(range(10)), "letters": tuple(range(10, 62))}
+    if grouping == "low-high":
+        if num_classes < 2:
+            raise ValueError(f"'grouping' = 'low-high' needs >= 2 classes, got {num_classes}")
+        half = (num_classes + 1) // 2
+        return {"low": tuple(range(half)), "high": tuple(range(half, num_classes))}
+    raise ValueError(
+        f"'grouping' = {grouping!r} is not valid; valid values: 'none', 'digits-letters', "
+        "'low-high'"
+    )
+
+
+def group_keep_rng(seed: int, partition_id: int) -> np.random.Generator:
+    """The generator that thins client ``partition_id``'s train split (``data.group-keep``)."""
+    return np.random.default_rng([seed, partition_id, GROUP_KEEP_STREAM])
+
+
+def thin_labels(
+    split: TensorSplit, labels: Collection[int], keep: float, rng: np.random.Generator
+) -> TensorSplit:
+    """Keep a random ``keep`` fraction of the examples whose label is in ``labels``.
+
+    Of the ``m`` matching examples ``max(1, round(keep * m))`` stay (none when
+    ``m = 0``), drawn without replacement from ``rng``; every other example stays, and
+    the order is kept. ``keep = 1`` returns ``split`` itself.
+
+    Raises
+    ------
+    ValueError
+        If ``keep`` is not in (0, 1].
+    """
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"'keep' = {keep!r} is out of range; valid range: (0, 1]")
+    matching = np.flatnonzero(np.isin(split.labels.numpy(), np.fromiter(labels, np.int64)))
+    if keep == 1.0 or matching.size == 0:
+        return split
+    num_keep = max(1, round(keep * matching.size))
+    dropped = rng.choice(matching, size=matching.size - num_keep, replace=False)
+    return split.subset(np.setdiff1d(np.arange(len(split)), dropped))
+
+
+def group_metrics(
+    correct: np.ndarray, counts: np.ndarray, groups: Mapping[str, Collection[int]]
+) -> dict[str, float]:
+    """Per-group accuracy and example count, and the fairness gap, from per-label tallies.
+
+    Every group reports ``eval-accuracy-<g>`` and ``num-examples-<g>``: a group without
+    examples in the split reports accuracy 0.0 with count 0, so that every client
+    sends the same keys; weight ``eval-accuracy-<g>`` by ``num-examples-<g>`` when
+    averaging over clients. ``fairness-gap`` is the largest minus the smallest
+    accuracy over the groups with at least one example (0.0 with fewer than two).
+
+    Parameters
+    ----------
+    correct, counts : numpy.ndarray
+        Right predictions and examples per true label
+        (:func:`~tasks.vision.task.tally_split`).
+    groups : Mapping
+        Group name -> its labels (indices into ``correct`` and ``counts``).
+    """
+    metrics: dict[str, float] = {}
+    seen = []
+    for name, labels in groups.items():
+        index = np.fromiter(labels, dtype=np.int64)
+        right, total = int(correct[index].sum()), int(counts[index].sum())
+        metrics[GROUP_ACCURACY.format(name)] = right / total if total else 0.0
+        metrics[GROUP_NUM_EXAMPLES.format(name)] = total
+        if total:
+            seen.append(right / total)
+    metrics[FAIRNESS_GAP] = max(seen) - min(seen) if seen else 0.0
+    return metrics

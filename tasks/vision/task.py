@@ -18,15 +18,24 @@ data before round 1 (:meth:`ImageClassificationTask.warm_start`), then, with
 (:func:`~tasks.vision.models.train_head_only`). No client's data is public: the public
 split is a seeded stratified ``subspace.public-fraction`` of the server's held-out set,
 and the central test set is the rest of it.
+
+Subspace-DP-FL also reports "group fairness metrics (digits vs. letters)" on EMNIST:
+with ``data.groups`` (``auto``: digits-letters on emnist), :meth:`evaluate` adds each
+group's accuracy and example count and the ``fairness-gap`` (best minus worst group
+accuracy), from the same pass as the loss. ``data.group-keep`` < 1 keeps only that
+fraction of the last group in every client's train split (the ``low-high`` stand-in
+on digits then has a minority group, as EMNIST has in its letters), and
+:meth:`~ImageClassificationTask.public_gradients` can be restricted to one group.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -61,15 +70,20 @@ from tasks.vision.data import (
     CIFAR10,
     DIGITS,
     EMNIST,
+    GROUPINGS,
     MNIST,
     CentralTestSet,
     ClientPartition,
     DatasetSpec,
     TensorSplit,
+    group_keep_rng,
+    group_metrics,
+    label_groups,
     load_digits_central_test,
     load_digits_partition,
     make_loader,
     split_public,
+    thin_labels,
 )
 from tasks.vision.gradients import per_example_gradients
 from tasks.vision.hierarchical import train_local_updates
@@ -104,6 +118,13 @@ VISION_OPTIONS: tuple[Option, ...] = (
            "Fraction held out as the central test set (digits; emnist has no test split).",
            low=0.05, high=0.5),
     Option("data.batch-size", 32, "Mini-batch size of local training and evaluation.", low=1),
+    Option("data.groups", "auto",
+           "Label groups of the fairness metrics; `auto`: digits-letters (emnist), none "
+           "(others); `low-high`: labels below num_classes / 2 vs the rest.",
+           choices=GROUPINGS),
+    Option("data.group-keep", 1.0,
+           "Fraction of the last label group kept in each client's train split (seeded).",
+           low=0.0, high=1.0, low_open=True),
     Option("model.name", "auto", "Model; `auto`: lenet (digits, mnist, emnist), cnn (cifar10).",
            choices=("auto", *MODEL_NAMES)),
     Option("train.local-epochs", 1, "Local epochs per round.", low=1),
@@ -151,6 +172,10 @@ class VisionConfig:
     """``data.central-test-fraction``: central test share of a dataset without test split."""
     batch_size: int
     """``data.batch-size``."""
+    groups: Mapping[str, tuple[int, ...]]
+    """``data.groups`` resolved: group name -> its labels, in order (empty: none)."""
+    group_keep: float
+    """``data.group-keep``: share of the last group kept in each client's train split."""
     model_name: str
     """``model.name`` with ``auto`` resolved (derived)."""
     local_epochs: int
@@ -262,19 +287,29 @@ def train_epoch(
 
 
 @torch.no_grad()
-def evaluate_split(
-    model: nn.Module, split: TensorSplit, batch_size: int, device: torch.device
-) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on ``split`` (0.0, 0.0 if empty)."""
+def tally_split(
+    model: nn.Module, split: TensorSplit, batch_size: int, device: torch.device, num_classes: int
+) -> tuple[float, np.ndarray, np.ndarray]:
+    """One evaluation pass of ``model`` over ``split``.
+
+    Returns
+    -------
+    tuple
+        The summed cross-entropy, and two int64 arrays of length ``num_classes``: right
+        predictions and examples, per true label.
+    """
     model.eval()
-    total_loss, correct = 0.0, 0
+    total_loss = 0.0
+    correct = torch.zeros(num_classes, dtype=torch.long)
+    counts = torch.zeros(num_classes, dtype=torch.long)
     for images, labels in make_loader(split, batch_size, shuffle=False):
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
-        correct += int((logits.argmax(dim=1) == labels).sum())
-    n = len(split)
-    return (total_loss / n, correct / n) if n else (0.0, 0.0)
+        right = labels[logits.argmax(dim=1) == labels]
+        correct += torch.bincount(right, minlength=num_classes).cpu()
+        counts += torch.bincount(labels, minlength=num_classes).cpu()
+    return total_loss, correct.numpy(), counts.numpy()
 
 
 class ImageClassificationTask(Task):
@@ -291,6 +326,8 @@ class ImageClassificationTask(Task):
     OPTIONS: ClassVar[tuple[Option, ...]] = VISION_OPTIONS
     SPEC: ClassVar[DatasetSpec]
     DEFAULT_MODEL: ClassVar[str] = "lenet"
+    GROUPINGS: ClassVar[tuple[str, ...]] = ("auto", "none", "low-high")  # data.groups
+    DEFAULT_GROUPING: ClassVar[str] = "none"  # what data.groups = auto means
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
@@ -306,6 +343,8 @@ class ImageClassificationTask(Task):
             test_fraction=float(opts["data.test-fraction"]),
             central_test_fraction=float(opts["data.central-test-fraction"]),
             batch_size=int(opts["data.batch-size"]),
+            groups=MappingProxyType(self._resolve_groups(str(opts["data.groups"]))),
+            group_keep=float(opts["data.group-keep"]),
             model_name=self.DEFAULT_MODEL if model_name == "auto" else model_name,
             local_epochs=int(opts["train.local-epochs"]),
             lr=float(opts["train.lr"]),
@@ -321,6 +360,8 @@ class ImageClassificationTask(Task):
             seed=int(seed),
         )
         self._check_classes_per_client()
+        self._check_group_keep()
+        self._thinned: dict[tuple[int, int], ClientPartition] = {}
         self._head_keys: tuple[str, ...] | None = None
         self._public_and_test: tuple[TensorSplit, TensorSplit] | None = None
 
@@ -331,6 +372,30 @@ class ImageClassificationTask(Task):
                 f"'data.classes-per-client' = {cfg.classes_per_client} exceeds the "
                 f"{num_classes} classes of {self.name}; valid range: [1, {num_classes}]"
             )
+
+    def _resolve_groups(self, grouping: str) -> dict[str, tuple[int, ...]]:
+        """The label groups ``data.groups`` names for this dataset (``auto`` resolved)."""
+        if grouping not in self.GROUPINGS:
+            raise ConfigError(
+                f"'data.groups' = {grouping!r} is not valid for {self.name}; valid values: "
+                + ", ".join(repr(g) for g in self.GROUPINGS)
+            )
+        grouping = self.DEFAULT_GROUPING if grouping == "auto" else grouping
+        return label_groups(grouping, self.SPEC.num_classes)
+
+    def _check_group_keep(self) -> None:
+        cfg = self.config
+        if cfg.group_keep < 1.0 and not cfg.groups:
+            raise ConfigError(
+                f"'data.group-keep' = {cfg.group_keep} thins the last label group, but "
+                f"{self.name} has none ('data.groups' resolves to 'none'); set "
+                "'data.group-keep' = 1 or 'data.groups' to one of "
+                + ", ".join(repr(g) for g in self.GROUPINGS if g not in ("auto", "none"))
+            )
+
+    def groups(self) -> dict[str, tuple[int, ...]]:
+        """The label groups of the fairness metrics, name -> labels (empty: none)."""
+        return dict(self.config.groups)
 
     @property
     def device(self) -> torch.device:
@@ -345,7 +410,26 @@ class ImageClassificationTask(Task):
         )
 
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
-        """Client ``partition_id`` of ``num_partitions``: local train and test splits."""
+        """Client ``partition_id`` of ``num_partitions``: local train and test splits.
+
+        With ``data.group-keep`` < 1 the train split keeps only that fraction of the
+        last label group's examples (:func:`~tasks.vision.data.thin_labels`, seeded
+        by the run seed and ``partition_id``); the local test split is untouched.
+        """
+        cfg = self.config
+        if cfg.group_keep == 1.0:
+            return self._load_partition(partition_id, num_partitions)
+        key = (partition_id, num_partitions)
+        if key not in self._thinned:
+            partition = self._load_partition(partition_id, num_partitions)
+            last = list(cfg.groups.values())[-1]
+            rng = group_keep_rng(cfg.seed, partition_id)
+            train = thin_labels(partition.train, last, cfg.group_keep, rng)
+            self._thinned[key] = replace(partition, train=train)
+        return self._thinned[key]
+
+    def _load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
+        """The (cached) partition as the partitioner made it."""
         cfg = self.config
         if self.SPEC.hf_id is None:
             return load_digits_partition(
@@ -408,13 +492,30 @@ class ImageClassificationTask(Task):
                 ) from err
         return self._public_and_test
 
-    def public_gradients(self, model: nn.Module, keys: Sequence[str]) -> np.ndarray:
+    def public_gradients(
+        self, model: nn.Module, keys: Sequence[str], labels: Collection[int] | None = None
+    ) -> np.ndarray:
         """Per-example gradients (n, d) on :meth:`load_public` w.r.t. the state-dict
         entries ``keys`` (:func:`~tasks.vision.gradients.per_example_gradients`): the
-        public geometry ``subspace.init = "public"`` starts from."""
-        return per_example_gradients(
-            model, self.load_public(), keys, batch_size=self.config.batch_size
-        )
+        public geometry ``subspace.init = "public"`` starts from.
+
+        With ``labels`` (e.g. one group of :meth:`groups`) only the public examples
+        whose label is in it are used.
+
+        Raises
+        ------
+        ValueError
+            If no public example has a label in ``labels``.
+        """
+        public = self.load_public()
+        if labels is not None:
+            public = public.with_labels(labels)
+            if len(public) == 0:
+                raise ValueError(
+                    f"'labels' = {sorted(labels)}: no public example of {self.name} has one "
+                    f"of these labels; valid labels: 0 .. {self.SPEC.num_classes - 1}"
+                )
+        return per_example_gradients(model, public, keys, batch_size=self.config.batch_size)
 
     def warm_start(self, model: nn.Module) -> dict[str, float]:
         """``subspace.warm-start`` epochs of SGD on :meth:`load_public`, in place.
@@ -603,12 +704,30 @@ class ImageClassificationTask(Task):
     def evaluate(
         self, model: nn.Module, data: ClientPartition | CentralTestSet | TensorSplit
     ) -> dict[str, float]:
-        """Loss and accuracy on a partition's local test split or the central test set."""
-        split = evaluation_split(data)
+        """Loss and accuracy on a partition's local test split or the central test set.
+
+        With label groups (``data.groups``) also each group's ``eval-accuracy-<g>`` and
+        ``num-examples-<g>`` and the ``fairness-gap``
+        (:func:`~tasks.vision.data.group_metrics`), from the same forward pass. All
+        metrics are 0.0 on an empty split.
+        """
+        cfg, split = self.config, evaluation_split(data)
         model.to(self.device)
-        loss, accuracy = evaluate_split(model, split, self.config.batch_size, self.device)
-        model.to("cpu")
-        return {NUM_EXAMPLES: len(split), EVAL_LOSS: float(loss), EVAL_ACCURACY: float(accuracy)}
+        try:
+            total_loss, correct, counts = tally_split(
+                model, split, cfg.batch_size, self.device, self.SPEC.num_classes
+            )
+        finally:
+            model.to("cpu")
+        n = len(split)
+        metrics: dict[str, float] = {
+            NUM_EXAMPLES: n,
+            EVAL_LOSS: total_loss / n if n else 0.0,
+            EVAL_ACCURACY: int(correct.sum()) / n if n else 0.0,
+        }
+        if cfg.groups:
+            metrics.update(group_metrics(correct, counts, cfg.groups))
+        return metrics
 
 
 class DigitsTask(ImageClassificationTask):
@@ -638,3 +757,5 @@ class EMNISTTask(ImageClassificationTask):
 
     name = "emnist"
     SPEC = EMNIST
+    GROUPINGS = ("auto", "none", "digits-letters", "low-high")
+    DEFAULT_GROUPING = "digits-letters"

@@ -4,9 +4,12 @@ Subspace-DP-FL's CIFAR-10 preset: "central warm-start ... head-only FedAvg". The
 public split is part of the server's held-out set, never client data.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 from tasks.base import DPSGD, EVAL_ACCURACY, LocalTraining, Task
@@ -14,7 +17,7 @@ from tasks.options import ConfigError
 from tasks.vision import CentralTestSet, DigitsTask, MNISTTask, TensorSplit
 from tasks.vision import task as vtask
 from tasks.vision.data import digits_central_split
-from tasks.vision.models import MODEL_NAMES, head_parameter_names, train_head_only
+from tasks.vision.models import MODEL_NAMES, build_model, head_parameter_names, train_head_only
 from tasks.vision.task import WARM_START_ACCURACY, WARM_START_LOSS
 
 DIGITS_CONFIG = {"seed": 42, "data.batch-size": 16, "train.lr": 0.02, "train.local-epochs": 1}
@@ -338,3 +341,71 @@ def test_train_head_only_rejects_unknown_keys():
         train_head_only(BatchNormNet(), ("fc.weight",)),
     ):
         pass
+
+
+# --- CIFAR-10 shape: resnet18 and mobilenet_v2 (3x32x32, 10 classes) --------------------
+
+CIFAR_HEADS = {
+    "resnet18": ("fc.weight", "fc.bias"),
+    "mobilenet_v2": ("classifier.1.weight", "classifier.1.bias"),
+}
+
+
+def _head_only_step(model: nn.Module, head: tuple[str, ...], *, head_only: bool) -> None:
+    """One SGD step (lr 0.1) in train mode on 4 seeded CIFAR-shaped images."""
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    context = train_head_only(model, head) if head_only else contextlib.nullcontext()
+    with context:
+        model.train()
+        loss = nn.functional.cross_entropy(model(images), torch.tensor([0, 3, 7, 9]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", sorted(CIFAR_HEADS))
+def test_head_only_step_at_cifar10_shape_changes_only_the_head(name):
+    # Prepare: the library's model as built for CIFAR-10.
+    model = build_model(name, in_channels=3, num_classes=10, image_size=32, seed=0)
+    head = head_parameter_names(model)
+    before = _state(model)
+
+    # Execute
+    _head_only_step(model, head, head_only=True)
+
+    # Assert: the head is the last linear (10 outputs); the body, buffers included, is
+    # bit-identical; GroupNorm everywhere, so there are no running statistics to move.
+    after = _state(model)
+    assert head == CIFAR_HEADS[name]
+    assert _last_linear(model).out_features == 10
+    assert all(torch.equal(before[k], after[k]) for k in before if k not in head)
+    assert all(not torch.equal(before[k], after[k]) for k in head)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", sorted(CIFAR_HEADS))
+def test_head_only_freezes_batchnorm_running_stats_of_torchvision_models(name):
+    # Prepare: torchvision's own BatchNorm variant, 10 classes, CIFAR-10 input.
+    def fresh() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return getattr(torchvision.models, name)(weights=None, num_classes=10)
+
+    model, control = fresh(), fresh()
+    head = head_parameter_names(model)
+    before = _state(model)
+
+    # Execute
+    _head_only_step(model, head, head_only=True)
+    _head_only_step(control, head, head_only=False)
+
+    # Assert: without head-only the running means move; with it nothing but the head.
+    after, moved = _state(model), _state(control)
+    stats = [
+        k for k in before if k.endswith(("running_mean", "running_var", "num_batches_tracked"))
+    ]
+    assert head == CIFAR_HEADS[name] and stats
+    assert all(not torch.equal(before[k], moved[k]) for k in stats if "running_mean" in k)
+    assert all(torch.equal(before[k], after[k]) for k in before if k not in head)
+    assert all(not torch.equal(before[k], after[k]) for k in head)
