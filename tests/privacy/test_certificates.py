@@ -49,7 +49,7 @@ def test_gdp_mu_composes_gaussian_releases_and_refuses_laplace():
     releases = [_release(2.0, count=10), _release(1.0)]
     assert gdp_mu_unamplified(releases) == pytest.approx(math.sqrt(10 / 4 + 1))
     assert gdp_mu_unamplified([]) == 0.0
-    assert gdp_mu_unamplified(releases + [_release(0.5, mechanism="laplace")]) is None
+    assert gdp_mu_unamplified([*releases, _release(0.5, mechanism="laplace")]) is None
     assert gdp_mu_unamplified(releases, unaccounted=True) is None
 
 
@@ -97,7 +97,9 @@ def test_spi_isotropic_is_k_sigma_squared():
 def test_spi_hand_computed_elliptical():
     # Spectrum {5, 3, 1, 1}: SPI(2) = 1 + 1/5, SPI(4) = 1 + 1/5 + 1/3 + 1/1.
     values = spi([5.0, 3.0], floor=1.0, dim=4, noise_multiplier=1.0, ks=(1, 2, 3, 4))
-    assert values == pytest.approx({1: 1.0, 2: 1.2, 3: 1 + 1 / 5 + 1 / 3, 4: 1 + 1 / 5 + 1 / 3 + 1})
+    assert values == pytest.approx(
+        {1: 1.0, 2: 1.2, 3: 1 + 1 / 5 + 1 / 3, 4: 1 + 1 / 5 + 1 / 3 + 1}
+    )
 
 
 def _ratio(p_inv: np.ndarray, basis: np.ndarray) -> float:
@@ -121,8 +123,7 @@ def test_spi_is_the_minimum_over_subspaces():
             q, _ = np.linalg.qr(rng.standard_normal((5, k)))
             assert _ratio(p_inv, q) >= values[k] - 1e-9
         best = min(
-            _ratio(p_inv, np.eye(5)[:, list(cols)])
-            for cols in itertools.combinations(range(5), k)
+            _ratio(p_inv, np.eye(5)[:, list(cols)]) for cols in itertools.combinations(range(5), k)
         )
         assert best == pytest.approx(values[k])
 
