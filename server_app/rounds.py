@@ -22,8 +22,31 @@ from flwr.serverapp.strategy import Strategy
 from strategies import StopTraining, keys
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
+# Per-group evaluation metrics (tasks.vision.data): a group's accuracy is weighted by
+# the group's own example count, and the gap is taken between the aggregated groups.
+GROUP_ACCURACY, GROUP_COUNT, FAIRNESS_GAP = "eval-accuracy-", "num-examples-", "fairness-gap"
 
 _SHOWN = ("loss", "accuracy", "reward", "epsilon")  # metric-name endings on the progress line
+
+
+def regroup(aggregated: MetricRecord | None, replies: list[Message]) -> MetricRecord | None:
+    """Re-weight per-group accuracies by ``num-examples-<group>`` (a weighted mean by
+    ``num-examples`` is wrong for them) and recompute ``fairness-gap`` from the result."""
+    if aggregated is None or FAIRNESS_GAP not in aggregated:
+        return aggregated
+    groups = [k[len(GROUP_COUNT) :] for k in aggregated if k.startswith(GROUP_COUNT)]
+    records = [m.content[keys.METRICS] for m in replies if not m.has_error()]
+    seen = []
+    for group in groups:
+        acc, count = GROUP_ACCURACY + group, GROUP_COUNT + group
+        pairs = [(float(r[acc]), float(r[count])) for r in records if acc in r and count in r]
+        total = sum(n for _, n in pairs)
+        aggregated[count] = total
+        aggregated[acc] = sum(a * n for a, n in pairs) / total if total else 0.0
+        if total:
+            seen.append(aggregated[acc])
+    aggregated[FAIRNESS_GAP] = max(seen) - min(seen) if seen else 0.0
+    return aggregated
 
 
 @dataclass
@@ -135,15 +158,17 @@ def run_rounds(
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
-        replies = grid.send_and_receive(
-            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
-            timeout=timeout,
+        replies = list(
+            grid.send_and_receive(
+                strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+                timeout=timeout,
+            )
         )
         result = RoundResult(
             server_round,
             arrays,
             train=train_metrics,
-            federated_eval=strategy.aggregate_evaluate(server_round, replies),
+            federated_eval=regroup(strategy.aggregate_evaluate(server_round, replies), replies),
             central_eval=central_eval(server_round, arrays) if central_eval else None,
             clients=clients,
         )

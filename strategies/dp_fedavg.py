@@ -43,6 +43,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
+from privacy.certificates import spi
 from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError
 from strategies import keys, partitions
 from strategies.base import (
@@ -123,6 +124,7 @@ class DPFedAvgFixed(TrainingWrapper):
         self.connect_timeout = connect_timeout
         self.released_keys = released_keys
         self._mask: list[bool] | None = None
+        self._released_dim = 0  # d of the released arrays, known from round 1
         self._round_state: tuple[ArrayRecord, set[int], int] | None = None
 
     # -- what one round releases ------------------------------------------------
@@ -202,6 +204,9 @@ class DPFedAvgFixed(TrainingWrapper):
         messages = add_to_config(messages, self.client_config())
         if self._mask is None:
             self._mask = self._released_mask(arrays)
+        if not self._released_dim:
+            kept = zip(arrays_of(arrays), self._mask, strict=True)
+            self._released_dim = sum(a.size for a, keep in kept if keep)
         sent = {m.metadata.dst_node_id for m in messages}
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
@@ -295,6 +300,15 @@ class DPFedAvgFixed(TrainingWrapper):
                 delta = mech.noise_client(delta, num_clients=m, rng=self.rng)
             total = delta if total is None else [t + d for t, d in zip(total, delta, strict=True)]
         return [t / m for t in total]
+
+    def spi_values(self) -> dict[int, float] | None:
+        """SPI(k) of the isotropic noise on the released arrays (``kσ²``; see
+        :mod:`privacy.certificates`); None before round 1."""
+        if not self._released_dim:
+            return None
+        return spi(
+            [], floor=1.0, dim=self._released_dim, noise_multiplier=self.update_noise_multiplier()
+        )
 
     def round_metrics(self, replies: list[Message]) -> dict[str, float]:
         """Extra per-round metrics (the adaptive subclass reports its clip norm)."""

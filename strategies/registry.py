@@ -193,6 +193,8 @@ def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
         pmu_every=int(o["subspace.pmu-every"]),
         lambda_ptr=float(o["subspace.lambda-ptr"]),
         pmu_reserve=float(o["subspace.pmu-budget-reserve"]),
+        allocation=str(o["subspace.allocation"]),
+        quantize_bits=int(o["subspace.quantize-bits"]),
         num_rounds=s.num_rounds,
         seed=s.seed,
         **_dp_fedavg_kwargs(s),

@@ -19,6 +19,20 @@ Gaussian mechanism replaced by the elliptical one of :mod:`privacy.subspace`:
 
 With ``released_keys`` (head-only training) only those arrays are clipped, noised and
 updated; the others keep the global values, whatever a client sends for them.
+
+Part 2 of the seed:
+
+* ``allocation`` splits the trace budget over U's directions by water-filling
+  (Theorem 5) or by the group-fairness program (Theorem 9), from the gradient energies
+  of the server's public samples along U (:attr:`SubspaceDP.public_samples`, set by the
+  app; no privacy cost), with the weights of :func:`privacy.allocation.distortion_weights`.
+* ``quantize_bits`` > 0 quantizes every clipped update in the metric's whitened
+  coordinates with subtractive dither (:mod:`privacy.quantization`), re-clips the
+  decoded update, and adds only the Gaussian top-up ``z_top`` so the total noise
+  covariance stays ``z_train²C²P⁻¹``. The ledger charges ``z_top`` alone: the uniform
+  quantization errors carry no DP guarantee. The server quantizes after its own clip
+  (clients do not hold U), so the bits are what a U-holding client would send.
+* :meth:`SubspaceDP.spi_values` gives SPI(k) of the most exposed metric the run used.
 """
 
 from __future__ import annotations
@@ -33,7 +47,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import Release, l2_sensitivity_factor
+from privacy.allocation import allocate
+from privacy.certificates import spi
 from privacy.mechanisms import NonFiniteUpdateError, make_generator
+from privacy.quantization import AnisotropicQuantizer, step_for_bits, topup_noise_multiplier
 from privacy.subspace import (
     EllipticalGaussianMechanism,
     SketchAccumulator,
@@ -44,12 +61,16 @@ from privacy.subspace import (
     pmu_noise_multiplier,
     release_sketch,
     sketch_matrix,
+    unflatten,
     uniform_allocation,
 )
 from strategies.base import InvalidReply, StopTraining, arrays_of
 from strategies.dp_fedavg import DPFedAvgFixed
 
 _SKETCH_STREAM = 0x5C  # the public JL matrix of each PMU round
+_DITHER_STREAM = 0xD7  # the shared dither of each (round, client) quantization
+ALLOCATIONS = ("uniform", "water-filling", "fairness")
+POOLED = "all"  # the key of the pooled public samples in SubspaceDP.public_samples
 # Largest PMU sketch (d x s float64) the server builds: 4 GiB.
 MAX_SKETCH_BYTES = 4 * 2**30
 
@@ -93,6 +114,10 @@ class SubspaceDP(DPFedAvgFixed):
     initial_basis : numpy.ndarray, optional
         A d×k orthonormal U computed from public data (no privacy cost) to start from;
         None: start isotropic (P = τI) until PMU adopts a subspace.
+    allocation : {"uniform", "water-filling", "fairness"}
+        How B is split over U's directions (see the module doc).
+    quantize_bits : int
+        0, or b >= 2 bits per whitened coordinate (see the module doc).
     **kwargs
         ``ledger``, ``rng``, ``min_available_nodes``, ``uniform_sampling``,
         ``connect_timeout``, ``released_keys`` as for :class:`DPFedAvgFixed`.
@@ -115,6 +140,8 @@ class SubspaceDP(DPFedAvgFixed):
         num_rounds: int,
         seed: int,
         initial_basis: np.ndarray | None = None,
+        allocation: str = "uniform",
+        quantize_bits: int = 0,
         **kwargs,
     ) -> None:
         super().__init__(
@@ -134,6 +161,25 @@ class SubspaceDP(DPFedAvgFixed):
             noise_multiplier, pmu_reserve, num_rounds, pmu_rounds(num_rounds, pmu_every)
         )
         self.initial_basis = initial_basis
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        self.allocation = allocation
+        # Group name -> public samples (n x d, e.g. per-example gradients); POOLED holds
+        # all of them. Set by the app before round 1 when allocation is not uniform.
+        self.public_samples: dict[str, np.ndarray] | None = None
+        self.quantize_bits = quantize_bits
+        self.z_noise = self.z_train  # the Gaussian noise actually added (and charged)
+        if quantize_bits:
+            try:
+                self.z_noise = topup_noise_multiplier(
+                    self.z_train,
+                    clip_norm=clip_norm,
+                    step=step_for_bits(clip_norm, quantize_bits),
+                    num_clients=num_sampled_clients,
+                )
+            except ValueError as err:
+                raise ValueError(f"'subspace.quantize-bits' = {quantize_bits}: {err}") from None
+        self._spectra: list[np.ndarray] = []  # τ + λ of every metric used, for SPI
         self.metric: SubspaceMetric | None = None
         self._round = 0
         self._stats: dict[str, float] = {}
@@ -144,8 +190,9 @@ class SubspaceDP(DPFedAvgFixed):
         return math.isfinite(self.z_pmu) and (server_round - 1) % self.pmu_every == 0
 
     def update_noise_multiplier(self) -> float:
-        """z_train = z/√(1 − r), the model-update share of the noise budget."""
-        return self.z_train
+        """The Gaussian noise multiplier of the update: z_train = z/√(1 − r), or its top-up
+        z_top when updates are quantized."""
+        return self.z_noise
 
     def release(self, server_round: int, population: int) -> list[Release]:
         """One Gaussian release: the update, joined by the sketch in PMU rounds."""
@@ -155,16 +202,22 @@ class SubspaceDP(DPFedAvgFixed):
         rank = int(self._stats.get("subspace-rank", self.metric.rank if self.metric else 0))
         note = (
             f"P-norm clip C = {self.clip_norm:g}, elliptical noise N(0, z^2 C^2 P^-1) with "
-            f"z_train = {self.z_train:.4f}, metric rank {rank} (tau {self.tau:g}): whitened by "
+            f"z = {self.z_noise:.4f}, metric rank {rank} (tau {self.tau:g}): whitened by "
             "P^1/2 a Gaussian mechanism with L2 sensitivity C"
         )
+        if self.quantize_bits:
+            note += (
+                f"; updates quantized to {self.quantize_bits} bits and re-clipped, Gaussian "
+                f"top-up z_top = {self.z_noise:.4f} of z_train = {self.z_train:.4f} (only the "
+                "Gaussian part is charged)"
+            )
         if not self.is_pmu_round(server_round):
             return [
                 Release(
-                    **{**update.__dict__, "noise_multiplier": self.z_train / factor, "note": note}
+                    **{**update.__dict__, "noise_multiplier": self.z_noise / factor, "note": note}
                 )
             ]
-        z = combined_noise_multiplier(self.z_train, self.z_pmu)
+        z = combined_noise_multiplier(self.z_noise, self.z_pmu)
         note += (
             f"; PMU sketch (sensitivity sqrt 2, z_pmu = {self.z_pmu:.4f}) of the same sample, "
             f"composed with the update as one Gaussian with z = {z:.4f}; the PTR gate reads "
@@ -202,6 +255,7 @@ class SubspaceDP(DPFedAvgFixed):
                     "'subspace.pmu-budget-reserve' = 0"
                 )
             self.metric = self._initial_metric(dim)
+            self._spectra.append(self.metric.tau + self.metric.lam)
         self._round = server_round
         return super().configure_train(server_round, arrays, config, grid)
 
@@ -213,14 +267,50 @@ class SubspaceDP(DPFedAvgFixed):
                 f"the public initial basis has shape {self.initial_basis.shape}, the released "
                 f"arrays need ({dim}, {self.rank})"
             )
-        lam = uniform_allocation(self.rank, self.trace_budget)
-        return SubspaceMetric(basis=self.initial_basis, lam=lam, tau=self.tau)
+        return self._metric_on(self.initial_basis)
+
+    def _metric_on(self, basis: np.ndarray) -> SubspaceMetric:
+        """The metric on U = ``basis`` with this run's trace allocation."""
+        return SubspaceMetric(basis=basis, lam=self._allocate(basis), tau=self.tau)
+
+    def _allocate(self, basis: np.ndarray) -> np.ndarray:
+        """λ over U's directions: uniform, water-filling or the fairness program."""
+        if self.allocation == "uniform":
+            return uniform_allocation(self.rank, self.trace_budget)
+        if not self.public_samples or POOLED not in self.public_samples:
+            raise StopTraining(
+                f"'subspace.allocation' = {self.allocation!r} needs the public samples, "
+                "which the app did not provide"
+            )
+        groups = {g: x for g, x in self.public_samples.items() if g != POOLED}
+        lam, fair = allocate(
+            self.allocation,
+            basis,
+            self.public_samples[POOLED],
+            groups,
+            tau=self.tau,
+            budget=self.trace_budget,
+        )
+        if fair is not None:
+            log(
+                INFO,
+                "subspace-dp: fairness allocation, group distortions %s (max %.4g, gap %.2g)",
+                ", ".join(f"{g} {d:.4g}" for g, d in zip(groups, fair.distortions, strict=True)),
+                fair.max_distortion,
+                fair.gap,
+            )
+        return lam
 
     def _private_mean(self, deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
         """Clip each released delta in the P-norm, add elliptical noise, average; run PMU."""
         assert self.metric is not None
         m = len(deltas)
-        mech = EllipticalGaussianMechanism(self.metric, self.clip_norm, self.z_train)
+        mech = EllipticalGaussianMechanism(self.metric, self.clip_norm, self.z_noise)
+        quantizer = (
+            AnisotropicQuantizer(self.metric, self.clip_norm, self.quantize_bits)
+            if self.quantize_bits
+            else None
+        )
         pmu = self.is_pmu_round(self._round)
         sketch = (
             SketchAccumulator(
@@ -233,8 +323,8 @@ class SubspaceDP(DPFedAvgFixed):
             if pmu
             else None
         )
-        total, norms, clipped = None, [], 0
-        for released in deltas:
+        total, norms, clipped, errors = None, [], 0, []
+        for index, released in enumerate(deltas):
             try:
                 result = mech.clip(released)
             except NonFiniteUpdateError as err:  # checked already; defensive
@@ -243,7 +333,11 @@ class SubspaceDP(DPFedAvgFixed):
             clipped += result.clipped
             if sketch is not None:
                 sketch.add(flatten(released))
-            arrays = [np.asarray(a, dtype=np.float64) for a in result.arrays]
+            arrays = result.arrays
+            if quantizer is not None:
+                arrays, error = self._quantized(quantizer, mech, arrays, index)
+                errors.append(error)
+            arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
             if total is not None:
                 arrays = [t + a for t, a in zip(total, arrays, strict=True)]
             total = arrays
@@ -253,9 +347,42 @@ class SubspaceDP(DPFedAvgFixed):
             "subspace-mean-pnorm": float(np.mean(norms)),
             "subspace-rank": float(self.metric.rank),
         }
+        if quantizer is not None:
+            self._stats["subspace-quant-bits-per-update"] = float(
+                quantizer.bits_per_update(self.metric.dim)
+            )
+            self._stats["subspace-quant-error"] = float(np.mean(errors))
         if sketch is not None:
             self._metric_update(sketch)
         return [n / m for n in noised]
+
+    def _quantized(
+        self,
+        quantizer: AnisotropicQuantizer,
+        mech: EllipticalGaussianMechanism,
+        arrays: list[np.ndarray],
+        index: int,
+    ) -> tuple[list[np.ndarray], float]:
+        """Encode and decode one clipped update with its shared dither; re-clip the result
+        (sensitivity C whatever the decoding did). Returns it and ``‖x̂ − x‖²``."""
+        x = flatten(arrays)
+        codes = quantizer.encode(x, make_generator(self.seed, self._round, _DITHER_STREAM, index))
+        decoded = quantizer.decode(
+            codes, make_generator(self.seed, self._round, _DITHER_STREAM, index)
+        )
+        error = float(np.sum((decoded - x) ** 2))
+        return mech.clip(unflatten(decoded, arrays)).arrays, error
+
+    def spi_values(self) -> dict[int, float] | None:
+        """SPI(k) of the most exposed metric the run used (total noise z_train; see
+        :mod:`privacy.certificates`); None before round 1."""
+        if not self._spectra:
+            return None
+        per_metric = [
+            spi(top, floor=self.tau, dim=self._released_dim, noise_multiplier=self.z_train)
+            for top in self._spectra
+        ]
+        return {k: min(values[k] for values in per_metric) for k in per_metric[0]}
 
     def _metric_update(self, sketch: SketchAccumulator) -> None:
         """Release the sketch, estimate U, and adopt it if the PTR gate passes."""
@@ -267,11 +394,8 @@ class SubspaceDP(DPFedAvgFixed):
             self._stats["subspace-pmu-adopted"] = 0.0
             return
         if estimate.adopt:
-            self.metric = SubspaceMetric(
-                basis=estimate.basis,
-                lam=uniform_allocation(self.rank, self.trace_budget),
-                tau=self.tau,
-            )
+            self.metric = self._metric_on(estimate.basis)
+            self._spectra.append(self.metric.tau + self.metric.lam)
         self._stats.update(
             {
                 "subspace-pmu-adopted": float(estimate.adopt),
@@ -302,7 +426,8 @@ class SubspaceDP(DPFedAvgFixed):
         log(
             INFO,
             "\t├──> Subspace-DP: k = %d, tau = %g, trace B = %g, sketch s = %d, PMU every %d "
-            "rounds (reserve %g, z_pmu %.4g), lambda_ptr %g, z_train %.4g",
+            "rounds (reserve %g, z_pmu %.4g), lambda_ptr %g, z_train %.4g, allocation %s, "
+            "quantization %s",
             self.rank,
             self.tau,
             self.trace_budget,
@@ -312,5 +437,9 @@ class SubspaceDP(DPFedAvgFixed):
             self.z_pmu,
             self.lambda_ptr,
             self.z_train,
+            self.allocation,
+            f"{self.quantize_bits} bits (z_top {self.z_noise:.4g})"
+            if self.quantize_bits
+            else "off",
         )
         super().summary()

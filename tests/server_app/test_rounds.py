@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from server_app.rounds import participation
+import pytest
+from flwr.app import MetricRecord
+
+from server_app.rounds import participation, regroup
 from tests.fakes import error_from, instruction, reply_from
 
 
@@ -23,3 +26,32 @@ def test_participation_has_one_row_per_client_sent_a_message():
         {"round": 4, "node-id": 5, "replied": False, "error": "out of memory"},
         {"round": 4, "node-id": 7, "replied": False, "error": "no reply"},
     ]  # fmt: skip
+
+
+def test_regroup_weights_group_accuracy_by_the_group_count():
+    # Client 1: 90 "low" examples, all right, 10 "high", none right; client 2: 10 low
+    # (half right), 90 high (all right). By num-examples both weigh 100: a plain weighted
+    # mean would say low 0.75, high 0.5; by group counts low = 95/100, high = 90/100.
+    replies = [
+        reply_from(1, None, {"num-examples": 100, "eval-accuracy-low": 1.0,
+                             "num-examples-low": 90, "eval-accuracy-high": 0.0,
+                             "num-examples-high": 10, "fairness-gap": 1.0}, kind="evaluate"),
+        reply_from(2, None, {"num-examples": 100, "eval-accuracy-low": 0.5,
+                             "num-examples-low": 10, "eval-accuracy-high": 1.0,
+                             "num-examples-high": 90, "fairness-gap": 0.5}, kind="evaluate"),
+        error_from(3),
+    ]  # fmt: skip
+    aggregated = MetricRecord(
+        {"eval-accuracy-low": 0.75, "num-examples-low": 50.0, "eval-accuracy-high": 0.5,
+         "num-examples-high": 50.0, "fairness-gap": 0.75, "num-examples": 200.0}
+    )  # fmt: skip
+
+    out = regroup(aggregated, replies)
+
+    assert out["eval-accuracy-low"] == pytest.approx(0.95)
+    assert out["eval-accuracy-high"] == pytest.approx(0.90)
+    assert out["num-examples-low"] == 100 and out["num-examples-high"] == 100
+    assert out["fairness-gap"] == pytest.approx(0.05)
+    assert regroup(None, replies) is None
+    plain = MetricRecord({"eval-accuracy": 0.5})
+    assert regroup(plain, replies) is plain
