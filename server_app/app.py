@@ -15,8 +15,7 @@ from threadpoolctl import threadpool_limits
 
 import strategies
 import tasks
-from privacy.subspace import top_subspace
-from server_app import config
+from server_app import certify, config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
 from server_app.rounds import run_rounds
 from strategies import keys
@@ -113,6 +112,7 @@ def _run(grid: Grid, context: Context) -> None:
         if head_only:  # DP wrappers release (and update) only the head's arrays
             settings = replace(settings, released_keys=task.head_keys())
         strategy = strategies.build(cfg.privacy, settings)
+        subspace_setup.check(cfg, task)
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
@@ -136,15 +136,8 @@ def _run(grid: Grid, context: Context) -> None:
         run_dir.write_model("warm-start.pt", model.state_dict())
     if head_only:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
-    if cfg.privacy == "subspace-dp" and cfg.options["subspace.init"] == "public":
-        released = task.head_keys() if head_only else tuple(model.state_dict())
-        gradients = task.public_gradients(model, released)
-        strategy.initial_basis = top_subspace(gradients, int(cfg.options["subspace.rank"]))
-        log(
-            INFO,
-            "Subspace-DP: initial metric from %d public per-example gradients (no privacy cost)",
-            len(gradients),
-        )
+    released = task.head_keys() if head_only else tuple(model.state_dict())
+    subspace_setup.prepare(cfg, task, model, strategy, released)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
         central = _central_eval(task, model, base)
@@ -187,6 +180,7 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         run_dir.write_ledger(ledger)
         _log_privacy_summary(ledger, cfg)
+        certify.report(run_dir, ledger, strategy)
     log(INFO, "Results: %s", run_dir.path)
 
 

@@ -291,6 +291,22 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
         high_open=True,
     ),
     Option(
+        "subspace.allocation",
+        "uniform",
+        "Subspace-DP: how the trace budget is split over U's directions: `uniform` (B/k), "
+        "`water-filling` (Theorem 5, from the public split's gradient energies) or "
+        "`fairness` (Theorem 9: minimise the largest group distortion; needs `data.groups`).",
+        choices=("uniform", "water-filling", "fairness"),
+    ),
+    Option(
+        "subspace.quantize-bits",
+        0,
+        "Subspace-DP: quantize each clipped update to this many bits per coordinate in the "
+        "metric's whitened coordinates, with a Gaussian top-up (0: off; 2..16).",
+        low=0,
+        high=16,
+    ),
+    Option(
         "dp.per-example",
         False,
         "CG-NG: clip per example (Opacus) and noise every step, then accounted as "
@@ -474,10 +490,19 @@ def _check_subspace(cfg: RunConfig) -> None:
             f"'subspace.rank' = {rank} must be below 'subspace.sketch-dim' = {sketch} (PMU "
             "takes the top-k eigenpairs of an s x s sketch and tests the gap to the next)"
         )
-    if o["subspace.init"] == "public" and int(o.get("subspace.warm-start", 0)) == 0:
+    for key, value, default in (
+        ("subspace.init", o["subspace.init"], "isotropic"),
+        ("subspace.allocation", o["subspace.allocation"], "uniform"),
+    ):
+        if value != default and int(o.get("subspace.warm-start", 0)) == 0:
+            raise ConfigError(
+                f"{key!r} = {value!r} needs public data: set 'subspace.warm-start' > 0 (a "
+                f"vision task's public split of the held-out set), or {key!r} = {default!r}"
+            )
+    if int(o["subspace.quantize-bits"]) == 1:
         raise ConfigError(
-            "'subspace.init' = 'public' needs public data: set 'subspace.warm-start' > 0 (a "
-            "vision task's public split of the held-out set), or 'subspace.init' = 'isotropic'"
+            "'subspace.quantize-bits' = 1 cannot code a coordinate of a clipped update "
+            "(the dithered codes take at least three values); valid values: 0 (off) or 2..16"
         )
     if str(o["dp.noise-site"]) != "server":
         raise ConfigError(

@@ -1,0 +1,64 @@
+"""What subspace-dp takes from public data before round 1 (seed 004), at no privacy cost.
+
+The server's public split (the vision tasks' warm-start data) gives per-example
+gradients of the released arrays; from them the app sets the strategy's initial U
+(``subspace.init = "public"``) and the samples its trace allocation reads
+(``subspace.allocation``: pooled, and per group for the fairness program).
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+
+import torch
+from flwr.common.logger import log
+
+from privacy.subspace import top_subspace
+from server_app.config import RunConfig
+from strategies.subspace_dp import POOLED, SubspaceDP
+from tasks.base import Task
+from tasks.options import ConfigError
+
+
+def check(cfg: RunConfig, task: Task) -> None:
+    """Refuse, before any work, what the task cannot provide."""
+    if cfg.privacy != "subspace-dp" or cfg.options["subspace.allocation"] != "fairness":
+        return
+    groups = task.groups() if hasattr(task, "groups") else {}
+    if len(groups) < 2:
+        raise ConfigError(
+            "'subspace.allocation' = 'fairness' balances groups of the data: task "
+            f"{cfg.task!r} has {len(groups)} group(s) here; set 'data.groups' (e.g. "
+            "'low-high', or 'digits-letters' on emnist) or another 'subspace.allocation'"
+        )
+
+
+def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, released) -> None:
+    """Give ``strategy`` (when it is subspace-dp) its public basis and samples."""
+    if not isinstance(strategy, SubspaceDP):
+        return
+    o = cfg.options
+    wants_basis = o["subspace.init"] == "public"
+    if not wants_basis and strategy.allocation == "uniform":
+        return
+    gradients = task.public_gradients(model, released)
+    if wants_basis:
+        strategy.initial_basis = top_subspace(gradients, int(o["subspace.rank"]))
+        log(
+            INFO,
+            "Subspace-DP: initial metric from %d public per-example gradients (no privacy cost)",
+            len(gradients),
+        )
+    if strategy.allocation == "uniform":
+        return
+    samples = {POOLED: gradients}
+    if strategy.allocation == "fairness":
+        for name, labels in task.groups().items():
+            samples[name] = task.public_gradients(model, released, labels=labels)
+    strategy.public_samples = samples
+    log(
+        INFO,
+        "Subspace-DP: %s allocation from public gradients (%s)",
+        strategy.allocation,
+        ", ".join(f"{name} {len(x)}" for name, x in samples.items()),
+    )
