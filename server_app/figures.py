@@ -1,0 +1,423 @@
+"""Paper figures over finished run directories: utility against ε, per-group fairness,
+the privacy ledger stacked by release kind, and SPI(k).
+
+Seed 004 (Subspace-DP-FL, ``/work/shared/seeds/004_faf96a1cb9f07583.txt``) claims
+utility-privacy trade-offs, group fairness, rigorous client-level accounting and an
+SPI(k) "Subspace Privacy Index"; these figures show each of them for any set of runs::
+
+    python -m server_app.figures PATH [PATH ...] --out DIR [--metric eval-accuracy]
+
+A PATH is a run directory (``config.json`` + ``metrics.csv``, see
+:mod:`server_app.results`) or a directory holding some at any depth. Runs whose
+run-configs differ only in ``seed`` (and ``output-dir``) are one configuration: mean ±
+std (ddof 1) over its runs. DIR gets ``utility_vs_epsilon.png``, ``fairness.png``,
+``ledger.png``, ``spi.png`` (each skipped, with the reason printed, when no run has
+its data; drawn by :mod:`server_app.figures_plots`) and ``figures.csv``.
+
+ε does not add, so the ledger bands are exact increments: with the kinds ordered
+(most releases first), band j at round r is ε(releases of kinds 1..j up to r) −
+ε(kinds 1..j−1 up to r), each from a fresh :class:`~privacy.accounting.PrivacyLedger`
+of the run's config; the top of the stack is the run's own ε.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tomllib
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+import pandas as pd
+
+from privacy.accounting import PrivacyLedger
+from server_app import figures_plots as fplots
+from server_app.figures_plots import GAP, GROUP_PREFIX, SCOPE
+from server_app.results import load_metrics
+
+DEFAULT_METRICS = ("eval-accuracy", "eval-auc", "eval-r2", "eval-reward")
+NOT_CONFIGURATION = ("seed", "output-dir")  # run-config keys that leave the configuration
+NOT_METRICS = ("round", "scope", "elapsed-s", "task", "strategy", "privacy", "seed", "run")
+MAX_LEDGER_POINTS = 50
+TAGS = ("task", "strategy", "privacy")  # run-config keys copied into figures.csv
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+class FiguresError(ValueError):
+    """Bad input: a PATH without run directories, an unknown --metric, an unreadable run."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run directory, read."""
+
+    path: Path
+    config: dict[str, Any]
+    """The resolved run-config (``config.json["run-config"]``)."""
+    metrics: pd.DataFrame
+    """``metrics.csv``, metric columns numeric (non-finite → NaN)."""
+    ledger: dict | None
+    """``ledger.json`` (``summary`` and ``state``), or None."""
+    certificates: dict | None
+    """``certificates.json``, or None."""
+
+
+@dataclass(frozen=True)
+class LedgerStack:
+    """A run's ε over rounds, stacked by release kind (see the module docstring)."""
+
+    rounds: np.ndarray
+    kinds: tuple[str, ...]
+    """Release kinds, bottom band first."""
+    cumulative: np.ndarray
+    """``[j, i]``: ε of the releases of ``kinds[:j + 1]`` up to ``rounds[i]``."""
+    epsilon: float
+    """The ledger's own ε over all its releases."""
+    delta: float
+
+    @property
+    def bands(self) -> np.ndarray:
+        """``[j, i]``: the ε that kind j adds on top of the kinds below it."""
+        return np.diff(self.cumulative, axis=0, prepend=np.zeros((1, self.rounds.size)))
+
+
+def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Every run directory in ``paths`` (each a run directory or holds some), in order."""
+    found: dict[Path, None] = {}
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise FiguresError(f"PATH {str(path)!r} is not a directory")
+        runs = [path] if _is_run_dir(path) else sorted(_nested_runs(path))
+        if not runs:
+            raise FiguresError(
+                f"PATH {str(path)!r} holds no run directory (a directory with config.json "
+                "and metrics.csv), at any depth"
+            )
+        found.update(dict.fromkeys(run.resolve() for run in runs))
+    return list(found)
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "metrics.csv").is_file()
+
+
+def _nested_runs(path: Path) -> list[Path]:
+    return [c.parent for c in path.rglob("config.json") if _is_run_dir(c.parent)]
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FiguresError(f"cannot read {path}: {err}") from None
+
+
+def load_run(path: Path) -> Run:
+    """Read one run directory (``ledger.json`` and ``certificates.json`` optional)."""
+    try:
+        metrics = load_metrics(path)
+        config = json.loads((path / "config.json").read_text())["run-config"]
+    except (OSError, ValueError, KeyError) as err:
+        raise FiguresError(f"cannot read the run {path}: {err!r}") from None
+    for column in [c for c in metrics.columns if c not in NOT_METRICS or c == "round"]:
+        metrics[column] = pd.to_numeric(metrics[column], errors="coerce")
+    metrics = metrics.replace([np.inf, -np.inf], np.nan)
+    ledger, certificates = _read_json(path / "ledger.json"), _read_json(path / "certificates.json")
+    return Run(path, config, metrics, ledger, certificates)
+
+
+def available_metrics(runs: Sequence[Run]) -> list[str]:
+    """Metric columns some run reports in its ``SCOPE`` rows."""
+    found: dict[str, None] = {}
+    for run in runs:
+        rows = run.metrics[run.metrics["scope"] == SCOPE]
+        for column in rows.columns:
+            skip = column in NOT_METRICS or column.startswith("num-examples")
+            if not skip and rows[column].notna().any():
+                found[column] = None
+    return list(found)
+
+
+def choose_metric(runs: Sequence[Run], metric: str | None) -> str:
+    """``metric`` if reported, else (None) the first of ``DEFAULT_METRICS`` reported."""
+    valid = available_metrics(runs)
+    if metric is None:
+        metric = next((m for m in DEFAULT_METRICS if m in valid), None)
+        if metric is None:
+            raise FiguresError(
+                f"--metric: none of {list(DEFAULT_METRICS)} is reported in the runs' {SCOPE} "
+                f"rows; give one of {valid}"
+            )
+    elif metric not in valid:
+        raise FiguresError(f"--metric {metric!r} is not in the runs' {SCOPE} rows; valid: {valid}")
+    return metric
+
+
+def app_defaults(pyproject: Path = PYPROJECT) -> dict[str, Any]:
+    """Run-config defaults (``[tool.flwr.app.config]``, flattened); {} if unreadable."""
+    try:
+        doc = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return {}
+
+    def flat(table: Mapping, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in table.items():
+            nested = isinstance(value, dict)
+            out |= flat(value, f"{prefix}{key}.") if nested else {prefix + key: value}
+        return out
+
+    return flat(doc)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def configuration_labels(
+    configs: Sequence[Mapping[str, Any]], defaults: Mapping[str, Any] | None = None
+) -> list[str]:
+    """``privacy / strategy`` (``/ task`` if tasks differ), then ``key=value`` of every key
+    that differs between ``configs`` where this config's value is not the default."""
+    defaults = app_defaults() if defaults is None else defaults
+    skip = {*NOT_CONFIGURATION, "task", "strategy", "privacy"}
+    keys = sorted({key for config in configs for key in config} - skip)
+    differ = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in configs}) > 1]
+    tasks = len({c.get("task") for c in configs}) > 1
+    labels: list[str] = []
+    for config in configs:
+        head = f"{config.get('privacy')} / {config.get('strategy')}"
+        head += f" / {config.get('task')}" if tasks else ""
+        keep = [k for k in differ if k not in defaults or config.get(k) != defaults[k]]
+        label = head + (
+            ": " + ", ".join(f"{k}={_text(config.get(k))}" for k in keep) if keep else ""
+        )
+        labels.append(label if label not in labels else f"{label} #{len(labels) + 1}")
+    return labels
+
+
+def _seed_order(seed: Any) -> tuple[int, float, str]:
+    return (0, seed, "") if isinstance(seed, int | float) else (1, 0.0, str(seed))
+
+
+def configurations(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by run-config without ``NOT_CONFIGURATION`` keys; label → runs by seed."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        kept = {k: v for k, v in run.config.items() if k not in NOT_CONFIGURATION}
+        groups.setdefault(json.dumps(kept, sort_keys=True, default=str), []).append(run)
+    members = list(groups.values())
+    labels = configuration_labels([group[0].config for group in members])
+    ordered = sorted(zip(labels, members, strict=True), key=lambda pair: pair[0])
+    return {
+        label: sorted(group, key=lambda r: (_seed_order(r.config.get("seed")), str(r.path)))
+        for label, group in ordered
+    }
+
+
+def final_value(rows: pd.DataFrame, column: str) -> float:
+    """``column`` in the highest-round row that reports it; NaN when none does."""
+    if column not in rows:
+        return math.nan
+    values = rows.dropna(subset=[column]).sort_values("round", kind="stable")[column]
+    return float(values.iloc[-1]) if len(values) else math.nan
+
+
+def final_epsilon(run: Run) -> float:
+    """The ledger summary's ε; ∞ without a client-level ε (privacy none and no ledger, or
+    a null summary ε); NaN for a private run without ``ledger.json``."""
+    if run.ledger is None:
+        return math.inf if run.config.get("privacy") == "none" else math.nan
+    epsilon = run.ledger.get("summary", {}).get("epsilon")
+    return math.inf if epsilon is None else float(epsilon)
+
+
+def run_values(run: Run, metric: str) -> dict[str, Any]:
+    """One run's final numbers: utility, ε, δ, per-group accuracy, fairness gap, μ-GDP."""
+    rows = run.metrics[run.metrics["scope"] == SCOPE]
+    groups = {c: final_value(rows, c) for c in rows.columns if c.startswith(GROUP_PREFIX)}
+    groups = {c: v for c, v in groups.items() if not math.isnan(v)}
+    gap = final_value(rows, GAP)
+    if math.isnan(gap) and len(groups) > 1:
+        gap = max(groups.values()) - min(groups.values())
+    summary = (run.ledger or {}).get("summary", {})
+    mu = (run.certificates or {}).get("gdp-mu")
+    return {
+        "seed": run.config.get("seed"),
+        "run": str(run.path),
+        "utility": final_value(rows, metric),
+        "epsilon": final_epsilon(run),
+        "delta": summary.get("target-delta", math.nan),
+        "fairness_gap": gap,
+        "gdp_mu": math.nan if mu is None else float(mu),
+        **groups,
+    }
+
+
+def _mean_std(name: str, values: pd.Series) -> dict[str, float]:
+    return {f"{name}_mean": values.mean(), f"{name}_std": values.std()}
+
+
+def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame:
+    """``figures.csv``: one row per configuration, mean ± std (ddof 1) over its runs; ε is
+    the mean (∞ without DP) and its std over runs with a finite ε only."""
+    rows = []
+    for label, runs in configs.items():
+        values = pd.DataFrame([run_values(run, metric) for run in runs])
+        eps = values["epsilon"].astype(float)
+        row = {"configuration": label} | {k: runs[0].config.get(k) for k in TAGS}
+        row |= {"n_seeds": values["seed"].nunique(), "n_runs": len(values), "metric": metric}
+        row |= {"seeds": " ".join(sorted({str(seed) for seed in values["seed"]}))}
+        row |= _mean_std("utility", values["utility"])
+        row |= {
+            "epsilon": eps.mean(),
+            "epsilon_std": eps.std() if np.isfinite(eps).all() else math.nan,
+        }
+        row |= {"delta": values["delta"].max(), "gdp_mu": values["gdp_mu"].mean()}
+        row |= _mean_std("fairness_gap", values["fairness_gap"])
+        for group in [c for c in values.columns if c.startswith(GROUP_PREFIX)]:
+            row |= _mean_std(group, values[group])
+        rows.append(row | {"runs": ";".join(values["run"])})
+    return pd.DataFrame(rows)
+
+
+def evaluation_rounds(first: int, last: int, max_points: int = MAX_LEDGER_POINTS) -> np.ndarray:
+    """At most ``max_points`` rounds evenly spaced from ``first`` to ``last`` (both in)."""
+    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
+        raise ValueError(f"max_points must be an integer >= 2, got {max_points!r}")
+    count = min(max_points, last - first + 1)
+    return np.unique(np.rint(np.linspace(first, last, count)).astype(int))
+
+
+def stack_ledger(state: Mapping[str, Any], *, max_points: int = MAX_LEDGER_POINTS) -> LedgerStack:
+    """ε of a ledger state over rounds, stacked by release kind (most releases first).
+
+    Each point charges the filtered releases into a fresh ledger of the same config
+    (no ``max_epsilon``: only ε is read), so the top equals the ledger's ε.
+    """
+    ledger = PrivacyLedger.from_state_dict(dict(state))
+    releases = ledger.releases
+    if not releases:
+        raise FiguresError("the ledger holds no accounted release")
+    counts, first = Counter(), {}
+    for index, release in enumerate(releases):
+        counts[release.kind] += release.count
+        first.setdefault(release.kind, index)
+    kinds = tuple(sorted(counts, key=lambda kind: (-counts[kind], first[kind])))
+    rounds = [r.server_round for r in releases]
+    at = evaluation_rounds(min(rounds), max(rounds), max_points)
+    config = asdict(ledger.config) | {"max_epsilon": None}
+    cumulative = np.zeros((len(kinds), at.size))
+    for j in range(len(kinds)):
+        for i, server_round in enumerate(at):
+            chosen = [
+                r for r in releases if r.kind in kinds[: j + 1] and r.server_round <= server_round
+            ]
+            fresh = PrivacyLedger(**config)
+            fresh.charge(chosen)
+            cumulative[j, i] = fresh.epsilon()
+    return LedgerStack(at, kinds, cumulative, ledger.epsilon(), ledger.target_delta)
+
+
+def ledger_stacks(
+    configs: Mapping[str, Sequence[Run]], echo: Callable[[str], None] = print
+) -> dict[str, tuple[LedgerStack, Any]]:
+    """``{label: (stack, seed)}`` of each configuration's first run with accounted releases;
+    a stack whose top differs from the ledger's ε is reported through ``echo``."""
+    stacks = {}
+    for label, runs in configs.items():
+        states = [r for r in runs if r.ledger and r.ledger.get("state", {}).get("releases")]
+        if not states:
+            continue
+        run = states[0]
+        try:
+            stack = stack_ledger(run.ledger["state"])
+        except ValueError as err:  # AccountingError: a state this code cannot replay
+            echo(f"skipped the ledger of {run.path}: {err}")
+            continue
+        top = stack.cumulative[-1, -1]
+        if not math.isclose(top, stack.epsilon, rel_tol=1e-9, abs_tol=1e-12):
+            echo(f"warning: {run.path}: stacked ε {top:.6g} != the ledger's {stack.epsilon:.6g}")
+        stacks[label] = (stack, run.config.get("seed"))
+    return stacks
+
+
+def build_figures(
+    paths: Sequence[str | Path],
+    out: Path,
+    *,
+    metric: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> pd.DataFrame:
+    """Write every figure and ``figures.csv`` of the runs under ``paths`` into ``out``;
+    return the ``figures.csv`` table.
+
+    Raises
+    ------
+    FiguresError
+        A PATH without run directories, an unreadable run, or an unreported ``metric``.
+    """
+    runs = [load_run(path) for path in find_run_dirs(paths)]
+    metric = choose_metric(runs, metric)
+    configs = configurations(runs)
+    summary = summarise(configs, metric)
+    out.mkdir(parents=True, exist_ok=True)
+    figure = fplots.plot_utility_vs_epsilon(summary, metric)
+    fplots.save_or_skip(figure, out / "utility_vs_epsilon.png", "", echo)
+    why = f"no run reports {GROUP_PREFIX}<group> columns in its {SCOPE} rows"
+    fplots.save_or_skip(fplots.plot_fairness(summary), out / "fairness.png", why, echo)
+    stacks = ledger_stacks(configs, echo)
+    figure = fplots.plot_ledgers(stacks) if stacks else None
+    fplots.save_or_skip(
+        figure, out / "ledger.png", "no run has a ledger.json with accounted releases", echo
+    )
+    series = {k: fplots.spi_series([r.certificates for r in v]) for k, v in configs.items()}
+    figure = fplots.plot_spi({k: v for k, v in series.items() if v is not None})
+    fplots.save_or_skip(
+        figure, out / "spi.png", "no run has a certificates.json with a positive SPI", echo
+    )
+    summary.to_csv(out / "figures.csv", index=False)
+    echo(f"wrote {out / 'figures.csv'} ({len(summary)} configurations, {len(runs)} runs)")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command; returns the exit status (2 on bad input, message on stderr)."""
+    matplotlib.use("Agg")  # files only, display or not
+    parser = argparse.ArgumentParser(
+        prog="python -m server_app.figures", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH", help="run directories, or directories holding them"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="where the figures go"
+    )
+    parser.add_argument(
+        "--metric",
+        default=None,
+        help=f"{SCOPE} utility metric (default: first of {', '.join(DEFAULT_METRICS)})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        build_figures(args.paths, args.out, metric=args.metric)
+    except FiguresError as err:
+        print(f"figures: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
