@@ -21,10 +21,12 @@ VARIANTS = {
     "dp.noise-site='client' dp.clip-count-stddev=1.0 dp.clip-norm=0.5",
     "laplace": "dp.sensitivity=1.0 dp.epsilon=30.0 dp.accountant='pld'",
     "dp-sgd": "dp.target-epsilon=5.0 dp.clip-norm=1.0",
-    # Head-only after a 2-epoch warm start on the public split; PMU in rounds 1 and 3.
+    # Head-only after a 2-epoch warm start on the public split; PMU in rounds 1 and 3;
+    # the public U split by the fairness program over two label groups; 8-bit updates.
     "subspace-dp": "dp.num-sampled-clients=3 dp.noise-multiplier=0.1 dp.clip-norm=0.5 "
     "subspace.head-only=true subspace.warm-start=2 subspace.rank=2 subspace.sketch-dim=8 "
-    "subspace.pmu-every=2",
+    "subspace.pmu-every=2 subspace.init='public' subspace.allocation='fairness' "
+    "data.groups='low-high' subspace.quantize-bits=8",
 }
 
 
@@ -111,3 +113,27 @@ def test_subspace_dp_head_only_charges_pmu_and_keeps_the_body(dp_runs):
             assert not torch.equal(final[key], value), key
         else:
             assert torch.equal(final[key], value), key
+
+
+def test_subspace_dp_part2_fairness_quantization_and_certificates(dp_runs):
+    """Group metrics, the fairness allocation, 8-bit quantization charged at its Gaussian
+    top-up, and certificates.json consistent with the ledger."""
+    from privacy.certificates import gdp_mu_unamplified, tpr_bound_gdp
+
+    result, metrics, ledger_doc = dp_runs["subspace-dp"]
+    central = metrics[metrics["scope"] == "central-eval"].set_index("round")
+    low, high = central["eval-accuracy-low"], central["eval-accuracy-high"]
+    assert ((central["fairness-gap"] - (low - high).abs()).abs() < 1e-12).all()
+    assert "subspace-dp: fairness allocation, group distortions low" in result.output
+    train = metrics[metrics["scope"] == "train"].set_index("round")
+    bits = train["subspace-quant-bits-per-update"]
+    assert bits.nunique() == 1 and bits.iloc[0] % 8 == 0 and bits.iloc[0] > 0
+    assert (train["subspace-quant-error"] > 0).all()
+    ledger = PrivacyLedger.from_state_dict(ledger_doc["state"])
+    assert all("top-up" in r.note for r in ledger.releases)
+    doc = json.loads((result.run_dir / "certificates.json").read_text())
+    mu = gdp_mu_unamplified(ledger.releases)
+    assert doc["gdp-mu"] == pytest.approx(mu)
+    for row in doc["mia"]:
+        assert row["fpr"] < row["tpr-bound"] <= tpr_bound_gdp(mu, row["fpr"]) + 1e-12
+    assert doc["spi"]["k"][0] == 1 and "Certificates:" in result.output
