@@ -9,6 +9,7 @@ from tasks.vision.data import CentralTestSet, ClientPartition, DatasetSpec, Tens
 from tasks.vision.hub import DatasetUnavailableError
 from tasks.vision.models import build_model
 from tasks.vision.partitioning import PartitionSettings
+from tasks.vision.settings import VisionConfig
 from tasks.vision.task import (
     TRAIN_ACCURACY,
     CIFAR10Task,
@@ -16,7 +17,6 @@ from tasks.vision.task import (
     EMNISTTask,
     ImageClassificationTask,
     MNISTTask,
-    VisionConfig,
 )
 
 

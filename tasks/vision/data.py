@@ -369,7 +369,7 @@ def group_metrics(
     ----------
     correct, counts : numpy.ndarray
         Right predictions and examples per true label
-        (:func:`~tasks.vision.task.tally_split`).
+        (:func:`~tasks.vision.steps.tally_split`).
     groups : Mapping
         Group name -> its labels (indices into ``correct`` and ``counts``).
     """

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -65,12 +65,10 @@ from tasks.dpsgd import (
 )
 from tasks.options import ConfigError, Option
 from tasks.proximal import snapshot_parameters
-from tasks.topology import NUM_EDGES_KEY
 from tasks.vision.data import (
     CIFAR10,
     DIGITS,
     EMNIST,
-    GROUPINGS,
     MNIST,
     CentralTestSet,
     ClientPartition,
@@ -89,128 +87,17 @@ from tasks.vision.gradients import per_example_gradients
 from tasks.vision.hierarchical import train_local_updates
 from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
 from tasks.vision.models import (
-    MODEL_NAMES,
     build_model,
     head_parameter_names,
     train_head_only,
 )
-from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
-from tasks.vision.steps import train_batch
+from tasks.vision.settings import NUM_EDGES, VISION_OPTIONS, VisionConfig
+from tasks.vision.steps import tally_split, train_epoch
 
 CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's persistent state
 EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
 WARM_START_LOSS = "warm-start-loss"
 WARM_START_ACCURACY = "warm-start-accuracy"
-# Declared by the app (hierarchical strategy); read here for the `one-class` partitioner.
-NUM_EDGES = Option(NUM_EDGES_KEY, 1, "Edges of the client -> edge -> cloud topology.", low=1)
-
-VISION_OPTIONS: tuple[Option, ...] = (
-    Option("data.partitioner", "iid", "How the train pool is split among clients.",
-           choices=PARTITIONERS),
-    Option("data.alpha", 0.5, "Dirichlet concentration (smaller: stronger label skew).",
-           low=0.0, low_open=True),
-    Option("data.classes-per-client", 2, "Classes per client for `pathological`.", low=1),
-    Option("data.edge-iid", True,
-           "`one-class`: every edge covers all classes (true) or as few as it can (false)."),
-    Option("data.test-fraction", 0.2, "Fraction of each client's data held out locally.",
-           low=0.05, high=0.5),
-    Option("data.central-test-fraction", 0.2,
-           "Fraction held out as the central test set (digits; emnist has no test split).",
-           low=0.05, high=0.5),
-    Option("data.batch-size", 32, "Mini-batch size of local training and evaluation.", low=1),
-    Option("data.groups", "auto",
-           "Label groups of the fairness metrics; `auto`: digits-letters (emnist), none "
-           "(others); `low-high`: labels below num_classes / 2 vs the rest.",
-           choices=GROUPINGS),
-    Option("data.group-keep", 1.0,
-           "Fraction of the last label group kept in each client's train split (seeded).",
-           low=0.0, high=1.0, low_open=True),
-    Option("model.name", "auto", "Model; `auto`: lenet (digits, mnist, emnist), cnn (cifar10).",
-           choices=("auto", *MODEL_NAMES)),
-    Option("train.local-epochs", 1, "Local epochs per round.", low=1),
-    Option("train.lr", 0.05, "SGD learning rate.", low=0.0, low_open=True),
-    Option("train.momentum", 0.9, "SGD momentum.", low=0.0, high=1.0, high_open=True),
-    Option("train.weight-decay", 0.0, "SGD weight decay (L2).", low=0.0),
-    Option("train.lr-decay", 1.0,
-           "LR factor per `train.lr-decay-epochs` cumulative local epochs (1: constant).",
-           low=0.0, high=1.0, low_open=True),
-    Option("train.lr-decay-epochs", 1, "Cumulative local epochs between LR decays.", low=1),
-    Option("train.deterministic", False,
-           "Deterministic torch algorithms and cuDNN during local training."),
-    Option("train.device", "auto", "Device; `auto`: cuda when available.",
-           choices=("auto", "cpu", "cuda")),
-    Option("subspace.head-only", False,
-           "Train and share only the model's head (its last linear layer); "
-           "the rest stays as warm-started."),
-    Option("subspace.warm-start", 0,
-           "Epochs of central training on the public split before round 1 (0: none).",
-           low=0),
-    Option("subspace.public-fraction", 0.5,
-           "Share of the central held-out set used as public warm-start data when "
-           "`subspace.warm-start` > 0 (the rest is the central test set).",
-           low=0.0, high=1.0, low_open=True, high_open=True),
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """Parsed run-config of an image classification task."""
-
-    partitioner: str
-    """``data.partitioner``: iid, dirichlet, pathological, linear, square, exponential."""
-    alpha: float
-    """``data.alpha``: Dirichlet concentration."""
-    classes_per_client: int
-    """``data.classes-per-client``: classes per client (pathological)."""
-    edge_iid: bool
-    """``data.edge-iid``: class coverage of the edges (one-class)."""
-    num_edges: int
-    """``hier.num-edges`` (declared by the app, default 1): edges (one-class)."""
-    test_fraction: float
-    """``data.test-fraction``: local test split of each client."""
-    central_test_fraction: float
-    """``data.central-test-fraction``: central test share of a dataset without test split."""
-    batch_size: int
-    """``data.batch-size``."""
-    groups: Mapping[str, tuple[int, ...]]
-    """``data.groups`` resolved: group name -> its labels, in order (empty: none)."""
-    group_keep: float
-    """``data.group-keep``: share of the last group kept in each client's train split."""
-    model_name: str
-    """``model.name`` with ``auto`` resolved (derived)."""
-    local_epochs: int
-    """``train.local-epochs``."""
-    lr: float
-    """``train.lr``."""
-    momentum: float
-    """``train.momentum``."""
-    weight_decay: float
-    """``train.weight-decay``."""
-    lr_decay: float
-    """``train.lr-decay``: LR factor per ``lr_decay_epochs`` cumulative local epochs."""
-    lr_decay_epochs: int
-    """``train.lr-decay-epochs``."""
-    deterministic: bool
-    """``train.deterministic``: deterministic algorithms in local training."""
-    device: str
-    """``train.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
-    head_only: bool
-    """``subspace.head-only``: local training updates only the head (last linear layer)."""
-    warm_start_epochs: int
-    """``subspace.warm-start``: central epochs on the public split before round 1."""
-    public_fraction: float
-    """``subspace.public-fraction``: public share of the held-out set (with a warm start)."""
-    seed: int
-    """Top-level ``seed``."""
-
-    @property
-    def partition_settings(self) -> PartitionSettings:
-        """The hashable partitioning key of the data caches (edge options: one-class only)."""
-        one_class = self.partitioner == "one-class"
-        return PartitionSettings(
-            self.partitioner, self.alpha, self.classes_per_client, self.test_fraction,
-            self.seed, self.num_edges if one_class else 1, self.edge_iid or not one_class,
-        )  # fmt: skip
 
 
 def decayed_lr(lr: float, decay: float, decay_epochs: int, epochs_done: int) -> float:
@@ -258,58 +145,6 @@ def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> Te
     if isinstance(data, TensorSplit):
         return data
     raise TypeError(f"cannot evaluate on {type(data).__name__}")
-
-
-def train_epoch(
-    model: nn.Module,
-    loader: DataLoader,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    global_params: list[torch.Tensor],
-    proximal_mu: float,
-) -> tuple[float, float]:
-    """One pass over ``loader``; returns mean cross-entropy (no proximal term) and accuracy.
-
-    An empty batch (possible under Poisson sampling) still makes an optimizer step:
-    under DP-SGD that step releases pure noise, as the accountant assumes.
-    """
-    model.train()
-    total_loss, correct, seen = 0.0, 0, 0
-    for images, labels in loader:
-        images, labels = images.to(device), labels.to(device)
-        loss, right = train_batch(model, images, labels, optimizer, global_params, proximal_mu)
-        if len(labels) == 0:
-            continue
-        total_loss += loss
-        correct += right
-        seen += len(labels)
-    return (total_loss / seen, correct / seen) if seen else (0.0, 0.0)
-
-
-@torch.no_grad()
-def tally_split(
-    model: nn.Module, split: TensorSplit, batch_size: int, device: torch.device, num_classes: int
-) -> tuple[float, np.ndarray, np.ndarray]:
-    """One evaluation pass of ``model`` over ``split``.
-
-    Returns
-    -------
-    tuple
-        The summed cross-entropy, and two int64 arrays of length ``num_classes``: right
-        predictions and examples, per true label.
-    """
-    model.eval()
-    total_loss = 0.0
-    correct = torch.zeros(num_classes, dtype=torch.long)
-    counts = torch.zeros(num_classes, dtype=torch.long)
-    for images, labels in make_loader(split, batch_size, shuffle=False):
-        images, labels = images.to(device), labels.to(device)
-        logits = model(images)
-        total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
-        right = labels[logits.argmax(dim=1) == labels]
-        correct += torch.bincount(right, minlength=num_classes).cpu()
-        counts += torch.bincount(labels, minlength=num_classes).cpu()
-    return total_loss, correct.numpy(), counts.numpy()
 
 
 class ImageClassificationTask(Task):
