@@ -179,10 +179,13 @@ def run_certificates(
     ledger, *, spi_values: dict[int, float] | None, fprs: Sequence[float] = MIA_FPRS
 ) -> dict:
     """The ``certificates.json`` document of a run: μ-GDP, MIA bounds and SPI."""
-    mu = gdp_mu_unamplified(ledger.releases, unaccounted=bool(ledger.unaccounted))
+    # Releases without a client-level guarantee (unaccounted ones, or DP-SGD's
+    # sample-level ones) leave the run without any client-level certificate.
+    uncovered = bool(ledger.unaccounted or ledger.local_guarantees)
+    mu = gdp_mu_unamplified(ledger.releases, unaccounted=uncovered)
     notes: list[str] = []
     curve: list[tuple[float, float]] = []
-    if ledger.releases and not ledger.unaccounted:
+    if ledger.releases and not uncovered:
         curve = ledger_curve(ledger, 2.0 * ledger.epsilon() + 1.0)
     mia = []
     for fpr in fprs:
@@ -191,7 +194,7 @@ def run_certificates(
             bounds.append(tpr_bound_gdp(mu, fpr))
         mia.append({"fpr": fpr, "tpr-bound": min(bounds) if bounds else None})
     if mu is None:
-        notes.append("No mu-GDP statement: a release is Laplace or has no guarantee.")
+        notes.append("No mu-GDP statement: a release is Laplace or has no client-level guarantee.")
     else:
         notes.append(
             "mu-GDP ignores sampling amplification (sound, loose); the TPR bounds also use "

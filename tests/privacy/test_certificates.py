@@ -145,3 +145,17 @@ def test_run_certificates_from_a_ledger():
         PrivacyLedger(accountant="pld", target_delta=1e-5, sampling="poisson"), spi_values=None
     )
     assert empty["gdp-mu"] == 0.0 and all(r["tpr-bound"] is None for r in empty["mia"])
+
+
+def test_no_certificate_when_a_release_has_no_client_level_guarantee():
+    # DP-SGD records sample-level guarantees only: no client-level mu, never mu = 0.
+    sample_level = PrivacyLedger(accountant="rdp", target_delta=1e-5, sampling="none")
+    sample_level.record_local_guarantee(1, client="3", epsilon=2.0, delta=1e-5)
+    doc = run_certificates(sample_level, spi_values=None)
+    assert doc["gdp-mu"] is None and all(r["tpr-bound"] is None for r in doc["mia"])
+    unaccounted = PrivacyLedger(accountant="pld", target_delta=1e-5, sampling="poisson")
+    unaccounted.charge(_release(1.0))
+    unaccounted.record_unaccounted(2, "clipped-update", "clipping without noise")
+    doc = run_certificates(unaccounted, spi_values=None)
+    assert doc["gdp-mu"] is None and all(r["tpr-bound"] is None for r in doc["mia"])
+    assert "no client-level guarantee" in doc["notes"][0]
