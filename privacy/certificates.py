@@ -52,6 +52,7 @@ MIA_FPRS: tuple[float, ...] = (0.001, 0.01, 0.1)
 # Subspace dimensions at which SPI is reported (those <= d).
 SPI_DIMS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _EPSILON_GRID = 200  # ε values at which the ledger's δ(ε) curve is read
+_EXP_CAP = 700.0  # e^ε overflows a float above ~709.8
 
 
 def gdp_mu_unamplified(releases: Iterable, *, unaccounted: bool = False) -> float | None:
@@ -115,7 +116,7 @@ def tpr_bound_dp(fpr: float, curve: Iterable[tuple[float, float]]) -> float:
     for epsilon, delta in curve:
         best = min(
             best,
-            math.exp(epsilon) * alpha + delta,
+            math.exp(min(epsilon, _EXP_CAP)) * alpha + delta,  # >= 1 long before the cap
             1.0 - math.exp(-epsilon) * (1.0 - delta - alpha),
         )
     return max(best, alpha)  # no test does worse than guessing: TPR >= FPR is attainable

@@ -159,3 +159,12 @@ def test_no_certificate_when_a_release_has_no_client_level_guarantee():
     doc = run_certificates(unaccounted, spi_values=None)
     assert doc["gdp-mu"] is None and all(r["tpr-bound"] is None for r in doc["mia"])
     assert "no client-level guarantee" in doc["notes"][0]
+
+
+def test_huge_epsilon_gives_a_trivial_bound_without_overflow():
+    assert tpr_bound_dp(0.01, [(5000.0, 0.0)]) == pytest.approx(1.0)
+    ledger = PrivacyLedger(accountant="rdp", target_delta=1e-5, sampling="poisson")
+    ledger.charge(_release(0.02, count=30))  # z = 0.02: ε in the thousands
+    assert ledger.epsilon() > 700
+    doc = run_certificates(ledger, spi_values=None, fprs=(0.01,))
+    assert doc["mia"][0]["tpr-bound"] == pytest.approx(1.0)
