@@ -18,7 +18,10 @@ from typing import Any
 import strategies
 import tasks
 from privacy.accounting import AccountingError
+from privacy.quantization import step_for_bits, topup_noise_multiplier
+from privacy.subspace import pmu_noise_multiplier
 from strategies import registry
+from strategies.subspace_dp import pmu_rounds
 from tasks.base import SEED
 from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 
@@ -499,11 +502,30 @@ def _check_subspace(cfg: RunConfig) -> None:
                 f"{key!r} = {value!r} needs public data: set 'subspace.warm-start' > 0 (a "
                 f"vision task's public split of the held-out set), or {key!r} = {default!r}"
             )
-    if int(o["subspace.quantize-bits"]) == 1:
+    bits = int(o["subspace.quantize-bits"])
+    if bits == 1:
         raise ConfigError(
             "'subspace.quantize-bits' = 1 cannot code a coordinate of a clipped update "
             "(the dithered codes take at least three values); valid values: 0 (off) or 2..16"
         )
+    if bits:
+        rounds, every = cfg.num_server_rounds, int(o["subspace.pmu-every"])
+        z_train, _ = pmu_noise_multiplier(
+            float(o["dp.noise-multiplier"]),
+            float(o["subspace.pmu-budget-reserve"]),
+            rounds,
+            pmu_rounds(rounds, every),
+        )
+        clip = float(o["dp.clip-norm"])
+        try:
+            topup_noise_multiplier(
+                z_train,
+                clip_norm=clip,
+                step=step_for_bits(clip, bits),
+                num_clients=int(o["dp.num-sampled-clients"]),
+            )
+        except ValueError as err:
+            raise ConfigError(f"'subspace.quantize-bits' = {bits}: {err}") from None
     if str(o["dp.noise-site"]) != "server":
         raise ConfigError(
             "'privacy' = 'subspace-dp' clips in the P-norm and adds elliptical noise on the "

@@ -69,3 +69,11 @@ def test_conflicting_declarations_are_rejected(monkeypatch):
     monkeypatch.setattr(config, "STRATEGY_OPTIONS", clash)
     with pytest.raises(ConfigError, match="'seed' is declared twice"):
         config.all_options()
+
+
+def test_quantization_without_room_for_the_gaussian_top_up_is_refused_at_load():
+    cfg = {**_pyproject_defaults(), "privacy": "subspace-dp", "dp.noise-multiplier": 0.3,
+           "dp.num-sampled-clients": 50, "subspace.quantize-bits": 2}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'subspace\.quantize-bits' = 2: no valid Gaussian"):
+        config.load(cfg)
+    config.load({**cfg, "subspace.quantize-bits": 8})  # 8 bits leave room for it
