@@ -1,0 +1,31 @@
+"""subspace-dp's start-up checks against the task (server_app/subspace_setup.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server_app import config, subspace_setup
+from tasks.options import ConfigError
+from tasks.vision import DigitsTask
+from tests.server_app.test_config import _pyproject_defaults
+
+FAIR = {
+    "privacy": "subspace-dp",
+    "subspace.allocation": "fairness",
+    "subspace.warm-start": 1,
+    "subspace.head-only": True,
+}
+
+
+def test_fairness_allocation_needs_two_label_groups():
+    run_config = {**_pyproject_defaults(), **FAIR}
+    with pytest.raises(ConfigError, match=r"'data\.groups'.*'low-high'"):
+        subspace_setup.check(config.load(run_config), DigitsTask(run_config))
+    grouped = {**run_config, "data.groups": "low-high"}
+    subspace_setup.check(config.load(grouped), DigitsTask(grouped))
+
+
+def test_allocation_without_public_data_is_refused_at_load():
+    run_config = {**_pyproject_defaults(), **FAIR, "subspace.warm-start": 0}
+    with pytest.raises(ConfigError, match=r"'subspace\.allocation' = 'fairness' needs public"):
+        config.load(run_config)
