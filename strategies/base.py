@@ -7,7 +7,7 @@ import math
 import time
 from abc import ABC
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -16,6 +16,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import keys, partitions
+
+# More examples than any client of this app holds: a larger weight is a poisoning
+# attempt on the example-weighted average, not data.
+MAX_NUM_EXAMPLES = 10**9
 
 
 class StopTraining(Exception):
@@ -191,6 +195,53 @@ def checked_metrics(message: Message) -> MetricRecord:
     if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
         raise InvalidReply(f"'{keys.NUM_EXAMPLES}' = {weight!r} is not a valid weight")
     return metrics
+
+
+def check_reply(message: Message, reference: ArrayRecord) -> MetricRecord:
+    """The reply's metrics if it may enter an aggregate, else InvalidReply with the reason.
+
+    A reply passes when it is not an error, holds exactly one ArrayRecord with the
+    global model's keys, shapes and dtypes and only finite values, and one MetricRecord
+    whose values are finite numbers and whose ``num-examples`` is an integer in
+    [0, MAX_NUM_EXAMPLES]. An empty ``reference`` (no global model, e.g. ``local``)
+    checks only that the arrays are finite.
+    """
+    metrics = checked_metrics(message)
+    arrays_of(message.content.get(keys.ARRAYS), reference if len(reference) else None)
+    if len(message.content.array_records) != 1 or len(message.content.metric_records) != 1:
+        raise InvalidReply("expected exactly one ArrayRecord and one MetricRecord")
+    weight = metrics[keys.NUM_EXAMPLES]
+    if weight != int(weight) or weight > MAX_NUM_EXAMPLES:
+        raise InvalidReply(
+            f"'{keys.NUM_EXAMPLES}' = {weight!r} is not an integer in [0, {MAX_NUM_EXAMPLES}]"
+        )
+    for key, value in metrics.items():
+        numbers = value if isinstance(value, list) else [value]
+        if not all(is_number(v) and math.isfinite(v) for v in numbers):
+            raise InvalidReply(f"metric '{key}' = {value!r} is not a finite number")
+    return metrics
+
+
+def screen_replies(
+    replies: Iterable[Message], reference: ArrayRecord, *, who: str
+) -> list[Message]:
+    """The replies that pass :func:`check_reply`; each other one is logged with its
+    reason (``who`` names the strategy)."""
+    valid = []
+    for message in replies:
+        try:
+            check_reply(message, reference)
+        except InvalidReply as err:
+            log(
+                WARNING,
+                "%s: reply of node %d rejected, not aggregated: %s",
+                who,
+                message.metadata.src_node_id,
+                err,
+            )
+            continue
+        valid.append(message)
+    return valid
 
 
 def unweighted(message: Message) -> RecordDict:

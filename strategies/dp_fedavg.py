@@ -44,7 +44,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.certificates import spi
-from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError
+from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError, clip_by_l2_norm
 from strategies import keys, partitions
 from strategies.base import (
     GridView,
@@ -53,6 +53,7 @@ from strategies.base import (
     TrainingWrapper,
     add_to_config,
     arrays_of,
+    check_reply,
     metrics_of,
     sample_uniform,
     to_record,
@@ -251,6 +252,7 @@ class DPFedAvgFixed(TrainingWrapper):
         reference = arrays_of(current)
         deltas = []
         for message in replies:
+            check_reply(message, current)
             received = arrays_of(message.content.get(keys.ARRAYS), current)
             deltas.append([r - c for r, c in zip(received, reference, strict=True)])
         return deltas, [unweighted(m) for m in replies]
@@ -298,8 +300,29 @@ class DPFedAvgFixed(TrainingWrapper):
                 except NonFiniteUpdateError as err:  # checked already; defensive
                     raise InvalidReply(str(err)) from err
                 delta = mech.noise_client(delta, num_clients=m, rng=self.rng)
+            else:
+                delta = self._within_client_bound(delta, m)
             total = delta if total is None else [t + d for t, d in zip(total, delta, strict=True)]
         return [t / m for t in total]
+
+    def _within_client_bound(self, delta: list[np.ndarray], m: int) -> list[np.ndarray]:
+        """With client-side noise the server cannot check the clip, only the norm an honest
+        noisy update has: ``‖Δ + ξ‖ <= C + σ(√d + 8)`` for ξ ~ N(0, σ²I), σ = zC/√m, except
+        with probability e^(−32) (Gaussian norm concentration). A larger update, which no
+        honest client sends, is scaled back to that radius and logged."""
+        d = sum(a.size for a in delta)
+        sigma = self.update_noise_multiplier() * self.clip_norm / math.sqrt(m)
+        radius = self.clip_norm + sigma * (math.sqrt(d) + 8.0)
+        result = clip_by_l2_norm(delta, clip_norm=radius)
+        if result.clipped:
+            log(
+                WARNING,
+                "DP-FedAvg: a client-noised update of norm %.4g exceeds the bound %.4g an "
+                "honest client meets; scaled back to it",
+                result.norm,
+                radius,
+            )
+        return result.arrays
 
     def spi_values(self) -> dict[int, float] | None:
         """SPI(k) of the isotropic noise on the released arrays (``kσ²``; see

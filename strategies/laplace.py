@@ -46,6 +46,7 @@ from strategies.base import (
     TrainingWrapper,
     add_to_config,
     arrays_of,
+    check_reply,
     to_record,
     unweighted,
 )
@@ -111,8 +112,7 @@ class LaplaceDP(TrainingWrapper):
         reference, deltas, contents, valid = arrays_of(current), [], [], []
         for message in partitions.sort_replies(replies):
             try:
-                if message.has_error():
-                    raise InvalidReply(message.error.reason)
+                check_reply(message, current)
                 received = arrays_of(message.content.get(keys.ARRAYS), current)
                 contents.append(unweighted(message))
                 valid.append(message)

@@ -12,7 +12,7 @@ sampled nodes; replies reach it sorted by partition id.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import partitions
-from strategies.base import GridView, sample_uniform, wait_for_nodes
+from strategies.base import GridView, sample_uniform, screen_replies, wait_for_nodes
 
 _STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
 
@@ -63,6 +63,7 @@ class SeededSampling(Strategy):
         self.min_available_nodes = min_available_nodes
         self.timeout = timeout
         self.rng_train = np.random.default_rng([seed, _STREAM, 0])
+        self._reference: ArrayRecord | None = None
         self.rng_evaluate = np.random.default_rng([seed, _STREAM, 1])
 
     def _sample(self, grid: Grid, fraction: float, minimum: int, rng) -> list[int]:
@@ -78,13 +79,25 @@ class SeededSampling(Strategy):
         if self.fraction_train == 0.0:
             return []
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes, self.rng_train)
+        self._reference = arrays  # what every reply must match
         return self.strategy.configure_train(server_round, arrays, config, GridView(grid, nodes))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The wrapped strategy's aggregate of the replies in partition order."""
-        return self.strategy.aggregate_train(server_round, partitions.sort_replies(replies))
+        """The wrapped strategy's aggregate of the valid replies (:func:`screen_replies`)
+        in partition order; nothing when none is valid."""
+        replies = partitions.sort_replies(replies)
+        if self._reference is not None:
+            replies = screen_replies(replies, self._reference, who=type(self.strategy).__name__)
+        if not replies:
+            log(
+                WARNING,
+                "Round %d: no valid training reply, the global model is kept",
+                server_round,
+            )
+            return None, None
+        return self.strategy.aggregate_train(server_round, replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
