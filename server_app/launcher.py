@@ -31,16 +31,22 @@ import psutil
 APP_DIR = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 _RUN_DIR_LINE = re.compile(r"Run directory: (\S+)")
+_RUN_ID_LINE = re.compile(r"Successfully started run (\d+)")
 
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """One `flwr run`: exit code, output, the run directory (if one was made), time."""
+    """One `flwr run`: exit code, output, the run directory (if one was made), time.
+
+    ``flwr run --stream`` exits 0 even when the ServerApp raised; ``returncode`` is 1
+    then, from the run's status on the SuperLink (``status``, e.g. ``finished:failed``).
+    """
 
     returncode: int
     output: str
     run_dir: Path | None
     seconds: float
+    status: str = ""
 
 
 def superlink_processes(flwr_home: Path) -> list[psutil.Process]:
@@ -126,7 +132,23 @@ class LocalSimulation:
         output = proc.stdout + proc.stderr
         match = _RUN_DIR_LINE.search(output)
         run_dir = Path(match.group(1)) if match else None
-        return RunOutcome(proc.returncode, output, run_dir, time.monotonic() - started)
+        status = self._status(output)
+        returncode = proc.returncode
+        if returncode == 0 and status.endswith(("failed", "stopped")):
+            returncode = 1
+            output += f"\nflwr run exited 0, but the run ended {status!r} on the SuperLink\n"
+        return RunOutcome(returncode, output, run_dir, time.monotonic() - started, status)
+
+    def _status(self, output: str) -> str:
+        """The SuperLink's status of the run ``output`` started ("" if none started)."""
+        match = _RUN_ID_LINE.search(output)
+        if not match:
+            return ""
+        try:
+            runs = {run["run-id"]: run for run in self.list_runs()}
+        except (subprocess.SubprocessError, ValueError, KeyError):  # no status to add
+            return ""
+        return str(runs.get(match.group(1), {}).get("status", ""))
 
     def list_runs(self) -> list[dict]:
         """``flwr list local-simulation --format json``: the runs and their status."""

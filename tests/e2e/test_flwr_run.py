@@ -139,3 +139,4 @@ def test_invalid_config_fails_before_training(flower, tmp_path):
     assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in result.output
     assert result.run_dir is None and not any(tmp_path.iterdir())  # nothing was trained
     assert flower.list_runs()[0]["status"].endswith("failed")
+    assert result.returncode == 1 and result.status.endswith("failed")
