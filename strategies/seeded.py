@@ -21,7 +21,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import partitions
-from strategies.base import GridView, sample_uniform, screen_replies, wait_for_nodes
+from strategies.base import (
+    GridView,
+    sample_uniform,
+    screen_replies,
+    to_record,
+    wait_for_nodes,
+)
 
 _STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
 
@@ -97,7 +103,14 @@ class SeededSampling(Strategy):
                 server_round,
             )
             return None, None
-        return self.strategy.aggregate_train(server_round, replies)
+        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        reference = self._reference
+        if arrays is not None and reference is not None and len(reference):
+            # Flower's FedAvg returns float64 averages of integer arrays (BatchNorm's
+            # num_batches_tracked): keep the global model's dtypes, which the next
+            # round's replies are checked against.
+            arrays = to_record(reference, [arrays[key].numpy() for key in reference])
+        return arrays, metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

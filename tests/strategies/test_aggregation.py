@@ -88,3 +88,22 @@ def test_to_record_rounds_integer_averages():
     out = to_record(reference, [np.array([4.6])])
 
     assert out["n"].numpy().tolist() == [5] and out["n"].numpy().dtype == np.int64
+
+
+def test_fedavg_keeps_the_global_models_dtypes_round_after_round():
+    """Flower's FedAvg averages an int64 counter into float64; the seeded wrapper casts
+    the aggregate back (rounded), so the next round's int64 replies are still valid."""
+    one = {"min_available_nodes": 1, "min_train_nodes": 1, "min_evaluate_nodes": 1}
+    strategy = strategies.build("none", replace(SETTINGS, strategy="fedavg", **one))
+    current = ArrayRecord({"w": Array(np.zeros(2)), "count": Array(np.array(4, dtype=np.int64))})
+    for server_round in (1, 2):
+        list(strategy.configure_train(server_round, current, ConfigRecord(), FakeGrid([1, 2])))
+        replies = [reply_from(n, None, {"num-examples": 10}) for n in (1, 2)]
+        for n, (message, count) in enumerate(zip(replies, (5, 8), strict=True), start=1):
+            message.content[keys.ARRAYS] = ArrayRecord(
+                {"w": Array(np.full(2, float(n))), "count": Array(np.array(count, dtype=np.int64))}
+            )
+        current, _ = strategy.aggregate_train(server_round, replies)
+        assert current is not None, f"round {server_round}: replies rejected"
+        assert current["count"].dtype == "int64"
+        assert int(current["count"].numpy()) == round((5 + 8) / 2)  # 6.5 rounds to 6
