@@ -23,8 +23,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from server_app.plots import colours, save_figure
 from server_app.results import SCOPES, load_metrics
-from server_app.study import StudyError, save_figure
+from server_app.study import StudyError
 
 SELECTION = "selection"  # Panel.scope of the per-client selection counts (participation.csv:
 # one row per client sent a train message, whatever the strategy)
@@ -79,12 +80,6 @@ def panels_for(metrics: pd.DataFrame) -> tuple[tuple[Panel, ...], dict[str, Pane
 # metrics.csv / load_metrics columns that are not metrics, and metrics not worth a curve.
 TAGS = ("round", "scope", "experiment", "seed", "task", "strategy", "privacy", "run")
 NO_CURVE = ("elapsed-s", "num-examples")
-
-
-def colours(experiments: Sequence[str]) -> dict[str, str]:
-    """One colour per experiment, in order, the same on every figure."""
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {name: cycle[i % len(cycle)] for i, name in enumerate(experiments)}
 
 
 def metric_curve(metrics: pd.DataFrame, scope: str, metric: str) -> pd.DataFrame:

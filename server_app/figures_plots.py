@@ -21,6 +21,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 from matplotlib.transforms import offset_copy
 
+from server_app.plots import colours, save_figure
+
 if TYPE_CHECKING:
     from server_app.figures import LedgerStack
 
@@ -48,15 +50,8 @@ def save_or_skip(
     if figure is None:
         echo(f"skipped {path.name}: {why}")
         return
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
     echo(f"wrote {path}")
-
-
-def palette(names: Sequence[str]) -> dict[str, str]:
-    """One colour per name, in order (Matplotlib's cycle)."""
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
 
 
 def wrap(text: str, width: int = 60) -> str:
@@ -89,7 +84,7 @@ def dodges(epsilons: np.ndarray, log: bool = False, tol: float = 0.01) -> np.nda
 
 def _draw_points(left, right, summary: pd.DataFrame, log: bool) -> None:
     """Finite ε on ``left`` (± std both ways), ε = ∞ on ``right`` plus a dashed line."""
-    colour = palette(list(summary["configuration"]))
+    colour = colours(list(summary["configuration"]))
     shifts = dodges(summary["epsilon"].to_numpy(float), log)
     for k, row in enumerate(summary.itertuples()):
         style = {
@@ -189,8 +184,8 @@ def plot_fairness(summary: pd.DataFrame) -> Figure | None:
 
 
 def _draw_stack(ax, stack: LedgerStack, colour: Mapping[str, str], title: str) -> None:
-    colours = [colour[k] for k in stack.kinds]
-    ax.stackplot(stack.rounds, stack.bands, labels=stack.kinds, colors=colours, alpha=0.8)
+    band_colours = [colour[k] for k in stack.kinds]
+    ax.stackplot(stack.rounds, stack.bands, labels=stack.kinds, colors=band_colours, alpha=0.8)
     ax.plot(stack.rounds, stack.cumulative[-1], "k.-", lw=0.8, ms=3, label=TOP_LABEL)
     ax.plot(stack.rounds[-1], stack.epsilon, "rx", ms=9, mew=2, label=FINAL_LABEL)
     ax.set(xlabel="server round", ylabel=f"ε (δ = {stack.delta:g})")
@@ -202,7 +197,7 @@ def _draw_stack(ax, stack: LedgerStack, colour: Mapping[str, str], title: str) -
 def plot_ledgers(stacks: Mapping[str, tuple[LedgerStack, Any]]) -> Figure:
     """One panel per configuration ``{label: (stack, seed)}``: ε over rounds, stacked by
     release kind (one colour per kind across panels)."""
-    colour = palette(list(dict.fromkeys(k for s, _ in stacks.values() for k in s.kinds)))
+    colour = colours(list(dict.fromkeys(k for s, _ in stacks.values() for k in s.kinds)))
     cols = min(3, len(stacks))
     rows = -(-len(stacks) // cols)
     fig, axes = plt.subplots(
@@ -240,7 +235,7 @@ def plot_spi(series: Mapping[str, SpiSeries]) -> Figure | None:
     """SPI(k) against k per configuration ``{label: (k, mean, std)}`` (log-log), ± std
     band; None when no series has a positive value."""
     fig, ax = plt.subplots(figsize=(9, 6), layout="constrained")
-    colour = palette(list(series))
+    colour = colours(list(series))
     for label, (k, mean, std) in series.items():
         keep = mean > 0  # a log axis shows positive values only
         ax.plot(k[keep], mean[keep], "o-", color=colour[label], label=wrap(label, 90))

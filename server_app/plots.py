@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.figure import Figure
@@ -83,3 +86,17 @@ def plot_comparison(
     if ax.has_data():
         ax.legend(fontsize=8)
     return fig
+
+
+def colours(names: Sequence[str]) -> dict[str, str]:
+    """One colour per name, in order (Matplotlib's cycle), the same on every figure."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
+
+
+def save_figure(figure, path: Path) -> Path:
+    """Save ``figure`` as ``path`` (parents created, 120 dpi) and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

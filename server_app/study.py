@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from flwr.common.config import flatten_dict
@@ -36,6 +35,7 @@ from flwr.common.config import flatten_dict
 import tasks
 from server_app import config
 from server_app.launcher import APP_DIR, LocalSimulation
+from server_app.plots import save_figure
 from tasks.lunar_lander import plots
 from tasks.lunar_lander.logs import load_episodes, load_snapshots
 from tasks.options import ConfigError, Scalar
@@ -189,13 +189,6 @@ def run_presets(
                 if on_run is not None:
                     on_run(preset.name, outcome.run_dir)
     return done
-
-
-def save_figure(figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
 
 
 def _embeddings(name: str, run_dir: Path, out: Path, echo: Callable[[str], None]) -> None:
