@@ -22,9 +22,6 @@ from flwr.serverapp.strategy import Strategy
 from strategies import StopTraining, keys
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
-# Per-group evaluation metrics (tasks.vision.data): a group's accuracy is weighted by
-# the group's own example count, and the gap is taken between the aggregated groups.
-GROUP_ACCURACY, GROUP_COUNT, FAIRNESS_GAP = "eval-accuracy-", "num-examples-", "fairness-gap"
 
 _SHOWN = ("loss", "accuracy", "reward", "epsilon")  # metric-name endings on the progress line
 
@@ -32,20 +29,21 @@ _SHOWN = ("loss", "accuracy", "reward", "epsilon")  # metric-name endings on the
 def regroup(aggregated: MetricRecord | None, replies: list[Message]) -> MetricRecord | None:
     """Re-weight per-group accuracies by ``num-examples-<group>`` (a weighted mean by
     ``num-examples`` is wrong for them) and recompute ``fairness-gap`` from the result."""
-    if aggregated is None or FAIRNESS_GAP not in aggregated:
+    if aggregated is None or keys.FAIRNESS_GAP not in aggregated:
         return aggregated
-    groups = [k[len(GROUP_COUNT) :] for k in aggregated if k.startswith(GROUP_COUNT)]
+    prefix = keys.GROUP_NUM_EXAMPLES.format("")
+    groups = [k[len(prefix) :] for k in aggregated if k.startswith(prefix)]
     records = [m.content[keys.METRICS] for m in replies if not m.has_error()]
     seen = []
     for group in groups:
-        acc, count = GROUP_ACCURACY + group, GROUP_COUNT + group
+        acc, count = keys.GROUP_ACCURACY.format(group), keys.GROUP_NUM_EXAMPLES.format(group)
         pairs = [(float(r[acc]), float(r[count])) for r in records if acc in r and count in r]
         total = sum(n for _, n in pairs)
         aggregated[count] = total
         aggregated[acc] = sum(a * n for a, n in pairs) / total if total else 0.0
         if total:
             seen.append(aggregated[acc])
-    aggregated[FAIRNESS_GAP] = max(seen) - min(seen) if seen else 0.0
+    aggregated[keys.FAIRNESS_GAP] = max(seen) - min(seen) if seen else 0.0
     return aggregated
 
 

@@ -59,6 +59,11 @@ EFFECTIVE_MU = "effective-mu"  # MetricRecord: the mu the client trained with
 HISTORICAL_DIVERGENCE = "historical-divergence"  # MetricRecord: the client's EMA after it
 TRAIN_LOSS = "train-loss"  # MetricRecord: mean local training loss (tasks.base.TRAIN_LOSS)
 
+# Label-group evaluation metrics (tasks.vision.data): per group, and the gap between them.
+GROUP_ACCURACY = "eval-accuracy-{}"  # MetricRecord: accuracy on one label group
+GROUP_NUM_EXAMPLES = "num-examples-{}"  # MetricRecord: that group's evaluated examples
+FAIRNESS_GAP = "fairness-gap"  # MetricRecord: best minus worst group accuracy
+
 # Reproducibility: every strategy orders nodes by the partition id they report.
 PARTITION_QUERY = "partition"  # query action: message_type "query.partition"
 

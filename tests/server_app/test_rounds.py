@@ -55,3 +55,12 @@ def test_regroup_weights_group_accuracy_by_the_group_count():
     assert regroup(None, replies) is None
     plain = MetricRecord({"eval-accuracy": 0.5})
     assert regroup(plain, replies) is plain
+
+
+def test_group_metric_keys_mirror_the_tasks():
+    from strategies import keys
+    from tasks.vision import data
+
+    assert keys.GROUP_ACCURACY == data.GROUP_ACCURACY
+    assert keys.GROUP_NUM_EXAMPLES == data.GROUP_NUM_EXAMPLES
+    assert keys.FAIRNESS_GAP == data.FAIRNESS_GAP
