@@ -197,8 +197,11 @@ def checked_metrics(message: Message) -> MetricRecord:
     return metrics
 
 
-def check_reply(message: Message, reference: ArrayRecord) -> MetricRecord:
-    """The reply's metrics if it may enter an aggregate, else InvalidReply with the reason.
+def check_reply(
+    message: Message, reference: ArrayRecord
+) -> tuple[list[np.ndarray], MetricRecord]:
+    """The reply's arrays (key order) and metrics if it may enter an aggregate, else
+    InvalidReply with the reason.
 
     A reply passes when it is not an error, holds exactly one ArrayRecord with the
     global model's keys, shapes and dtypes and only finite values, and one MetricRecord
@@ -207,7 +210,7 @@ def check_reply(message: Message, reference: ArrayRecord) -> MetricRecord:
     checks only that the arrays are finite.
     """
     metrics = checked_metrics(message)
-    arrays_of(message.content.get(keys.ARRAYS), reference if len(reference) else None)
+    arrays = arrays_of(message.content.get(keys.ARRAYS), reference if len(reference) else None)
     if len(message.content.array_records) != 1 or len(message.content.metric_records) != 1:
         raise InvalidReply("expected exactly one ArrayRecord and one MetricRecord")
     weight = metrics[keys.NUM_EXAMPLES]
@@ -219,7 +222,7 @@ def check_reply(message: Message, reference: ArrayRecord) -> MetricRecord:
         numbers = value if isinstance(value, list) else [value]
         if not all(is_number(v) and math.isfinite(v) for v in numbers):
             raise InvalidReply(f"metric '{key}' = {value!r} is not a finite number")
-    return metrics
+    return arrays, metrics
 
 
 def screen_replies(

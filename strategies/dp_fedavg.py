@@ -203,11 +203,7 @@ class DPFedAvgFixed(TrainingWrapper):
                 f"exactly 'dp.num-sampled-clients' = {self.num_sampled_clients}"
             )
         messages = add_to_config(messages, self.client_config())
-        if self._mask is None:
-            self._mask = self._released_mask(arrays)
-        if not self._released_dim:
-            kept = zip(arrays_of(arrays), self._mask, strict=True)
-            self._released_dim = sum(a.size for a, keep in kept if keep)
+        self._fix_released(arrays)
         sent = {m.metadata.dst_node_id for m in messages}
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
@@ -252,12 +248,18 @@ class DPFedAvgFixed(TrainingWrapper):
         reference = arrays_of(current)
         deltas = []
         for message in replies:
-            check_reply(message, current)
-            received = arrays_of(message.content.get(keys.ARRAYS), current)
+            received, _ = check_reply(message, current)
             deltas.append([r - c for r, c in zip(received, reference, strict=True)])
         return deltas, [unweighted(m) for m in replies]
 
     # -- head-only: which arrays are released ------------------------------------
+    def _fix_released(self, arrays: ArrayRecord) -> None:
+        """At the first round: which arrays are released (mask) and their total size d."""
+        if self._mask is None:
+            self._mask = self._released_mask(arrays)
+            kept = zip(arrays_of(arrays), self._mask, strict=True)
+            self._released_dim = sum(a.size for a, keep in kept if keep)
+
     def _released_mask(self, arrays: ArrayRecord) -> list[bool]:
         keys_ = list(arrays.keys())
         if self.released_keys is None:

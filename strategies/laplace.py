@@ -112,8 +112,7 @@ class LaplaceDP(TrainingWrapper):
         reference, deltas, contents, valid = arrays_of(current), [], [], []
         for message in partitions.sort_replies(replies):
             try:
-                check_reply(message, current)
-                received = arrays_of(message.content.get(keys.ARRAYS), current)
+                received, _ = check_reply(message, current)
                 contents.append(unweighted(message))
                 valid.append(message)
             except InvalidReply as err:

@@ -69,8 +69,8 @@ class SeededSampling(Strategy):
         self.min_available_nodes = min_available_nodes
         self.timeout = timeout
         self.rng_train = np.random.default_rng([seed, _STREAM, 0])
-        self._reference: ArrayRecord | None = None
         self.rng_evaluate = np.random.default_rng([seed, _STREAM, 1])
+        self._reference: ArrayRecord | None = None  # this round's global arrays
 
     def _sample(self, grid: Grid, fraction: float, minimum: int, rng) -> list[int]:
         needed = max(self.min_available_nodes, minimum)

@@ -64,7 +64,7 @@ from privacy.subspace import (
     unflatten,
     uniform_allocation,
 )
-from strategies.base import InvalidReply, StopTraining, arrays_of
+from strategies.base import InvalidReply, StopTraining
 from strategies.dp_fedavg import DPFedAvgFixed
 
 _SKETCH_STREAM = 0x5C  # the public JL matrix of each PMU round
@@ -244,9 +244,8 @@ class SubspaceDP(DPFedAvgFixed):
     ):
         """Set up the metric (isotropic at first) over the released arrays, then sample."""
         if self.metric is None:
-            self._mask = self._released_mask(arrays)  # DPFedAvgFixed then keeps it
-            mask = self._mask
-            dim = sum(a.size for a, keep in zip(arrays_of(arrays), mask, strict=True) if keep)
+            self._fix_released(arrays)  # DPFedAvgFixed keeps the mask and d
+            dim = self._released_dim
             if self.is_pmu_round(1) and dim * self.sketch_dim * 8 > MAX_SKETCH_BYTES:
                 raise StopTraining(
                     f"the PMU sketch would hold d x s = {dim} x {self.sketch_dim} float64 "
