@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
+from privacy.subspace import uniform_allocation
+
 _EPS = float(np.finfo(np.float64).eps)
 
 
@@ -402,7 +404,7 @@ def allocate(
         energies,
         dim=basis.shape[0],
         tau=tau,
-        lam=np.full(rank, budget / rank),
+        lam=uniform_allocation(rank, budget),
     )
     params = {"a": a, "b": b, "tau": tau, "budget": budget}
     if mode == "water-filling":

@@ -347,9 +347,8 @@ class MovieLensTask(Task):
         return build_model(ratings.num_users, ratings.num_items, self.config.embedding_dim, seed)
 
     def load_partition(self, partition_id: int, num_partitions: int) -> MovieLensPartition:
-        """Client ``partition_id`` of ``num_partitions`` (at most one per user)."""
-        num_users = self.prepared().ratings.num_users
-        partition_users(num_users, partition_id, num_partitions, self.config.seed)  # validate
+        """Client ``partition_id`` of ``num_partitions`` (at most one per user; out of range:
+        ValueError from :func:`partition_users`, which is never cached)."""
         return load_partition_data(self.config, partition_id, num_partitions)
 
     def load_central_test(self) -> MovieLensCentralTest:
