@@ -197,9 +197,7 @@ def checked_metrics(message: Message) -> MetricRecord:
     return metrics
 
 
-def check_reply(
-    message: Message, reference: ArrayRecord
-) -> tuple[list[np.ndarray], MetricRecord]:
+def check_reply(message: Message, reference: ArrayRecord) -> tuple[list[np.ndarray], MetricRecord]:
     """The reply's arrays (key order) and metrics if it may enter an aggregate, else
     InvalidReply with the reason.
 

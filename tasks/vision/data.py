@@ -125,10 +125,13 @@ class TensorSplit:
         ids = None if self.ids is None else self.ids[index]
         return TensorSplit(self.images[index], self.labels[index], ids)
 
+    def positions_of(self, labels: Collection[int]) -> np.ndarray:
+        """Positions of the examples whose label is in ``labels``, ascending."""
+        return np.flatnonzero(np.isin(self.labels.numpy(), np.fromiter(labels, np.int64)))
+
     def with_labels(self, labels: Collection[int]) -> TensorSplit:
         """The examples whose label is in ``labels``, in order (possibly none)."""
-        wanted = np.isin(self.labels.numpy(), np.fromiter(labels, dtype=np.int64))
-        return self.subset(np.flatnonzero(wanted))
+        return self.subset(self.positions_of(labels))
 
 
 @dataclass(frozen=True)
@@ -346,7 +349,7 @@ def thin_labels(
     """
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"'keep' = {keep!r} is out of range; valid range: (0, 1]")
-    matching = np.flatnonzero(np.isin(split.labels.numpy(), np.fromiter(labels, np.int64)))
+    matching = split.positions_of(labels)
     if keep == 1.0 or matching.size == 0:
         return split
     num_keep = max(1, round(keep * matching.size))
