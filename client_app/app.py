@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 import tasks
-from client_app import hierarchy, proximal
+from client_app import hierarchy, proximal, state
 from client_app.mods import privacy_mod
 from strategies import keys
 from strategies.clustered import model_key, score_key
@@ -61,8 +61,15 @@ def _setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
 
 
 def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
-    """Return (task, model loaded with the weights to use, partition, partition id)."""
+    """Return (task, model loaded with the weights to use, partition, partition id).
+
+    A fresh context (a resumed run, a restarted SuperNode) first gets the state this
+    client saved (:mod:`client_app.state`)."""
     task, model, partition, pid = _setup(context)
+    config = msg.content[keys.CONFIG]
+    if keys.SERVER_ROUND in config:
+        artifacts = _artifacts_dir(config, context.node_config)
+        state.restore(context, artifacts, pid, int(config[keys.SERVER_ROUND]))
     arrays = msg.content[keys.ARRAYS]
     if msg.content[keys.CONFIG].get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
         arrays = context.state[keys.LOCAL_MODEL]
@@ -130,6 +137,7 @@ def train(msg: Message, context: Context) -> Message:
     context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
     if config.get(keys.LOCAL_ONLY):
         context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
+    state.save(context, local.artifacts_dir, pid, server_round)
     if local.front_loaded is not None and local.front_loaded.mode == "cp-np":
         delta, extra = hierarchy.cp_np_reply(
             model, msg.content[keys.ARRAYS], local.front_loaded, local.seed

@@ -16,9 +16,18 @@ from threadpoolctl import threadpool_limits
 import strategies
 import tasks
 from server_app import certify, config, subspace_setup
-from server_app.results import RunDirectory, resolve_output_dir
+from server_app.results import CLIENTS_DIR, RunDirectory, resolve_output_dir
 from server_app.rounds import run_rounds
-from strategies import keys
+from strategies import keys, partitions
+from strategies.base import wait_for_nodes
+from strategies.checkpoint import (
+    decode,
+    encode,
+    global_rng_state,
+    load_strategy_state,
+    set_global_rng_state,
+    strategy_state,
+)
 from strategies.clustered import ClusteredFedAvg
 from tasks.base import Task
 from tasks.options import ConfigError
@@ -113,13 +122,21 @@ def _run(grid: Grid, context: Context) -> None:
             settings = replace(settings, released_keys=task.head_keys())
         strategy = strategies.build(cfg.privacy, settings)
         subspace_setup.check(cfg, task)
+        saved = None
+        if cfg.resume_from:
+            run_dir, saved = RunDirectory.resume(
+                resolve_output_dir(cfg.resume_from), cfg.to_dict()
+            )
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
-    run_dir = RunDirectory.create(
-        resolve_output_dir(cfg.output_dir), cfg.task, cfg.strategy, cfg.privacy
-    )
-    run_dir.write_config(cfg.to_dict())
+    if saved is None:
+        run_dir = RunDirectory.create(
+            resolve_output_dir(cfg.output_dir), cfg.task, cfg.strategy, cfg.privacy
+        )
+        run_dir.write_config(cfg.to_dict())
+    else:
+        log(INFO, "Resuming after round %d of %d", saved["round"], cfg.num_server_rounds)
     log(INFO, "Run directory: %s", run_dir.path)
 
     base = _innermost(strategy)
@@ -138,6 +155,9 @@ def _run(grid: Grid, context: Context) -> None:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
     released = task.head_keys() if head_only else tuple(model.state_dict())
     subspace_setup.prepare(cfg, task, model, strategy, released)
+    initial = ArrayRecord(model.state_dict())
+    if saved is not None:
+        initial = _restore(saved, strategy, grid, cfg)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
         central = _central_eval(task, model, base)
@@ -157,21 +177,27 @@ def _run(grid: Grid, context: Context) -> None:
         # Strategies with per-client records (clusters.csv, selection.csv) expose them.
         for name, rows in getattr(base, "tables", dict)().items():
             run_dir.write_rows(name, rows)
-        run_dir.record_round(result, ledger, models)
+        server_state = {
+            "arrays": encode(result.arrays),
+            "strategy": strategy_state(strategy),
+            "rng": global_rng_state(),
+        }
+        run_dir.record_round(result, ledger, models, server_state)
 
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
     final = run_rounds(
         strategy,
         grid,
-        ArrayRecord(model.state_dict()),
+        initial,
         num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
         central_eval=central,
         on_round=on_round,
         # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
         # filesystem (simulation) that is inside the run directory.
-        train_config={keys.ARTIFACTS_DIR: str(run_dir.path / "clients")},
+        train_config={keys.ARTIFACTS_DIR: str(run_dir.path / CLIENTS_DIR)},
+        start_round=saved["round"] + 1 if saved is not None else 1,
     )
     run_dir.finish(
         final.to_torch_state_dict(),
@@ -182,6 +208,18 @@ def _run(grid: Grid, context: Context) -> None:
         _log_privacy_summary(ledger, cfg)
         certify.report(run_dir, ledger, strategy)
     log(INFO, "Results: %s", run_dir.path)
+
+
+def _restore(saved: dict, strategy: Strategy, grid: Grid, cfg: config.RunConfig) -> ArrayRecord:
+    """Load a checkpoint's strategy state (ledger included) and generators; return its
+    global arrays. State kept per client is handed to the nodes that report the same
+    partition ids now (node ids change from run to run)."""
+    nodes = wait_for_nodes(grid, cfg.min_available_nodes, timeout=cfg.round_timeout)
+    node_of = {partitions.partition_of(n): n for n in nodes}
+    node_of.pop(None, None)
+    load_strategy_state(strategy, saved["strategy"], node_of)
+    set_global_rng_state(saved["rng"])
+    return decode(saved["arrays"])
 
 
 def _log_privacy_summary(ledger, cfg: config.RunConfig) -> None:

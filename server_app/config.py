@@ -63,6 +63,12 @@ TOP_LEVEL: tuple[Option, ...] = (
         low_open=True,
     ),
     Option("central-eval", True, "Evaluate the global model on the central test set every round."),
+    Option(
+        "resume-from",
+        "",
+        "A run directory to continue from its last finished round (its checkpoint); every "
+        "other key must equal that run's. Empty: a new run.",
+    ),
 )
 
 STRATEGY_OPTIONS: tuple[Option, ...] = (
@@ -362,6 +368,7 @@ class RunConfig:
     min_available_nodes: int
     round_timeout: float
     central_eval: bool
+    resume_from: str
     options: Mapping[str, Scalar]
 
     def strategy_settings(self) -> strategies.StrategySettings:

@@ -10,12 +10,16 @@ Layout (DESIGN.md)::
                          replied, error, and the metrics the client reported
         tensorboard/     the metrics.csv numbers as TensorBoard scalars
                          (``tensorboard --logdir <run dir>``)
-        checkpoint/      global arrays of the last finished round + state.json
+        checkpoint/      the last finished round: global.pt (and cluster-<k>.pt),
+                         state.json, and server.pt, everything ``resume-from`` needs
+                         (global arrays, strategy state, ledger, generators)
         model.pt         final global model (torch state dict)
         plots/learning_curve.png
 
 Every file is written to a temporary name and renamed, so a run killed mid-write
-leaves the previous version intact.
+leaves the previous version intact. ``server.pt`` is written last in a round, and is
+what a resumed run believes: rows of later rounds (written before it, by a run killed
+in between) are dropped when the run resumes.
 """
 
 from __future__ import annotations
@@ -33,8 +37,16 @@ from urllib.parse import unquote, urlparse
 import pandas as pd
 import torch
 
+from client_app.state import STATE_DIR
+from tasks.options import ConfigError
+
 DIST_NAME = "flower-privacy-lab"
 SCOPES = ("train", "federated-eval", "central-eval")
+SERVER_CHECKPOINT = "server.pt"
+CHECKPOINT_FORMAT = 1
+CLIENTS_DIR = "clients"  # what the clients write (logs, their state): shared in simulation
+# Keys a resumed run may set differently from the run it continues.
+RESUME_FREE_KEYS = ("resume-from", "output-dir")
 
 
 def app_source_dir() -> Path | None:
@@ -166,21 +178,28 @@ class RunDirectory:
         server_round: int,
         state_dict: Mapping[str, torch.Tensor],
         models: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        server_state: Mapping[str, Any] | None = None,
     ) -> None:
-        """Save the global model of ``server_round`` (the latest finished round), and
-        any further named global models (e.g. ``cluster-0``: ``checkpoint/cluster-0.pt``)."""
-        _atomic_torch_save(self.path / "checkpoint" / "global.pt", dict(state_dict))
+        """Save the global model of ``server_round`` (the latest finished round), any
+        further named global models (e.g. ``cluster-0``: ``checkpoint/cluster-0.pt``),
+        and, last, ``server_state`` (plain data: what ``resume-from`` restores)."""
+        folder = self.path / "checkpoint"
+        _atomic_torch_save(folder / "global.pt", dict(state_dict))
         for name, model in (models or {}).items():
-            _atomic_torch_save(self.path / "checkpoint" / f"{name}.pt", dict(model))
+            _atomic_torch_save(folder / f"{name}.pt", dict(model))
         state = {"round": server_round, "models": sorted(models or {})}
-        _atomic_write_text(self.path / "checkpoint" / "state.json", json.dumps(state) + "\n")
+        _atomic_write_text(folder / "state.json", json.dumps(state) + "\n")
+        if server_state is not None:
+            payload = {"format": CHECKPOINT_FORMAT, "round": server_round, **server_state}
+            _atomic_torch_save(folder / SERVER_CHECKPOINT, payload)
 
     def write_rows(self, name: str, rows: list[Mapping[str, Any]]) -> None:
         """Write ``rows`` as the CSV file ``name`` (e.g. per-client cluster assignments)."""
         _atomic_write_text(self.path / name, pd.DataFrame(rows).to_csv(index=False))
 
-    def record_round(self, result, ledger=None, models=None) -> None:
-        """Record one round's metrics by scope; checkpoint the model(s) and the ledger."""
+    def record_round(self, result, ledger=None, models=None, server_state=None) -> None:
+        """Record one round's metrics by scope; checkpoint the model(s), the server's
+        state and the ledger."""
         for scope, record in (
             ("train", result.train),
             ("federated-eval", result.federated_eval),
@@ -192,9 +211,66 @@ class RunDirectory:
             self.participation.extend(result.clients)
             self.write_rows("participation.csv", self.participation)
         if result.server_round > 0:
-            self.checkpoint(result.server_round, result.arrays.to_torch_state_dict(), models)
+            self.checkpoint(
+                result.server_round, result.arrays.to_torch_state_dict(), models, server_state
+            )
             if ledger is not None:
                 self.write_ledger(ledger)
+
+    @classmethod
+    def resume(cls, path: Path, run_config: Mapping[str, Any]) -> tuple[RunDirectory, dict]:
+        """Reopen the run directory ``path`` to continue it; return it and the saved
+        server state (``checkpoint/server.pt``).
+
+        Rows of rounds after the checkpoint (a run killed between writing its metrics
+        and its checkpoint) are dropped from ``metrics.csv`` and ``participation.csv``,
+        and so are the clients' saved states of those rounds (simulation: they share
+        this directory), so no round is counted twice.
+
+        Raises
+        ------
+        ConfigError
+            If ``path`` holds no checkpoint, or its run-config differs from
+            ``run_config`` in any key but ``resume-from`` and ``output-dir``.
+        """
+        key = "'resume-from'"
+        file = path / "checkpoint" / SERVER_CHECKPOINT
+        if not (path / "config.json").is_file() or not file.is_file():
+            raise ConfigError(
+                f"{key} = {str(path)!r} is not a run directory with a checkpoint "
+                f"(config.json and checkpoint/{SERVER_CHECKPOINT}, written after every round)"
+            )
+        saved = json.loads((path / "config.json").read_text())["run-config"]
+        differ = sorted(
+            k
+            for k in set(saved) | set(run_config)
+            if k not in RESUME_FREE_KEYS and saved.get(k) != run_config.get(k)
+        )
+        if differ:
+            shown = "; ".join(
+                f"{k!r}: {saved.get(k)!r} then, {run_config.get(k)!r} now" for k in differ
+            )
+            raise ConfigError(f"{key} = {str(path)!r} ran with another run-config ({shown})")
+        state = torch.load(file, weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ConfigError(
+                f"{key}: checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT}"
+            )
+        done = int(state["round"])
+        run_dir = cls(path)
+        run_dir.rows = _rows_through(path / "metrics.csv", done)
+        run_dir.participation = _rows_through(path / "participation.csv", done)
+        if run_dir.rows:
+            run_dir.started -= float(run_dir.rows[-1]["elapsed-s"])
+            _atomic_write_text(
+                path / "metrics.csv", pd.DataFrame(run_dir.rows).to_csv(index=False)
+            )
+        if run_dir.participation:
+            run_dir.write_rows("participation.csv", run_dir.participation)
+        for stale in (path / CLIENTS_DIR / STATE_DIR).glob("partition-*/round-*.bin"):
+            if int(stale.stem.removeprefix("round-")) > done:
+                stale.unlink()
+        return run_dir, state
 
     def write_ledger(self, ledger) -> None:
         """``ledger.json``: the human summary and the full, reloadable state."""
@@ -217,6 +293,14 @@ class RunDirectory:
             figure = plot_learning_curve(pd.DataFrame(self.rows), title=title)
             figure.savefig(self.path / "plots" / "learning_curve.png", dpi=120)
             plt.close(figure)
+
+
+def _rows_through(csv: Path, last_round: int) -> list[dict[str, Any]]:
+    """The rows of ``csv`` up to ``last_round`` (every column, in the file's order)."""
+    if not csv.is_file():
+        return []
+    frame = pd.read_csv(csv)
+    return frame[frame["round"] <= last_round].to_dict("records")
 
 
 def load_metrics(run_dir: str | Path) -> pd.DataFrame:

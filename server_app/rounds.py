@@ -19,7 +19,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from strategies import StopTraining, keys
+from strategies import StopTraining, keys, partitions
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -62,10 +62,11 @@ class RoundResult:
 
 
 def participation(server_round: int, sent: list[Message], replies: list[Message]) -> list[dict]:
-    """The ``clients`` rows of a round from the train messages and their replies."""
+    """The ``clients`` rows of a round from the train messages and their replies, in
+    partition order (the order Flower's FedAvg sends in is random)."""
     by_node = {reply.metadata.src_node_id: reply for reply in replies}
     rows = []
-    for message in sent:
+    for message in sorted(sent, key=lambda m: partitions.sort_key(m.metadata.dst_node_id)):
         node = message.metadata.dst_node_id
         row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
         reply = by_node.get(node)
@@ -117,6 +118,25 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def _exchange(grid: Grid, messages: list[Message], timeout: float, what: str) -> list[Message]:
+    """``grid.send_and_receive``, logging the nodes that did not answer in ``timeout``
+    seconds (Flower returns what arrived by then; the strategy decides what that means)."""
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    answered = {reply.metadata.src_node_id for reply in replies}
+    silent = sorted({m.metadata.dst_node_id for m in messages} - answered)
+    if silent:
+        log(
+            WARNING,
+            "%s: %d of %d node(s) sent no reply within 'round-timeout' = %g s: %s",
+            what,
+            len(silent),
+            len(messages),
+            timeout,
+            silent,
+        )
+    return replies
+
+
 def run_rounds(
     strategy: Strategy,
     grid: Grid,
@@ -127,20 +147,22 @@ def run_rounds(
     central_eval: CentralEval | None,
     on_round: Callable[[RoundResult], None],
     train_config: Mapping[str, str | int | float | bool] | None = None,
+    start_round: int = 1,
 ) -> ArrayRecord:
-    """Run ``num_rounds`` rounds and return the final global arrays.
+    """Run rounds ``start_round`` .. ``num_rounds`` and return the final global arrays.
 
-    ``central_eval`` (if given) runs on the initial model as round 0 and after every
-    round; ``on_round`` receives every round's result, round 0 included. A strategy
-    ends the run early (e.g. privacy budget exhausted) by raising ``StopTraining``
-    from ``configure_train``, before anything is sent. ``train_config`` entries are
-    added to every round's train config (e.g. where clients write their logs).
+    ``central_eval`` (if given) runs on the initial model as round 0 (unless the run
+    resumes at a later ``start_round``) and after every round; ``on_round`` receives
+    every round's result, round 0 included. A strategy ends the run early (e.g.
+    privacy budget exhausted) by raising ``StopTraining`` from ``configure_train``,
+    before anything is sent. ``train_config`` entries are added to every round's train
+    and evaluate config (e.g. where clients write their logs and state).
     """
     arrays = initial_arrays
-    if central_eval is not None:
+    if central_eval is not None and start_round == 1:
         on_round(RoundResult(0, arrays, central_eval=central_eval(0, arrays)))
-    progress = Progress(num_rounds)
-    for server_round in range(1, num_rounds + 1):
+    progress = Progress(num_rounds - start_round + 1)
+    for server_round in range(start_round, num_rounds + 1):
         started = time.monotonic()
         try:
             messages = list(
@@ -151,17 +173,15 @@ def run_rounds(
         except StopTraining as stop:
             log(WARNING, "Stopping before round %d: %s", server_round, stop)
             break
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        replies = _exchange(grid, messages, timeout, f"round {server_round} train")
         clients = participation(server_round, messages, replies)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
-        replies = list(
-            grid.send_and_receive(
-                strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
-                timeout=timeout,
-            )
+        evaluate = strategy.configure_evaluate(
+            server_round, arrays, ConfigRecord(dict(train_config or {})), grid
         )
+        replies = _exchange(grid, list(evaluate), timeout, f"round {server_round} evaluate")
         result = RoundResult(
             server_round,
             arrays,

@@ -92,7 +92,12 @@ class DPFedAvgFixed(TrainingWrapper):
     released_keys : tuple of str, optional
         Head-only training: only these arrays are clipped, noised and updated; the
         others keep the global values whatever a client sends. None: every array.
+    secure_rng : bool
+        ``rng`` draws from OS entropy: its state is never written to a checkpoint
+        (whoever read it could subtract the noise); a resumed run draws fresh.
     """
+
+    CHECKPOINT = ("rng", "clip_norm", "ledger")  # strategies.checkpoint
 
     def __init__(
         self,
@@ -108,6 +113,7 @@ class DPFedAvgFixed(TrainingWrapper):
         uniform_sampling: bool = True,
         connect_timeout: float = 300.0,
         released_keys: tuple[str, ...] | None = None,
+        secure_rng: bool = False,
     ) -> None:
         if clip_norm <= 0 or noise_multiplier <= 0 or num_sampled_clients < 1:
             raise ValueError("clip_norm and noise_multiplier must be > 0, m >= 1")
@@ -124,6 +130,7 @@ class DPFedAvgFixed(TrainingWrapper):
         self.uniform_sampling = uniform_sampling
         self.connect_timeout = connect_timeout
         self.released_keys = released_keys
+        self.checkpoint_exclude = ("rng",) if secure_rng else ()
         self._mask: list[bool] | None = None
         self._released_dim = 0  # d of the released arrays, known from round 1
         self._round_state: tuple[ArrayRecord, set[int], int] | None = None

@@ -19,17 +19,25 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import PrivacyLedger
-from strategies import keys
+from strategies import keys, partitions
 from strategies.base import InvalidReply, TrainingWrapper, add_to_config, metrics_of
+
+
+def _client_name(node_id: int) -> str:
+    partition = partitions.partition_of(node_id)
+    return f"partition-{partition}" if partition is not None else f"node-{node_id}"
 
 
 def record_local_epsilons(
     ledger: PrivacyLedger, server_round: int, replies: Iterable[Message], label: str
 ) -> list[float]:
     """Ledger every reply's sample-level ``local-epsilon`` (kept apart from the
-    client-level epsilon); return them. Replies without one are logged and skipped."""
+    client-level epsilon); return them. Replies without one are logged and skipped.
+
+    The client is named by its partition (``partition-3``), which a SuperNode keeps
+    across reconnects and resumed runs, or by ``node-<id>`` when it reported none."""
     reported = []
-    for message in replies:
+    for message in partitions.sort_replies(replies):  # arrival order is random
         if message.has_error():
             continue
         try:
@@ -40,7 +48,7 @@ def record_local_epsilons(
             continue
         ledger.record_local_guarantee(
             server_round,
-            client=str(message.metadata.src_node_id),
+            client=_client_name(message.metadata.src_node_id),
             epsilon=epsilon,
             delta=ledger.target_delta,
             unit="sample-level",
@@ -51,6 +59,8 @@ def record_local_epsilons(
 
 class DPSGDClients(TrainingWrapper):
     """Ask every sampled client for DP-SGD training; ledger its reported epsilon."""
+
+    CHECKPOINT = ("ledger",)  # strategies.checkpoint
 
     def __init__(
         self,

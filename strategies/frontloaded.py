@@ -58,6 +58,8 @@ class FrontLoadedDP(TrainingWrapper):
         (no amplification); only CP-NP charges them.
     """
 
+    CHECKPOINT = ("ledger", "edge_view")  # strategies.checkpoint
+
     def __init__(
         self,
         strategy,

@@ -202,6 +202,9 @@ class HierarchicalFedAvg(FedAvg):
     """
 
     MODEL_LABEL = "edge"
+    # Registrations are not carried: nodes are asked again (their ids change), and
+    # edge models restart from the cloud model every round.
+    CHECKPOINT = ("rng", "eval_rng", "rows")  # strategies.checkpoint
 
     def __init__(
         self,

@@ -55,6 +55,8 @@ from strategies.base import (
 class LaplaceDP(TrainingWrapper):
     """Local Laplace noise on every client's clipped update, averaged unweighted."""
 
+    CHECKPOINT = ("ledger",)  # strategies.checkpoint
+
     def __init__(
         self, strategy: Strategy, *, sensitivity: float, epsilon: float, ledger: PrivacyLedger
     ) -> None:

@@ -165,6 +165,7 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
         "min_available_nodes": s.min_available_nodes,
         "uniform_sampling": s.strategy not in DATA_DEPENDENT_SELECTION,
         "released_keys": s.released_keys,
+        "secure_rng": bool(o["dp.secure-rng"]),
     }
 
 

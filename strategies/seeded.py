@@ -51,6 +51,8 @@ class SeededSampling(Strategy):
         from those connected.
     """
 
+    CHECKPOINT = ("rng_train", "rng_evaluate")  # strategies.checkpoint
+
     def __init__(
         self,
         strategy: Strategy,

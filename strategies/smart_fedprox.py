@@ -116,6 +116,9 @@ class SmartFedProx(FedProx):
         Seconds to wait for enough nodes before ending the run (StopTraining).
     """
 
+    CHECKPOINT = ("rng", "history")  # strategies.checkpoint
+    CHECKPOINT_BY_NODE = ("divergences", "historical", "faults")
+
     def __init__(
         self,
         fraction_train: float = 1.0,

@@ -123,6 +123,10 @@ class SubspaceDP(DPFedAvgFixed):
         ``connect_timeout``, ``released_keys`` as for :class:`DPFedAvgFixed`.
     """
 
+    # The metric in use and the spectra of every metric used (SPI); public samples are
+    # rebuilt by the app.
+    CHECKPOINT = (*DPFedAvgFixed.CHECKPOINT, "metric", "_spectra")
+
     def __init__(
         self,
         strategy: Strategy,

@@ -1,0 +1,85 @@
+"""A client's ``context.state`` on disk, per round, so that it survives a new run.
+
+What a client carries between rounds lives in ``context.state``: its own model under
+``strategy = local``, FedBN's local layers, SmartFedProx's divergence history, the task
+state (PPO timesteps, epochs done, the DP-SGD accountant's history). A resumed run
+(``resume-from``), or a SuperNode restarted mid-run, starts with an empty context;
+without the saved state the client would, for instance, restart its DP-SGD accountant
+and under-report its epsilon.
+
+After every train message the client writes its state, serialised with Flower's own
+record format, to ``<artifacts-dir>/client-state/partition-<id>/round-<r>.bin``
+(atomically; it keeps the newest two). A client whose context is empty restores the
+newest file of a round *before* the current one: that is the state as of the last
+round the server finished (the server checkpoints round r - 1 before it sends round
+r, so a crash during round r leaves at most a round-r file, which is skipped).
+
+In simulation the artifacts directory is inside the run directory. On a deployment
+each SuperNode writes on its own disk, at the path the server names (or its own
+``artifacts-dir`` node-config entry).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from logging import INFO, WARNING
+from pathlib import Path
+
+from flwr.app import Context, RecordDict
+from flwr.common.logger import log
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+STATE_DIR = "client-state"
+KEEP = 2  # files per partition: the round in progress and the last finished one
+_FILE = re.compile(r"round-(\d+)\.bin")
+
+
+def directory(artifacts_dir: str, partition_id: int) -> Path:
+    """Where partition ``partition_id`` keeps its state files."""
+    return Path(artifacts_dir) / STATE_DIR / f"partition-{partition_id}"
+
+
+def _saved_rounds(path: Path) -> list[int]:
+    if not path.is_dir():
+        return []
+    return sorted(int(m.group(1)) for f in path.iterdir() if (m := _FILE.fullmatch(f.name)))
+
+
+def save(
+    context: Context, artifacts_dir: str | None, partition_id: int, server_round: int
+) -> None:
+    """Write ``context.state`` as of the end of ``server_round``; keep the newest two."""
+    if not artifacts_dir or not len(context.state):
+        return
+    path = directory(artifacts_dir, partition_id)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        target = path / f"round-{server_round}.bin"
+        tmp = path / f".{target.name}.tmp"
+        tmp.write_bytes(recorddict_to_proto(context.state).SerializeToString())
+        os.replace(tmp, target)
+        for old in _saved_rounds(path)[:-KEEP]:
+            (path / f"round-{old}.bin").unlink(missing_ok=True)
+    except OSError as err:  # a read-only or missing disk must not fail the round
+        log(WARNING, "client state of partition %d not saved: %s", partition_id, err)
+
+
+def restore(
+    context: Context, artifacts_dir: str | None, partition_id: int, server_round: int
+) -> int | None:
+    """Fill an empty ``context.state`` from the newest file of a round before
+    ``server_round``; return that round (None when nothing was restored)."""
+    if not artifacts_dir or len(context.state):
+        return None
+    path = directory(artifacts_dir, partition_id)
+    earlier = [r for r in _saved_rounds(path) if r < server_round]
+    if not earlier:
+        return None
+    data = (path / f"round-{earlier[-1]}.bin").read_bytes()
+    saved: RecordDict = recorddict_from_proto(ProtoRecordDict.FromString(data))
+    for key, record in saved.items():
+        context.state[key] = record
+    log(INFO, "partition %d: client state of round %d restored", partition_id, earlier[-1])
+    return earlier[-1]

@@ -1,0 +1,82 @@
+"""The whole app in one process: the ServerApp's run loop against the real ClientApp.
+
+:class:`InProcessGrid` is a Flower ``Grid`` whose nodes are the app's ClientApp called
+directly, each with its own ``Context`` (node config ``partition-id`` /
+``num-partitions``, a ``state`` that persists across messages as in a simulation).
+Nodes can be killed (they stop answering and leave ``get_node_ids``, as a SuperNode
+whose heartbeat stopped) to test faults, and the node ids are chosen by the test, so a
+"new run" can get new ids as Flower gives them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from flwr.app import Context, Message, RecordDict
+
+from client_app.app import app as client_app
+from server_app import app as server_app
+from strategies import partitions
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+# A digits run small enough for unit tests: 4 clients, 1 local epoch.
+TINY = {
+    "task": "digits",
+    "num-server-rounds": 3,
+    "fraction-train": 1.0,
+    "min-train-nodes": 2,
+    "min-available-nodes": 4,
+    "train.local-epochs": 1,
+    "round-timeout": 5.0,
+}
+
+
+def run_config(**overrides) -> dict:
+    """The pyproject defaults with ``TINY`` and ``overrides`` on top."""
+    defaults = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    return {**defaults, **TINY, **overrides}
+
+
+class InProcessGrid:
+    """Nodes ``node_ids`` (partition i = the i-th id) answering with the real ClientApp."""
+
+    def __init__(self, config: dict, node_ids: list[int]) -> None:
+        self.run_config = config
+        self.contexts = {
+            node: Context(
+                run_id=1,
+                node_id=node,
+                node_config={"partition-id": pid, "num-partitions": len(node_ids)},
+                state=RecordDict(),
+                run_config=config,
+            )
+            for pid, node in enumerate(node_ids)
+        }
+        self.dead: set[int] = set()
+        self.sent: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return [node for node in self.contexts if node not in self.dead]
+
+    def kill(self, node: int) -> None:
+        """The node stops answering and is no longer listed."""
+        self.dead.add(node)
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            if node not in self.dead:
+                replies.append(client_app(message, self.contexts[node]))
+        return replies
+
+
+def run_server(config: dict, grid: InProcessGrid) -> None:
+    """The ServerApp's run (as ``flwr run`` would start it) in a fresh server process:
+    the partition map of a previous run is forgotten."""
+    partitions.reset()
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    server_app._run(grid, context)
