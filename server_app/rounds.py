@@ -61,15 +61,31 @@ class RoundResult:
     without error (else the reason), and the metrics it reported."""
 
 
+def _replies_to(sent: list[Message], replies: list[Message]) -> dict[int, Message]:
+    """``id(message) -> its reply``, matched by message id (the SuperLink's own error
+    reply for an unreachable node comes from the SuperLink, not from the node), or by
+    node where messages carry no id (grids that do not push them)."""
+    by_id = {r.metadata.reply_to_message_id: r for r in replies if r.metadata.reply_to_message_id}
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    matched = {}
+    for message in sent:
+        reply = by_id.get(message.metadata.message_id) if message.metadata.message_id else None
+        if reply is None:
+            reply = by_node.get(message.metadata.dst_node_id)
+        if reply is not None:
+            matched[id(message)] = reply
+    return matched
+
+
 def participation(server_round: int, sent: list[Message], replies: list[Message]) -> list[dict]:
     """The ``clients`` rows of a round from the train messages and their replies, in
     partition order (the order Flower's FedAvg sends in is random)."""
-    by_node = {reply.metadata.src_node_id: reply for reply in replies}
     rows = []
+    answers = _replies_to(sent, replies)
     for message in sorted(sent, key=lambda m: partitions.sort_key(m.metadata.dst_node_id)):
         node = message.metadata.dst_node_id
         row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
-        reply = by_node.get(node)
+        reply = answers.get(id(message))
         if reply is None:
             row["error"] = "no reply"
         elif reply.has_error():
@@ -122,8 +138,8 @@ def _exchange(grid: Grid, messages: list[Message], timeout: float, what: str) ->
     """``grid.send_and_receive``, logging the nodes that did not answer in ``timeout``
     seconds (Flower returns what arrived by then; the strategy decides what that means)."""
     replies = list(grid.send_and_receive(messages, timeout=timeout))
-    answered = {reply.metadata.src_node_id for reply in replies}
-    silent = sorted({m.metadata.dst_node_id for m in messages} - answered)
+    answers = _replies_to(messages, replies)
+    silent = sorted(m.metadata.dst_node_id for m in messages if id(m) not in answers)
     if silent:
         log(
             WARNING,
@@ -178,10 +194,16 @@ def run_rounds(
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
-        evaluate = strategy.configure_evaluate(
-            server_round, arrays, ConfigRecord(dict(train_config or {})), grid
-        )
-        replies = _exchange(grid, list(evaluate), timeout, f"round {server_round} evaluate")
+        try:
+            evaluate = list(
+                strategy.configure_evaluate(
+                    server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+                )
+            )
+        except StopTraining as stop:
+            log(WARNING, "Round %d: federated evaluation skipped: %s", server_round, stop)
+            evaluate = []
+        replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate")
         result = RoundResult(
             server_round,
             arrays,

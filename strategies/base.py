@@ -93,6 +93,38 @@ def wait_for_nodes(
     return partitions.order(nodes)
 
 
+def nodes_for_round(
+    grid: Grid,
+    *,
+    min_available: int,
+    min_sample: int,
+    timeout: float,
+    discover: bool = True,
+) -> list[int]:
+    """The nodes a round samples from: wait up to ``timeout`` for ``min_available``
+    nodes; then go on with those connected, with a warning, as long as at least
+    ``min_sample`` are (a SuperNode that died leaves the survivors); else end the run
+    (``StopTraining``) rather than wait forever."""
+    nodes = wait_for_nodes(
+        grid, max(min_available, min_sample), timeout=timeout, discover=discover
+    )
+    if len(nodes) < min_sample:
+        raise StopTraining(
+            f"{len(nodes)} node(s) connected within 'round-timeout' = {timeout:g} s, the "
+            f"round needs at least {min_sample}"
+        )
+    if len(nodes) < min_available:
+        log(
+            WARNING,
+            "%d node(s) connected within 'round-timeout' = %g s, fewer than "
+            "'min-available-nodes' = %d: the round goes on with them",
+            len(nodes),
+            timeout,
+            min_available,
+        )
+    return nodes
+
+
 def sample_uniform(node_ids: list[int], size: int, rng: np.random.Generator) -> list[int]:
     """``size`` distinct nodes drawn uniformly without replacement, in partition order.
 

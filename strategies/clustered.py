@@ -37,14 +37,13 @@ from sklearn.exceptions import ConvergenceWarning
 from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
-    StopTraining,
     arrays_of,
     checked_metrics,
     copy_record,
     metrics_of,
+    nodes_for_round,
     sample_uniform,
     to_record,
-    wait_for_nodes,
     weighted_metrics,
 )
 
@@ -265,11 +264,6 @@ class ClusteredFedAvg(Strategy):
         if self.fraction_train == 0.0:
             return []
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
-        if nodes is None:
-            raise StopTraining(
-                f"fewer than {max(self.min_available_nodes, self.min_train_nodes)} nodes "
-                f"connected within {self.query_timeout:g} s"
-            )
         if self.models is None:
             self.models = [copy_record(arrays) for _ in range(self.k)]
         if self.assign == "l2":
@@ -322,9 +316,6 @@ class ClusteredFedAvg(Strategy):
         if self.fraction_evaluate == 0.0:
             return []
         nodes = self._sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
-        if nodes is None:
-            log(WARNING, "configure_evaluate: too few nodes connected, evaluation skipped")
-            return []
         models = self.models or [arrays]  # before round 1: the one model there is
         largest = self.largest_cluster()
         messages = []
@@ -347,11 +338,13 @@ class ClusteredFedAvg(Strategy):
         return weighted_metrics(records) if records else None
 
     # -- internals ------------------------------------------------------------------
-    def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int] | None:
-        needed = max(self.min_available_nodes, minimum)
-        nodes = wait_for_nodes(grid, needed, timeout=self.query_timeout)
-        if len(nodes) < needed:
-            return None
+    def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        nodes = nodes_for_round(
+            grid,
+            min_available=self.min_available_nodes,
+            min_sample=minimum,
+            timeout=self.query_timeout,
+        )
         size = min(len(nodes), max(int(len(nodes) * fraction), minimum))
         return sample_uniform(nodes, size, self.rng)
 

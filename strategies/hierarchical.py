@@ -26,12 +26,12 @@ from flwr.serverapp.strategy import FedAvg
 from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
-    StopTraining,
     arrays_of,
     checked_metrics,
     copy_record,
     is_number,
     metrics_of,
+    nodes_for_round,
     sample_uniform,
     to_record,
     wait_for_nodes,
@@ -286,13 +286,16 @@ class HierarchicalFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Register new nodes, run edge aggregations 1..tau_2-1, send the last one."""
-        self._state, needed = None, self.min_available_nodes
+        self._state = None
         # The edge query (below) reports each node's partition id: no separate query.
-        nodes = [
-            int(n) for n in wait_for_nodes(grid, needed, timeout=self.timeout, discover=False)
-        ]
-        if len(nodes) < needed:
-            raise StopTraining(f"fewer than {needed} nodes connected in {self.timeout:g} s")
+        nodes = nodes_for_round(
+            grid,
+            min_available=self.min_available_nodes,
+            min_sample=1,
+            timeout=self.timeout,
+            discover=False,
+        )
+        nodes = [int(n) for n in nodes]
         cloud = copy_record(arrays)
         state = _CloudRound(server_round, cloud, ConfigRecord(dict(config)), set(nodes))
         state.failed_queries = self._register(server_round, nodes, grid)

@@ -163,6 +163,7 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
             seed=s.seed, streams=(_SERVER_STREAM,), secure=bool(o["dp.secure-rng"])
         ),
         "min_available_nodes": s.min_available_nodes,
+        "connect_timeout": s.round_timeout,
         "uniform_sampling": s.strategy not in DATA_DEPENDENT_SELECTION,
         "released_keys": s.released_keys,
         "secure_rng": bool(o["dp.secure-rng"]),

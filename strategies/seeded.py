@@ -23,10 +23,10 @@ from flwr.serverapp.strategy import Strategy
 from strategies import partitions
 from strategies.base import (
     GridView,
+    nodes_for_round,
     sample_uniform,
     screen_replies,
     to_record,
-    wait_for_nodes,
 )
 
 _STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
@@ -75,8 +75,9 @@ class SeededSampling(Strategy):
         self._reference: ArrayRecord | None = None  # this round's global arrays
 
     def _sample(self, grid: Grid, fraction: float, minimum: int, rng) -> list[int]:
-        needed = max(self.min_available_nodes, minimum)
-        nodes = wait_for_nodes(grid, needed, timeout=self.timeout)
+        nodes = nodes_for_round(
+            grid, min_available=self.min_available_nodes, min_sample=minimum, timeout=self.timeout
+        )
         size = min(len(nodes), max(int(len(nodes) * fraction), minimum))
         return sample_uniform(nodes, size, rng)
 

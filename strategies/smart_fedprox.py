@@ -25,13 +25,12 @@ from flwr.serverapp.strategy import FedProx
 from strategies import keys, partitions
 from strategies.base import (
     InvalidReply,
-    StopTraining,
     arrays_of,
     checked_metrics,
     is_number,
+    nodes_for_round,
     sample_uniform,
     to_record,
-    wait_for_nodes,
 )
 from strategies.hybrid_selection import (
     fill_unknown,
@@ -197,11 +196,6 @@ class SmartFedProx(FedProx):
         if self.fraction_train == 0.0:
             return []
         nodes, n = self._population(grid, self.fraction_train, self.min_train_nodes)
-        if not nodes:
-            raise StopTraining(
-                f"fewer than {max(self.min_available_nodes, self.min_train_nodes)} nodes "
-                f"connected within {self.connect_timeout:g} s"
-            )
         mode, values = self._mode(server_round), {}
         if mode == "hybrid":
             values = fill_unknown(nodes, self.smoothed())
@@ -255,9 +249,6 @@ class SmartFedProx(FedProx):
         if self.fraction_evaluate == 0.0:
             return []
         nodes, n = self._population(grid, self.fraction_evaluate, self.min_evaluate_nodes)
-        if not nodes:
-            log(WARNING, "configure_evaluate: too few nodes connected, evaluation skipped")
-            return []
         return [
             _message(node, arrays, config, server_round, MessageType.EVALUATE, {})
             for node in sample_uniform(nodes, n, self.rng)
@@ -265,11 +256,13 @@ class SmartFedProx(FedProx):
 
     # -- internals ------------------------------------------------------------------
     def _population(self, grid: Grid, fraction: float, minimum: int) -> tuple[list[int], int]:
-        """(connected nodes, sample size), or ([], 0) if too few connected in time."""
-        needed = max(self.min_available_nodes, minimum)
-        nodes = wait_for_nodes(grid, needed, timeout=self.connect_timeout)
-        if len(nodes) < needed:
-            return [], 0
+        """(connected nodes, sample size); StopTraining if too few connected in time."""
+        nodes = nodes_for_round(
+            grid,
+            min_available=self.min_available_nodes,
+            min_sample=minimum,
+            timeout=self.connect_timeout,
+        )
         return nodes, min(len(nodes), max(int(len(nodes) * fraction), minimum))
 
     def _mode(self, server_round: int) -> str:

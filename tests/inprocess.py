@@ -55,6 +55,7 @@ class InProcessGrid:
             for pid, node in enumerate(node_ids)
         }
         self.dead: set[int] = set()
+        self.dies_in_round: dict[int, int] = {}  # node -> round whose train message kills it
         self.sent: list[Message] = []
 
     def get_node_ids(self) -> list[int]:
@@ -69,6 +70,11 @@ class InProcessGrid:
         for message in messages:
             self.sent.append(message)
             node = message.metadata.dst_node_id
+            config = message.content.get("config", {})
+            if message.metadata.message_type == "train" and self.dies_in_round.get(node) == int(
+                config.get("server-round", -1)
+            ):
+                self.kill(node)  # it got the message and died training
             if node not in self.dead:
                 replies.append(client_app(message, self.contexts[node]))
         return replies

@@ -281,8 +281,11 @@ def test_sampling_follows_fraction_and_minimum_and_is_reproducible():
         runs.append([sorted(_configure(strategy, r, nodes)) for r in (1, 2)])
     assert runs[0] == runs[1] and len(runs[0][0]) == 5
     assert _configure(_strategy(fraction_train=0.0), nodes=nodes) == {}
+    # Fewer than min-available after the timeout: the round goes on with those there;
+    # fewer than the sample needs: the run ends.
+    assert len(_configure(_strategy(min_available_nodes=20, fraction_train=1.0), nodes=nodes)) == 10
     with pytest.raises(StopTraining):
-        _configure(_strategy(min_available_nodes=20), nodes=nodes)
+        _configure(_strategy(min_train_nodes=20), nodes=nodes)
 
 
 def test_evaluation_sends_each_node_its_clusters_model_and_weights_metrics():

@@ -372,8 +372,11 @@ def test_evaluation_is_sampled_with_the_runs_generator():
 
 
 def test_too_few_nodes_stop_the_run():
-    strategy = _strategy(min_available_nodes=5)
-    with pytest.raises(StopTraining, match="fewer than 5"):
+    # Fewer than min-available after the timeout: the round goes on with those there;
+    # fewer than the sample needs: the run ends.
+    assert len(_configure(_strategy(min_available_nodes=5), 1, nodes=range(1, 4))) == 3
+    strategy = _strategy(min_train_nodes=5)
+    with pytest.raises(StopTraining, match="3 node\\(s\\) connected .* needs at least 5"):
         _configure(strategy, 1, nodes=range(1, 4))
 
 

@@ -1,0 +1,144 @@
+"""A SuperNode dies mid-run: what every strategy does, with the real ClientApp in process.
+
+Node 33 (partition 2) receives its round-2 train message and dies: it never replies and
+leaves the node list, as a SuperNode whose heartbeat stops. Non-private strategies go on
+with the survivors; DP-FedAvg (fixed, adaptive, subspace) aborts that round, releasing
+and charging nothing, and goes on; the hierarchical strategy's edge aggregates the
+clients it still has. Every run finishes all its rounds, and the missing reply is logged
+with the round timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.inprocess import InProcessGrid, run_config, run_server
+
+NODES = [11, 22, 33, 44]
+DEAD, DIES_IN = 33, 2
+DP = {"dp.num-sampled-clients": 3, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5}
+
+
+def _run(tmp_path: Path, **overrides) -> tuple[Path, InProcessGrid]:
+    # Every round waits for all 4 nodes, up to a 1 s round timeout, then goes on.
+    base = {"output-dir": str(tmp_path), "fraction-train": 1.0, "min-available-nodes": 4}
+    base["round-timeout"] = 1.0
+    config = run_config(**base, **overrides)
+    grid = InProcessGrid(config, NODES)
+    grid.dies_in_round[DEAD] = DIES_IN
+    run_server(config, grid)
+    (path,) = list(tmp_path.iterdir())
+    return path, grid
+
+
+def _train_sent_to(grid: InProcessGrid, node: int) -> list[int]:
+    return [
+        int(m.content["config"]["server-round"])
+        for m in grid.sent
+        if m.metadata.message_type == "train" and m.metadata.dst_node_id == node
+    ]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [
+        ("fedavg", {}),
+        ("fedprox", {}),
+        ("smart-fedprox", {"smart.cold-start-rounds": 1}),
+        ("clustered", {"cluster.k": 2}),
+    ],
+)
+def test_flat_strategies_go_on_with_the_survivors(strategy, extra, tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    path, grid = _run(tmp_path, strategy=strategy, **extra)
+    metrics = pd.read_csv(path / "metrics.csv")
+    assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 2, 3}
+    assert (path / "model.pt").exists()
+    rows = pd.read_csv(path / "participation.csv")
+    dead = rows[rows["node-id"] == DEAD].set_index("round")
+    assert dead.loc[DIES_IN, "error"] == "no reply"
+    assert not dead.loc[DIES_IN, "replied"]
+    assert max(_train_sent_to(grid, DEAD)) == DIES_IN  # not sampled once gone
+    survivors = rows[(rows["round"] == DIES_IN) & rows["replied"]]
+    assert sorted(survivors["node-id"]) == [11, 22, 44]
+    assert f"round {DIES_IN} train: 1 of 4 node(s) sent no reply within 'round-timeout'" in (
+        caplog.text
+    )
+    assert "fewer than 'min-available-nodes' = 4: the round goes on with them" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("privacy", "extra"),
+    [
+        ("dp-fedavg-fixed", {}),
+        ("dp-fedavg-adaptive", {}),
+        ("subspace-dp", {"subspace.rank": 2, "subspace.sketch-dim": 8}),
+    ],
+)
+def test_dp_fedavg_aborts_the_round_and_charges_nothing(privacy, extra, tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    # 4 nodes, 3 sampled per round: after the death exactly 3 are left to sample.
+    path, grid = _run(tmp_path, privacy=privacy, **DP, **extra)
+    assert DIES_IN in _train_sent_to(grid, DEAD)
+    ledger = json.loads((path / "ledger.json").read_text())["state"]
+    assert sorted(r["server_round"] for r in ledger["releases"]) == [1, 3]
+    assert f"DP round {DIES_IN} aborted (nothing released, nothing charged)" in caplog.text
+    metrics = pd.read_csv(path / "metrics.csv")
+    assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 3}
+    central = metrics[metrics["scope"] == "central-eval"].set_index("round")
+    # The aborted round leaves the global model as round 1 left it.
+    assert central.loc[DIES_IN, "eval-loss"] == central.loc[1, "eval-loss"]
+    assert central.loc[3, "eval-loss"] != central.loc[1, "eval-loss"]
+
+
+def test_laplace_drops_only_the_missing_client(tmp_path):
+    # Noise small enough that the model stays finite (else nothing is released at all).
+    path, _ = _run(tmp_path, privacy="laplace", **{"dp.sensitivity": 1.0, "dp.epsilon": 100.0})
+    ledger = json.loads((path / "ledger.json").read_text())["state"]
+    assert sorted(r["server_round"] for r in ledger["releases"]) == [1, 2, 3]
+    rows = pd.read_csv(path / "participation.csv")
+    assert rows.loc[rows["round"] == 3, "node-id"].tolist() == [11, 22, 44]
+
+
+@pytest.mark.parametrize("privacy", ["none", "cp-np"])
+def test_hierarchical_edge_goes_on_without_its_lost_client(privacy, tmp_path):
+    # With every client sampled, node 33's edge loses it in round 2 (both edge rounds:
+    # the node list is read once per cloud round) and aggregates its other client.
+    path, _ = _run(
+        tmp_path,
+        strategy="hierarchical",
+        privacy=privacy,
+        **{"hier.client-fraction": 1.0, "hier.edge-rounds": 2},
+    )
+    edges = pd.read_csv(path / "edges.csv")
+    lost = edges[(edges["round"] == DIES_IN) & (edges["node-id"] == DEAD)]
+    assert len(lost) == 2 and not lost["replied-ok"].any()
+    edge = lost["edge-id"].iloc[0]
+    kept = edges[(edges["round"] == DIES_IN) & (edges["edge-id"] == edge) & edges["replied-ok"]]
+    assert len(kept) == 2 and DEAD not in set(kept["node-id"])  # one survivor, two edge rounds
+    later = edges[edges["round"] == 3]
+    assert DEAD not in set(later["node-id"])
+    assert set(later["edge-id"]) == {0, 1}
+    metrics = pd.read_csv(path / "metrics.csv")
+    assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 2, 3}
+    if privacy != "none":
+        ledger = json.loads((path / "ledger.json").read_text())["state"]
+        assert {r["server_round"] for r in ledger["releases"]} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "smart-fedprox", "clustered"])
+def test_too_few_survivors_end_the_run_after_the_timeout(strategy, tmp_path, caplog):
+    # Every round needs all 4 clients: after the death the run stops, it does not hang.
+    caplog.set_level(logging.WARNING)
+    path, _ = _run(tmp_path, strategy=strategy, **{"min-train-nodes": 4})
+    assert "Stopping before round 3: 3 node(s) connected within 'round-timeout' = 1 s" in (
+        caplog.text
+    )
+    metrics = pd.read_csv(path / "metrics.csv")
+    assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 2}
+    assert (path / "model.pt").exists()  # the run still finishes its directory
