@@ -1,0 +1,394 @@
+"""A deployed federation on loopback: TLS SuperLink, SuperNode authentication, `flwr run`.
+
+What docs/deploy.md describes, as real processes: certificates and keys from
+:mod:`server_app.deploy`; ``flower-superlink`` with TLS and ``--enable-supernode-auth``
+on a free port with its own ``FLWR_HOME``; three of four public keys registered with
+``flwr supernode register``; three ``flower-supernode`` processes (partitions 0..2);
+the ``lab`` connection from :mod:`server_app.connections`; then ``flwr run . lab``.
+
+One run serves two checks, because a deployed SuperNode starts a fresh ClientApp
+process per message (about 6 s of imports here), so a second run would not fit the
+time budget: its first round has all three SuperNodes; once it is checkpointed,
+SuperNode 2 and its children are SIGKILLed and the run must finish on the two
+survivors (the SuperLink keeps a killed node "online" until 2 x 30 s heartbeat
+intervals pass, so meanwhile each round waits ``round-timeout`` for it).
+
+Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
+found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
+in the fixture's finaliser, which then asserts that none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import psutil
+import pytest
+
+from server_app import deploy
+from server_app.launcher import _RUN_DIR_LINE, _RUN_ID_LINE, APP_DIR, BIN, stop_processes
+
+pytestmark = pytest.mark.e2e
+
+# Ports other Flower processes use by default (local-simulation SuperLink: 39091-39093;
+# gRPC-era defaults 9091-9095; HTTP APIs 8000, 9094): never given to our processes.
+RESERVED_PORTS = {8000, *range(9090, 9100), *range(39090, 39100)}
+NUM_NODES = 3  # SuperNodes started with registered keys; key 3 stays unregistered
+KILLED = 2  # the SuperNode killed after round 1
+ROUNDS = 3
+ROUND_TIMEOUT = 30  # s: 3 ClientApp starts on 2 busy cores fit; a dead node costs it a round
+RUN_CONFIG = (
+    f"num-server-rounds={ROUNDS} fraction-train=1.0 fraction-evaluate=0.0 "
+    f"train.local-epochs=1 min-available-nodes=2 min-train-nodes=2 "
+    f"round-timeout={ROUND_TIMEOUT}"
+)
+
+
+def free_port() -> int:
+    """A free loopback TCP port (bound to port 0), outside ``RESERVED_PORTS``."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in RESERVED_PORTS:
+            return port
+
+
+def git_status() -> str:
+    return subprocess.run(
+        ["git", "status", "--porcelain"], cwd=APP_DIR, capture_output=True, text=True, check=True
+    ).stdout
+
+
+@dataclass
+class Deployment:
+    """Processes on loopback sharing one private ``FLWR_HOME`` under ``root``."""
+
+    root: Path
+    port: int = field(default_factory=free_port)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    node_ids: dict[int, int] = field(default_factory=dict)  # key index -> node id
+    orphans: list[psutil.Process] = field(default_factory=list)  # children of killed ones
+
+    def __post_init__(self) -> None:
+        self.home, self.certs, self.logs = (self.root / d for d in ("home", "certs", "logs"))
+        for folder in (self.home, self.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.ca, _, self.keys = deploy.write_all(self.certs, ["127.0.0.1", "localhost"], 4)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
+        self.env = env | {
+            "FLWR_HOME": str(self.home),
+            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "PYTHONUNBUFFERED": "1",  # complete logs even from processes we kill
+        }
+
+    # -- processes ---------------------------------------------------------------------
+    def start(self, name: str, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+        """Start ``args`` in its own session, output to ``logs/<name>.log``."""
+        with open(self.logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                args, cwd=cwd or self.root, env=self.env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self.processes[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def flwr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """``flwr ARGS`` in the app directory, with our Flower home."""
+        return subprocess.run(
+            [str(BIN / "flwr"), *args], cwd=APP_DIR, env=self.env, capture_output=True,
+            text=True, timeout=120, check=check,
+        )  # fmt: skip
+
+    def start_superlink(self) -> None:
+        self.start(
+            "superlink", str(BIN / "flower-superlink"),
+            "--ssl-ca-certfile", str(self.ca.public),
+            "--ssl-certfile", str(self.certs / deploy.SERVER_CERT),
+            "--ssl-keyfile", str(self.certs / deploy.SERVER_KEY),
+            "--enable-supernode-auth", "--disable-runtime-dependency-installation",
+            "--host", "127.0.0.1", "--port", str(self.port),
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.processes["superlink"].poll() is None, self.log("superlink")
+            try:
+                url = f"https://127.0.0.1:{self.port}/health"
+                if httpx.get(url, verify=str(self.ca.public), timeout=1).is_success:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise AssertionError("SuperLink not healthy in 60 s\n" + self.log("superlink"))
+
+    def start_supernode(self, name: str, *args: str) -> subprocess.Popen:
+        """``flower-supernode`` dialling our SuperLink, on its own Runtime API port."""
+        superlink = ["--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
+        return self.start(name, str(BIN / "flower-supernode"), *superlink, *args)
+
+    def start_authenticated_supernode(self, k: int) -> None:
+        self.start_supernode(
+            f"supernode-{k}",
+            "--root-certificates", str(self.ca.public),
+            "--auth-supernode-private-key", str(self.keys[k].private),
+            "--node-config", f"partition-id={k} num-partitions={NUM_NODES}",
+        )  # fmt: skip
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        try:
+            return self.processes[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout} s") from None
+
+    def kill_tree(self, name: str) -> None:
+        """SIGKILL a process and its descendants, by PID (a machine that dies)."""
+        proc = psutil.Process(self.processes[name].pid)
+        victims = [proc, *proc.children(recursive=True)]
+        self.orphans += victims[1:]
+        for victim in victims:
+            victim.send_signal(signal.SIGKILL)
+        psutil.wait_procs(victims, timeout=10)
+
+    # -- state on the SuperLink --------------------------------------------------------
+    def nodes(self) -> dict[int, str]:
+        """``flwr supernode list lab``: node id -> status."""
+        out = self.flwr("supernode", "list", "lab", "--format", "json").stdout
+        return {int(n["node-id"]): n["status"] for n in json.loads(out)["nodes"]}
+
+    def run_status(self, run_id: str) -> str:
+        out = self.flwr("list", "lab", "--format", "json").stdout
+        runs = {run["run-id"]: run for run in json.loads(out[out.index("{") :])["runs"]}
+        return str(runs[run_id]["status"])
+
+    # -- cleanup -----------------------------------------------------------------------
+    def ours(self) -> list[psutil.Process]:
+        """Live processes we started, their descendants, and any process whose
+        environment names our ``FLWR_HOME`` (zombies count as gone)."""
+        found: dict[int, psutil.Process] = {}
+        for popen in self.processes.values():
+            if popen.poll() is not None:  # reaped: its pid may be another process's now
+                continue
+            try:
+                proc = psutil.Process(popen.pid)
+                found |= {p.pid: p for p in [proc, *proc.children(recursive=True)]}
+            except psutil.NoSuchProcess:
+                continue
+        found |= {p.pid: p for p in self.orphans}
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get("FLWR_HOME") == str(self.home):
+                    found[proc.pid] = proc
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return [p for p in found.values() if _alive(p)]
+
+    def stop(self) -> list[str]:
+        """Stop everything by PID (SIGTERM, then SIGKILL); return what is left."""
+        stop_processes(self.ours(), timeout=10)
+        for popen in self.processes.values():
+            if popen.poll() is None:
+                popen.kill()
+            popen.wait(timeout=10)
+        return [_describe(p) for p in self.ours()]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} " + " ".join(proc.cmdline()[:3])
+    except psutil.Error:
+        return f"{proc.pid} (gone)"
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    """SuperLink + 3 authenticated SuperNodes, all online; stopped and checked after.
+
+    Its folder is our own (not pytest's ``tmp_path``, which another pytest session of
+    the same user may prune while the processes still use it) and removed at the end.
+    """
+    dep = Deployment(Path(tempfile.mkdtemp(prefix="flwr-deployment-")))
+    try:
+        dep.start_superlink()
+        subprocess.run(
+            [sys.executable, "-m", "server_app.connections", "lab",
+             "--address", f"127.0.0.1:{dep.port}", "--root-certificates", str(dep.ca.public)],
+            cwd=APP_DIR, env=dep.env, check=True, capture_output=True,
+        )  # fmt: skip
+        for k in range(NUM_NODES):
+            out = dep.flwr("supernode", "register", str(dep.keys[k].public), "lab", "--format",
+                           "json").stdout  # fmt: skip
+            dep.node_ids[k] = int(json.loads(out)["node-id"])
+            dep.start_authenticated_supernode(k)
+        deadline = time.monotonic() + 90
+        while set((nodes := dep.nodes()).values()) != {"online"} or len(nodes) < NUM_NODES:
+            assert time.monotonic() < deadline, f"SuperNodes not online: {nodes}"
+            time.sleep(1)
+        yield dep
+    finally:
+        left = dep.stop()
+        shutil.rmtree(dep.root, ignore_errors=True)
+    assert not left, f"processes left running: {left}"
+
+
+def test_unregistered_key_is_refused(deployment):
+    proc = deployment.start_supernode(
+        "unregistered",
+        "--root-certificates", str(deployment.ca.public),
+        "--auth-supernode-private-key", str(deployment.keys[3].private),
+        "--node-config", f"partition-id=0 num-partitions={NUM_NODES}",
+    )  # fmt: skip
+    returncode = deployment.wait_exit("unregistered", timeout=60)
+    log = deployment.log("unregistered")
+    # Flower 1.41: ActivateNode answers HTTP 412 with ApiError 2004, the SuperNode exits.
+    assert returncode == 1 and proc.returncode == 1, log
+    assert "Exit Code: 305" in log and "[code: 2004] Failed to activate SuperNode." in log, log
+    assert "No SuperNode found with the given public key" in deployment.log("superlink")
+    assert set(deployment.nodes()) == set(deployment.node_ids.values())
+
+
+def test_plaintext_connection_to_the_tls_superlink_fails(deployment):
+    # A SuperNode without TLS: the TLS port drops the plaintext HTTP request.
+    deployment.start_supernode("plaintext", "--insecure", "--max-retries", "2")
+    returncode = deployment.wait_exit("plaintext", timeout=60)
+    log = deployment.log("plaintext")
+    assert returncode == 1, log
+    assert "Exit Code: 305" in log and "Server disconnected without sending a response" in log
+    # A SuperNode key without TLS is refused before it dials (auth requires TLS).
+    deployment.start_supernode(
+        "plaintext-auth", "--insecure", "--auth-supernode-private-key",
+        str(deployment.keys[0].private),
+    )  # fmt: skip
+    assert deployment.wait_exit("plaintext-auth", timeout=60) == 1
+    assert "Exit Code: 303" in deployment.log("plaintext-auth")
+    # The flwr CLI through a plaintext connection.
+    subprocess.run(
+        [sys.executable, "-m", "server_app.connections", "lab-plaintext",
+         "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
+        cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
+    )  # fmt: skip
+    result = deployment.flwr("supernode", "list", "lab-plaintext", check=False)
+    assert result.returncode == 1
+    assert "Connection to the SuperLink is unavailable" in result.stdout + result.stderr
+    assert set(deployment.nodes()) == set(deployment.node_ids.values())  # no one joined
+
+
+@dataclass
+class Run:
+    out: Path  # the run's output-dir
+    output: str
+    status: str
+    path: Path
+    metrics: pd.DataFrame
+    participation: pd.DataFrame
+    killed_after: int  # the last round checkpointed when the SuperNode was killed
+    offline_after_s: float | None  # kill -> the SuperLink lists the node offline
+    git: tuple[str, str]  # git status before and after
+
+
+def _checkpointed_round(out: Path) -> int:
+    states = list(out.glob("*/checkpoint/state.json"))
+    try:
+        return int(json.loads(states[0].read_text())["round"]) if states else 0
+    except (ValueError, KeyError):  # mid-write
+        return 0
+
+
+@pytest.fixture(scope="module")
+def killed_run(deployment) -> Run:
+    """`flwr run . lab`; SuperNode ``KILLED`` is SIGKILLed once round 1 is checkpointed."""
+    out = deployment.root / "runs"
+    before = git_status()
+    flwr = deployment.start(
+        "flwr-run", str(BIN / "flwr"), "run", ".", "lab", "--stream",
+        "--run-config", f"{RUN_CONFIG} output-dir='{out}'", cwd=APP_DIR,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while (done := _checkpointed_round(out)) < 1:
+        assert flwr.poll() is None, deployment.log("flwr-run")
+        assert time.monotonic() < deadline, "round 1 not done\n" + deployment.log("flwr-run")
+        time.sleep(0.2)
+    deployment.kill_tree(f"supernode-{KILLED}")
+    killed_at = time.monotonic()
+    deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
+    after = git_status()
+    output = deployment.log("flwr-run")
+    run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
+    assert run_id and run_dir, output
+    offline_after = None
+    # Look at least once, however long the run took after the kill.
+    look_until = max(killed_at + 90, time.monotonic() + 5)
+    while offline_after is None and time.monotonic() < look_until:
+        if deployment.nodes()[deployment.node_ids[KILLED]] == "offline":
+            offline_after = time.monotonic() - killed_at
+        else:
+            time.sleep(2)
+    path = Path(run_dir.group(1))
+    return Run(
+        out=out,
+        output=output,
+        status=deployment.run_status(run_id.group(1)),
+        path=path,
+        metrics=pd.read_csv(path / "metrics.csv"),
+        participation=pd.read_csv(path / "participation.csv"),
+        killed_after=done,
+        offline_after_s=offline_after,
+        git=(before, after),
+    )
+
+
+def test_run_completes_on_authenticated_supernodes(killed_run, deployment):
+    run = killed_run
+    assert run.status == "finished:completed", run.output
+    assert run.path.parent == run.out and (run.path / "model.pt").is_file()
+    train = run.metrics[run.metrics["scope"] == "train"]
+    central = run.metrics[run.metrics["scope"] == "central-eval"]
+    assert list(train["round"]) == list(range(1, ROUNDS + 1)), run.metrics
+    assert list(central["round"]) == list(range(0, ROUNDS + 1)), run.metrics
+    first = run.participation[run.participation["round"] == 1]
+    assert set(first["node-id"]) == set(deployment.node_ids.values())
+    assert first["replied"].all(), first.to_string()
+    assert run.git[0] == run.git[1]  # `flwr run` wrote nothing into the repository
+
+
+def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment):
+    run = killed_run
+    dead = deployment.node_ids[KILLED]
+    survivors = {deployment.node_ids[k] for k in range(NUM_NODES) if k != KILLED}
+    assert run.killed_after == 1  # killed before round 2 was recorded
+    for server_round in range(2, ROUNDS + 1):
+        rows = run.participation[run.participation["round"] == server_round]
+        # Still "online" for up to 2 x 30 s, the dead node is sampled but never replies.
+        assert not rows[rows["node-id"] == dead]["replied"].any(), rows.to_string()
+        replied = set(rows[rows["replied"]]["node-id"])
+        assert replied == survivors, rows.to_string()
+    assert run.status == "finished:completed"
+    # The SuperLink marks it offline after 2 missed 30 s heartbeat intervals (measured
+    # here from the kill to the first look after the run, so only an upper bound).
+    assert run.offline_after_s is not None, "killed SuperNode never listed offline"
+    print(f"killed SuperNode listed offline {run.offline_after_s:.0f} s after SIGKILL")
+    print("\n".join(line for line in run.output.splitlines() if "round " in line))
+    print(run.participation[["round", "node-id", "replied", "error"]].to_string())
