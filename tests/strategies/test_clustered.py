@@ -283,7 +283,8 @@ def test_sampling_follows_fraction_and_minimum_and_is_reproducible():
     assert _configure(_strategy(fraction_train=0.0), nodes=nodes) == {}
     # Fewer than min-available after the timeout: the round goes on with those there;
     # fewer than the sample needs: the run ends.
-    assert len(_configure(_strategy(min_available_nodes=20, fraction_train=1.0), nodes=nodes)) == 10
+    everyone = _strategy(min_available_nodes=20, fraction_train=1.0)
+    assert len(_configure(everyone, nodes=nodes)) == 10
     with pytest.raises(StopTraining):
         _configure(_strategy(min_train_nodes=20), nodes=nodes)
 

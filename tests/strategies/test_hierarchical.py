@@ -334,7 +334,7 @@ def test_integer_arrays_keep_their_dtype_and_round():
 
 
 def test_too_few_nodes_stop_training_and_no_members_send_nothing():
-    with pytest.raises(StopTraining, match="0 node\\(s\\) connected .* needs at least 1"):
+    with pytest.raises(StopTraining, match=r"0 node\(s\) connected .* needs at least 1"):
         _round(_strategy(min_available_nodes=5), HierGrid(fixed({}), edges={}))
     # Fewer than min-available after the timeout: the round goes on with those there.
     uploads = {node: {"w": [1.0, 1.0]} for node in EDGES}

@@ -376,7 +376,7 @@ def test_too_few_nodes_stop_the_run():
     # fewer than the sample needs: the run ends.
     assert len(_configure(_strategy(min_available_nodes=5), 1, nodes=range(1, 4))) == 3
     strategy = _strategy(min_train_nodes=5)
-    with pytest.raises(StopTraining, match="3 node\\(s\\) connected .* needs at least 5"):
+    with pytest.raises(StopTraining, match=r"3 node\(s\) connected .* needs at least 5"):
         _configure(strategy, 1, nodes=range(1, 4))
 
 
