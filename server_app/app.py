@@ -28,22 +28,23 @@ from strategies.checkpoint import (
     set_global_rng_state,
     strategy_state,
 )
-from strategies.clustered import ClusteredFedAvg
 from tasks.base import Task
 from tasks.options import ConfigError
 
 app = ServerApp()
 
 
-def _central_eval(task: Task, model: torch.nn.Module, strategy=None):
-    """Evaluation of the global model on the central test set.
+def _central_eval(task: Task, model: torch.nn.Module, strategy=None, test_set=None):
+    """Evaluation of the global model on the central test set (``test_set``, loaded
+    now when not given).
 
     A strategy that keeps several models (``models``, named by ``MODEL_LABEL``) has
     each one evaluated too, as ``<label>-<k>-<key>``. For clusters (K global models)
     the plain keys are :func:`best_of_clusters`; otherwise (hierarchical edges) they
     are the global model's own.
     """
-    test_set = task.load_central_test()  # loaded now: a missing dataset fails here
+    if test_set is None:
+        test_set = task.load_central_test()
     label = getattr(strategy, "MODEL_LABEL", "cluster")
 
     def evaluate_one(arrays: ArrayRecord) -> dict:
@@ -116,6 +117,9 @@ def _run(grid: Grid, context: Context) -> None:
         task = tasks.get(cfg.task)(context.run_config)
         if hasattr(task, "data_source"):
             log(INFO, "Data: %s", task.data_source)
+        # Loaded before anything else happens: a missing file, a wrong CSV schema or an
+        # unreachable dataset fails here, with the key to fix, not inside a client.
+        test_set = task.load_central_test()
         head_only = bool(cfg.options.get("subspace.head-only", False))
         settings = cfg.strategy_settings()
         if head_only:  # DP wrappers release (and update) only the head's arrays
@@ -140,7 +144,6 @@ def _run(grid: Grid, context: Context) -> None:
     log(INFO, "Run directory: %s", run_dir.path)
 
     base = _innermost(strategy)
-    clustered = base if isinstance(base, ClusteredFedAvg) else None  # K global models
     model = task.build_model(cfg.seed)
     if int(cfg.options.get("subspace.warm-start", 0)) > 0:
         warm = task.warm_start(model)  # public data only: no client is touched
@@ -160,7 +163,7 @@ def _run(grid: Grid, context: Context) -> None:
         initial = _restore(saved, strategy, grid, cfg)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
-        central = _central_eval(task, model, base)
+        central = _central_eval(task, model, base, test_set)
     elif cfg.strategy == "local":
         log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
 
@@ -170,10 +173,9 @@ def _run(grid: Grid, context: Context) -> None:
 
     def on_round(result) -> None:
         models = None
-        if clustered is not None and clustered.models:
-            models = {
-                f"cluster-{k}": m.to_torch_state_dict() for k, m in enumerate(clustered.models)
-            }
+        if getattr(base, "models", None):  # K cluster models or E edge models
+            label = getattr(base, "MODEL_LABEL", "cluster")
+            models = {f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(base.models)}
         # Strategies with per-client records (clusters.csv, selection.csv) expose them.
         for name, rows in getattr(base, "tables", dict)().items():
             run_dir.write_rows(name, rows)

@@ -126,6 +126,7 @@ def test_hierarchical_edge_goes_on_without_its_lost_client(privacy, tmp_path):
     assert set(later["edge-id"]) == {0, 1}
     metrics = pd.read_csv(path / "metrics.csv")
     assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 2, 3}
+    assert {p.name for p in (path / "checkpoint").glob("edge-*.pt")} == {"edge-0.pt", "edge-1.pt"}
     if privacy != "none":
         ledger = json.loads((path / "ledger.json").read_text())["state"]
         assert {r["server_round"] for r in ledger["releases"]} == {1, 2, 3}
