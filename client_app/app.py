@@ -71,7 +71,7 @@ def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any
         artifacts = _artifacts_dir(config, context.node_config)
         state.restore(context, artifacts, pid, int(config[keys.SERVER_ROUND]))
     arrays = msg.content[keys.ARRAYS]
-    if msg.content[keys.CONFIG].get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
+    if config.get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
         arrays = context.state[keys.LOCAL_MODEL]
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     proximal.restore_local_layers(model, task.local_state_keys(), context.state)

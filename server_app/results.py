@@ -262,9 +262,7 @@ class RunDirectory:
         run_dir.participation = _rows_through(path / "participation.csv", done)
         if run_dir.rows:
             run_dir.started -= float(run_dir.rows[-1]["elapsed-s"])
-            _atomic_write_text(
-                path / "metrics.csv", pd.DataFrame(run_dir.rows).to_csv(index=False)
-            )
+            run_dir.write_rows("metrics.csv", run_dir.rows)
         if run_dir.participation:
             run_dir.write_rows("participation.csv", run_dir.participation)
         for stale in (path / CLIENTS_DIR / STATE_DIR).glob("partition-*/round-*.bin"):
