@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from server_app.plots import colours, save_figure
-from server_app.results import SCOPES, load_metrics
+from server_app.results import SCOPES, TIMING_COLUMNS, load_metrics
 from server_app.study import StudyError
 
 SELECTION = "selection"  # Panel.scope of the per-client selection counts (participation.csv:
@@ -79,7 +79,7 @@ def panels_for(metrics: pd.DataFrame) -> tuple[tuple[Panel, ...], dict[str, Pane
 
 # metrics.csv / load_metrics columns that are not metrics, and metrics not worth a curve.
 TAGS = ("round", "scope", "experiment", "seed", "task", "strategy", "privacy", "run")
-NO_CURVE = ("elapsed-s", "num-examples")
+NO_CURVE = (*TIMING_COLUMNS, "num-examples")
 
 
 def metric_curve(metrics: pd.DataFrame, scope: str, metric: str) -> pd.DataFrame:

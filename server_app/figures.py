@@ -40,11 +40,11 @@ import pandas as pd
 from privacy.accounting import PrivacyLedger
 from server_app import figures_plots as fplots
 from server_app.figures_plots import GAP, GROUP_PREFIX, SCOPE
-from server_app.results import load_metrics
+from server_app.results import TIMING_COLUMNS, load_metrics
 
 DEFAULT_METRICS = ("eval-accuracy", "eval-auc", "eval-r2", "eval-reward")
 NOT_CONFIGURATION = ("seed", "output-dir")  # run-config keys that leave the configuration
-NOT_METRICS = ("round", "scope", "elapsed-s", "task", "strategy", "privacy", "seed", "run")
+NOT_METRICS = ("round", "scope", *TIMING_COLUMNS, "task", "strategy", "privacy", "seed", "run")
 MAX_LEDGER_POINTS = 50
 TAGS = ("task", "strategy", "privacy")  # run-config keys copied into figures.csv
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -29,6 +29,7 @@ import os
 import platform
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from tasks.options import ConfigError
 
 DIST_NAME = "flower-privacy-lab"
 SCOPES = ("train", "federated-eval", "central-eval")
+ROUND_SECONDS = "round-seconds"  # train row: the round's wall time, messages to aggregate
+# Columns that differ between identical runs by design (wall-clock time).
+TIMING_COLUMNS = ("elapsed-s", ROUND_SECONDS)
 SERVER_CHECKPOINT = "server.pt"
 CHECKPOINT_FORMAT = 1
 CLIENTS_DIR = "clients"  # what the clients write (logs, their state): shared in simulation
@@ -135,6 +139,9 @@ class RunDirectory:
         """Write the resolved run-config and the software environment."""
         doc = {
             "run-config": dict(run_config),
+            # Wall-clock time at which the run directory was created (``elapsed-s`` in
+            # metrics.csv counts from here).
+            "started-at": datetime.now(UTC).isoformat(),
             "environment": {
                 "python": platform.python_version(),
                 "platform": platform.platform(),
@@ -200,8 +207,11 @@ class RunDirectory:
     def record_round(self, result, ledger=None, models=None, server_state=None) -> None:
         """Record one round's metrics by scope; checkpoint the model(s), the server's
         state and the ledger."""
+        train = result.train
+        if train is not None and result.seconds is not None:  # no row for aborted rounds
+            train = {**dict(train), ROUND_SECONDS: round(result.seconds, 4)}
         for scope, record in (
-            ("train", result.train),
+            ("train", train),
             ("federated-eval", result.federated_eval),
             ("central-eval", result.central_eval),
         ):

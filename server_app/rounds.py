@@ -59,6 +59,9 @@ class RoundResult:
     clients: list[dict] = field(default_factory=list)
     """One row per client sent a train message: its node id, whether it replied
     without error (else the reason), and the metrics it reported."""
+    seconds: float | None = None
+    """Wall time of the round: sampling, training, aggregation and the federated and
+    central evaluations (not the writing of its results)."""
 
 
 def _replies_to(sent: list[Message], replies: list[Message]) -> dict[int, Message]:
@@ -211,6 +214,7 @@ def run_rounds(
             federated_eval=regroup(strategy.aggregate_evaluate(server_round, replies), replies),
             central_eval=central_eval(server_round, arrays) if central_eval else None,
             clients=clients,
+            seconds=time.monotonic() - started,
         )
         on_round(result)
         log(INFO, progress.line(result, time.monotonic() - started))

@@ -1,6 +1,6 @@
 """The same seed twice gives the same metrics.csv; another seed does not (issue 11).
 
-Every column is compared bit for bit except the wall-clock ones (``WALL_CLOCK``).
+Every column is compared bit for bit except the wall-clock ones (``TIMING_COLUMNS``).
 Flower draws new node ids in every run and replies arrive in any order: sampling over
 partition ids and summing in partition order is what makes these runs identical.
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from server_app.results import TIMING_COLUMNS
+
 pytestmark = pytest.mark.e2e
 
-WALL_CLOCK = ("elapsed-s",)  # seconds since the run started: the only timing column
 
 DIGITS = "num-server-rounds=3 fraction-train=0.5 fraction-evaluate=0.5 train.momentum=0.0"
 CONFIGS = {
@@ -40,7 +41,7 @@ CONFIGS = {
 def _metrics(flower, root, options: str, federation: str, seed: int) -> pd.DataFrame:
     result = flower.run(f"{options} seed={seed} output-dir='{root}'", federation_config=federation)
     assert result.returncode == 0 and result.run_dir is not None, result.output
-    return pd.read_csv(result.run_dir / "metrics.csv").drop(columns=list(WALL_CLOCK))
+    return pd.read_csv(result.run_dir / "metrics.csv").drop(columns=list(TIMING_COLUMNS))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
-from server_app.results import RunDirectory
+from server_app.results import TIMING_COLUMNS, RunDirectory
 from tasks.options import ConfigError
 from tests.inprocess import InProcessGrid, run_config, run_server
 
@@ -68,7 +68,7 @@ def _kill_while_checkpointing(monkeypatch, server_round: int) -> None:
 def _table(path: Path) -> pd.DataFrame:
     """A CSV without what differs between processes by design: wall time, node ids."""
     frame = pd.read_csv(path)
-    dropped = [c for c in frame.columns if c == "elapsed-s" or "node" in c]
+    dropped = [c for c in frame.columns if c in TIMING_COLUMNS or "node" in c]
     return frame.drop(columns=dropped)
 
 
