@@ -29,29 +29,55 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from functools import cache
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
-from opacus.accountants import RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.data_loader import DPDataLoader
-from opacus.grad_sample import GradSampleHooks
-from opacus.optimizers import DPOptimizer
-from opacus.validators import ModuleValidator
-from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
 from torch.utils.data import DataLoader
 
 from tasks.base import DPSGD
 
-# opacus/utils/module_utils.py calls logging.basicConfig() when imported, which puts a
-# handler on the root logger and prints every Flower log line a second time. Remove
-# that handler (recognised by Opacus' format) and nothing else.
+if TYPE_CHECKING:
+    from opacus.accountants import RDPAccountant
+    from opacus.data_loader import DPDataLoader
+    from opacus.grad_sample import GradSampleHooks
+    from opacus.optimizers import DPOptimizer
+
 _OPACUS_LOG_FORMAT = "%(asctime)s:%(levelname)s:%(message)s"
-for _handler in list(logging.root.handlers):
-    if getattr(_handler.formatter, "_fmt", None) == _OPACUS_LOG_FORMAT:
-        logging.root.removeHandler(_handler)
+
+
+@cache
+def opacus_names() -> SimpleNamespace:
+    """The Opacus names used here, imported on first use: importing Opacus costs
+    ~0.8 s per process (it pulls in torch._dynamo), which every ClientApp process would
+    pay at start-up although only DP-SGD runs need it (bench/orchestration.py)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.data_loader import DPDataLoader
+    from opacus.grad_sample import GradSampleHooks
+    from opacus.optimizers import DPOptimizer
+    from opacus.validators import ModuleValidator
+    from opacus.validators.errors import UnsupportedModuleError
+
+    # opacus/utils/module_utils.py calls logging.basicConfig() when imported, which puts
+    # a handler on the root logger and prints every Flower log line a second time.
+    # Remove that handler (recognised by Opacus' format) and nothing else.
+    for handler in list(logging.root.handlers):
+        if getattr(handler.formatter, "_fmt", None) == _OPACUS_LOG_FORMAT:
+            logging.root.removeHandler(handler)
+    return SimpleNamespace(
+        RDPAccountant=RDPAccountant,
+        get_noise_multiplier=get_noise_multiplier,
+        DPDataLoader=DPDataLoader,
+        GradSampleHooks=GradSampleHooks,
+        DPOptimizer=DPOptimizer,
+        ModuleValidator=ModuleValidator,
+        UnsupportedModuleError=UnsupportedModuleError,
+    )
+
 
 HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
 # Attributes Opacus leaves on parameters (DPOptimizer) and layers (activation capture)
@@ -130,7 +156,7 @@ def epsilon_from_history(
     float
         Epsilon (0.0 for an empty history).
     """
-    accountant = RDPAccountant()
+    accountant = opacus_names().RDPAccountant()
     accountant.history = history_from_state(history)
     alphas = None if orders is None else list(orders)
     return float(accountant.get_epsilon(delta=delta, alphas=alphas))
@@ -148,7 +174,7 @@ def calibrate_noise_multiplier(
     with warnings.catch_warnings():
         # The bisection's first guesses (large z) are optimal at the largest order.
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        z = get_noise_multiplier(
+        z = opacus_names().get_noise_multiplier(
             target_epsilon=target_epsilon,
             target_delta=delta,
             sample_rate=sample_rate,
@@ -167,10 +193,11 @@ def check_compatible(model: nn.Module, model_name: str) -> None:
     Puts ``model`` in training mode (the validator requires it).
     """
     model.train()
+    opacus = opacus_names()
     try:
-        ModuleValidator.validate(model, strict=True)
-        GradSampleHooks.validate(model, strict=True)  # no trainable layer with buffers
-    except (UnsupportedModuleError, NotImplementedError) as err:
+        opacus.ModuleValidator.validate(model, strict=True)
+        opacus.GradSampleHooks.validate(model, strict=True)  # no trainable layer with buffers
+    except (opacus.UnsupportedModuleError, NotImplementedError) as err:
         raise ValueError(
             f"model.name = {model_name!r} is not compatible with DP-SGD (Opacus): {err}. "
             "Use a model without BatchNorm, e.g. with GroupNorm instead "
@@ -296,9 +323,9 @@ def make_private(
     sampling, noise = seeded_generators(generator_seed, device)
     batch_size, num_examples = int(loader.batch_size or 1), len(loader.dataset)
     sample_rate = poisson_sample_rate(batch_size, num_examples)
-    accountant = RDPAccountant()
+    accountant = opacus_names().RDPAccountant()
     accountant.history = history_from_state(history)
-    dp_optimizer = DPOptimizer(
+    dp_optimizer = opacus_names().DPOptimizer(
         optimizer,
         noise_multiplier=dp.noise_multiplier,
         max_grad_norm=dp.max_grad_norm,
@@ -309,11 +336,13 @@ def make_private(
     dp_optimizer.attach_step_hook(
         account_then_add(accountant.get_optimizer_hook_fn(sample_rate), public_gradient)
     )
-    dp_loader = DPDataLoader(
+    dp_loader = opacus_names().DPDataLoader(
         loader.dataset, sample_rate=sample_rate, collate_fn=loader.collate_fn, generator=sampling
     )
     # Hooks last: nothing after them can fail and leave them on the model.
-    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
+    hooks = opacus_names().GradSampleHooks(
+        model, batch_first=True, loss_reduction="mean", strict=True
+    )
     hooks.forbid_grad_accumulation()
     return PrivateTraining(model, hooks, dp_optimizer, dp_loader, accountant, dp, sample_rate)
 

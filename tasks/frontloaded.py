@@ -67,11 +67,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
-from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
 from tasks.base import LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS
@@ -83,8 +82,12 @@ from tasks.dpsgd import (
     epsilon_from_history,
     history_from_state,
     history_to_state,
+    opacus_names,
 )
 from tasks.options import ConfigError
+
+if TYPE_CHECKING:
+    from opacus.grad_sample import GradSampleHooks
 
 MODES = ("cg-ng", "cg-np", "cp-np")
 CLIP_EPSILON = 1e-6  # the seed's min(1, C / (||g|| + 1e-6))
@@ -365,7 +368,9 @@ def per_example_hooks(model: nn.Module) -> Iterator[GradSampleHooks]:
     """Attach Opacus' per-sample gradient hooks to ``model``; remove every hook and
     attribute they leave on leaving the block."""
     check_compatible(model, type(model).__name__)
-    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
+    hooks = opacus_names().GradSampleHooks(
+        model, batch_first=True, loss_reduction="mean", strict=True
+    )
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")

@@ -41,7 +41,6 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 import torch
-import torchvision
 from torch import nn
 
 MODEL_NAMES = ("lenet", "cnn", "cnn-complex-2", "cnn-complex-3", "resnet18", "mobilenet_v2")
@@ -229,6 +228,8 @@ class CifarCNN3Conv(nn.Module):
 
 def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     """torchvision ResNet-18 with GroupNorm and a stem fitted to the image size."""
+    import torchvision  # here, not at the top: its import costs ~1.5 s per process
+
     model = torchvision.models.resnet18(
         weights=None, num_classes=num_classes, norm_layer=group_norm
     )
@@ -243,6 +244,8 @@ def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
 
 def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     """torchvision MobileNetV2 with GroupNorm; stride-1 first conv for small images."""
+    import torchvision
+
     model = torchvision.models.mobilenet_v2(
         weights=None, num_classes=num_classes, norm_layer=group_norm
     )

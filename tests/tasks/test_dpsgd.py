@@ -272,7 +272,7 @@ def test_public_proximal_gradient_equals_plain_step_on_full_loss():
     torch.testing.assert_close(_weights(model), _weights(reference))
 
 
-def test_proximal_term_in_loss_is_dropped_by_opacus():
+def test_proximal_term_in_loss_is_dropped_byopacus_names():
     # Prepare: why the proximal gradient is added after the noise, not in the loss.
     model, reference, _, _, x, y = _private_step_setup(proximal_in_loss=True)
 
@@ -334,5 +334,6 @@ def test_importing_opacus_leaves_no_root_log_handler_behind():
 
     from tasks import dpsgd
 
+    dpsgd.opacus_names()  # Opacus is imported on first use
     formats = [getattr(h.formatter, "_fmt", None) for h in logging.root.handlers]
     assert dpsgd._OPACUS_LOG_FORMAT not in formats
