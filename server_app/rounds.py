@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import StopTraining, keys, partitions
+from strategies.messaging import send_and_receive
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -138,9 +139,10 @@ def _clock(seconds: float) -> str:
 
 
 def _exchange(grid: Grid, messages: list[Message], timeout: float, what: str) -> list[Message]:
-    """``grid.send_and_receive``, logging the nodes that did not answer in ``timeout``
-    seconds (Flower returns what arrived by then; the strategy decides what that means)."""
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    """:func:`~strategies.messaging.send_and_receive`, logging the nodes that did not
+    answer in ``timeout`` seconds (what arrived by then is returned; the strategy
+    decides what that means)."""
+    replies = send_and_receive(grid, messages, timeout=timeout)
     answers = _replies_to(messages, replies)
     silent = sorted(m.metadata.dst_node_id for m in messages if id(m) not in answers)
     if silent:

@@ -46,6 +46,7 @@ from strategies.base import (
     to_record,
     weighted_metrics,
 )
+from strategies.messaging import send_and_receive
 
 _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
 _KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round
@@ -384,7 +385,7 @@ class ClusteredFedAvg(Strategy):
         ]
         replies = {
             m.metadata.src_node_id: m
-            for m in grid.send_and_receive(queries, timeout=self.query_timeout)
+            for m in send_and_receive(grid, queries, timeout=self.query_timeout)
         }
         choices = {}
         for node in nodes:

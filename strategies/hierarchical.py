@@ -37,6 +37,7 @@ from strategies.base import (
     wait_for_nodes,
     weighted_metrics,
 )
+from strategies.messaging import send_and_receive
 
 _STREAM = 0x4E  # edge and client sampling
 _EVAL_STREAM = 0x4F  # federated evaluation sampling (independent of training's)
@@ -310,7 +311,7 @@ class HierarchicalFedAvg(FedAvg):
         for k in range(1, self.edge_rounds):
             sample = self._sample_clients(state)
             self._call(self.before_edge_aggregation, state, k, sample)
-            replies = grid.send_and_receive(self._train(state, k, sample), timeout=self.timeout)
+            replies = send_and_receive(grid, self._train(state, k, sample), timeout=self.timeout)
             self._aggregate_edges(state, k, sample, replies)
         state.pending = self._sample_clients(state)
         self._call(self.before_edge_aggregation, state, self.edge_rounds, state.pending)
@@ -366,7 +367,7 @@ class HierarchicalFedAvg(FedAvg):
         content = RecordDict({keys.CONFIG: config})
         queries = [_message(n, content, QUERY_TYPE, server_round) for n in unknown]
         replies: dict[int, Message] = {}
-        for reply in grid.send_and_receive(queries, timeout=self.timeout):
+        for reply in send_and_receive(grid, queries, timeout=self.timeout):
             replies.setdefault(int(reply.metadata.src_node_id), reply)
         failed = 0
         for node in unknown:

@@ -26,6 +26,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
 from strategies import keys
+from strategies.messaging import send_and_receive
 
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
 
@@ -68,7 +69,7 @@ def discover(grid, node_ids: Iterable[int], *, timeout: float) -> None:
         for node in unknown
     ]
     _ASKED.update(unknown)
-    for reply in grid.send_and_receive(queries, timeout=timeout):
+    for reply in send_and_receive(grid, queries, timeout=timeout):
         if reply.has_error():
             continue
         metrics = reply.content.get(keys.METRICS)

@@ -1,0 +1,79 @@
+"""strategies.messaging.send_and_receive: every reply, soon, and no later than asked."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from strategies import messaging
+
+
+def _reply(message_id: str):
+    return SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=message_id))
+
+
+class PollingGrid:
+    """Replies to message ``i`` become available ``ready_after[i]`` seconds after the
+    push (``None``: never)."""
+
+    def __init__(self, ready_after: list[float | None]) -> None:
+        self.ready_after = ready_after
+        self.pulls: list[float] = []
+        self.delivered: set[str] = set()
+
+    def push_messages(self, messages):
+        self.pushed_at = time.monotonic()
+        return [str(i) for i, _ in enumerate(messages)]
+
+    def pull_messages(self, message_ids):
+        now = time.monotonic()
+        self.pulls.append(now - self.pushed_at)
+        out = []
+        for mid in sorted(message_ids):
+            ready = self.ready_after[int(mid)]
+            if mid not in self.delivered and ready is not None and now - self.pushed_at >= ready:
+                self.delivered.add(mid)
+                out.append(_reply(mid))
+        return out
+
+
+def test_returns_every_reply_once_soon_after_it_arrives():
+    grid = PollingGrid([0.0, 0.05, 0.12])
+    replies = messaging.send_and_receive(grid, [object()] * 3, timeout=10)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["0", "1", "2"]
+    # The last reply was ready at 0.12 s: found within one poll interval after it
+    # (the intervals grow 1.5x from 2 ms, so the one in force there is < 0.06 s).
+    assert 0.12 <= grid.pulls[-1] < 0.12 + 0.06
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert gaps[0] < 0.02  # first polls come fast ...
+    assert all(gap <= messaging.MAX_POLL + 0.05 for gap in gaps)  # ... and never slower than this
+
+
+def test_a_silent_node_costs_the_timeout_and_no_more():
+    grid = PollingGrid([0.0, None])
+    started = time.monotonic()
+    replies = messaging.send_and_receive(grid, [object()] * 2, timeout=0.3)
+    took = time.monotonic() - started
+    assert [r.metadata.reply_to_message_id for r in replies] == ["0"]
+    assert 0.3 <= took < 0.3 + 0.1
+
+
+def test_waits_back_off_to_max_poll():
+    grid = PollingGrid([None])
+    messaging.send_and_receive(grid, [object()], timeout=2.0, max_poll=0.2)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert max(gaps) == pytest.approx(0.2, abs=0.05)
+    assert len(grid.pulls) < 25  # 2 s at 5 pulls/s plus the fast start, not a busy loop
+
+
+def test_a_grid_without_push_and_pull_is_asked_with_send_and_receive():
+    class Double:
+        def send_and_receive(self, messages, *, timeout=None):
+            return [_reply("x")] if timeout == 7 else []
+
+    assert [
+        r.metadata.reply_to_message_id
+        for r in messaging.send_and_receive(Double(), [object()], timeout=7)
+    ] == ["x"]
