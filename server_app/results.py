@@ -107,6 +107,7 @@ class RunDirectory:
         self.path = path
         self.rows: list[dict[str, Any]] = []
         self.participation: list[dict[str, Any]] = []
+        self._columns: dict[str, list[str]] = {}  # CSV file -> its header, once written
         self._writer = None  # TensorBoard SummaryWriter, opened with the first row
         self.started = time.monotonic()
 
@@ -155,7 +156,7 @@ class RunDirectory:
         _atomic_write_text(self.path / "config.json", json.dumps(doc, indent=2) + "\n")
 
     def record(self, server_round: int, scope: str, metrics: Mapping[str, Any]) -> None:
-        """Append one metrics row and rewrite ``metrics.csv``."""
+        """Append one metrics row to ``metrics.csv``."""
         if scope not in SCOPES:
             raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
         row = {
@@ -165,8 +166,7 @@ class RunDirectory:
         }
         row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         self.rows.append(row)
-        csv = pd.DataFrame(self.rows).to_csv(index=False)
-        _atomic_write_text(self.path / "metrics.csv", csv)
+        self._append_rows("metrics.csv", self.rows, [row])
         self._tensorboard(server_round, scope, row)
 
     def _tensorboard(self, server_round: int, scope: str, row: Mapping[str, Any]) -> None:
@@ -204,6 +204,25 @@ class RunDirectory:
         """Write ``rows`` as the CSV file ``name`` (e.g. per-client cluster assignments)."""
         _atomic_write_text(self.path / name, pd.DataFrame(rows).to_csv(index=False))
 
+    def _append_rows(
+        self, name: str, rows: list[Mapping[str, Any]], new: list[Mapping[str, Any]]
+    ) -> None:
+        """Bring the CSV file ``name`` up to ``rows``, whose last ones are ``new``.
+
+        The new rows are appended when they bring no new column, so a round costs the
+        same at round 1 000 as at round 1 (rewriting the whole file every round made
+        writing results quadratic in the rounds); otherwise the file is rewritten. The
+        values read back are the same either way.
+        """
+        columns = self._columns.get(name)
+        if columns is None or any(key not in columns for row in new for key in row):
+            frame = pd.DataFrame(rows)
+            _atomic_write_text(self.path / name, frame.to_csv(index=False))
+            self._columns[name] = list(frame.columns)
+            return
+        with (self.path / name).open("a", encoding="utf-8") as file:
+            file.write(pd.DataFrame(list(new), columns=columns).to_csv(index=False, header=False))
+
     def record_round(self, result, ledger=None, models=None, server_state=None) -> None:
         """Record one round's metrics by scope; checkpoint the model(s), the server's
         state and the ledger."""
@@ -219,7 +238,7 @@ class RunDirectory:
                 self.record(result.server_round, scope, dict(record))
         if result.clients:
             self.participation.extend(result.clients)
-            self.write_rows("participation.csv", self.participation)
+            self._append_rows("participation.csv", self.participation, result.clients)
         if result.server_round > 0:
             self.checkpoint(
                 result.server_round, result.arrays.to_torch_state_dict(), models, server_state

@@ -136,6 +136,36 @@ def sample_uniform(node_ids: list[int], size: int, rng: np.random.Generator) -> 
     return [ordered[i] for i in sorted(picked)]
 
 
+_NPY_V1 = b"\x93NUMPY\x01\x00"  # .npy magic and format version 1.0 (what np.save writes)
+
+
+def to_numpy(array: Array) -> np.ndarray:
+    """``array.numpy()``, without ``np.load``'s parsing of the ``.npy`` header.
+
+    Flower's ``Array.numpy()`` reads the header with ``ast.literal_eval``, most of the
+    cost of decoding a small array (the server decodes every array of every reply;
+    bench/orchestration.py). A C-order version-1.0 payload whose header states exactly
+    the ``dtype`` and ``shape`` the Array declares is read directly from the bytes,
+    into a new writable array as ``np.load`` returns; anything else goes to
+    ``array.numpy()``.
+    """
+    data = array.data
+    if array.stype == "numpy.ndarray" and data[:8] == _NPY_V1:
+        offset = 10 + int.from_bytes(data[8:10], "little")
+        dtype, shape = np.dtype(array.dtype), tuple(array.shape)
+        expected = f"{{'descr': '{dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
+        count = math.prod(shape)
+        if (
+            not dtype.hasobject
+            and data[10:offset].decode("latin1").rstrip() == expected
+            and len(data) - offset == count * dtype.itemsize
+        ):
+            return (
+                np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+            )
+    return array.numpy()
+
+
 def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.ndarray]:
     """The arrays of ``record`` in key order, checked against ``reference``.
 
@@ -149,7 +179,7 @@ def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.n
         raise InvalidReply(f"expected an ArrayRecord '{keys.ARRAYS}', got {type(record).__name__}")
     if reference is not None and list(record.keys()) != list(reference.keys()):
         raise InvalidReply("array keys differ from the global model's")
-    arrays = [record[k].numpy() for k in record]
+    arrays = [to_numpy(record[k]) for k in record]
     if reference is not None:
         for key, got in zip(reference.keys(), arrays, strict=True):
             want = reference[key]

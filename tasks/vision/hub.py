@@ -26,6 +26,7 @@ from flwr_datasets import FederatedDataset
 from flwr_datasets.preprocessor import Divider
 
 from tasks.vision.data import (
+    PARTITION_CACHE,
     CentralTestSet,
     ClientPartition,
     DatasetSpec,
@@ -146,7 +147,7 @@ def hub_central_fraction(spec: DatasetSpec, central_test_fraction: float) -> flo
     return None if spec.has_test_split else central_test_fraction
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=PARTITION_CACHE)
 def load_hub_partition(
     spec: DatasetSpec,
     settings: PartitionSettings,
