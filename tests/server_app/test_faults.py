@@ -21,7 +21,8 @@ from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]
 DEAD, DIES_IN = 33, 2
-DP = {"dp.num-sampled-clients": 3, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5}
+# Seed 3 samples node DEAD in round DIES_IN under each DP wrapper (checked below).
+DP = {"dp.num-sampled-clients": 3, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5, "seed": 3}
 
 
 def _run(tmp_path: Path, **overrides) -> tuple[Path, InProcessGrid]:
