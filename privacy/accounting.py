@@ -189,7 +189,7 @@ class PrivacyLedger:
         self._groups: dict[dp_accounting.DpEvent, int] = {}
         self._unaccounted: list[UnaccountedRelease] = []
         self._local: list[LocalGuarantee] = []
-        self._cache: dict[tuple, object] = {}
+        self._cache: dict[tuple, tuple[object, dict[float, float]]] = {}
         # What one "client" is for the task that ran (set by the app; shown in summary).
         self.privacy_unit: str | None = None
 
@@ -234,22 +234,34 @@ class PrivacyLedger:
             out.append((unit_event(release, self.neighboring), release.count))
         return out
 
-    def _composition(self, groups: dict):
+    def _cached(self, groups: dict) -> tuple[object, dict[float, float]]:
+        """The composition of ``groups`` and its ε by δ computed so far (memoised)."""
         key = tuple(groups.items())
         if key not in self._cache:
             if len(self._cache) >= _CACHE_SIZE:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = compose_groups(
+            composition = compose_groups(
                 key,
                 accountant=self.accountant,
                 neighboring=self.neighboring,
                 rdp_orders=self._config.rdp_orders,
                 pld_discretization=self._config.pld_discretization,
             )
+            self._cache[key] = (composition, {})
         return self._cache[key]
 
+    def _composition(self, groups: dict):
+        return self._cached(groups)[0]
+
     def _epsilon_of(self, groups: dict, delta: float) -> float:
-        return float(self._composition(groups).get_epsilon(delta)) if groups else 0.0
+        # A round asks the same ε up to four times (would_exceed, charge, epsilon,
+        # summary); PLD's get_epsilon costs 10-80 ms, so it is computed once.
+        if not groups:
+            return 0.0
+        composition, epsilons = self._cached(groups)
+        if delta not in epsilons:
+            epsilons[delta] = float(composition.get_epsilon(delta))
+        return epsilons[delta]
 
     def epsilon(self, delta: float | None = None) -> float:
         """Cumulative ε at ``delta`` (default: target δ); 0.0 when nothing is charged."""
