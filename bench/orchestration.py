@@ -13,6 +13,10 @@ is timed three ways, each median of ``--repeats`` runs:
   restoring the client's state), replies (weights into an ``ArrayRecord``), client
   state writes, serialisation, and the server's work (sampling, aggregation, metrics
   and checkpoint files).
+- packaging: ``flwr run .`` first builds the app's FAB; Flower's builder walks every
+  file under the app directory, a ``.venv`` inside it included, before it applies
+  ``.gitignore``; ``server_app.launcher`` stages the app's files first. Both are timed
+  on this checkout (same FAB).
 - ``flwr run``: ``flwr run . local-simulation`` (Ray simulation engine, default client
   resources: one ClientApp process per core). Warm rounds are the rounds after the
   first (``elapsed-s`` differences in metrics.csv); start-up is everything before the
@@ -50,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.inprocess
 
 import tasks
-from server_app.launcher import LocalSimulation, superlink_processes
+from server_app.launcher import APP_DIR, LocalSimulation, stage_app, superlink_processes
 from tasks.base import SEED, LocalTraining, local_seed
 from tests.inprocess import run_config as full_config
 
@@ -291,12 +295,11 @@ def flwr_runs(num_nodes: int, rounds: int, repeats: int, overrides: dict, out: P
         first = sim.run(f"num-server-rounds=1 output-dir='{out}/warmup'")
         if first.returncode != 0:
             raise SystemExit(first.output)
-        parts["first run (SuperLink start-up too)"].append(first.seconds)
+        parts["first run, SuperLink start-up too (s)"].append(first.seconds)
         for i in range(repeats):
             launched = time.time()
             with PeakRSS(sim.home) as memory:
                 result = sim.run(f"{run_config} output-dir='{out}/n{num_nodes}-{i}'")
-            ended = time.time()
             if result.returncode != 0 or result.run_dir is None:
                 raise SystemExit(result.output)
             doc = json.loads((result.run_dir / "config.json").read_text())
@@ -306,11 +309,12 @@ def flwr_runs(num_nodes: int, rounds: int, repeats: int, overrides: dict, out: P
             first_round = float(train["round-seconds"].iloc[0])
             round1_start = started + elapsed[0] - first_round
             warm_round = float(np.median(np.diff(elapsed)))
-            parts["wall"].append(result.seconds)
-            parts["start-up to round 1"].append(round1_start - launched)
-            parts["round 1 extra (ClientApp processes start)"].append(first_round - warm_round)
+            parts["wall (s)"].append(result.seconds)
+            parts["start-up to round 1 (s)"].append(round1_start - launched)
+            parts["round 1 extra: ClientApp processes start (s)"].append(first_round - warm_round)
             parts["warm round"].append(warm_round)
-            parts["teardown"].append(ended - (started + elapsed[-1]))
+            ended = launched + result.seconds
+            parts["after the last round (s)"].append(ended - (started + elapsed[-1]))
             parts["peak RSS ServerApp process (MiB)"].append(memory.max_mib("serverapp"))
             parts["peak RSS one ClientApp process (MiB)"].append(memory.max_mib("clientapp"))
             print(
@@ -318,6 +322,27 @@ def flwr_runs(num_nodes: int, rounds: int, repeats: int, overrides: dict, out: P
                 flush=True,
             )
     return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def fab_build_seconds(repeats: int) -> tuple[float, float]:
+    """Median seconds to build the FAB from this checkout: Flower's builder on the
+    checkout itself, and staging (:func:`server_app.launcher.stage_app`) plus the builder
+    on the staged copy."""
+    from flwr.cli.build import build_fab_from_disk
+
+    direct, staged = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fab = build_fab_from_disk(APP_DIR)
+        direct.append(time.perf_counter() - t0)
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            stage_app(APP_DIR, Path(tmp))
+            same = build_fab_from_disk(Path(tmp))
+            staged.append(time.perf_counter() - t0)
+        if len(fab) != len(same):
+            raise SystemExit("the staged app builds another FAB")
+    return statistics.median(direct), statistics.median(staged)
 
 
 def main() -> None:
@@ -330,6 +355,11 @@ def main() -> None:
     torch.set_num_threads(1)  # as each ClientApp process under Ray (OMP_NUM_THREADS=1)
     overrides = run_config_overrides(args.rounds)
     print(f"{psutil.cpu_count()} CPUs, torch {torch.__version__}, {args.rounds} rounds")
+    direct, staged = fab_build_seconds(args.repeats)
+    venv = "with" if (APP_DIR / ".venv").is_dir() else "without"
+    print(
+        f"FAB build ({venv} .venv in the checkout): Flower {direct:.2f} s, staged {staged:.2f} s"
+    )
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -374,7 +404,11 @@ def print_table(table: list[dict]) -> None:
         cells = []
         for row in table:
             value = row[key]
-            if "MiB" in key or "/" in key or key == "sampled" or "wall" in key or "start" in key:
+            if "(s)" in key:
+                cells.append(f"{value:.2f} s")
+            elif "MiB" in key:
+                cells.append(f"{value:.0f}")
+            elif " / " in key or key == "sampled":
                 cells.append(f"{value:.3g}" if isinstance(value, float) else str(value))
             else:
                 cells.append(f"{value * 1e3:.1f} ms")

@@ -16,7 +16,9 @@ time) and = 1 (as many ClientApps at once as there are cores). Ray sets each
 ClientApp's ``OMP_NUM_THREADS`` to its num-cpus, so each ClientApp's share of the
 throughput is compared with plain SB3 on that many torch threads.
 
-    python bench/ppo_throughput.py --rounds 4 --local-steps 16384
+Every number is the median of ``--repeats`` runs (plain and federated interleaved).
+
+    python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 5
 
 Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
 working tree, so editing the app while it runs changes what is measured.
@@ -102,31 +104,43 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=16384)
     parser.add_argument("--n-envs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
 
     total = args.rounds * args.clients_per_round * args.local_steps
     cores = os.cpu_count() or 1
-    plain = {}
-    for threads in sorted({1, cores}):
-        steps, plain[threads] = standalone_steps_per_second(total, args.n_envs, args.seed, threads)
-        print(
-            f"plain SB3 PPO, {threads} torch thread(s): {steps} steps, "
-            f"{plain[threads]:.0f} steps/s",
-            flush=True,
-        )
-
-    rows = []
+    plain_runs: dict[int, list[float]] = {threads: [] for threads in sorted({1, cores})}
+    federated_runs: dict[int, list[dict]] = {cpus: [] for cpus in sorted({cores, 1}, reverse=True)}
     with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
-        for cpus in sorted({cores, 1}, reverse=True):
-            row = federated(sim, args, cpus, out)
-            rows.append(row)
-            print(
-                f"federated, {cores // cpus} ClientApp(s) at once: {row['steps']} steps, "
-                f"{row['all']:.0f} steps/s (all rounds), {row['steady']:.0f} steps/s "
-                f"(rounds 2..{args.rounds}), whole `flwr run` {row['wall']:.1f} s",
-                flush=True,
-            )
+        for repeat in range(args.repeats):
+            for threads, rates in plain_runs.items():
+                steps, rate = standalone_steps_per_second(total, args.n_envs, args.seed, threads)
+                rates.append(rate)
+                print(
+                    f"#{repeat} plain SB3 PPO, {threads} torch thread(s): {steps} steps, "
+                    f"{rate:.0f} steps/s",
+                    flush=True,
+                )
+            for cpus, runs in federated_runs.items():
+                row = federated(sim, args, cpus, f"{out}/{repeat}")
+                runs.append(row)
+                print(
+                    f"#{repeat} federated, {cores // cpus} ClientApp(s) at once: "
+                    f"{row['steps']} steps, {row['all']:.0f} steps/s (all rounds), "
+                    f"{row['steady']:.0f} steps/s (rounds 2..{args.rounds}), "
+                    f"whole `flwr run` {row['wall']:.1f} s",
+                    flush=True,
+                )
+    plain = {threads: float(np.median(rates)) for threads, rates in plain_runs.items()}
+    rows = [
+        {
+            "cpus": cpus,
+            "steps": runs[0]["steps"],
+            **{key: float(np.median([r[key] for r in runs])) for key in ("all", "steady", "wall")},
+        }
+        for cpus, runs in federated_runs.items()
+    ]
 
     # Ray gives each ClientApp OMP_NUM_THREADS = num-cpus torch threads: compare each
     # ClientApp's share of the throughput with plain SB3 on as many threads.
