@@ -90,3 +90,31 @@ def test_metrics_are_also_tensorboard_scalars(tmp_path):
     scalars = events.Scalars("central-eval/eval-accuracy")
 
     assert [(s.step, s.value) for s in scalars] == [(1, 0.5), (2, 0.75)]
+
+
+def test_appended_csv_reads_back_as_a_full_rewrite(tmp_path):
+    # Rows with columns missing (an error row, an eval row), then a new column: the
+    # file appended round by round equals the rows written in one go.
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    arrays = ArrayRecord({"w": Array(np.zeros(1, dtype=np.float32))})
+    rounds = [
+        [{"round": 1, "node-id": 7, "replied": True, "error": "", "num-examples": 12}],
+        [
+            {"round": 2, "node-id": 7, "replied": False, "error": "no reply, timed out"},
+            {"round": 2, "node-id": 9, "replied": True, "error": "", "num-examples": 30},
+        ],
+        [{"round": 3, "node-id": 9, "replied": True, "error": "", "num-examples": 31, "mu": 0.1}],
+        [{"round": 4, "node-id": 7, "replied": True, "error": "", "num-examples": 12}],
+    ]
+    for server_round, clients in enumerate(rounds, start=1):
+        train = {"train-loss": 1.0 / server_round} if server_round != 2 else None
+        central = {"eval-accuracy": 0.1 * server_round}
+        run.record_round(
+            RoundResult(server_round, arrays, train=train, central_eval=central, clients=clients)
+        )
+    for name, rows in (("participation.csv", run.participation), ("metrics.csv", run.rows)):
+        whole = tmp_path / f"whole-{name}"
+        whole.write_text(pd.DataFrame(rows).to_csv(index=False))
+        pd.testing.assert_frame_equal(pd.read_csv(run.path / name), pd.read_csv(whole))
+    mu = pd.read_csv(run.path / "participation.csv")["mu"]  # the column came in round 3
+    assert mu.isna().tolist() == [True, True, True, False, True] and mu.iloc[3] == 0.1
