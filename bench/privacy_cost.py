@@ -96,6 +96,7 @@ import flwr
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
+from timing import median_ms  # bench/timing.py (scripts here run with bench/ on sys.path)
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.mechanisms import (
@@ -124,17 +125,6 @@ LEDGER_CASES = (  # accountant, sampling, event
 
 
 # -- helpers ----------------------------------------------------------------------
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms over ``repeats`` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def markdown(rows: list[dict[str, object]]) -> str:
     """``rows`` as a markdown table (floats to 3 significant digits)."""
     cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]

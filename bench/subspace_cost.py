@@ -16,25 +16,13 @@ Peak memory at d = 1e7, k = 32 is about 4 GB (U alone is d·k float64 = 2.6 GB).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import pandas as pd
+from timing import median_ms  # bench/timing.py (scripts here run with bench/ on sys.path)
 
 from privacy.mechanisms import GaussianMechanism, make_generator
 from privacy.subspace import EllipticalGaussianMechanism, SubspaceMetric, uniform_allocation
-
-
-def timed(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds (one warm-up call first)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def orthonormal_basis(dim: int, rank: int, rng: np.random.Generator) -> np.ndarray:
@@ -52,10 +40,10 @@ def measure(dim: int, rank: int, repeats: int) -> dict[str, float]:
     )
     ell = EllipticalGaussianMechanism(metric, clip_norm=1.0, noise_multiplier=1.0)
     row = {"d": dim, "k": rank}
-    row["iso clip ms"] = timed(lambda: iso.clip(update), repeats)
-    row["ell clip ms"] = timed(lambda: ell.clip(update), repeats)
-    row["iso noise ms"] = timed(lambda: iso.noise_sum(update, rng=rng), repeats)
-    row["ell noise ms"] = timed(lambda: ell.noise_sum(update, rng=rng), repeats)
+    row["iso clip ms"] = median_ms(lambda: iso.clip(update), repeats)
+    row["ell clip ms"] = median_ms(lambda: ell.clip(update), repeats)
+    row["iso noise ms"] = median_ms(lambda: iso.noise_sum(update, rng=rng), repeats)
+    row["ell noise ms"] = median_ms(lambda: ell.noise_sum(update, rng=rng), repeats)
     iso_total = row["iso clip ms"] + row["iso noise ms"]
     ell_total = row["ell clip ms"] + row["ell noise ms"]
     row["ell/iso"] = ell_total / iso_total
