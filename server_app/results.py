@@ -107,7 +107,8 @@ class RunDirectory:
         self.path = path
         self.rows: list[dict[str, Any]] = []
         self.participation: list[dict[str, Any]] = []
-        self._columns: dict[str, list[str]] = {}  # CSV file -> its header, once written
+        # CSV file -> (its columns, how many rows it holds, the last of them)
+        self._written: dict[str, tuple[list[str], int, Mapping[str, Any]]] = {}
         self._writer = None  # TensorBoard SummaryWriter, opened with the first row
         self.started = time.monotonic()
 
@@ -166,7 +167,7 @@ class RunDirectory:
         }
         row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         self.rows.append(row)
-        self._append_rows("metrics.csv", self.rows, [row])
+        self.write_rows("metrics.csv", self.rows)
         self._tensorboard(server_round, scope, row)
 
     def _tensorboard(self, server_round: int, scope: str, row: Mapping[str, Any]) -> None:
@@ -201,27 +202,32 @@ class RunDirectory:
             _atomic_torch_save(folder / SERVER_CHECKPOINT, payload)
 
     def write_rows(self, name: str, rows: list[Mapping[str, Any]]) -> None:
-        """Write ``rows`` as the CSV file ``name`` (e.g. per-client cluster assignments)."""
-        _atomic_write_text(self.path / name, pd.DataFrame(rows).to_csv(index=False))
+        """Bring the CSV file ``name`` up to ``rows`` (metrics, participation, the
+        strategies' per-client tables).
 
-    def _append_rows(
-        self, name: str, rows: list[Mapping[str, Any]], new: list[Mapping[str, Any]]
-    ) -> None:
-        """Bring the CSV file ``name`` up to ``rows``, whose last ones are ``new``.
-
-        The new rows are appended when they bring no new column, so a round costs the
-        same at round 1 000 as at round 1 (rewriting the whole file every round made
-        writing results quadratic in the rounds); otherwise the file is rewritten. The
-        values read back are the same either way.
+        Tables grow by rows added at the end, and rows once written do not change. When
+        ``rows`` still holds, in place, the last row written to ``name`` and the rows
+        after it bring no new column, only those rows are appended, so a round costs
+        the same at round 1 000 as at round 1 (rewriting every table every round made
+        writing results quadratic in the rounds). Otherwise (a table built afresh, a
+        new column) the file is rewritten. The values read back are the same either way.
         """
-        columns = self._columns.get(name)
-        if columns is None or any(key not in columns for row in new for key in row):
-            frame = pd.DataFrame(rows)
-            _atomic_write_text(self.path / name, frame.to_csv(index=False))
-            self._columns[name] = list(frame.columns)
-            return
-        with (self.path / name).open("a", encoding="utf-8") as file:
-            file.write(pd.DataFrame(list(new), columns=columns).to_csv(index=False, header=False))
+        written = self._written.get(name)
+        if written is not None:
+            columns, count, last = written
+            new = rows[count:]
+            same_table = 0 < count <= len(rows) and rows[count - 1] is last
+            if same_table and all(key in columns for row in new for key in row):
+                if new:
+                    with (self.path / name).open("a", encoding="utf-8") as file:
+                        frame = pd.DataFrame(list(new), columns=columns)
+                        file.write(frame.to_csv(index=False, header=False))
+                    self._written[name] = (columns, len(rows), rows[-1])
+                return
+        frame = pd.DataFrame(rows)
+        _atomic_write_text(self.path / name, frame.to_csv(index=False))
+        if rows:
+            self._written[name] = (list(frame.columns), len(rows), rows[-1])
 
     def record_round(self, result, ledger=None, models=None, server_state=None) -> None:
         """Record one round's metrics by scope; checkpoint the model(s), the server's
@@ -238,7 +244,7 @@ class RunDirectory:
                 self.record(result.server_round, scope, dict(record))
         if result.clients:
             self.participation.extend(result.clients)
-            self._append_rows("participation.csv", self.participation, result.clients)
+            self.write_rows("participation.csv", self.participation)
         if result.server_round > 0:
             self.checkpoint(
                 result.server_round, result.arrays.to_torch_state_dict(), models, server_state

@@ -118,3 +118,17 @@ def test_appended_csv_reads_back_as_a_full_rewrite(tmp_path):
         pd.testing.assert_frame_equal(pd.read_csv(run.path / name), pd.read_csv(whole))
     mu = pd.read_csv(run.path / "participation.csv")["mu"]  # the column came in round 3
     assert mu.isna().tolist() == [True, True, True, False, True] and mu.iloc[3] == 0.1
+
+
+def test_a_table_built_afresh_is_rewritten_not_appended(tmp_path):
+    run = RunDirectory.create(tmp_path, "digits", "clustered", "none")
+    history = [{"round": 1, "node-id": 7, "cluster": 0}]
+    run.write_rows("clusters.csv", history)
+    history.append({"round": 2, "node-id": 7, "cluster": 1})  # grows in place: appended
+    run.write_rows("clusters.csv", history)
+    assert pd.read_csv(run.path / "clusters.csv")["cluster"].tolist() == [0, 1]
+    members = [{"node-id": 9, "edge-id": 1}]  # rebuilt every round (edge-membership.csv)
+    run.write_rows("members.csv", members)
+    run.write_rows("members.csv", [{"node-id": 9, "edge-id": 0}, {"node-id": 4, "edge-id": 1}])
+    frame = pd.read_csv(run.path / "members.csv")
+    assert frame.to_dict("records") == [{"node-id": 9, "edge-id": 0}, {"node-id": 4, "edge-id": 1}]
