@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
+from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
 
 APP_DIR = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -67,7 +68,7 @@ def stage_app(source: Path, dest: Path) -> int:
     first filter of its build), so the FAB built from ``dest`` has the same content.
     """
     ignored = build_pathspec(load_gitignore_patterns(source / ".gitignore"))
-    always_out = build_pathspec([".venv/", ".flwr/", "__pycache__/"])
+    always_out = build_pathspec(APP_PUBLISH_EXCLUDE_PATTERNS)  # Flower's own exclusions
     files: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(source, followlinks=False):
         rel = Path(dirpath).relative_to(source)

@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.subspace import SubspaceMetric
 from strategies import partitions
+from strategies.base import to_numpy
 
 _TAG = "__checkpoint__"  # marks an encoded object in the plain-data tree
 
@@ -62,7 +63,7 @@ def encode(value: Any) -> Any:
         return {
             _TAG: "arrays",
             "keys": list(value.keys()),
-            "values": [torch.from_numpy(np.array(a.numpy())) for a in value.values()],
+            "values": [torch.from_numpy(to_numpy(a)) for a in value.values()],
         }
     if isinstance(value, SubspaceMetric):
         return {_TAG: "subspace-metric", "state": encode(value.state_dict())}
