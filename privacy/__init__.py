@@ -37,6 +37,7 @@ from privacy.mechanisms import (
     laplace_noise_like,
     make_generator,
     noise_generator,
+    secret_seed,
     secure_generator,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "laplace_noise_like",
     "make_generator",
     "noise_generator",
+    "secret_seed",
     "secure_generator",
     "to_dp_event",
 ]

@@ -132,6 +132,19 @@ def _make_config(
     )
 
 
+def _basic_epsilon(groups: dict) -> float | None:
+    """Σ count·ε of Laplace events (basic composition; a sampled release is at most as
+    private as unsampled), or None when any other event is present."""
+    total = []
+    for event, count in groups.items():
+        if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+            event = event.event
+        if not isinstance(event, dp_accounting.LaplaceDpEvent):
+            return None
+        total.append(count / event.noise_multiplier)  # parameter = scale/sensitivity = 1/ε
+    return math.fsum(total)
+
+
 class PrivacyLedger:
     """The run's privacy ledger.
 
@@ -192,6 +205,9 @@ class PrivacyLedger:
         self._cache: dict[tuple, tuple[object, dict[float, float]]] = {}
         # What one "client" is for the task that ran (set by the app; shown in summary).
         self.privacy_unit: str | None = None
+        # dp.reproducible-noise: the noise and the DP sample derive from the run seed, so
+        # no ε holds against anyone who knows it (set by the app; shown in summary).
+        self.noise_from_seed = False
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -254,14 +270,27 @@ class PrivacyLedger:
         return self._cached(groups)[0]
 
     def _epsilon_of(self, groups: dict, delta: float) -> float:
+        """ε at ``delta`` of ``groups``: the accountant's, or basic composition's pure ε
+        when that is smaller (Laplace only: a pure ε-DP release is (ε, δ)-DP for every
+        δ, and the accountant's discretised bound can exceed Σ ε by a hair)."""
         # A round asks the same ε up to four times (would_exceed, charge, epsilon,
         # summary); PLD's get_epsilon costs 10-80 ms, so it is computed once.
         if not groups:
             return 0.0
         composition, epsilons = self._cached(groups)
         if delta not in epsilons:
-            epsilons[delta] = float(composition.get_epsilon(delta))
+            epsilon = float(composition.get_epsilon(delta))
+            basic = _basic_epsilon(groups)
+            epsilons[delta] = epsilon if basic is None else min(epsilon, basic)
         return epsilons[delta]
+
+    def accountant_epsilon(self, delta: float | None = None) -> float:
+        """The accountant's own ε at ``delta`` (default: target δ), before the minimum
+        with basic composition that :meth:`epsilon` takes for Laplace releases."""
+        if not self._groups:
+            return 0.0
+        delta = _check_delta(self.target_delta if delta is None else delta)
+        return float(self._composition(self._groups).get_epsilon(delta))
 
     def epsilon(self, delta: float | None = None) -> float:
         """Cumulative ε at ``delta`` (default: target δ); 0.0 when nothing is charged."""
@@ -314,9 +343,7 @@ class PrivacyLedger:
 
         None when a Gaussian release is present (it has no pure ε).
         """
-        if any(r.mechanism != "laplace" for r in self._releases):
-            return None
-        return math.fsum(r.laplace_epsilon * r.count for r in self._releases)
+        return _basic_epsilon(self._groups) if self._releases else None
 
     # -- what ε does not cover ----------------------------------------------------
     def record_unaccounted(
@@ -395,6 +422,7 @@ class PrivacyLedger:
             "neighboring-relation": self.neighboring,
             "target-delta": self.target_delta,
             "privacy-unit": self.privacy_unit,
+            "noise-from-seed": self.noise_from_seed,
             "epsilon": shown,
             "max-epsilon": self.max_epsilon,
             "num-releases": sum(by_kind.values()),

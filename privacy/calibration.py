@@ -17,8 +17,10 @@ release to a fresh :class:`~privacy.accounting.PrivacyLedger`.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
+import dp_accounting
 from dp_accounting import mechanism_calibration
 
 from privacy.accounting import PrivacyLedger
@@ -171,3 +173,31 @@ def epsilon_for(
     )
     ledger.charge(release)
     return ledger.epsilon()
+
+
+def sampled_gaussian_epsilon(
+    history: list[tuple[float, float, int]], *, target_delta: float
+) -> float:
+    """ε at ``target_delta`` of DP-SGD steps ``[(noise_multiplier, sample_rate, steps)]``.
+
+    Each step is dp-accounting's ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under
+    add-or-remove-one (one example), composed by its RDP accountant over the ledger's
+    orders: the analysis Opacus' RDP accountant implements (Mironov, Talwar & Zhang
+    2019). The server uses it to re-derive a client's sample-level ε from the steps it
+    knows the client took, whatever the client's own accountant says.
+    """
+    _check_targets(1.0, target_delta)
+    accountant = new_accountant("rdp", "add-or-remove-one", rdp_orders=RDP_ORDERS)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orders near 1 that do not converge are dropped, noisily
+    try:
+        for z, q, steps in history:
+            if steps > 0:
+                event = dp_accounting.GaussianDpEvent(z)
+                if q < 1:
+                    event = dp_accounting.PoissonSampledDpEvent(q, event)
+                accountant.compose(event, int(steps))
+        return float(accountant.get_epsilon(target_delta))
+    finally:
+        absl.setLevel(level)

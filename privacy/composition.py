@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import dp_accounting
 import numpy as np
 from dp_accounting import dp_event
-from dp_accounting.pld import privacy_loss_distribution
+from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_mechanism
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from privacy.events import NEIGHBORING_RELATIONS, neighboring_name, new_accountant
@@ -258,3 +258,31 @@ def compose_groups(
     if accountant == "rdp":
         return compose_rdp(groups, neighboring, rdp_orders)
     return compose_pld(groups, neighboring, pld_discretization)
+
+
+def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+    """The exact ε at ``delta`` of the Gaussian mechanism with multiplier z, unsampled.
+
+    Several unsampled Gaussian releases compose into one Gaussian with multiplier
+    ``(Σ z_i⁻²)^(-½)`` (their privacy losses are Gaussian), so this is also the exact ε
+    of their composition. δ(ε) is dp-accounting's analytic ``GaussianPrivacyLoss``
+    (Balle & Wang 2018, Thm. 8), inverted by its binary search, which returns an ε whose
+    δ does not exceed ``delta``. A PLD built for a small z spans a privacy-loss range of
+    order 1/z² at a 1e-4 grid (40 s for z = 0.16 composed 30 times); this takes
+    milliseconds.
+    """
+    if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+        raise ValueError(f"noise_multiplier must be positive, got {noise_multiplier!r}")
+    mu = 1.0 / noise_multiplier
+    loss = privacy_loss_mechanism.GaussianPrivacyLoss(noise_multiplier, sensitivity=1.0)
+    # ε <= μ²/2 + μ √(2 ln(1.25/δ)) (the classical bound, valid for every ε): a bracket.
+    upper = mu * mu / 2 + mu * math.sqrt(2 * math.log(1.25 / delta)) + 1.0
+    found = common.inverse_monotone_function(
+        loss.get_delta_for_epsilon,
+        delta,
+        common.BinarySearchParameters(0.0, upper, tolerance=1e-9),
+        increasing=False,
+    )
+    if found is None:  # unreachable by the bracket above; never report less than it
+        return upper
+    return float(found)

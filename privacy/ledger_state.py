@@ -260,10 +260,19 @@ def statements(ledger, epsilon: float, basic: float | None) -> list[str]:
             f"Unit of privacy: {ledger.privacy_unit}; neighbouring runs differ in one such client."
         )
     if basic is not None and n:
+        accountant = ledger.accountant_epsilon()
+        tighter = "basic composition" if basic <= accountant else "the accountant"
         out.append(
-            f"Basic composition of the Laplace releases gives pure epsilon = {basic:.6g} "
-            "(delta = 0), without amplification; the accountant's (epsilon, delta) "
-            "is tighter."
+            f"Laplace releases: basic composition gives pure epsilon = {basic:.6g} (delta = "
+            f"0), the {ledger.accountant} accountant {accountant:.6g} at delta = "
+            f"{ledger.target_delta:g}; the reported epsilon is the smaller ({tighter})."
+        )
+    if ledger.noise_from_seed and n:
+        out.insert(
+            0,
+            "NO EPSILON HOLDS against anyone who knows the run seed: dp.reproducible-noise "
+            "= true derives the DP noise and sampling from it (a debugging setting). The "
+            "epsilon below holds only if the seed is secret.",
         )
     if ledger.unaccounted:
         kinds = sorted({u.kind for u in ledger.unaccounted})
@@ -280,8 +289,10 @@ def statements(ledger, epsilon: float, basic: float | None) -> list[str]:
             "part of the client-level epsilon."
         )
     out.append(
-        "Not covered by any epsilon: the clients' training and evaluation metrics "
-        "(losses, accuracies, rewards, example counts, model divergences) that the "
-        "server receives and logs."
+        "Not covered by any epsilon: who was sampled, what the clients report beyond what "
+        "the mechanism needs (losses, accuracies, rewards, example counts, divergences; by "
+        "default clients send none of it under DP), federated evaluation, raw "
+        "diagnostics and wall-clock timing: the run directory keeps them under curator/, "
+        "which is not to be published."
     )
     return out

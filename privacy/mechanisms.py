@@ -14,7 +14,20 @@ sum), never exceeds the clip norm, also after casting back to float32. Non-finit
 input raises :class:`NonFiniteUpdateError` instead of producing garbage.
 
 Randomness always comes from an explicit :class:`numpy.random.Generator`
-(:func:`make_generator`, :func:`secure_generator`, :func:`noise_generator`).
+(:func:`make_generator`, :func:`secure_generator`, :func:`noise_generator`); the noise a
+guarantee relies on is secret (OS entropy) unless the run opts into reproducible noise.
+
+Floating point. Noise is drawn and added in float64 (``numpy``'s Gaussian and Laplace
+samplers) and the sum is cast back to the update's dtype. A textbook floating-point
+Laplace or Gaussian sampler leaks through the gaps of the representable values
+(Mironov 2012, "On significance of the least significant bits for differential
+privacy"; Jin et al. 2022, "Are we there yet? Timing and floating-point attacks on
+differential privacy systems"): an attacker who sees the noisy float64 value of a
+single scalar can sometimes tell which of two inputs produced it. This module does not
+implement the snapping mechanism or a discrete Gaussian; the released values here are
+float32/float64 model weights after further arithmetic (summation, averaging, the
+model update), which blurs but does not provably remove that leak. The formal ε is for
+the idealised real-valued mechanism; see README, "Privacy".
 """
 
 from __future__ import annotations
@@ -387,7 +400,8 @@ def make_generator(seed: int, *streams: int) -> np.random.Generator:
     """A reproducible PCG64 generator for ``SeedSequence([seed, *streams])``.
 
     Distinct ``streams`` (round, client id, purpose) give independent generators
-    from one run seed.
+    from one run seed. Never for randomness a DP guarantee relies on, unless the user
+    asked for ``dp.reproducible-noise`` (:func:`noise_generator`).
     """
     entropy = [seed, *streams]
     if any(isinstance(v, bool) or int(v) != v or v < 0 for v in entropy):
@@ -396,17 +410,30 @@ def make_generator(seed: int, *streams: int) -> np.random.Generator:
 
 
 def secure_generator() -> np.random.Generator:
-    """A PCG64 generator seeded with 128 bits from the OS (``secrets``).
+    """A PCG64 generator seeded with 128 bits from the OS's CSPRNG (``secrets``).
 
-    Trade-off: the noise is unpredictable to anyone without the seed, but a run can
-    no longer be reproduced. PCG64 itself is not a cryptographic generator; this
-    protects against guessing the seed, not against an attacker who sees raw output.
+    Nobody can recompute its draws from anything the run writes or sends: not from
+    ``seed``, ``config.json`` or a message. PCG64 itself is not a cryptographic
+    generator: recovering its state from raw outputs is conceivable, but what leaves
+    a DP mechanism is its output plus data, never raw draws. Its state is written only
+    to the owner-only server checkpoint (for resume).
     """
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(secrets.randbits(128))))
 
 
+def secret_seed() -> int:
+    """63 bits from the OS's CSPRNG, for generators that take an integer seed
+    (``torch.Generator.manual_seed``): DP-SGD batch sampling and noise, CP-NP/CG noise."""
+    return secrets.randbits(63)
+
+
 def noise_generator(
-    *, seed: int, streams: Sequence[int] = (), secure: bool = False
+    *, seed: int, streams: Sequence[int] = (), reproducible: bool = False
 ) -> np.random.Generator:
-    """:func:`secure_generator` when ``secure``, else ``make_generator(seed, *streams)``."""
-    return secure_generator() if secure else make_generator(seed, *streams)
+    """The generator of randomness a DP guarantee relies on (noise, DP sampling).
+
+    Secret (:func:`secure_generator`) unless ``reproducible`` (``dp.reproducible-noise``,
+    a debugging opt-in): then ``make_generator(seed, *streams)``, which anyone who
+    knows ``seed`` can recompute, so no ε holds against them.
+    """
+    return make_generator(seed, *streams) if reproducible else secure_generator()

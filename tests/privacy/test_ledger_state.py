@@ -226,7 +226,9 @@ def test_summary_counts_by_kind_and_reports_basic_composition():
         )
     )
     assert laplace.summary()["basic-composition-epsilon"] == 2.0
-    assert any("Basic composition" in s for s in laplace.summary()["statements"])
+    assert any(
+        "basic composition gives pure epsilon = 2" in s for s in laplace.summary()["statements"]
+    )
     assert _ledger().summary()["epsilon"] == 0.0
 
 

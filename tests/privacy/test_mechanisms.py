@@ -26,6 +26,7 @@ from privacy.mechanisms import (
     laplace_noise_like,
     make_generator,
     noise_generator,
+    secret_seed,
     secure_generator,
 )
 
@@ -246,11 +247,12 @@ def test_generators_are_explicit_and_reproducible():
     expected = np.random.Generator(np.random.PCG64(np.random.SeedSequence([42, 1, 2])))
     np.testing.assert_array_equal(first, expected.normal(size=5))
     np.testing.assert_array_equal(
-        noise_generator(seed=42, streams=(1, 2), secure=False).normal(size=5), first
+        noise_generator(seed=42, streams=(1, 2), reproducible=True).normal(size=5), first
     )
     assert not np.allclose(secure_generator().normal(size=5), secure_generator().normal(size=5))
-    assert not np.allclose(
-        noise_generator(seed=42, streams=(1, 2), secure=True).normal(size=5), first
-    )
+    # The default: secret, whatever the seed.
+    draws = [noise_generator(seed=42, streams=(1, 2)).normal(size=5) for _ in range(2)]
+    assert not np.allclose(draws[0], first) and not np.allclose(draws[0], draws[1])
+    assert secret_seed() != secret_seed() and 0 <= secret_seed() < 2**63
     with pytest.raises(ValueError, match="non-negative integers"):
         make_generator(-1)

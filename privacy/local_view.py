@@ -1,0 +1,245 @@
+"""What the server itself learns about each client: per-client ε over its participations.
+
+The run's :class:`~privacy.accounting.PrivacyLedger` bounds what observers of the
+released model learn (the trusted-server threat model). When clients noise their own
+uploads and no secure aggregation hides them (``dp.noise-site = "client"``, Laplace,
+CP-NP deltas seen by an edge), the server sees every noisy upload on its own, and it
+knows whom it asked: no amplification by sampling holds against it. Against the server
+each client's ε is then the composition of the releases of the rounds it was asked to
+train in (the local threat model), counted when the message is sent, answered or not.
+
+:class:`LocalViewLedger` keeps those per-client counts and reports the worst client's ε:
+exact for Gaussian uploads (unsampled Gaussians compose into one Gaussian), the run's
+accountant otherwise. Releases are grouped by mechanism (a
+:class:`~privacy.events.Release` with its round, note and sample sizes blanked), so a
+client's history is a vector of counts; clients with the same counts share one ε
+computation, and with one mechanism the worst client is simply the one asked most often.
+``charge_all`` adds a release to every client, present and future: a resumed run charges
+the round that was under way when the server stopped (its sample is lost with the
+process, and any client may have sent an upload).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, replace
+
+from privacy.accounting import PrivacyLedger
+from privacy.composition import gaussian_epsilon
+from privacy.events import AccountingError, Release, neighboring_name
+
+SCHEMA = "flower-privacy-lab/local-view"
+
+
+def _unit(release: Release) -> Release:
+    """The mechanism of ``release``, without what differs from round to round."""
+    return replace(release, server_round=0, count=1, note="", sample_size=1, population=1)
+
+
+class LocalViewLedger:
+    """Per-client composition of the uploads the server sees one by one.
+
+    Parameters
+    ----------
+    accountant : {"rdp", "pld"}
+        dp-accounting accountant.
+    target_delta : float
+        δ of the reported ε.
+    neighboring : {"add-or-remove-one", "replace-one"}
+        The run's neighbouring relation, stated in the summary. Releases carry its
+        sensitivity in their noise multiplier (z/2 under replace-one) or Laplace ε, so
+        they are composed as unsampled events under add-or-remove-one, which applies no
+        further factor (dp-accounting's PLD would double a Gaussian's sensitivity under
+        REPLACE_ONE, its RDP would not).
+    mechanisms : tuple of str
+        Mechanisms the releases use ("gaussian", "laplace").
+    max_epsilon : float, optional
+        Budget: :meth:`would_exceed` says whether one more release would take some
+        client above it.
+    """
+
+    def __init__(
+        self,
+        *,
+        accountant: str,
+        target_delta: float,
+        neighboring: str,
+        mechanisms: tuple[str, ...] = ("gaussian",),
+        max_epsilon: float | None = None,
+    ) -> None:
+        self._kwargs = {
+            "accountant": accountant,
+            "target_delta": target_delta,
+            "sampling": "none",
+            "mechanisms": tuple(mechanisms),
+        }
+        PrivacyLedger(**self._kwargs)  # validates the configuration now
+        self._neighboring = neighboring_name(neighboring)
+        self.max_epsilon = max_epsilon
+        self._units: list[Release] = []  # the distinct mechanisms, first-charge order
+        self._clients: dict[str, list[int]] = {}  # client -> count per unit
+        self._all: list[int] = []  # counts charged to every client (resumed rounds)
+        self._cache: dict[tuple[int, ...], float] = {}
+
+    @property
+    def neighboring(self) -> str:
+        """The run's neighbouring relation."""
+        return self._neighboring
+
+    @property
+    def target_delta(self) -> float:
+        """δ of the reported ε."""
+        return self._kwargs["target_delta"]
+
+    # -- charging ------------------------------------------------------------------
+    def _index(self, release: Release) -> int:
+        if release.sampling != "none":
+            raise AccountingError(
+                "the server knows whom it asked: a local-view release claims no "
+                f"amplification (sampling 'none'), got {release.sampling!r}"
+            )
+        unit = _unit(release)
+        if unit not in self._units:
+            self._units.append(unit)
+        return self._units.index(unit)
+
+    def charge(self, clients: list[str], release: Release) -> None:
+        """Count ``release`` (``release.count`` times) for each of ``clients``."""
+        index = self._index(release)
+        for client in clients:
+            counts = self._clients.setdefault(client, [])
+            counts.extend([0] * (index + 1 - len(counts)))
+            counts[index] += release.count
+
+    def charge_all(self, release: Release) -> None:
+        """Count ``release`` for every client, those not seen yet included."""
+        index = self._index(release)
+        self._all.extend([0] * (index + 1 - len(self._all)))
+        self._all[index] += release.count
+
+    # -- reading -------------------------------------------------------------------
+    def _total(self, counts: list[int]) -> tuple[int, ...]:
+        """A client's counts plus those charged to every client, trailing zeros cut."""
+        total = [0] * len(self._units)
+        for part in (counts, self._all):
+            for i, c in enumerate(part):
+                total[i] += c
+        while total and total[-1] == 0:
+            total.pop()
+        return tuple(total)
+
+    def _epsilon(self, signature: tuple[int, ...]) -> float:
+        """ε of a count vector: exact when every release is Gaussian (they compose into
+        one Gaussian, :func:`privacy.composition.gaussian_epsilon`), else the accountant's
+        (Laplace: the smaller of it and basic composition)."""
+        if signature not in self._cache and all(
+            u.mechanism == "gaussian" for u, c in zip(self._units, signature, strict=False) if c
+        ):
+            pairs = zip(self._units, signature, strict=False)
+            precision = math.fsum(c / u.noise_multiplier**2 for u, c in pairs if c)
+            self._cache[signature] = (
+                gaussian_epsilon(precision**-0.5, self.target_delta) if precision else 0.0
+            )
+        if signature not in self._cache:
+            ledger = PrivacyLedger(**self._kwargs)
+            # signature may be shorter than the units (trailing zeros are cut)
+            pairs = zip(self._units, signature, strict=False)
+            releases = [replace(u, count=c) for u, c in pairs if c]
+            if releases:
+                ledger.charge(releases)
+            self._cache[signature] = ledger.epsilon()
+        return self._cache[signature]
+
+    def _maximal(self, signatures: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The signatures no other one dominates (ε grows with every count)."""
+
+        def dominated(a, b):
+            padded = max(len(a), len(b))
+            a, b = a + (0,) * (padded - len(a)), b + (0,) * (padded - len(b))
+            return a != b and all(x <= y for x, y in zip(a, b, strict=True))
+
+        return [s for s in signatures if not any(dominated(s, o) for o in signatures)]
+
+    def epsilon(self, client: str) -> float:
+        """ε of ``client`` against the server (0 before it was asked)."""
+        return self._epsilon(self._total(self._clients.get(client, [])))
+
+    def worst(self) -> tuple[str | None, float]:
+        """The client with the largest ε and that ε; (None, ε of the rounds charged to
+        every client) before any client was asked."""
+        if not self._clients:
+            return None, self._epsilon(self._total([]))
+        signatures = {c: self._total(counts) for c, counts in self._clients.items()}
+        best = {s: self._epsilon(s) for s in self._maximal(set(signatures.values()))}
+        client = max(
+            (c for c, s in signatures.items() if s in best), key=lambda c: best[signatures[c]]
+        )
+        return client, best[signatures[client]]
+
+    def participations(self, client: str) -> int:
+        """Releases counted for ``client`` (its own and those charged to every client)."""
+        return sum(self._total(self._clients.get(client, [])))
+
+    def would_exceed(self, release: Release) -> bool:
+        """Whether one more ``release`` would take any client (one not asked yet
+        included) above ``max_epsilon``; the same for every client, so the answer does
+        not depend on who is sampled next."""
+        if self.max_epsilon is None:
+            return False
+        self._index(release)
+        signatures = {self._total(c) for c in self._clients.values()} | {self._total([])}
+        return any(
+            self._epsilon(self._add(s, release)) > self.max_epsilon
+            for s in self._maximal(signatures)
+        )
+
+    def _add(self, signature: tuple[int, ...], release: Release) -> tuple[int, ...]:
+        total = list(signature) + [0] * (len(self._units) - len(signature))
+        total[self._units.index(_unit(release))] += release.count
+        return tuple(total)
+
+    def summary(self) -> dict:
+        """The worst client's ε and what it rests on, for ``ledger.json``."""
+        client, epsilon = self.worst()
+        return {
+            "epsilon": epsilon,
+            "target-delta": self.target_delta,
+            "worst-client": client,
+            "participations": self.participations(client) if client else sum(self._all),
+            "clients": len(self._clients),
+            "accountant": self._kwargs["accountant"],
+            "neighboring-relation": self.neighboring,
+            "max-epsilon": self.max_epsilon,
+        }
+
+    # -- serialisation ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """JSON-serialisable counts (the configuration is the run's)."""
+        return {
+            "schema": SCHEMA,
+            "units": [asdict(u) for u in self._units],
+            "clients": {c: list(counts) for c, counts in self._clients.items()},
+            "all": list(self._all),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises
+        ------
+        AccountingError
+            If the state is not a local-view state or its counts are malformed.
+        """
+        if not isinstance(state, dict) or state.get("schema") != SCHEMA:
+            raise AccountingError(f"not a {SCHEMA} state")
+        try:
+            units = [Release(**u) for u in state["units"]]
+            clients = {str(c): [int(n) for n in v] for c, v in state["clients"].items()}
+            every = [int(n) for n in state["all"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise AccountingError(f"malformed {SCHEMA} state: {err}") from None
+        counts = [n for v in clients.values() for n in v] + every
+        if any(n < 0 for n in counts) or any(len(v) > len(units) for v in clients.values()):
+            raise AccountingError(f"malformed {SCHEMA} state: counts do not fit the units")
+        self._units, self._clients, self._all = units, clients, every
+        self._cache = {}
