@@ -16,18 +16,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import keys, partitions
+from strategies.errors import InvalidReply, StopTraining
+
+__all__ = ["InvalidReply", "StopTraining"]  # re-exported: strategies import them from here
 
 # More examples than any client of this app holds: a larger weight is a poisoning
 # attempt on the example-weighted average, not data.
 MAX_NUM_EXAMPLES = 10**9
-
-
-class StopTraining(Exception):
-    """Raised by ``configure_train`` to end the run cleanly before sending anything."""
-
-
-class InvalidReply(ValueError):
-    """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""
 
 
 class TrainingWrapper(Strategy, ABC):

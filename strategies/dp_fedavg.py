@@ -6,27 +6,34 @@ Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping".
 Any strategy of the registry can be wrapped. The wrapper
 
 * samples exactly ``num_sampled_clients`` nodes per round, uniformly without
-  replacement, with the run's generator, and lets the wrapped strategy configure
-  only those nodes (it sees a grid holding just them);
+  replacement, with the secret DP generator (OS entropy; the run seed only under
+  ``dp.reproducible-noise``), and lets the wrapped strategy configure only those nodes
+  (it sees a grid holding just them);
 * adds ``dpfedavg_clip_norm`` (and, with client-side noising,
-  ``dpfedavg_noise_stddev`` = z·C/√m) to every node's config;
-* aborts the round if any sampled client fails or replies with something unusable:
-  all updates are discarded, the global model is kept, no privacy is charged;
-* averages the clipped updates unweighted and, with server-side noising, perturbs
-  each one as client-side noising would have (N(0, (zC)²/m) each, so the sum carries
-  N(0, (zC)²));
+  ``dpfedavg_noise_stddev`` = z·C/√m) to every node's config, and what the clients may
+  report (``report-metrics``);
+* never aborts a round: a sampled client that fails, times out or replies with
+  something unusable contributes a zero update (a value an honest client may send, so
+  the sensitivity is unchanged), and the round is released and charged like any other.
+  With client-side noising the server adds that client's missing noise share itself;
+* averages the clipped updates over the fixed m and, with server-side noising, adds
+  N(0, (zC)²) once to their sum;
 * charges every released aggregate to the run's :class:`privacy.accounting.PrivacyLedger`
-  and refuses, before sending anything, a round that would exceed the budget.
+  and, with client-side noising, each sampled client's own noisy upload to a
+  :class:`privacy.local_view.LocalViewLedger` (what the server itself sees, without
+  amplification); refuses, before sending anything, a round that would exceed the
+  budget in either.
 
 Contract with the client (``client_app.mods.privacy_mod`` implements it)::
 
     delta = trained - received
     delta = delta * min(1, C / ||delta||_2)            # C = config["dpfedavg_clip_norm"]
     if "dpfedavg_noise_stddev" in config:
-        delta += N(0, config["dpfedavg_noise_stddev"]**2 I)
+        delta += N(0, config["dpfedavg_noise_stddev"]**2 I)   # from a secret generator
     if config.get("dpfedavg_adaptive_clip_enabled"):
         metrics["dpfedavg-norm-bit"] = float(||delta_before_clip||_2 <= C)
     reply arrays = received + delta
+    reply metrics = only config["report-metrics"] (num-examples sent as 1)
 """
 
 from __future__ import annotations
@@ -40,29 +47,28 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.certificates import spi
+from privacy.local_view import LocalViewLedger
 from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError, clip_by_l2_norm
 from strategies import keys, partitions
 from strategies.base import (
     GridView,
     InvalidReply,
     StopTraining,
-    TrainingWrapper,
     add_to_config,
     arrays_of,
     check_reply,
-    metrics_of,
     sample_uniform,
     to_record,
-    unweighted,
     wait_for_nodes,
+    weighted_metrics,
 )
+from strategies.private import PrivacyWrapper
 
 
-class DPFedAvgFixed(TrainingWrapper):
+class DPFedAvgFixed(PrivacyWrapper):
     """DP-FedAvg with a fixed clip norm around any strategy.
 
     Parameters
@@ -81,7 +87,8 @@ class DPFedAvgFixed(TrainingWrapper):
     ledger : PrivacyLedger
         The run's ledger; every release is charged to it.
     rng : numpy.random.Generator
-        The run's generator for sampling and server-side noise.
+        The secret DP generator for sampling and server-side noise
+        (:func:`privacy.mechanisms.noise_generator`).
     min_available_nodes : int
         Nodes to wait for before sampling (at least m).
     uniform_sampling : bool
@@ -92,12 +99,18 @@ class DPFedAvgFixed(TrainingWrapper):
     released_keys : tuple of str, optional
         Head-only training: only these arrays are clipped, noised and updated; the
         others keep the global values whatever a client sends. None: every array.
-    secure_rng : bool
-        ``rng`` draws from OS entropy: its state is never written to a checkpoint
-        (whoever read it could subtract the noise); a resumed run draws fresh.
+    **kwargs
+        ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
-    CHECKPOINT = ("rng", "clip_norm", "ledger")  # strategies.checkpoint
+    # The generator's state is secret: it lives only in the owner-only checkpoint.
+    CHECKPOINT = ("rng", "clip_norm", "ledger", "local_view")  # strategies.checkpoint
+    RELEASED_METRICS = (
+        *PrivacyWrapper.RELEASED_METRICS,
+        keys.DP_EPSILON_LOCAL,
+        "dp-clip-norm",
+    )
+    LOCAL_VIEW = True  # client-side noise gives each upload a guarantee against the server
 
     def __init__(
         self,
@@ -113,13 +126,13 @@ class DPFedAvgFixed(TrainingWrapper):
         uniform_sampling: bool = True,
         connect_timeout: float = 300.0,
         released_keys: tuple[str, ...] | None = None,
-        secure_rng: bool = False,
+        **kwargs,
     ) -> None:
         if clip_norm <= 0 or noise_multiplier <= 0 or num_sampled_clients < 1:
             raise ValueError("clip_norm and noise_multiplier must be > 0, m >= 1")
         if noise_site not in ("server", "client"):
             raise ValueError(f"noise_site must be 'server' or 'client', not {noise_site!r}")
-        super().__init__(strategy)
+        super().__init__(strategy, **kwargs)
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
         self.num_sampled_clients = num_sampled_clients
@@ -130,10 +143,19 @@ class DPFedAvgFixed(TrainingWrapper):
         self.uniform_sampling = uniform_sampling
         self.connect_timeout = connect_timeout
         self.released_keys = released_keys
-        self.checkpoint_exclude = ("rng",) if secure_rng else ()
+        self.local_view = (
+            LocalViewLedger(
+                accountant=ledger.accountant,
+                target_delta=ledger.target_delta,
+                neighboring=ledger.neighboring,
+                max_epsilon=ledger.max_epsilon,
+            )
+            if noise_site == "client" and self.LOCAL_VIEW
+            else None
+        )
         self._mask: list[bool] | None = None
         self._released_dim = 0  # d of the released arrays, known from round 1
-        self._round_state: tuple[ArrayRecord, set[int], int] | None = None
+        self._round_state: tuple[ArrayRecord, list[int], int] | None = None
 
     # -- what one round releases ------------------------------------------------
     def update_noise_multiplier(self) -> float:
@@ -166,10 +188,26 @@ class DPFedAvgFixed(TrainingWrapper):
             )
         ]
 
+    def local_release(self, server_round: int) -> Release:
+        """One client's noisy upload as the server sees it: its clipped update plus its
+        own share N(0, (z_Δ C)²/m), no amplification (the server knows whom it asked)."""
+        factor = l2_sensitivity_factor(self.ledger.neighboring)
+        z = self.update_noise_multiplier() / math.sqrt(self.num_sampled_clients) / factor
+        return Release(
+            server_round=server_round,
+            kind="noisy-upload",
+            mechanism="gaussian",
+            noise_multiplier=z,
+            sampling="none",
+            sample_size=1,
+            population=1,
+            note="one client's clipped update and its own noise share, seen by the server",
+        )
+
     # -- training half ----------------------------------------------------------
-    def client_config(self) -> dict[str, float | bool]:
+    def client_config(self) -> dict[str, float | bool | list[str]]:
         """Keys added to every sampled client's train config."""
-        config: dict[str, float | bool] = {keys.DP_CLIP_NORM: self.clip_norm}
+        config: dict = {keys.DP_CLIP_NORM: self.clip_norm, **self.report_config()}
         if self.noise_site == "client":
             mech = self._mechanism()
             config[keys.DP_NOISE_STDDEV] = mech.client_noise_std(self.num_sampled_clients)
@@ -179,6 +217,25 @@ class DPFedAvgFixed(TrainingWrapper):
         return GaussianMechanism(
             clip_norm=self.clip_norm, noise_multiplier=self.update_noise_multiplier()
         )
+
+    def _refuse_over_budget(self, server_round: int, population: int) -> None:
+        """StopTraining, before anything is sent, if the round would exceed the budget
+        in the ledger or (client-side noise) for some client against the server."""
+        if self.ledger.would_exceed(self.release(server_round, population)):
+            raise StopTraining(
+                f"round {server_round} would exceed 'dp.max-epsilon' = "
+                f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f} at "
+                f"delta {self.ledger.target_delta:g}); nothing was sent"
+            )
+        if self.local_view is not None and self.local_view.would_exceed(
+            self.local_release(server_round)
+        ):
+            _, worst = self.local_view.worst()
+            raise StopTraining(
+                f"round {server_round} would take a client's epsilon against the server "
+                f"above 'dp.max-epsilon' = {self.ledger.max_epsilon} (worst so far "
+                f"{worst:.4f}); nothing was sent"
+            )
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -194,12 +251,7 @@ class DPFedAvgFixed(TrainingWrapper):
                 f"'dp.num-sampled-clients' = {self.num_sampled_clients} but only "
                 f"{len(all_nodes)} nodes connected within {self.connect_timeout:g} s"
             )
-        if self.ledger.would_exceed(self.release(server_round, len(all_nodes))):
-            raise StopTraining(
-                f"round {server_round} would exceed 'dp.max-epsilon' = "
-                f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f} at "
-                f"delta {self.ledger.target_delta:g}); nothing was sent"
-            )
+        self._refuse_over_budget(server_round, len(all_nodes))
         if self.uniform_sampling:
             nodes = sample_uniform(all_nodes, self.num_sampled_clients, self.rng)
             grid = GridView(grid, nodes)
@@ -211,53 +263,69 @@ class DPFedAvgFixed(TrainingWrapper):
             )
         messages = add_to_config(messages, self.client_config())
         self._fix_released(arrays)
-        sent = {m.metadata.dst_node_id for m in messages}
+        sent = partitions.order(m.metadata.dst_node_id for m in messages)
+        if self.local_view is not None:  # the server will see each of them on its own
+            clients = [partitions.client_name(n) for n in sent]
+            self.local_view.charge(clients, self.local_release(server_round))
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Average clipped (and noised) updates unweighted; abort on any failure."""
+        """Release the private mean of the sampled clients' clipped updates (a failed
+        client counts as a zero update) and charge it."""
         if self._round_state is None:
             return None, None
         current, sent, population = self._round_state
         self._round_state = None
-        replies = partitions.sort_replies(replies)
-        try:
-            deltas, metrics = self._check_round(replies, sent, current)
-        except InvalidReply as err:
-            log(
-                WARNING,
-                "DP round %d aborted (nothing released, nothing charged): %s",
-                server_round,
-                err,
-            )
-            return None, None
-        mean = self._merge(self._private_mean([self._released(d) for d in deltas]), deltas)
+        reference = arrays_of(current)
+        deltas, records, failed = self._contributions(replies, sent, current, reference)
+        mean = self._private_mean(deltas, len(failed), self._released(reference))
         new_arrays = to_record(
-            current, [c + d for c, d in zip(arrays_of(current), mean, strict=True)]
+            current, [c + d for c, d in zip(reference, self._merge(mean, reference), strict=True)]
         )
         self.ledger.charge(self.release(server_round, population))
-        aggregated = aggregate_metricrecords(metrics, keys.NUM_EXAMPLES)
-        aggregated.update(self.round_metrics(replies))
-        aggregated["dp-epsilon"] = self.ledger.epsilon()
-        return new_arrays, aggregated
+        aggregated = dict(weighted_metrics(records))
+        aggregated.update(self.round_metrics(records))
+        aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
+        aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
+        if self.local_view is not None:
+            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.worst()[1]
+        return new_arrays, MetricRecord(self.mark(aggregated))
 
-    def _check_round(self, replies, sent, current):
-        """Return (deltas, unweighted metric records), or raise InvalidReply."""
-        errors = [m for m in replies if m.has_error()]
-        if errors:
-            raise InvalidReply(f"{len(errors)} sampled client(s) failed: {errors[0].error.reason}")
-        got = {m.metadata.src_node_id for m in replies}
-        if got != sent:
-            raise InvalidReply(f"{len(sent - got)} of {len(sent)} sampled clients did not reply")
-        reference = arrays_of(current)
-        deltas = []
+    def _contributions(
+        self,
+        replies: Iterable[Message],
+        sent: list[int],
+        current: ArrayRecord,
+        reference: list[np.ndarray],
+    ) -> tuple[list[list[np.ndarray]], list[MetricRecord], list[int]]:
+        """(released deltas of the valid replies, their metrics weighted 1, the sampled
+        nodes counted as a zero update), in partition order."""
+        by_node: dict[int, Message] = {}
         for message in replies:
-            received, _ = check_reply(message, current)
-            deltas.append([r - c for r, c in zip(received, reference, strict=True)])
-        return deltas, [unweighted(m) for m in replies]
+            by_node.setdefault(message.metadata.src_node_id, message)
+        deltas, records, failed = [], [], []
+        for node in sent:
+            message = by_node.get(node)
+            try:
+                if message is None:
+                    raise InvalidReply("no reply")
+                received, metrics = self._check(message, current)
+            except InvalidReply as err:
+                failed.append(node)
+                log(WARNING, "DP-FedAvg: node %d counts as a zero update: %s", node, err)
+                continue
+            delta = [r - c for r, c in zip(received, reference, strict=True)]
+            deltas.append(self._released(delta))
+            metrics[keys.NUM_EXAMPLES] = 1.0
+            records.append(metrics)
+        return deltas, records, failed
+
+    def _check(self, message: Message, current: ArrayRecord):
+        """The reply's arrays and metrics, or InvalidReply (see :func:`check_reply`)."""
+        return check_reply(message, current)
 
     # -- head-only: which arrays are released ------------------------------------
     def _fix_released(self, arrays: ArrayRecord) -> None:
@@ -280,34 +348,31 @@ class DPFedAvgFixed(TrainingWrapper):
         assert self._mask is not None
         return [d for d, keep in zip(delta, self._mask, strict=True) if keep]
 
-    def _merge(self, mean: list[np.ndarray], deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
-        """The released mean back among zero deltas of the frozen arrays."""
+    def _merge(self, mean: list[np.ndarray], reference: list[np.ndarray]) -> list[np.ndarray]:
+        """The released mean back among zero deltas of the frozen (head-only) arrays:
+        whatever a client sent for those is ignored."""
         assert self._mask is not None
-        frozen = [i for i, keep in enumerate(self._mask) if not keep]
-        changed = sum(any(np.any(delta[i] != 0) for i in frozen) for delta in deltas)
-        if changed and self.noise_site == "server":  # client noise covers every array
-            log(
-                WARNING,
-                "%d client(s) changed arrays outside the released (head-only) arrays; "
-                "those changes were ignored",
-                changed,
-            )
         released = iter(mean)
         return [
-            next(released) if keep else np.zeros_like(d)
-            for d, keep in zip(deltas[0], self._mask, strict=True)
+            next(released) if keep else np.zeros_like(c)
+            for c, keep in zip(reference, self._mask, strict=True)
         ]
 
-    def _private_mean(self, deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
-        """The private mean of the released arrays of the clients' deltas.
+    def _private_mean(
+        self, deltas: list[list[np.ndarray]], missing: int, template: list[np.ndarray]
+    ) -> list[np.ndarray]:
+        """The private mean over m of the released arrays of the clients' deltas
+        (``template``: the released arrays of the global model, for shapes and dtypes).
 
-        Server-side noise is drawn once, N(0, (zC)²) on the sum of the m clipped deltas:
+        Server-side noise is drawn once, N(0, (zC)²) on the sum of the clipped deltas:
         the distribution of m client shares N(0, (zC)²/m) summed, at 1/m of the draws
-        (drawing the noise was most of the aggregate's time, bench/privacy_cost.py). The
-        sum is kept in float64; the mean is returned in the deltas' dtype.
+        (drawing the noise was most of the aggregate's time, bench/privacy_cost.py).
+        Client-side noise: the ``missing`` clients' shares are drawn here, so the sum
+        carries N(0, (zC)²) whoever failed. The sum is kept in float64; the mean is
+        returned in the arrays' dtypes.
         """
-        mech, m = self._mechanism(), len(deltas)
-        total: list[np.ndarray] | None = None
+        mech, m = self._mechanism(), self.num_sampled_clients
+        total = [np.zeros(a.shape) for a in template]
         for delta in deltas:
             if self.noise_site == "server":
                 try:
@@ -316,14 +381,14 @@ class DPFedAvgFixed(TrainingWrapper):
                     raise InvalidReply(str(err)) from err
             else:
                 delta = self._within_client_bound(delta, m)
-            if total is None:
-                total = [np.array(d, dtype=np.float64) for d in delta]  # own copies
-            else:
-                for t, d in zip(total, delta, strict=True):
-                    t += d
+            for t, d in zip(total, delta, strict=True):
+                t += d
         if self.noise_site == "server":
             total = mech.noise_sum(total, rng=self.rng)
-        return [(t / m).astype(d.dtype, copy=False) for t, d in zip(total, deltas[0], strict=True)]
+        elif missing:
+            share = mech.client_noise_std(m) * math.sqrt(missing)
+            total = [t + self.rng.normal(0.0, share, size=t.shape) for t in total]
+        return [(t / m).astype(a.dtype, copy=False) for t, a in zip(total, template, strict=True)]
 
     def _within_client_bound(self, delta: list[np.ndarray], m: int) -> list[np.ndarray]:
         """With client-side noise the server cannot check the clip, only the norm an honest
@@ -353,9 +418,22 @@ class DPFedAvgFixed(TrainingWrapper):
             [], floor=1.0, dim=self._released_dim, noise_multiplier=self.update_noise_multiplier()
         )
 
-    def round_metrics(self, replies: list[Message]) -> dict[str, float]:
-        """Extra per-round metrics (the adaptive subclass reports its clip norm)."""
+    def round_metrics(self, records: list[MetricRecord]) -> dict[str, float]:
+        """Extra per-round metrics from the valid replies' metrics (the adaptive subclass
+        releases its noised count and moves its clip norm here)."""
         return {"dp-clip-norm": self.clip_norm}
+
+    def on_resume(self) -> None:
+        """Every client may have sent a noisy upload in the round under way when the
+        server stopped (its sample was lost with it): charge one to each (local view)."""
+        if self.local_view is not None:
+            release = self.local_release(0)
+            self.local_view.charge_all(release)
+            log(
+                INFO,
+                "resume: one noisy upload charged to every client against the server (the "
+                "interrupted round's sample is unknown)",
+            )
 
     # -- evaluation and summary: the wrapped strategy's ---------------------------
     def summary(self) -> None:
@@ -381,6 +459,13 @@ class DPFedAvgFixed(TrainingWrapper):
             self.ledger.target_delta,
             self.ledger.max_epsilon or "none",
         )
+        if self.local_view is not None:
+            log(
+                INFO,
+                "\t│\t└── against the server: each client's noisy upload, multiplier %.4g, "
+                "composed over its own rounds (no amplification)",
+                self.local_release(0).noise_multiplier,
+            )
         self.strategy.summary()
 
 
@@ -393,7 +478,14 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
     z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2) so that updates and count together are one Gaussian
     mechanism with noise multiplier z (their Theorem 1): the ledger charges exactly
     that release, which therefore covers the count query.
+
+    With client-side noise the bit reaches the server in the clear: no guarantee holds
+    against the server itself (no local view), only against observers of the model.
     """
+
+    RELEASED_METRICS = (*DPFedAvgFixed.RELEASED_METRICS, "dp-noisy-unclipped-fraction")
+    CLIENT_REPORTS = (keys.DP_NORM_BIT,)
+    LOCAL_VIEW = False
 
     def __init__(
         self,
@@ -443,21 +535,19 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
             )
         ]
 
-    def round_metrics(self, replies: list[Message]) -> dict[str, float]:
-        """Release the noised count, update C, and report both."""
-        bits = [float(metrics_of(m)[keys.DP_NORM_BIT]) for m in replies]
-        noisy_fraction = (sum(bits) + self.rng.normal(0.0, self.count_stddev)) / len(bits)
+    def round_metrics(self, records: list[MetricRecord]) -> dict[str, float]:
+        """Release the noised count (a failed client's bit counts 0), update C, and
+        report both."""
+        bits = [float(r[keys.DP_NORM_BIT]) for r in records]
+        m = self.num_sampled_clients
+        noisy_fraction = (sum(bits) + self.rng.normal(0.0, self.count_stddev)) / m
         used = self.clip_norm
         self.clip_norm = used * math.exp(-self.clip_lr * (noisy_fraction - self.target_quantile))
         return {"dp-clip-norm": used, "dp-noisy-unclipped-fraction": noisy_fraction}
 
-    def _check_round(self, replies, sent, current):
-        deltas, metrics = super()._check_round(replies, sent, current)
-        for message in replies:
-            bit = metrics_of(message).get(keys.DP_NORM_BIT)
-            if bit not in (0.0, 1.0, 0, 1):
-                raise InvalidReply(
-                    f"client {message.metadata.src_node_id} sent no valid "
-                    f"'{keys.DP_NORM_BIT}' (got {bit!r})"
-                )
-        return deltas, metrics
+    def _check(self, message: Message, current: ArrayRecord):
+        received, metrics = super()._check(message, current)
+        bit = metrics.get(keys.DP_NORM_BIT)
+        if bit not in (0.0, 1.0, 0, 1):
+            raise InvalidReply(f"no valid '{keys.DP_NORM_BIT}' (got {bit!r})")
+        return received, metrics

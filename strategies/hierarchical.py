@@ -203,9 +203,10 @@ class HierarchicalFedAvg(FedAvg):
     """
 
     MODEL_LABEL = "edge"
-    # Registrations are not carried: nodes are asked again (their ids change), and
-    # edge models restart from the cloud model every round.
-    CHECKPOINT = ("rng", "eval_rng", "rows")  # strategies.checkpoint
+    # Registrations are not carried: nodes are asked again (their ids change). Edge
+    # models restart from the cloud model every round, but the committed round's are
+    # evaluated again when a run resumes.
+    CHECKPOINT = ("rng", "eval_rng", "rows", "models")  # strategies.checkpoint
 
     def __init__(
         self,
@@ -242,6 +243,11 @@ class HierarchicalFedAvg(FedAvg):
         self.on_edge_aggregation = on_edge_aggregation
         self.before_edge_aggregation = before_edge_aggregation
         self.on_replies: Callable[[int, list[Message]], None] | None = None
+        # CP-NP under DP (set by strategies.frontloaded): what a sampled client that
+        # failed counts as (a noised zero delta drawn by the server); every sampled
+        # client then weighs 1, and an edge averages over all it sampled.
+        self.failed_upload: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None
+        self.query_config: dict = {}  # extra entries of the edge query's config
         self.rng = np.random.default_rng([seed, _STREAM])
         self.eval_rng = np.random.default_rng([seed, _EVAL_STREAM])
         self.registrations: dict[int, Registration] = {}  # node -> its query answer
@@ -363,7 +369,9 @@ class HierarchicalFedAvg(FedAvg):
         unknown = [n for n in nodes if n not in self.registrations]
         if not unknown:
             return 0
-        config = ConfigRecord({keys.SERVER_ROUND: server_round, keys.NUM_EDGES: self.num_edges})
+        config = ConfigRecord(
+            {keys.SERVER_ROUND: server_round, keys.NUM_EDGES: self.num_edges, **self.query_config}
+        )
         content = RecordDict({keys.CONFIG: config})
         queries = [_message(n, content, QUERY_TYPE, server_round) for n in unknown]
         replies: dict[int, Message] = {}
@@ -377,6 +385,7 @@ class HierarchicalFedAvg(FedAvg):
             except InvalidReply as err:
                 failed += 1
                 log(WARNING, "Hierarchical: node %d not registered (asked again): %s", node, err)
+        partitions.check_unique(nodes)
         sizes = {e: len(m) for e, m in self.membership().items()}
         log(INFO, "Hierarchical: %d nodes registered, per edge %s", len(self.registrations), sizes)
         return failed
@@ -449,10 +458,15 @@ class HierarchicalFedAvg(FedAvg):
             except InvalidReply as err:
                 state.failed += 1
                 row["reason"] = str(err)
-                log(WARNING, "Hierarchical: train reply of node %d skipped: %s", node, err)
+                if self.failed_upload is None:
+                    log(WARNING, "Hierarchical: train reply of node %d skipped: %s", node, err)
+                    continue
+                log(WARNING, "Hierarchical: node %d counts as a zero delta: %s", node, err)
+                uploads.append(self.failed_upload(arrays_of(self.models[edge])))
+                weights.append(1.0)
                 continue
             uploads.append(arrays)
-            weights.append(float(metrics[keys.NUM_EXAMPLES]))
+            weights.append(1.0 if self.failed_upload else float(metrics[keys.NUM_EXAMPLES]))
             state.records.setdefault(edge, []).append(metrics)
             loss = metrics.get(keys.TRAIN_LOSS)
             row |= {"num-examples": weights[-1], "replied-ok": True}

@@ -16,6 +16,17 @@ DP_NOISE_STDDEV = "dpfedavg_noise_stddev"
 DP_ADAPTIVE = "dpfedavg_adaptive_clip_enabled"
 DP_NORM_BIT = "dpfedavg-norm-bit"  # MetricRecord: 1.0 if ||update|| <= clip norm
 
+# What a client may report under a privacy mechanism (train and query configs): the
+# MetricRecord keys it keeps; ``num-examples``, when not among them, is sent as 1 (every
+# client weighs one in the unweighted aggregates of client-level DP). Absent: everything.
+REPORT_METRICS = "report-metrics"
+
+# Per-round metrics of the privacy wrappers (metrics.csv train rows).
+DP_EPSILON = "dp-epsilon"  # client-level epsilon against observers of the released model
+DP_EPSILON_LOCAL = "dp-epsilon-local"  # worst client's epsilon against the server itself
+DP_NOISE_FROM_SEED = "dp-noise-from-seed"  # 1: dp.reproducible-noise, no epsilon vs seed holders
+DP_FAILED_CLIENTS = "dp-failed-clients"  # sampled clients counted as a zero update (curator)
+
 # Laplace mechanism (seed 000): client clips the L1 norm and adds Laplace noise.
 LAPLACE_SENSITIVITY = "laplace-sensitivity"
 LAPLACE_SCALE = "laplace-scale"
@@ -26,6 +37,14 @@ DPSGD_MAX_GRAD_NORM = "dpsgd-max-grad-norm"
 DPSGD_TARGET_EPSILON = "dpsgd-target-epsilon"  # 0: use the noise multiplier as given
 DPSGD_DELTA = "dpsgd-delta"
 LOCAL_EPSILON = "local-epsilon"  # MetricRecord: the client's cumulative sample-level epsilon
+DPSGD_MAX_EPSILON = "dpsgd-max-epsilon"  # the client refuses a round that would exceed it
+# MetricRecord keys of a DP-SGD reply besides local-epsilon: how many trainings its
+# accountant covers and this round's steps, from which the server re-derives its epsilon.
+DPSGD_ROUNDS = "dpsgd-rounds"
+DPSGD_ROUND_NOISE = "dpsgd-round-noise-multiplier"
+DPSGD_ROUND_SAMPLE_RATE = "dpsgd-round-sample-rate"
+DPSGD_ROUND_STEPS = "dpsgd-round-steps"
+DPSGD_BUDGET_REFUSAL = "dp.max-epsilon reached"  # error-reason marker of a refused round
 
 # MetricRecord keys every train/evaluate reply carries.
 NUM_EXAMPLES = "num-examples"

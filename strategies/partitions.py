@@ -11,7 +11,8 @@ samples or sums:
   ``query.partition`` message (the ClientApp answers with ``partition-id``);
 * :func:`order` sorts node ids by (partition id, node id); nodes that did not answer
   come last, by node id (such a run is reproducible only as far as node ids are);
-* :func:`sort_replies` puts replies in that order before anything is summed.
+* :func:`sort_replies` puts replies in that order before anything is summed;
+* :func:`check_unique` stops the run when two connected nodes report one partition.
 
 The map lives for the ServerApp process, i.e. one run (a simulation run or a
 deployed ServerApp run each get their own process).
@@ -26,6 +27,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
 from strategies import keys
+from strategies.errors import DuplicatePartitionError
 from strategies.messaging import send_and_receive
 
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
@@ -84,12 +86,37 @@ def discover(grid, node_ids: Iterable[int], *, timeout: float) -> None:
             "are reproducible only if their node ids are the same",
             len(missing),
         )
+    check_unique(node_ids)
+
+
+def check_unique(node_ids: Iterable[int]) -> None:
+    """Raise :class:`DuplicatePartitionError` if two of ``node_ids`` report one partition.
+
+    Each partition is one unit of privacy (one client's data): two nodes serving it
+    would have it sampled, trained on and counted twice, which no sampling probability
+    or per-client composition the ledger uses allows for. Only connected nodes count (a
+    SuperNode that reconnects gets a new id; its old one is gone)."""
     claimed: dict[int, list[int]] = {}
-    for node, partition in _PARTITION.items():
-        claimed.setdefault(partition, []).append(node)
-    shared = {p: n for p, n in claimed.items() if len(n) > 1}
+    for node in sorted({int(n) for n in node_ids}):
+        if node in _PARTITION:
+            claimed.setdefault(_PARTITION[node], []).append(node)
+    shared = {p: nodes for p, nodes in claimed.items() if len(nodes) > 1}
     if shared:
-        log(WARNING, "nodes share partition ids %s: ordered by node id among them", shared)
+        named = "; ".join(
+            f"nodes {', '.join(map(str, nodes))} all report partition-id {p}"
+            for p, nodes in sorted(shared.items())
+        )
+        raise DuplicatePartitionError(
+            f"{named}. Give every SuperNode its own partition-id (node config "
+            "'partition-id=<i> num-partitions=<n>')"
+        )
+
+
+def client_name(node_id: int) -> str:
+    """The unit of privacy a node stands for: its partition (``partition-3``), which a
+    SuperNode keeps across reconnects and resumed runs, or ``node-<id>``."""
+    partition = partition_of(node_id)
+    return f"partition-{partition}" if partition is not None else f"node-{node_id}"
 
 
 def sort_key(node_id: int) -> tuple[int, int, int]:

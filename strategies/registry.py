@@ -125,23 +125,38 @@ def dp_fedavg_sampling(strategy: str) -> str:
 
 
 def make_ledger(
-    s: StrategySettings,
-    sampling: str,
-    mechanisms: tuple[str, ...] = ("gaussian",),
-    *,
-    budget: bool = True,
+    s: StrategySettings, sampling: str, mechanisms: tuple[str, ...] = ("gaussian",)
 ) -> PrivacyLedger:
     """The run's ledger, configured from the ``dp.*`` options; it refuses at once an
-    accountant x sampling x mechanism combination dp-accounting cannot account.
-    ``budget=False``: no ``dp.max-epsilon`` (a second view, never a stopping rule)."""
+    accountant x sampling x mechanism combination dp-accounting cannot account."""
     o = s.options
-    return PrivacyLedger(
+    ledger = PrivacyLedger(
         accountant=str(o["dp.accountant"]),
         target_delta=float(o["dp.target-delta"]),
-        max_epsilon=(float(o["dp.max-epsilon"]) or None) if budget else None,
+        max_epsilon=float(o["dp.max-epsilon"]) or None,
         sampling=sampling,
         mechanisms=mechanisms,
     )
+    ledger.noise_from_seed = bool(o["dp.reproducible-noise"])
+    return ledger
+
+
+def dp_generator(s: StrategySettings):
+    """The generator of the randomness a guarantee rests on (noise, DP sampling): secret,
+    from OS entropy, unless ``dp.reproducible-noise`` derives it from the run seed."""
+    return noise_generator(
+        seed=s.seed,
+        streams=(_SERVER_STREAM,),
+        reproducible=bool(s.options["dp.reproducible-noise"]),
+    )
+
+
+def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:
+    """What every privacy wrapper takes (:class:`strategies.private.PrivacyWrapper`)."""
+    return {
+        "client_metrics": bool(s.options["dp.client-metrics"]),
+        "noise_from_seed": bool(s.options["dp.reproducible-noise"]),
+    }
 
 
 def count_stddev(s: StrategySettings) -> float:
@@ -159,14 +174,12 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
         "noise_multiplier": float(o["dp.noise-multiplier"]),
         "num_sampled_clients": int(o["dp.num-sampled-clients"]),
         "ledger": make_ledger(s, dp_fedavg_sampling(s.strategy)),
-        "rng": noise_generator(
-            seed=s.seed, streams=(_SERVER_STREAM,), secure=bool(o["dp.secure-rng"])
-        ),
+        "rng": dp_generator(s),
         "min_available_nodes": s.min_available_nodes,
         "connect_timeout": s.round_timeout,
         "uniform_sampling": s.strategy not in DATA_DEPENDENT_SELECTION,
         "released_keys": s.released_keys,
-        "secure_rng": bool(o["dp.secure-rng"]),
+        **_wrapper_kwargs(s),
     }
 
 
@@ -210,6 +223,8 @@ def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
         sensitivity=float(o["dp.sensitivity"]),
         epsilon=float(o["dp.epsilon"]),
         ledger=make_ledger(s, "none", mechanisms=("laplace",)),
+        rng=dp_generator(s),
+        **_wrapper_kwargs(s),
     )
 
 
@@ -221,6 +236,7 @@ def _dp_sgd(base: Strategy, s: StrategySettings) -> Strategy:
         max_grad_norm=float(o["dp.clip-norm"]),
         target_epsilon=float(o["dp.target-epsilon"]),
         ledger=make_ledger(s, "none", mechanisms=()),
+        **_wrapper_kwargs(s),
     )
 
 
@@ -238,9 +254,11 @@ def _front_loaded(mode: str) -> Callable[[Strategy, StrategySettings], Strategy]
                 s, "without-replacement" if cp_np else "none", ("gaussian",) if cp_np else ()
             ),
             # An edge sees its clients' noisy deltas and who sent them: no
-            # amplification, never a stopping rule (FrontLoadedDP charges it with the
-            # run ledger's sensitivity, so both count the same neighbours).
-            edge_view=make_ledger(s, "none", budget=False),
+            # amplification (FrontLoadedDP charges it with the run ledger's
+            # sensitivity, so both count the same neighbours); the budget holds for it.
+            edge_view=make_ledger(s, "none"),
+            rng=dp_generator(s),
+            **_wrapper_kwargs(s),
         )
 
     return build

@@ -117,6 +117,9 @@ class SmartFedProx(FedProx):
 
     CHECKPOINT = ("rng", "history")  # strategies.checkpoint
     CHECKPOINT_BY_NODE = ("divergences", "historical", "faults")
+    # What a client must report under a privacy mechanism (strategies.private): the
+    # divergence drives selection and mu, the example count the weighted average.
+    REPORTED_METRICS = (keys.NUM_EXAMPLES, keys.DIVERGENCE)
 
     def __init__(
         self,

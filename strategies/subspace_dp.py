@@ -1,7 +1,8 @@
 """Subspace-DP-FL around any strategy (seed 004): geometry-aligned DP-FedAvg.
 
 The wrapper is DP-FedAvg (:class:`strategies.dp_fedavg.DPFedAvgFixed`: the same
-fixed-size uniform sampling, abort-on-failure rounds and ledger refusal) with the
+fixed-size uniform sampling from the secret generator, failed clients counted as zero
+updates, and ledger refusal) with the
 Gaussian mechanism replaced by the elliptical one of :mod:`privacy.subspace`:
 
 * clients send their raw updates (the server is trusted, as DP-FedAvg's server-side
@@ -41,7 +42,7 @@ import math
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -126,6 +127,14 @@ class SubspaceDP(DPFedAvgFixed):
     # The metric in use and the spectra of every metric used (SPI); public samples are
     # rebuilt by the app.
     CHECKPOINT = (*DPFedAvgFixed.CHECKPOINT, "metric", "_spectra")
+    # The gate reads only the noised sketch, and the rank and code length are public;
+    # the P-norm clipping statistics and quantization error come from raw updates.
+    RELEASED_METRICS = (
+        *DPFedAvgFixed.RELEASED_METRICS,
+        "subspace-rank",
+        "subspace-pmu-",
+        "subspace-quant-bits-per-update",
+    )
 
     def __init__(
         self,
@@ -239,9 +248,10 @@ class SubspaceDP(DPFedAvgFixed):
         ]
 
     # -- training half --------------------------------------------------------------
-    def client_config(self) -> dict[str, float | bool]:
-        """Nothing: clients send raw updates, the server clips in the P-norm."""
-        return {}
+    def client_config(self) -> dict:
+        """Only what clients may report: they send raw updates, the server clips in the
+        P-norm."""
+        return self.report_config()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -304,10 +314,13 @@ class SubspaceDP(DPFedAvgFixed):
             )
         return lam
 
-    def _private_mean(self, deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
-        """Clip each released delta in the P-norm, add elliptical noise, average; run PMU."""
+    def _private_mean(
+        self, deltas: list[list[np.ndarray]], missing: int, template: list[np.ndarray]
+    ) -> list[np.ndarray]:
+        """Clip each released delta in the P-norm, add elliptical noise, average over m
+        (the ``missing`` clients count as zero updates: nothing to sketch or add); run PMU."""
         assert self.metric is not None
-        m = len(deltas)
+        m = self.num_sampled_clients
         mech = EllipticalGaussianMechanism(self.metric, self.clip_norm, self.z_noise)
         quantizer = (
             AnisotropicQuantizer(self.metric, self.clip_norm, self.quantize_bits)
@@ -326,7 +339,8 @@ class SubspaceDP(DPFedAvgFixed):
             if pmu
             else None
         )
-        total, norms, clipped, errors = None, [], 0, []
+        total = [np.zeros(a.shape) for a in template]
+        norms, clipped, errors = [], 0, []
         for index, released in enumerate(deltas):
             try:
                 result = mech.clip(released)
@@ -340,14 +354,12 @@ class SubspaceDP(DPFedAvgFixed):
             if quantizer is not None:
                 arrays, error = self._quantized(quantizer, mech, arrays, index)
                 errors.append(error)
-            arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
-            if total is not None:
-                arrays = [t + a for t, a in zip(total, arrays, strict=True)]
-            total = arrays
+            for t, a in zip(total, arrays, strict=True):
+                t += a
         noised = mech.noise_sum(total, rng=self.rng)
         self._stats = {
-            "subspace-clip-fraction": clipped / m,
-            "subspace-mean-pnorm": float(np.mean(norms)),
+            "subspace-clip-fraction": clipped / max(len(deltas), 1),
+            "subspace-mean-pnorm": float(np.mean(norms)) if norms else 0.0,
             "subspace-rank": float(self.metric.rank),
         }
         if quantizer is not None:
@@ -419,7 +431,7 @@ class SubspaceDP(DPFedAvgFixed):
             estimate.lift_threshold,
         )
 
-    def round_metrics(self, replies: list[Message]) -> dict[str, float]:
+    def round_metrics(self, records: list) -> dict[str, float]:
         """The clip norm, P-norm statistics and, in PMU rounds, the gate's numbers."""
         stats, self._stats = self._stats, {}
         return {"dp-clip-norm": self.clip_norm, **stats}

@@ -1,5 +1,6 @@
-"""DP-FedAvg wrappers: sampling, config keys, hand-computed aggregates, abort and
-budget rules, adaptive clipping, and the ledger entries they make."""
+"""DP-FedAvg wrappers: sampling, config keys, hand-computed aggregates, failed clients
+counted as zero updates, budget rules, adaptive clipping, the ledger entries they make
+and the local view of client-side noise."""
 
 from __future__ import annotations
 
@@ -102,11 +103,12 @@ def test_server_noise_has_std_zC_over_m_on_the_mean():
     assert np.std(samples) == pytest.approx(z * clip / m, rel=0.03)
 
 
-@pytest.mark.parametrize("failure", ["error", "missing", "nan", "wrong-shape", "no-arrays"])
-def test_failed_round_is_aborted_uncharged(failure):
-    strategy = _wrapper()
-    messages = _configure(strategy)
-    replies = _replies(messages, [([0.1, 0.1], [0.1])] * 3)
+FAILURES = ["error", "missing", "nan", "wrong-shape", "no-arrays", "unasked"]
+
+
+def _fail(replies, failure):
+    """``replies`` with the first one's failure of kind ``failure``."""
+    replies = list(replies)
     node = replies[0].metadata.src_node_id
     if failure == "error":
         replies[0] = error_from(node)
@@ -116,10 +118,49 @@ def test_failed_round_is_aborted_uncharged(failure):
         replies[0] = reply_from(node, {"w": [np.nan, 0.0], "b": [1.0]}, {"num-examples": 1})
     elif failure == "wrong-shape":
         replies[0] = reply_from(node, {"w": [0.0], "b": [1.0]}, {"num-examples": 1})
-    else:
+    elif failure == "no-arrays":
         replies[0] = reply_from(node, None, {"num-examples": 1})
-    assert strategy.aggregate_train(1, replies) == (None, None)
-    assert strategy.ledger.releases == () and strategy.ledger.epsilon() == 0.0
+    else:  # a reply from a node that was not asked replaces the asked node's
+        replies[0] = reply_from(999, {"w": [5.0, 5.0], "b": [5.0]}, {"num-examples": 1})
+    return replies
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_failed_client_counts_as_a_zero_update_and_the_round_is_charged(failure):
+    # Whether a client fails can depend on its data: an aborted round would be an
+    # uncharged release. The round goes on: the failed client's update is zero, the
+    # denominator stays m, and the round is charged like any other.
+    strategy = _wrapper(z=1e-12)
+    messages = _configure(strategy)
+    replies = _fail(_replies(messages, [([0.3, 0.0], [0.3])] * 3), failure)
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [2 * 0.3 / 3, 0.0], atol=1e-9)
+    np.testing.assert_allclose(arrays["b"].numpy(), [1.0 + 2 * 0.3 / 3], atol=1e-9)
+    assert len(strategy.ledger.releases) == 1 and metrics["dp-epsilon"] > 0
+    assert metrics[keys.DP_FAILED_CLIENTS] == 1.0
+
+
+def test_a_round_where_every_client_failed_releases_noise_and_is_charged():
+    strategy = _wrapper(z=1.0, clip=1.0, seed=4)
+    messages = _configure(strategy)
+    arrays, _ = strategy.aggregate_train(1, [error_from(m.metadata.dst_node_id) for m in messages])
+    assert not np.allclose(arrays["w"].numpy(), GLOBAL["w"])  # N(0, (zC)^2) / m, nothing else
+    assert len(strategy.ledger.releases) == 1
+
+
+def test_client_side_noise_of_failed_clients_is_drawn_by_the_server():
+    # Each client adds N(0, (zC)^2 / m); with 2 of 4 failing, the server adds their two
+    # shares, so the mean still carries N(0, (zC/m)^2) (the clients' replies here are
+    # noise-free fakes, so only the server's draws are seen: std zC sqrt(2/m) / m).
+    z, clip, m = 1.0, 1.0, 4
+    strategy = _wrapper(z=z, clip=clip, m=m, site="client", seed=2)
+    samples = []
+    for rnd in range(1, 801):
+        messages = _configure(strategy, nodes=range(1, 5), server_round=rnd)
+        replies = _replies(messages, [([0, 0], [0])] * m)[2:]
+        arrays, _ = strategy.aggregate_train(rnd, replies)
+        samples.extend(arrays["w"].numpy())
+    assert np.std(samples) == pytest.approx(z * clip * math.sqrt(2 / m) / m, rel=0.04)
 
 
 def test_budget_refusal_before_sending():
@@ -191,11 +232,20 @@ def test_adaptive_noise_split_and_validation():
         _wrapper(DPFedAvgAdaptive, z=2.0, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
 
 
-def test_adaptive_rejects_missing_bit():
-    strategy = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+def test_adaptive_counts_a_reply_without_a_valid_bit_as_a_zero_update():
+    strategy = _wrapper(
+        DPFedAvgAdaptive, z=1e-3, target_quantile=0.5, clip_lr=0.2, count_stddev=1e-3
+    )
     messages = _configure(strategy)
-    assert strategy.aggregate_train(1, _replies(messages, [([0, 0], [0])] * 3)) == (None, None)
-    assert strategy.ledger.releases == ()
+    replies = _replies(messages, [([0.3, 0], [0])] * 3)
+    for reply, bit in zip(replies, [1.0, 0.5, None], strict=True):
+        if bit is not None:
+            reply.content[keys.METRICS][keys.DP_NORM_BIT] = bit
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [0.3 / 3, 0.0], atol=1e-2)
+    assert metrics[keys.DP_FAILED_CLIENTS] == 2.0  # a bit of 0.5, and none
+    assert metrics["dp-noisy-unclipped-fraction"] == pytest.approx(1 / 3, abs=1e-2)
+    assert len(strategy.ledger.releases) == 1
 
 
 def test_too_few_nodes_stops_cleanly_after_waiting():
@@ -219,10 +269,69 @@ def test_waits_for_late_nodes():
     assert len(messages) == 3 and LateGrid.calls >= 3
 
 
-def test_evaluation_is_delegated():
+def test_federated_evaluation_only_with_client_metrics():
+    # Each client's accuracy on its own data is a release no epsilon covers.
     strategy = _wrapper()
+    assert not list(strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), FakeGrid([1])))
+    strategy = _wrapper(client_metrics=True)
     messages = strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2]))
     assert len(list(messages)) == 2
+
+
+def test_clients_are_asked_for_only_what_the_mechanism_needs():
+    (message, *_) = _configure(_wrapper())
+    assert message.content[keys.CONFIG][keys.REPORT_METRICS] == []
+    adaptive = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+    (message, *_) = _configure(adaptive)
+    assert message.content[keys.CONFIG][keys.REPORT_METRICS] == [keys.DP_NORM_BIT]
+    (message, *_) = _configure(_wrapper(client_metrics=True))
+    assert keys.REPORT_METRICS not in message.content[keys.CONFIG]
+
+
+def test_released_metrics_are_those_computed_from_released_quantities():
+    adaptive = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+    released = ["dp-epsilon", "dp-clip-norm", "dp-noisy-unclipped-fraction", "dp-noise-from-seed"]
+    assert all(adaptive.releases_metric(k) for k in released)
+    for key in ("train-loss", "dpfedavg-norm-bit", keys.DP_FAILED_CLIENTS, "num-examples"):
+        assert not adaptive.releases_metric(key)
+
+
+def test_client_side_noise_is_charged_per_client_against_the_server():
+    z, m = 1.0, 3
+    strategy = _wrapper(z=z, m=m, site="client", seed=1)
+    assert _wrapper(site="server").local_view is None  # the server sees raw updates
+    asked = {}
+    for rnd in range(1, 5):
+        messages = _configure(strategy, server_round=rnd)
+        for message in messages:
+            node = message.metadata.dst_node_id
+            asked[node] = asked.get(node, 0) + 1
+        _, metrics = strategy.aggregate_train(rnd, _replies(messages, [([0, 0], [0])] * m))
+    # Replace-one (fixed-size sampling): each upload has multiplier z / (2 sqrt(m)); the
+    # worst client's uploads compose into one Gaussian (dp-accounting's analytic loss).
+    busiest = max(asked.values())
+    loss = dp_accounting.pld.privacy_loss_mechanism.GaussianPrivacyLoss(
+        z / (2 * math.sqrt(m)) / math.sqrt(busiest)
+    )
+    assert loss.get_delta_for_epsilon(metrics[keys.DP_EPSILON_LOCAL]) <= 1e-5
+    assert loss.get_delta_for_epsilon(metrics[keys.DP_EPSILON_LOCAL] - 1e-6) > 1e-5
+    assert metrics[keys.DP_EPSILON_LOCAL] > metrics[keys.DP_EPSILON]  # no amplification
+    # A resumed run charges every client the round that was under way.
+    before = strategy.local_view.participations("node-1")
+    strategy.on_resume()
+    assert strategy.local_view.participations("node-1") == before + 1
+
+
+def test_client_side_noise_budget_holds_for_the_worst_client_too():
+    ledger = _ledger(max_epsilon=40.0)  # generous for observers, not against the server
+    strategy = _wrapper(z=1.0, m=3, site="client", ledger=ledger)
+    rounds = 0
+    with pytest.raises(StopTraining, match="against the server"):
+        for rnd in range(1, 50):
+            messages = _configure(strategy, server_round=rnd)
+            strategy.aggregate_train(rnd, _replies(messages, [([0, 0], [0])] * 3))
+            rounds += 1
+    assert strategy.local_view.worst()[1] <= 40.0 and ledger.epsilon() <= 40.0
 
 
 def test_data_dependent_selection_claims_no_amplification():

@@ -8,7 +8,8 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from strategies import keys, partitions
-from strategies.base import sample_uniform, wait_for_nodes
+from strategies.base import StopTraining, sample_uniform, wait_for_nodes
+from strategies.errors import DuplicatePartitionError
 from strategies.seeded import SeededSampling
 from tests.fakes import FakeGrid, record, reply_from
 
@@ -118,3 +119,25 @@ def test_sample_size_follows_flower(fraction):
     strategy = _seeded(fraction, fraction, min_available_nodes=2, seed=0)
     messages = list(strategy.configure_train(1, record({"w": [0.0]}), ConfigRecord(), grid))
     assert len(messages) == max(int(10 * fraction), 2)
+
+
+def test_two_nodes_with_one_partition_stop_the_run_naming_them():
+    # One partition is one unit of privacy: served twice, it would be sampled (and
+    # counted) twice, which no sampling probability or per-client ledger allows for.
+    grid = PartitionGrid({30: 2, 10: 1, 20: 2, 40: 0})
+    with pytest.raises(DuplicatePartitionError, match="nodes 20, 30 all report partition-id 2"):
+        wait_for_nodes(grid, 4, timeout=1.0)
+    assert issubclass(DuplicatePartitionError, StopTraining)  # the run ends cleanly
+    # A node that is gone (a SuperNode that reconnected under a new id) does not count.
+    partitions.reset()
+    partitions.record(30, 2)
+    partitions.check_unique([20, 10, 40])
+    partitions.record(20, 2)
+    with pytest.raises(DuplicatePartitionError):
+        partitions.check_unique([20, 30])
+
+
+def test_client_names_are_partitions():
+    partitions.record(77, 5)
+    assert partitions.client_name(77) == "partition-5"
+    assert partitions.client_name(78) == "node-78"

@@ -1,0 +1,14 @@
+"""The exceptions strategies raise (a module of their own: partitions and base share them)."""
+
+
+class StopTraining(Exception):
+    """Raised by ``configure_train`` to end the run cleanly before sending anything."""
+
+
+class DuplicatePartitionError(StopTraining):
+    """Two connected nodes report the same partition id: one unit of privacy (and one
+    client's data) would be sampled, and counted, twice. The run stops before the round."""
+
+
+class InvalidReply(ValueError):
+    """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""

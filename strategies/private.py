@@ -1,0 +1,109 @@
+"""What every privacy wrapper shares: what it releases, what clients may report, and
+what it does on resume.
+
+Under a privacy mechanism the run directory separates what the ε covers from what it
+does not (``curator/``, :mod:`server_app.results`): a wrapper names the metric keys it
+releases (``RELEASED_METRICS``, computed from released quantities only: ε, clip norms
+moved by noised counts, gates on noised sketches); every other key of its train metrics
+(aggregated client reports, raw diagnostics such as clipping fractions) is curator-only.
+
+Clients send only what the mechanism and the wrapped strategy need (``report-metrics``
+in the train config, applied by ``client_app.mods.privacy_mod``) unless the run sets
+``dp.client-metrics = true``. Federated evaluation (each client's accuracy on its own
+test split) is a release no mechanism covers: under DP it runs only when the user asks
+for per-client metrics, and its results then go to ``curator/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from strategies import keys
+from strategies.base import TrainingWrapper
+
+
+class PrivacyWrapper(TrainingWrapper):
+    """A privacy mechanism around ``self.strategy`` (see the module docstring).
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The wrapped strategy.
+    client_metrics : bool
+        ``dp.client-metrics``: clients report all their metrics and take part in
+        federated evaluation (everything goes to ``curator/``).
+    noise_from_seed : bool
+        ``dp.reproducible-noise``: the DP randomness derives from the run seed; the
+        wrapper marks its rows (``dp-noise-from-seed`` = 1).
+    """
+
+    # Metric keys (exact, or prefixes ending in "-") of train metrics that are released.
+    RELEASED_METRICS: tuple[str, ...] = (keys.DP_EPSILON, keys.DP_NOISE_FROM_SEED)
+    # Keys a client reports under this mechanism besides those the strategy needs.
+    CLIENT_REPORTS: tuple[str, ...] = ()
+
+    def __init__(
+        self, strategy: Strategy, *, client_metrics: bool = False, noise_from_seed: bool = False
+    ) -> None:
+        super().__init__(strategy)
+        self.client_metrics = client_metrics
+        self.noise_from_seed = noise_from_seed
+        self._said_no_evaluation = False
+
+    # -- what is released ------------------------------------------------------------
+    def releases_metric(self, key: str) -> bool:
+        """Whether the train metric ``key`` is computed from released quantities only."""
+        return any(
+            key == name or (name.endswith("-") and key.startswith(name))
+            for name in self.RELEASED_METRICS
+        )
+
+    def mark(self, metrics: dict) -> dict:
+        """``metrics`` with ``dp-noise-from-seed`` (1 under dp.reproducible-noise)."""
+        metrics[keys.DP_NOISE_FROM_SEED] = 1.0 if self.noise_from_seed else 0.0
+        return metrics
+
+    # -- what clients send -------------------------------------------------------------
+    def reported_metrics(self) -> list[str]:
+        """The metric keys a client keeps in its train reply: this mechanism's, and
+        those the wrapped strategy declares it needs (``REPORTED_METRICS``)."""
+        needed = getattr(self.strategy, "REPORTED_METRICS", ())
+        return sorted({*self.CLIENT_REPORTS, *needed})
+
+    def report_config(self) -> dict:
+        """The train-config entry restricting what clients report (none when
+        ``dp.client-metrics`` is on)."""
+        if self.client_metrics:
+            return {}
+        return {keys.REPORT_METRICS: self.reported_metrics()}
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's federated evaluation, only with ``dp.client-metrics``."""
+        if self.client_metrics:
+            return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        if not self._said_no_evaluation:
+            self._said_no_evaluation = True
+            log(
+                INFO,
+                "Federated evaluation is off under DP: each client's metrics on its own "
+                "test split are a release no epsilon covers. Set dp.client-metrics = true to "
+                "collect them (written under curator/); central evaluation is unaffected.",
+            )
+        return []
+
+    # -- resume --------------------------------------------------------------------------
+    def on_resume(self) -> None:
+        """Charge what the round under way when the server stopped may have released.
+
+        The server releases a round only after its checkpoint commits it, so nothing the
+        trusted server releases is lost; what clients sent in that round (client-side
+        noise, seen by the server) is charged here by the wrappers that have a local
+        view. Called once when a run resumes, before its first round."""

@@ -1,0 +1,214 @@
+"""Who each ε holds against: the threat models of DESIGN.md, per privacy mechanism.
+
+Three parties may want to learn about one client's data:
+
+* **trusted server** (central DP): the server and its ``curator/`` are trusted; the ε
+  protects what the server releases (global models, central evaluation) against anyone
+  who sees them;
+* **honest-but-curious server**: the server runs the protocol but reads everything it
+  receives; the ε that holds against the server itself;
+* **local**: each client's own upload, as the server (or an edge) receives it.
+
+:data:`ROWS` states, for every ``privacy`` value (and the settings that change the
+answer), what holds against each party or why nothing does; the README's table is
+generated from it (:func:`markdown_table`), and :func:`run_report` fills in the ε a
+run actually reached from the strategy's ledgers. Under ``dp.reproducible-noise`` every
+ε holds only against parties who do not know the seed, and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+THREAT_MODELS = ("trusted-server", "honest-but-curious-server", "local")
+TITLES = {
+    "trusted-server": "trusted server (observers of the released model)",
+    "honest-but-curious-server": "honest-but-curious server",
+    "local": "local (each client's upload)",
+}
+
+# What a cell reports: the run's ledger ε, the worst client's ε against the server (its
+# own rounds, no amplification), the edge view (every edge aggregation at rate 1), the
+# worst client-reported sample-level ε, or nothing.
+CENTRAL, LOCAL, EDGE, SAMPLE, NONE = "central", "local", "edge", "sample-level", "none"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What holds against one party (``kind``) and, in words, why."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ``privacy`` value (under the settings ``when`` describes)."""
+
+    privacy: str
+    when: str
+    applies: Callable[[Mapping[str, Any]], bool]
+    cells: tuple[Cell, Cell, Cell]  # in THREAT_MODELS order
+
+
+def _noise_site(site: str) -> Callable[[Mapping[str, Any]], bool]:
+    return lambda options: str(options.get("dp.noise-site", "server")) == site
+
+
+def _always(_options: Mapping[str, Any]) -> bool:
+    return True
+
+
+_SERVER_SEES_RAW = Cell(NONE, "none: the server sees every client's update before it is noised")
+_NO_SECAGG = "without secure aggregation the server sees every noisy upload: the local epsilon"
+_CENTRAL = Cell(CENTRAL, "client-level epsilon of the ledger (amplified by the secret sample)")
+_BIT_IN_CLEAR = Cell(NONE, "none: each client's unclipped-norm bit reaches the server in clear")
+_PER_BATCH = Cell(NONE, "none: per-batch clipping bounds no example's or client's influence")
+_UPLOAD = Cell(LOCAL, "per client, composed over the rounds it was asked (no amplification)")
+_SAMPLE = Cell(SAMPLE, "sample-level epsilon only (one example of one client), no client-level")
+
+ROWS: tuple[Row, ...] = (
+    Row("none", "", _always, (Cell(NONE, "none: no privacy mechanism"),) * 3),
+    *(
+        Row(
+            privacy,
+            "dp.noise-site = server",
+            _noise_site("server"),
+            (_CENTRAL, _SERVER_SEES_RAW, _SERVER_SEES_RAW),
+        )
+        for privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive")
+    ),
+    Row(
+        "dp-fedavg-fixed",
+        "dp.noise-site = client",
+        _noise_site("client"),
+        (_CENTRAL, Cell(LOCAL, _NO_SECAGG), _UPLOAD),
+    ),
+    Row(
+        "dp-fedavg-adaptive",
+        "dp.noise-site = client",
+        _noise_site("client"),
+        (_CENTRAL, _BIT_IN_CLEAR, _BIT_IN_CLEAR),
+    ),
+    Row("subspace-dp", "", _always, (_CENTRAL, _SERVER_SEES_RAW, _SERVER_SEES_RAW)),
+    Row(
+        "laplace",
+        "",
+        _always,
+        (
+            Cell(CENTRAL, "every round composed (min of the accountant and basic composition)"),
+            Cell(LOCAL, _NO_SECAGG),
+            _UPLOAD,
+        ),
+    ),
+    Row("dp-sgd", "", _always, (_SAMPLE, _SAMPLE, _SAMPLE)),
+    Row(
+        "cg-ng",
+        "dp.per-example = true",
+        lambda o: bool(o.get("dp.per-example", False)),
+        (_SAMPLE, _SAMPLE, _SAMPLE),
+    ),
+    Row(
+        "cg-ng",
+        "dp.per-example = false",
+        lambda o: not bool(o.get("dp.per-example", False)),
+        (_PER_BATCH,) * 3,
+    ),
+    Row("cg-np", "", _always, (_PER_BATCH,) * 3),
+    Row(
+        "cp-np",
+        "",
+        _always,
+        (
+            Cell(CENTRAL, "client-level epsilon of the ledger (amplified by the edges' sample)"),
+            Cell(EDGE, "the edge view: the server runs the edges and sees each noisy delta"),
+            Cell(EDGE, "the edge view: every edge aggregation, no amplification"),
+        ),
+    ),
+)
+
+
+def row_for(privacy: str, options: Mapping[str, Any]) -> Row:
+    """The row describing ``privacy`` under ``options``."""
+    for row in ROWS:
+        if row.privacy == privacy and row.applies(options):
+            return row
+    raise KeyError(f"no threat-model row for privacy = {privacy!r}")
+
+
+def markdown_table() -> str:
+    """The README's table: mechanism × threat model → which ε holds."""
+    head = "| `privacy` | " + " | ".join(TITLES[t] for t in THREAT_MODELS) + " |"
+    lines = [head, "| --- | --- | --- | --- |"]
+    for row in ROWS:
+        name = f"`{row.privacy}`" + (f" ({row.when})" if row.when else "")
+        lines.append(f"| {name} | " + " | ".join(c.text for c in row.cells) + " |")
+    return "\n".join(lines)
+
+
+def _epsilon(kind: str, strategy) -> tuple[float | None, float | None, str | None]:
+    """(ε, δ, who) a run reached for a cell of ``kind``; ε None when nothing was released."""
+    if kind == CENTRAL:
+        ledger = strategy.ledger
+        return (ledger.epsilon() if ledger.releases else None), ledger.target_delta, None
+    if kind == LOCAL:
+        view = strategy.local_view
+        client, epsilon = view.worst()
+        return (epsilon if client or epsilon else None), view.target_delta, client
+    if kind == EDGE:
+        view = strategy.edge_view
+        return (view.epsilon() if view.releases else None), view.target_delta, None
+    guarantees = strategy.ledger.local_guarantees
+    if not guarantees:
+        return None, strategy.ledger.target_delta, None
+    worst = max(guarantees, key=lambda g: g.epsilon)
+    return worst.epsilon, worst.delta, worst.client
+
+
+def run_report(privacy: str, options: Mapping[str, Any], strategy) -> list[dict[str, Any]]:
+    """For each threat model: whether an ε holds, its value (worst client where per
+    client) and what it rests on, for ``ledger.json`` and the run's summary."""
+    row = row_for(privacy, options)
+    seed_known = bool(options.get("dp.reproducible-noise", False)) and privacy != "none"
+    report = []
+    for threat, cell in zip(THREAT_MODELS, row.cells, strict=True):
+        entry: dict[str, Any] = {"threat-model": threat, "holds": cell.kind != NONE}
+        entry["unit"] = "sample-level" if cell.kind == SAMPLE else "client-level"
+        entry["basis"] = cell.text
+        if cell.kind != NONE:
+            epsilon, delta, client = _epsilon(cell.kind, strategy)
+            entry |= {"epsilon": epsilon, "delta": delta}
+            if client is not None:
+                entry["worst-client"] = client
+            if epsilon is not None and not math.isfinite(epsilon):
+                entry["holds"] = False
+        if seed_known and entry["holds"]:
+            entry["caveat"] = (
+                "dp.reproducible-noise = true: holds only against parties who do not know "
+                "the run seed; against anyone who knows it, no epsilon holds"
+            )
+        report.append(entry)
+    return report
+
+
+def summary_lines(report: list[dict[str, Any]]) -> list[str]:
+    """One log line per threat model."""
+    lines = []
+    for entry in report:
+        title = TITLES[entry["threat-model"]]
+        if not entry["holds"]:
+            lines.append(f"against the {title}: {entry['basis']}")
+            continue
+        if entry.get("epsilon") is None:
+            lines.append(f"against the {title}: nothing released yet ({entry['basis']})")
+            continue
+        who = f", worst client {entry['worst-client']}" if "worst-client" in entry else ""
+        lines.append(
+            f"against the {title}: {entry['unit']} (epsilon, delta) = "
+            f"({entry['epsilon']:.4f}, {entry['delta']:g}){who} [{entry['basis']}]"
+            + (" -- ONLY IF THE SEED IS SECRET" if "caveat" in entry else "")
+        )
+    return lines
