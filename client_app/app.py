@@ -11,18 +11,29 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 
 import tasks
 from client_app import hierarchy, proximal, state
 from client_app.mods import privacy_mod
+from privacy.mechanisms import secret_seed
 from strategies import keys
 from strategies.clustered import model_key, score_key
 from tasks.base import DPSGD, EVAL_LOSS, EVAL_REWARD, SEED, LocalTraining, Task, local_seed
 
 app = ClientApp(mods=[privacy_mod])
+_DP_STREAM = 0xD5  # dp.reproducible-noise: the DP seed's stream beside the local seed
 
 
 @lru_cache(maxsize=4)
@@ -69,7 +80,8 @@ def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any
     config = msg.content[keys.CONFIG]
     if keys.SERVER_ROUND in config:
         artifacts = _artifacts_dir(config, context.node_config)
-        state.restore(context, artifacts, pid, int(config[keys.SERVER_ROUND]))
+        evaluate = msg.metadata.message_type == MessageType.EVALUATE
+        state.restore(context, artifacts, pid, int(config[keys.SERVER_ROUND]), evaluate=evaluate)
     arrays = msg.content[keys.ARRAYS]
     if config.get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
         arrays = context.state[keys.LOCAL_MODEL]
@@ -94,7 +106,16 @@ def _dp_sgd(config, run_config) -> DPSGD | None:
         delta=float(config[keys.DPSGD_DELTA]),
         target_epsilon=float(config.get(keys.DPSGD_TARGET_EPSILON, 0.0)),
         planned_rounds=int(run_config.get("num-server-rounds", 0)),
+        max_epsilon=float(config.get(keys.DPSGD_MAX_EPSILON, 0.0)),
     )
+
+
+def _dp_seed(reproducible_seed: int, run_config) -> int:
+    """The seed of this training's DP randomness: OS entropy, never sent anywhere;
+    ``reproducible_seed`` (from the run seed) only under ``dp.reproducible-noise``."""
+    if bool(run_config.get("dp.reproducible-noise", False)):
+        return int(np.random.SeedSequence([reproducible_seed, _DP_STREAM]).generate_state(1)[0])
+    return secret_seed()
 
 
 def _task_state(context: Context) -> dict[str, Any]:
@@ -115,14 +136,16 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content[keys.CONFIG]
     server_round = int(config[keys.SERVER_ROUND])
     received, mu = proximal.parameters(model), proximal.effective_mu(config, context.state)
+    seed = local_seed(
+        int(context.run_config.get(SEED.key, SEED.default)),
+        server_round,
+        pid,
+        *([int(config[keys.EDGE_ROUND])] if keys.EDGE_ROUND in config else []),
+    )
     local = LocalTraining(
         server_round=server_round,
-        seed=local_seed(
-            int(context.run_config.get(SEED.key, SEED.default)),
-            server_round,
-            pid,
-            *([int(config[keys.EDGE_ROUND])] if keys.EDGE_ROUND in config else []),
-        ),
+        seed=seed,
+        dp_seed=_dp_seed(seed, context.run_config),
         proximal_mu=mu,
         dp_sgd=_dp_sgd(config, context.run_config),
         state=_task_state(context),
@@ -140,7 +163,7 @@ def train(msg: Message, context: Context) -> Message:
     state.save(context, local.artifacts_dir, pid, server_round)
     if local.front_loaded is not None and local.front_loaded.mode == "cp-np":
         delta, extra = hierarchy.cp_np_reply(
-            model, msg.content[keys.ARRAYS], local.front_loaded, local.seed
+            model, msg.content[keys.ARRAYS], local.front_loaded, local.dp_seed
         )
         # Only the noisy delta leaves (the seed): no loss, divergence or update norm,
         # which no mechanism protects; the example count weights the edge average.

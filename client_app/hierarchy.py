@@ -7,15 +7,12 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from strategies import keys
 from tasks.frontloaded import FrontLoadedDP, clip_and_noise_delta
 from tasks.topology import edge_of
-
-_CP_NP_STREAM = 0xC9  # the generator of a client's CP-NP noise, per round
 
 
 def edge_id(
@@ -42,6 +39,7 @@ def front_loaded(config: ConfigRecord) -> FrontLoadedDP | None:
         sigma=float(config[keys.FRONT_LOADED_SIGMA]),
         per_example=bool(config.get(keys.FRONT_LOADED_PER_EXAMPLE, False)),
         delta=float(config.get(keys.DPSGD_DELTA, 1e-5)),
+        max_epsilon=float(config.get(keys.DPSGD_MAX_EPSILON, 0.0)),
     )
 
 
@@ -54,9 +52,7 @@ def cp_np_reply(
     after = model.state_dict()
     names = [n for n, t in after.items() if t.is_floating_point()]
     delta = [after[n].detach().cpu() - before[n].cpu() for n in names]
-    generator = torch.Generator().manual_seed(
-        int(np.random.SeedSequence([seed, _CP_NP_STREAM]).generate_state(1)[0])
-    )
+    generator = torch.Generator().manual_seed(int(seed))  # the training's secret DP seed
     noisy, metrics = clip_and_noise_delta(delta, clip=dp.clip, sigma=dp.sigma, generator=generator)
     by_name = dict(zip(names, noisy, strict=True))
     out = OrderedDict(

@@ -6,19 +6,41 @@
   to L2 norm C, add N(0, ``dpfedavg_noise_stddev``²) when client-side noising is on,
   report the indicator bit ‖Δ‖ ≤ C when adaptive clipping is on;
 * Laplace (``laplace-sensitivity`` present): clip Δ to L1 norm S, add Laplace noise of
-  scale ``laplace-scale`` to every coordinate.
+  scale ``laplace-scale`` to every coordinate;
+* every privacy mechanism (``report-metrics`` present, train and query replies): keep
+  only the metric keys the server needs; ``num-examples``, when not among them, is sent
+  as 1.
 
-The reply then carries received + processed Δ. A failed precondition (non-finite
-update, missing arrays) becomes an error reply, never an exception and never an
-update the server could average. Noise is drawn from a generator derived from the run
-seed, the round and the partition id, or from the OS when ``dp.secure-rng`` is true.
+Noise comes from a generator seeded from the OS's entropy for every message: it never
+leaves the client, and nobody can recompute it from the run seed (only under
+``dp.reproducible-noise`` does it derive from the seed, the round and the partition).
+
+Failures. With server-side noise (trusted server) a failed precondition (non-finite
+update, missing arrays) becomes an error reply, never an exception and never an update
+the server could average; the server counts it as a zero update. When the client adds
+the noise itself (``dpfedavg_noise_stddev``, Laplace, CP-NP), the server is not trusted
+with anything but noised uploads, and whether a client's training failed can depend on
+its data (a diverging loss): the client then sends the noised zero update instead, a
+reply like any other, and logs the failure only locally.
 """
 
 from __future__ import annotations
 
-from flwr.app import Context, Error, Message, MessageType, MetricRecord, RecordDict
+from logging import WARNING
+
+import numpy as np
+from flwr.app import (
+    ArrayRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 
 from privacy.mechanisms import (
     GaussianMechanism,
@@ -37,7 +59,8 @@ def _error(msg: Message, reason: str) -> Message:
     return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
 
 
-def _generator(msg: Message, ctxt: Context):
+def _generator(msg: Message, ctxt: Context) -> np.random.Generator:
+    """The client's noise generator for this message: secret unless reproducible."""
     config = msg.content[keys.CONFIG]
     return noise_generator(
         seed=int(ctxt.run_config.get("seed", 0)),
@@ -46,18 +69,24 @@ def _generator(msg: Message, ctxt: Context):
             int(ctxt.node_config.get("partition-id", 0)),
             _NOISE_STREAM,
         ),
-        secure=bool(ctxt.run_config.get("dp.secure-rng", False)),
+        reproducible=bool(ctxt.run_config.get("dp.reproducible-noise", False)),
     )
 
 
-def _process(msg: Message, reply: Message, ctxt: Context) -> Message:
+def _client_noised(config) -> bool:
+    """Whether this client noises its own upload (the server sees it on its own)."""
+    return (
+        keys.DP_NOISE_STDDEV in config
+        or keys.LAPLACE_SENSITIVITY in config
+        or config.get(keys.FRONT_LOADED_MODE) == "cp-np"
+    )
+
+
+def _privatise(
+    msg: Message, delta: list[np.ndarray], metrics: MetricRecord, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Clip (and noise) ``delta`` as the config says; set the adaptive bit."""
     config = msg.content[keys.CONFIG]
-    received = msg.content[keys.ARRAYS]
-    reference = arrays_of(received)
-    trained = arrays_of(reply.content.get(keys.ARRAYS), received)
-    delta = [t - r for t, r in zip(trained, reference, strict=True)]
-    metrics = MetricRecord(dict(reply.content[keys.METRICS]))
-    rng = _generator(msg, ctxt)
     if keys.DP_CLIP_NORM in config:
         mechanism = GaussianMechanism(
             clip_norm=float(config[keys.DP_CLIP_NORM]), noise_multiplier=1.0
@@ -74,21 +103,101 @@ def _process(msg: Message, reply: Message, ctxt: Context) -> Message:
         scale = float(config[keys.LAPLACE_SCALE])
         mechanism = LaplaceMechanism(sensitivity=sensitivity, epsilon=sensitivity / scale)
         delta = mechanism.noise(mechanism.clip(delta).arrays, rng=rng)
+    return delta
+
+
+def _process(msg: Message, reply: Message, ctxt: Context) -> Message:
+    """The reply with the privatised update (received + processed Δ)."""
+    received = msg.content[keys.ARRAYS]
+    reference = arrays_of(received)
+    trained = arrays_of(reply.content.get(keys.ARRAYS), received)
+    delta = [t - r for t, r in zip(trained, reference, strict=True)]
+    metrics = MetricRecord(dict(reply.content[keys.METRICS]))
+    delta = _privatise(msg, delta, metrics, _generator(msg, ctxt))
     new = to_record(received, [r + d for r, d in zip(reference, delta, strict=True)])
     return Message(RecordDict({keys.ARRAYS: new, keys.METRICS: metrics}), reply_to=msg)
 
 
-def privacy_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
-    """Clip and noise the train reply as the server's config says (see module doc)."""
-    if msg.metadata.message_type != MessageType.TRAIN:
-        return call_next(msg, ctxt)
+def _noised_zero(msg: Message, ctxt: Context, why: str) -> Message:
+    """The upload of a zero update, noised as the config says: what a client that
+    noises its own upload sends when its training failed (see the module docstring)."""
+    log(WARNING, "privacy_mod: %s; sending the noised zero update instead", why)
+    config = msg.content[keys.CONFIG]
+    received = msg.content[keys.ARRAYS]
+    reference = arrays_of(received)
+    rng = _generator(msg, ctxt)
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 0})
+    if config.get(keys.FRONT_LOADED_MODE) == "cp-np":  # the reply is the noisy delta itself
+        sigma = float(config[keys.FRONT_LOADED_SIGMA])
+        delta = [
+            rng.normal(0.0, sigma, size=a.shape)
+            if np.issubdtype(a.dtype, np.floating)
+            else np.zeros(a.shape)
+            for a in reference
+        ]
+        arrays = to_record(received, delta)
+        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+    zero = [np.zeros_like(a, dtype=np.float64) for a in reference]
+    delta = _privatise(msg, zero, metrics, rng)
+    arrays = to_record(received, [r + d for r, d in zip(reference, delta, strict=True)])
+    return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+
+def _filtered(msg: Message, reply: Message) -> Message:
+    """The reply with only the metric keys the config's ``report-metrics`` allows."""
     config = msg.content.get(keys.CONFIG)
-    if config is None or not (keys.DP_CLIP_NORM in config or keys.LAPLACE_SENSITIVITY in config):
-        return call_next(msg, ctxt)
-    reply = call_next(msg, ctxt)
+    allowed = None if config is None else config.get(keys.REPORT_METRICS)
+    if allowed is None or reply.has_error():
+        return reply
+    metrics = reply.content.get(keys.METRICS)
+    kept = {k: v for k, v in (metrics or {}).items() if k in allowed}
+    if keys.NUM_EXAMPLES not in allowed:
+        kept[keys.NUM_EXAMPLES] = 1
+    content = RecordDict({keys.METRICS: MetricRecord(kept)})
+    arrays = reply.content.get(keys.ARRAYS)
+    if isinstance(arrays, ArrayRecord):
+        content[keys.ARRAYS] = arrays
+    return Message(content, reply_to=msg)
+
+
+def _train(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    config = msg.content[keys.CONFIG]
+    clipped = keys.DP_CLIP_NORM in config or keys.LAPLACE_SENSITIVITY in config
+    local = _client_noised(config)
+    try:
+        reply = call_next(msg, ctxt)
+    except Exception as err:  # the ClientApp's own failure, before any upload exists
+        if not local:
+            raise
+        return _noised_zero(msg, ctxt, f"training failed ({err!r})")
     if reply.has_error():
+        if not local:
+            return reply
+        return _noised_zero(msg, ctxt, f"training failed ({reply.error.reason})")
+    if not clipped:  # CP-NP: the task already clipped and noised the delta
+        try:
+            arrays_of(reply.content.get(keys.ARRAYS), msg.content[keys.ARRAYS])
+        except InvalidReply as err:
+            return _noised_zero(msg, ctxt, f"update rejected before release ({err})")
         return reply
     try:
         return _process(msg, reply, ctxt)
     except (InvalidReply, NonFiniteUpdateError) as err:
+        if local:
+            return _noised_zero(msg, ctxt, f"update rejected before release ({err})")
         return _error(msg, f"privacy_mod: update rejected before release: {err}")
+
+
+def privacy_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Clip and noise the train reply, and keep only the metrics the server may see, as
+    the server's config says (see the module docstring)."""
+    config = msg.content.get(keys.CONFIG)
+    kind = msg.metadata.message_type
+    if config is None:
+        return call_next(msg, ctxt)
+    mechanism = keys.DP_CLIP_NORM in config or keys.LAPLACE_SENSITIVITY in config
+    if kind == MessageType.TRAIN and (mechanism or _client_noised(config)):
+        return _filtered(msg, _train(msg, ctxt, call_next))
+    if kind == MessageType.TRAIN or kind.startswith(MessageType.QUERY):
+        return _filtered(msg, call_next(msg, ctxt))
+    return call_next(msg, ctxt)

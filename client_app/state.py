@@ -10,9 +10,12 @@ and under-report its epsilon.
 After every train message the client writes its state, serialised with Flower's own
 record format, to ``<artifacts-dir>/client-state/partition-<id>/round-<r>.bin``
 (atomically; it keeps the newest two). A client whose context is empty restores the
-newest file of a round *before* the current one: that is the state as of the last
-round the server finished (the server checkpoints round r - 1 before it sends round
-r, so a crash during round r leaves at most a round-r file, which is skipped).
+newest file of a round *before* the current one when it is asked to train, or of the
+current one or before when asked to evaluate: that is the state as of the last round
+the server committed (the server commits round r after aggregating it and before it
+sends anything else of round r; a resumed run evaluates its last committed round again;
+a crash during round r's training leaves at most a round-r file, which the next
+training skips and a resumed server deletes where it can reach it).
 
 In simulation the artifacts directory is inside the run directory. On a deployment
 each SuperNode writes on its own disk, at the path the server names (or its own
@@ -67,14 +70,22 @@ def save(
 
 
 def restore(
-    context: Context, artifacts_dir: str | None, partition_id: int, server_round: int
+    context: Context,
+    artifacts_dir: str | None,
+    partition_id: int,
+    server_round: int,
+    *,
+    evaluate: bool = False,
 ) -> int | None:
     """Fill an empty ``context.state`` from the newest file of a round before
-    ``server_round``; return that round (None when nothing was restored)."""
+    ``server_round`` (``evaluate``: of ``server_round`` or before: evaluating round r
+    follows its training, which a resumed run evaluates again after committing it);
+    return that round (None when nothing was restored)."""
     if not artifacts_dir or len(context.state):
         return None
     path = directory(artifacts_dir, partition_id)
-    earlier = [r for r in _saved_rounds(path) if r < server_round]
+    last = server_round if evaluate else server_round - 1
+    earlier = [r for r in _saved_rounds(path) if r <= last]
     if not earlier:
         return None
     data = (path / f"round-{earlier[-1]}.bin").read_bytes()

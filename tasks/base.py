@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from privacy.mechanisms import secret_seed
 from tasks.options import ConfigError, Option, parse_options
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ class DPSGD:
     delta: float
     target_epsilon: float = 0.0
     planned_rounds: int = 0
+    max_epsilon: float = 0.0
+    """If > 0, the client refuses (before training) a round that would take its
+    sample-level epsilon above this (:class:`tasks.dpsgd.BudgetExceeded`)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,11 @@ class LocalTraining:
         task's local epochs (under CG-NG / CG-NP: this many epochs of one step each).
     front_loaded : tasks.frontloaded.FrontLoadedDP, optional
         Seed 003's client mode (CG-NG, CG-NP, CP-NP) to train under.
+    dp_seed : int
+        Seed of the randomness a DP guarantee rests on (DP-SGD's batch sampling and
+        noise, CG/CP-NP noise): 63 bits of OS entropy unless given (the ClientApp gives
+        ``seed``-derived values only under ``dp.reproducible-noise``). Never derived
+        from anything the server or another client knows.
     """
 
     server_round: int
@@ -126,6 +135,7 @@ class LocalTraining:
     artifacts_dir: str | None = None
     local_updates: int | None = None
     front_loaded: FrontLoadedDP | None = None
+    dp_seed: int = field(default_factory=secret_seed)
 
 
 class Task(ABC):

@@ -80,6 +80,15 @@ def opacus_names() -> SimpleNamespace:
 
 
 HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
+ROUNDS_KEY = "dpsgd-rounds"  # in LocalTraining.state: trainings the history covers
+# What a DP-SGD client reports besides local-epsilon (strategies/keys.py has the same
+# names; a test checks they agree): trainings its accountant covers, and this round's
+# steps, from which the server re-derives the client's epsilon.
+ROUNDS = "dpsgd-rounds"
+ROUND_NOISE = "dpsgd-round-noise-multiplier"
+ROUND_SAMPLE_RATE = "dpsgd-round-sample-rate"
+ROUND_STEPS = "dpsgd-round-steps"
+BUDGET_REFUSAL = "dp.max-epsilon reached"  # in the error of a refused round
 # Attributes Opacus leaves on parameters (DPOptimizer) and layers (activation capture)
 # after GradSampleHooks.cleanup().
 LEFTOVER_PARAM_ATTRS = ("summed_grad",)
@@ -182,6 +191,42 @@ def calibrate_noise_multiplier(
             accountant="rdp",
         )
     return float(z)
+
+
+class BudgetExceeded(ValueError):
+    """The round would take the client's sample-level epsilon above its budget."""
+
+
+def check_budget(
+    history: Sequence[Sequence[Any]], planned: HistoryEntry, *, delta: float, max_epsilon: float
+) -> None:
+    """Raise :class:`BudgetExceeded` if ``history`` plus the ``planned`` steps
+    ``(z, q, steps)`` exceed ``max_epsilon`` at ``delta`` (0: no budget); before training."""
+    if max_epsilon <= 0:
+        return
+    projected = epsilon_from_history([*history_from_state(history), planned], delta)
+    if projected > max_epsilon:
+        raise BudgetExceeded(
+            f"{BUDGET_REFUSAL}: this round would take the client's sample-level epsilon to "
+            f"{projected:.4f} > {max_epsilon:g}; not trained"
+        )
+
+
+def round_report(
+    before: Sequence[Sequence[Any]], after: Sequence[Sequence[Any]], state: dict[str, Any]
+) -> dict[str, float]:
+    """Count one more DP-SGD training in ``state`` and describe this round's steps (the
+    entries ``after`` adds to ``before``, one noise multiplier and sample rate)."""
+    old, new = history_from_state(before), history_from_state(after)
+    steps = sum(e[2] for e in new) - sum(e[2] for e in old)
+    z, q, _ = new[-1]
+    state[ROUNDS_KEY] = int(state.get(ROUNDS_KEY, 0)) + 1
+    return {
+        ROUNDS: float(state[ROUNDS_KEY]),
+        ROUND_NOISE: float(z),
+        ROUND_SAMPLE_RATE: float(q),
+        ROUND_STEPS: float(steps),
+    }
 
 
 # --- training -----------------------------------------------------------------------

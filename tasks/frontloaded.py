@@ -78,6 +78,7 @@ from tasks.dpsgd import (
     HISTORY_KEY,
     LEFTOVER_MODULE_ATTRS,
     LEFTOVER_PARAM_ATTRS,
+    check_budget,
     check_compatible,
     epsilon_from_history,
     history_from_state,
@@ -127,6 +128,9 @@ class FrontLoadedDP:
     sigma: float
     per_example: bool = False
     delta: float = 1e-5
+    max_epsilon: float = 0.0
+    """Per-example CG-NG: refuse (before training) a round that would take the
+    client's sample-level epsilon above this (0: no budget)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -269,6 +273,10 @@ def train_clipped_gradients(
         ``clip-fraction``, ``optimizer-steps``; ``local-epsilon`` with per-example.
     """
     _check_training_args(dp, local_epochs, state)
+    if dp.per_example and dp.max_epsilon > 0:  # full batch: n examples per step, q = 1
+        n = len(loader.dataset)  # type: ignore[attr-defined]
+        planned = (n * dp.sigma / dp.clip, 1.0, local_epochs)
+        check_budget(state.get(HISTORY_KEY), planned, delta=dp.delta, max_epsilon=dp.max_epsilon)
     params = [p for p in model.parameters() if p.requires_grad]
     clipped = units = 0
     sample_level: list[tuple[float, float, int]] = []  # (z, q=1, 1 step) per epoch

@@ -119,13 +119,21 @@ def parse_options(run_config: Mapping[str, Any], options: Iterable[Option]) -> d
     }
 
 
-def check_unknown_keys(run_config: Mapping[str, Any], options: Iterable[Option]) -> None:
-    """Raise ConfigError naming every key of ``run_config`` that no option declares."""
+def check_unknown_keys(
+    run_config: Mapping[str, Any],
+    options: Iterable[Option],
+    removed: Mapping[str, str] | None = None,
+) -> None:
+    """Raise ConfigError naming every key of ``run_config`` that no option declares
+    (``removed``: keys that existed once, with what to use instead)."""
     known = {opt.key for opt in options}
     unknown = sorted(set(run_config) - known)
     if unknown:
         hints = []
         for key in unknown:
+            if removed and key in removed:
+                hints.append(f"'{key}' (removed: {removed[key]})")
+                continue
             close = difflib.get_close_matches(key, known, n=3)
             hints.append(f"'{key}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         raise ConfigError("unknown run-config key(s): " + "; ".join(hints))

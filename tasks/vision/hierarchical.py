@@ -60,7 +60,7 @@ def train_local_updates(
     """One edge aggregation's local training: tau_1 iterations in the requested mode."""
     dp = local.front_loaded
     if dp is not None and dp.mode in CLIPPED_GRADIENT_MODES:
-        generator = torch.Generator().manual_seed(local.seed)
+        generator = torch.Generator().manual_seed(local.dp_seed)  # secret: CG noise
         return train_clipped_gradients(
             model,
             loader,

@@ -61,7 +61,11 @@ from tasks.dpsgd import (
     HISTORY_KEY,
     add_proximal_gradient,
     calibrate_noise_multiplier,
+    check_budget,
     make_private,
+    poisson_sample_rate,
+    round_report,
+    steps_per_epoch,
 )
 from tasks.options import ConfigError, Option
 from tasks.proximal import snapshot_parameters
@@ -505,10 +509,13 @@ class ImageClassificationTask(Task):
         dp = self._calibrated(local, sample_rate=loader.batch_size / len(loader.dataset))
         mu = local.proximal_mu
         public = partial(add_proximal_gradient, model, global_params, mu) if mu > 0 else None
+        history = local.state.get(HISTORY_KEY, [])
+        q = poisson_sample_rate(int(loader.batch_size or 1), len(loader.dataset))
+        planned = (dp.noise_multiplier, q, self.config.local_epochs * steps_per_epoch(q))
+        check_budget(history, planned, delta=dp.delta, max_epsilon=dp.max_epsilon)
         private = make_private(
-            model, optimizer, loader, dp=dp, generator_seed=local.seed,
-            history=local.state.get(HISTORY_KEY, []), public_gradient=public,
-            model_name=self.config.model_name,
+            model, optimizer, loader, dp=dp, generator_seed=local.dp_seed,
+            history=history, public_gradient=public, model_name=self.config.model_name,
         )  # fmt: skip
         with private:
             loss, accuracy = self._run_epochs(
@@ -516,7 +523,10 @@ class ImageClassificationTask(Task):
             )
         spent = private.finish()
         local.state[HISTORY_KEY] = spent.history
-        return {TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy, LOCAL_EPSILON: spent.epsilon}
+        report = round_report(history, spent.history, local.state)
+        return {
+            TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy, LOCAL_EPSILON: spent.epsilon, **report
+        }  # fmt: skip
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
         """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any.
