@@ -1,8 +1,9 @@
 """Time the ServerApp spends writing a round's results, as the run grows.
 
-``RunDirectory.record_round`` (server_app/results.py) is called once per round: it
-writes the round's rows of metrics.csv and participation.csv, TensorBoard scalars and
-the checkpoint (LeNet-sized global model and server state). This times it for
+``RunDirectory.commit`` and ``RunDirectory.record_round`` (server_app/results.py) are
+called once per round: the commit writes the server state (``checkpoint/server.pt``),
+the record the round's rows of metrics.csv and participation.csv, TensorBoard scalars
+and the LeNet-sized global model. This times it for
 ``--rounds`` rounds of ``--clients`` participation rows each and prints the median ms
 per round of the first and last 10 rounds, so a cost that grows with the rounds shows.
 
@@ -59,7 +60,8 @@ def main() -> None:
             )
             state = {"arrays": {k: v.clone() for k, v in model.state_dict().items()}}
             started = time.perf_counter()
-            run_dir.record_round(result, server_state=state)
+            run_dir.commit(server_round, state)
+            run_dir.record_round(result)
             per_round.append(time.perf_counter() - started)
     first = statistics.median(per_round[:10]) * 1e3
     last = statistics.median(per_round[-10:]) * 1e3

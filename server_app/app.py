@@ -17,8 +17,8 @@ import strategies
 import tasks
 from server_app import certify, config, subspace_setup
 from server_app.results import CLIENTS_DIR, RunDirectory, resolve_output_dir
-from server_app.rounds import run_rounds
-from strategies import keys, partitions
+from server_app.rounds import RoundResult, run_rounds
+from strategies import keys, partitions, threat_models
 from strategies.base import wait_for_nodes
 from strategies.checkpoint import (
     decode,
@@ -126,17 +126,19 @@ def _run(grid: Grid, context: Context) -> None:
             settings = replace(settings, released_keys=task.head_keys())
         strategy = strategies.build(cfg.privacy, settings)
         subspace_setup.check(cfg, task)
+        # Under a privacy mechanism the run directory keeps apart what no epsilon covers.
+        released = getattr(strategy, "releases_metric", None)
         saved = None
         if cfg.resume_from:
             run_dir, saved = RunDirectory.resume(
-                resolve_output_dir(cfg.resume_from), cfg.to_dict()
+                resolve_output_dir(cfg.resume_from), cfg.to_dict(), released
             )
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
     if saved is None:
         run_dir = RunDirectory.create(
-            resolve_output_dir(cfg.output_dir), cfg.task, cfg.strategy, cfg.privacy
+            resolve_output_dir(cfg.output_dir), cfg.task, cfg.strategy, cfg.privacy, released
         )
         run_dir.write_config(cfg.to_dict())
     else:
@@ -158,9 +160,9 @@ def _run(grid: Grid, context: Context) -> None:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
     released = task.head_keys() if head_only else tuple(model.state_dict())
     subspace_setup.prepare(cfg, task, model, strategy, released)
-    initial = ArrayRecord(model.state_dict())
+    initial, resumed = ArrayRecord(model.state_dict()), None
     if saved is not None:
-        initial = _restore(saved, strategy, grid, cfg)
+        resumed = _restore(saved, strategy, grid, cfg)
     central = None
     if cfg.central_eval and cfg.strategy != "local":
         central = _central_eval(task, model, base, test_set)
@@ -171,6 +173,21 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         ledger.privacy_unit = task.PRIVACY_UNIT
 
+    def on_commit(result) -> None:
+        run_dir.commit(
+            result.server_round,
+            {
+                "arrays": encode(result.arrays),
+                "strategy": strategy_state(strategy),
+                "rng": global_rng_state(),
+                "result": {
+                    "train": dict(result.train) if result.train is not None else None,
+                    "clients": result.clients,
+                    "seconds": result.seconds,
+                },
+            },
+        )
+
     def on_round(result) -> None:
         models = None
         if getattr(base, "models", None):  # K cluster models or E edge models
@@ -178,13 +195,10 @@ def _run(grid: Grid, context: Context) -> None:
             models = {f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(base.models)}
         # Strategies with per-client records (clusters.csv, selection.csv) expose them.
         for name, rows in getattr(base, "tables", dict)().items():
-            run_dir.write_rows(name, rows)
-        server_state = {
-            "arrays": encode(result.arrays),
-            "strategy": strategy_state(strategy),
-            "rng": global_rng_state(),
-        }
-        run_dir.record_round(result, ledger, models, server_state)
+            run_dir.write_rows(run_dir.table(name), rows)
+        run_dir.record_round(result, None, models)
+        if ledger is not None and result.server_round > 0:
+            run_dir.write_ledger(ledger, _threat_models(cfg, strategy))
 
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
@@ -196,35 +210,54 @@ def _run(grid: Grid, context: Context) -> None:
         timeout=cfg.round_timeout,
         central_eval=central,
         on_round=on_round,
+        on_commit=on_commit,
         # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
         # filesystem (simulation) that is inside the run directory.
         train_config={keys.ARTIFACTS_DIR: str(run_dir.path / CLIENTS_DIR)},
-        start_round=saved["round"] + 1 if saved is not None else 1,
+        resumed=resumed,
     )
     run_dir.finish(
         final.to_torch_state_dict(),
         title=f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}",
     )
     if ledger is not None:
-        run_dir.write_ledger(ledger)
-        _log_privacy_summary(ledger, cfg)
+        report = _threat_models(cfg, strategy)
+        run_dir.write_ledger(ledger, report)
+        _log_privacy_summary(ledger, cfg, report)
         certify.report(run_dir, ledger, strategy)
     log(INFO, "Results: %s", run_dir.path)
 
 
-def _restore(saved: dict, strategy: Strategy, grid: Grid, cfg: config.RunConfig) -> ArrayRecord:
-    """Load a checkpoint's strategy state (ledger included) and generators; return its
-    global arrays. State kept per client is handed to the nodes that report the same
-    partition ids now (node ids change from run to run)."""
+def _restore(saved: dict, strategy: Strategy, grid: Grid, cfg: config.RunConfig) -> RoundResult:
+    """Load a checkpoint's strategy state (ledger included) and generators; return the
+    committed round (its global arrays, train metrics and participation), which the run
+    evaluates again before going on. State kept per client is handed to the nodes that
+    report the same partition ids now (node ids change from run to run). A privacy
+    wrapper then charges what the interrupted round may have released (``on_resume``)."""
     nodes = wait_for_nodes(grid, cfg.min_available_nodes, timeout=cfg.round_timeout)
     node_of = {partitions.partition_of(n): n for n in nodes}
     node_of.pop(None, None)
     load_strategy_state(strategy, saved["strategy"], node_of)
     set_global_rng_state(saved["rng"])
-    return decode(saved["arrays"])
+    if hasattr(strategy, "on_resume"):
+        strategy.on_resume()
+    result = saved["result"]
+    train = MetricRecord(result["train"]) if result["train"] is not None else None
+    return RoundResult(
+        int(saved["round"]),
+        decode(saved["arrays"]),
+        train=train,
+        clients=list(result["clients"]),
+        seconds=result["seconds"],
+    )
 
 
-def _log_privacy_summary(ledger, cfg: config.RunConfig) -> None:
+def _threat_models(cfg: config.RunConfig, strategy: Strategy) -> dict:
+    """``ledger.json``'s record of who each epsilon holds against."""
+    return {"threat-models": threat_models.run_report(cfg.privacy, cfg.options, strategy)}
+
+
+def _log_privacy_summary(ledger, cfg: config.RunConfig, report: dict) -> None:
     summary = ledger.summary()
     log(INFO, "Privacy (%s):", cfg.privacy)
     if ledger.releases:  # else the statements say plainly that no client-level epsilon exists
@@ -244,6 +277,8 @@ def _log_privacy_summary(ledger, cfg: config.RunConfig) -> None:
         )
     if cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"):
         log(INFO, "\t├── noise added by the %s", cfg.options["dp.noise-site"])
+    for line in threat_models.summary_lines(report["threat-models"]):
+        log(INFO, "\t├── %s", line)
     for line in summary.get("statements", []):
         log(INFO, "\t├── %s", line)
     log(INFO, "\t└── full record: ledger.json in the run directory")

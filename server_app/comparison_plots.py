@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from server_app.plots import colours, save_figure
-from server_app.results import SCOPES, TIMING_COLUMNS, load_metrics
+from server_app.results import SCOPES, TIMING_COLUMNS, load_metrics, table_path
 from server_app.study import StudyError
 
 SELECTION = "selection"  # Panel.scope of the per-client selection counts (participation.csv:
@@ -269,15 +269,14 @@ def _read_run(name: str, seed: int, run_dir: Path) -> tuple[pd.DataFrame, pd.Dat
         metrics[column] = pd.to_numeric(metrics[column], errors="coerce")
     metrics = metrics.replace([np.inf, -np.inf], np.nan)
     selection = None
-    if (run_dir / "participation.csv").is_file():
+    table = table_path(run_dir, "participation.csv")  # privacy runs: under curator/
+    if table is not None:
         try:
-            selection = pd.read_csv(run_dir / "participation.csv")
+            selection = pd.read_csv(table)
         except pd.errors.EmptyDataError:  # written before any round finished
             selection = None
         except (OSError, ValueError) as err:
-            raise StudyError(
-                f"{name}:{seed}: cannot read {run_dir}/participation.csv: {err!r}"
-            ) from None
+            raise StudyError(f"{name}:{seed}: cannot read {table}: {err!r}") from None
     for frame in (metrics, selection):
         if frame is not None:
             frame["experiment"], frame["seed"] = name, seed

@@ -193,9 +193,18 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
         low=0.0,
     ),
     Option(
-        "dp.secure-rng",
+        "dp.reproducible-noise",
         False,
-        "Seed DP sampling and noise from the OS's CSPRNG (secret seed; not reproducible).",
+        "Debugging only: derive DP noise and DP sampling from `seed` (reproducible) "
+        "instead of OS entropy. No epsilon then holds against anyone who knows the seed; "
+        "the ledger, the summary and metrics.csv say so.",
+    ),
+    Option(
+        "dp.client-metrics",
+        False,
+        "Under a privacy mechanism, clients also report their training metrics and run "
+        "federated evaluation (no epsilon covers either; written under curator/). "
+        "False: clients send only what the mechanism needs.",
     ),
     Option(
         "dp.target-quantile",
@@ -324,6 +333,13 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
 )
 
 
+# Keys of earlier versions, with what replaces them.
+REMOVED_KEYS = {
+    "dp.secure-rng": "DP noise and sampling are secret (OS entropy) by default; "
+    "'dp.reproducible-noise' = true derives them from the seed for debugging",
+}
+
+
 def all_options() -> tuple[Option, ...]:
     """Every option the app declares, tasks included, each key once.
 
@@ -408,7 +424,7 @@ def load(run_config: Mapping[str, Any]) -> RunConfig:
         On an unknown key or an invalid value, naming the key and the valid values.
     """
     options = all_options()
-    check_unknown_keys(run_config, options)
+    check_unknown_keys(run_config, options, REMOVED_KEYS)
     values = parse_options(run_config, options)
     top = {opt.key.replace("-", "_"): values.pop(opt.key) for opt in TOP_LEVEL}
     cfg = RunConfig(**top, options=MappingProxyType(values))

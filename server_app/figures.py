@@ -260,6 +260,10 @@ def run_values(run: Run, metric: str) -> dict[str, Any]:
         "utility": final_value(rows, metric),
         "epsilon": final_epsilon(run),
         "delta": summary.get("target-delta", math.nan),
+        # ε under different neighbouring relations (or from seed-derived noise) is not
+        # one quantity: the figure says so when a plot mixes them.
+        "relation": summary.get("neighboring-relation") or "",
+        "noise_from_seed": bool(summary.get("noise-from-seed", False)),
         "fairness_gap": gap,
         "gdp_mu": math.nan if mu is None else float(mu),
         **groups,
@@ -286,6 +290,10 @@ def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame
             "epsilon_std": eps.std() if np.isfinite(eps).all() else math.nan,
         }
         row |= {"delta": values["delta"].max(), "gdp_mu": values["gdp_mu"].mean()}
+        row |= {
+            "relation": "/".join(sorted({r for r in values["relation"] if r})),
+            "noise_from_seed": bool(values["noise_from_seed"].any()),
+        }
         row |= _mean_std("fairness_gap", values["fairness_gap"])
         for group in [c for c in values.columns if c.startswith(GROUP_PREFIX)]:
             row |= _mean_std(group, values[group])

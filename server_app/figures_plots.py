@@ -82,17 +82,37 @@ def dodges(epsilons: np.ndarray, log: bool = False, tol: float = 0.01) -> np.nda
     return shifts
 
 
+def relations(summary: pd.DataFrame) -> list[str]:
+    """The neighbouring relations of the rows with a finite ε (more than one: their ε
+    values are not one quantity)."""
+    finite = summary[np.isfinite(summary["epsilon"].to_numpy(float))]
+    column = finite["relation"] if "relation" in finite else pd.Series(dtype=str)
+    return sorted({r for r in column if isinstance(r, str) and r})
+
+
+def _label(row, mixed: bool) -> str:
+    """A configuration's legend entry: its relation when the plot mixes relations, and a
+    warning when its noise came from the seed."""
+    label = f"{row.configuration} (n={row.n_runs})"
+    if mixed and getattr(row, "relation", ""):
+        label += f" [{row.relation}]"
+    if getattr(row, "noise_from_seed", False):
+        label += " [noise from seed: no ε against seed holders]"
+    return wrap(label, 90)
+
+
 def _draw_points(left, right, summary: pd.DataFrame, log: bool) -> None:
     """Finite ε on ``left`` (± std both ways), ε = ∞ on ``right`` plus a dashed line."""
     colour = colours(list(summary["configuration"]))
     shifts = dodges(summary["epsilon"].to_numpy(float), log)
+    mixed = len(relations(summary)) > 1
     for k, row in enumerate(summary.itertuples()):
         style = {
             "color": colour[row.configuration],
             "fmt": MARKERS[k % len(MARKERS)],
             "capsize": 4,
             "ms": 8,
-            "label": wrap(f"{row.configuration} (n={row.n_runs})", 90),
+            "label": _label(row, mixed),
         }
         if math.isinf(row.epsilon):
             right.errorbar(0, row.utility_mean, yerr=_zero(row.utility_std), **style)
@@ -126,9 +146,16 @@ def plot_utility_vs_epsilon(summary: pd.DataFrame, metric: str) -> Figure:
     if not finite.size:
         left.text(0.5, 0.5, "no run with a finite ε", transform=left.transAxes, ha="center")
     delta = summary["delta"].max()
+    mixed = relations(summary)
     left.set(
         xlabel=(f"final ε (δ = {delta:g})" if delta == delta else "final ε")
-        + f"; points at nearly one ε set {DODGE_PX} px apart",
+        + f"; points at nearly one ε set {DODGE_PX} px apart"
+        + (
+            f"\nneighbouring relations differ ({', '.join(mixed)}): ε under one is not ε "
+            "under the other"
+            if len(mixed) > 1
+            else (f"; neighbouring relation {mixed[0]}" if mixed else "")
+        ),
         ylabel=f"final {metric} ({SCOPE}), mean ± std over seeds",
     )
     right.set(xlim=(-1, 1), xticks=[0], xticklabels=["ε = ∞\n(no DP)"])

@@ -3,7 +3,7 @@
 Layout (DESIGN.md)::
 
     <output-dir>/<YYYYmmdd-HHMMSS>-<task>-<strategy>-<privacy>/
-        config.json      resolved run-config + environment
+        config.json      resolved run-config + environment (no secrets)
         metrics.csv      one row per (round, scope); scope in train, federated-eval,
                          central-eval
         participation.csv one row per (round, client sent a train message): node-id,
@@ -16,10 +16,25 @@ Layout (DESIGN.md)::
         model.pt         final global model (torch state dict)
         plots/learning_curve.png
 
+Under a privacy mechanism (``released`` given) the directory separates what the ε
+covers from what it does not. The top level keeps the released outputs: global models,
+central evaluation, the ledger, the train metrics the wrapper computes from released
+quantities only (ε, noised counts), config.json. Everything else the server learned goes
+to ``curator/``: ``curator/metrics.csv`` (aggregated client reports, federated
+evaluation, raw diagnostics, wall-clock timing), ``curator/participation.csv`` (who was
+sampled: voids amplification for its reader) and the strategies' per-client tables.
+``checkpoint/server.pt`` holds the secret DP generator state and is written owner-only
+(0600): never publish it.
+
+A round is committed before anything of it is observable: ``server.pt`` is written
+(atomically, first) right after the round's aggregate, before federated and central
+evaluation or any other file of the round. A resumed run continues from the last
+committed round: it drops every row of that round and later rounds, evaluates the
+committed model again (the evaluation generators are in the checkpoint, so the rows are
+the same) and goes on. A charged round is therefore never released twice.
+
 Every file is written to a temporary name and renamed, so a run killed mid-write
-leaves the previous version intact. ``server.pt`` is written last in a round, and is
-what a resumed run believes: rows of later rounds (written before it, by a run killed
-in between) are dropped when the run resumes.
+leaves the previous version intact.
 """
 
 from __future__ import annotations
@@ -28,13 +43,14 @@ import json
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -47,7 +63,8 @@ ROUND_SECONDS = "round-seconds"  # train row: the round's wall time, messages to
 # Columns that differ between identical runs by design (wall-clock time).
 TIMING_COLUMNS = ("elapsed-s", ROUND_SECONDS)
 SERVER_CHECKPOINT = "server.pt"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: committed after the aggregate, with the round's train result
+CURATOR_DIR = "curator"  # under a privacy mechanism: what no epsilon covers
 CLIENTS_DIR = "clients"  # what the clients write (logs, their state): shared in simulation
 # Keys a resumed run may set differently from the run it continues.
 RESUME_FREE_KEYS = ("resume-from", "output-dir")
@@ -94,26 +111,53 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def _atomic_torch_save(path: Path, obj: Any) -> None:
+def _atomic_torch_save(path: Path, obj: Any, *, private: bool = False) -> None:
+    """``torch.save`` to a temporary name, then rename; ``private``: owner-only (0600)
+    from the moment the file exists."""
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
+    if private:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an older temporary file keeps its mode otherwise
+        with os.fdopen(fd, "wb") as file:
+            torch.save(obj, file)
+    else:
+        torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-class RunDirectory:
-    """Creates the run directory and writes everything a run produces into it."""
+Released = Callable[[str], bool]  # train metric key -> covered by the run's epsilon
 
-    def __init__(self, path: Path) -> None:
+
+class RunDirectory:
+    """Creates the run directory and writes everything a run produces into it.
+
+    ``released``: under a privacy mechanism, which train metric keys the ε covers
+    (:meth:`strategies.private.PrivacyWrapper.releases_metric`); the rest goes to
+    ``curator/`` (see the module docstring). None: no mechanism, one layout.
+    """
+
+    def __init__(self, path: Path, released: Released | None = None) -> None:
         self.path = path
+        self.released = released
         self.rows: list[dict[str, Any]] = []
+        self.curator_rows: list[dict[str, Any]] = []  # curator/metrics.csv
         self.participation: list[dict[str, Any]] = []
         # CSV file -> (its columns, how many rows it holds, the last of them)
         self._written: dict[str, tuple[list[str], int, Mapping[str, Any]]] = {}
         self._writer = None  # TensorBoard SummaryWriter, opened with the first row
         self.started = time.monotonic()
+        if released is not None:
+            (path / CURATOR_DIR).mkdir(exist_ok=True)
+
+    def table(self, name: str) -> str:
+        """Where a per-client table (participation, clusters, selection, edges) goes:
+        ``curator/<name>`` under a privacy mechanism, else ``<name>``."""
+        return name if self.released is None else f"{CURATOR_DIR}/{name}"
 
     @classmethod
-    def create(cls, root: Path, task: str, strategy: str, privacy: str) -> RunDirectory:
+    def create(
+        cls, root: Path, task: str, strategy: str, privacy: str, released: Released | None = None
+    ) -> RunDirectory:
         """Make ``<root>/<timestamp>-<task>-<strategy>-<privacy>`` (suffixed if taken)."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = root / f"{stamp}-{task}-{strategy}-{privacy}"
@@ -127,7 +171,7 @@ class RunDirectory:
                 path = base.with_name(f"{base.name}-{n}")
         (path / "checkpoint").mkdir()
         (path / "plots").mkdir()
-        return cls(path)
+        return cls(path, released)
 
     def write_model(self, name: str, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Save a model's state dict as ``<name>`` (e.g. the warm-started model)."""
@@ -157,18 +201,39 @@ class RunDirectory:
         _atomic_write_text(self.path / "config.json", json.dumps(doc, indent=2) + "\n")
 
     def record(self, server_round: int, scope: str, metrics: Mapping[str, Any]) -> None:
-        """Append one metrics row to ``metrics.csv``."""
+        """Append one metrics row to ``metrics.csv`` (under a privacy mechanism: what the
+        ε covers; the rest of the row to ``curator/metrics.csv``)."""
         if scope not in SCOPES:
             raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
-        row = {
-            "round": server_round,
-            "scope": scope,
-            "elapsed-s": round(time.monotonic() - self.started, 3),
-        }
-        row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
-        self.rows.append(row)
-        self.write_rows("metrics.csv", self.rows)
-        self._tensorboard(server_round, scope, row)
+        key = {"round": server_round, "scope": scope}
+        values = {"elapsed-s": round(time.monotonic() - self.started, 3)}
+        values.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+        if self.released is None:
+            row = {**key, **values}
+            self.rows.append(row)
+            self.write_rows("metrics.csv", self.rows)
+            self._tensorboard(server_round, scope, row)
+            return
+        covered = {k: v for k, v in values.items() if self._covered(scope, k)}
+        rest = {k: v for k, v in values.items() if k not in covered}
+        if scope != "federated-eval":
+            row = {**key, **covered}
+            self.rows.append(row)
+            self.write_rows("metrics.csv", self.rows)
+            self._tensorboard(server_round, scope, row)
+        if rest:
+            self.curator_rows.append({**key, **rest})
+            self.write_rows(f"{CURATOR_DIR}/metrics.csv", self.curator_rows)
+
+    def _covered(self, scope: str, key: str) -> bool:
+        """Under a privacy mechanism: central evaluation of the released model, and the
+        train metrics the wrapper computes from released quantities; not wall-clock
+        timing (it depends on the clients' data) nor anything the clients reported."""
+        if key in TIMING_COLUMNS:
+            return False
+        if scope == "central-eval":
+            return True
+        return scope == "train" and self.released is not None and self.released(key)
 
     def _tensorboard(self, server_round: int, scope: str, row: Mapping[str, Any]) -> None:
         """The same numbers as TensorBoard scalars ``<scope>/<metric>`` at step = round."""
@@ -181,25 +246,28 @@ class RunDirectory:
                 self._writer.add_scalar(f"{scope}/{key}", value, server_round)
         self._writer.flush()
 
+    def commit(self, server_round: int, server_state: Mapping[str, Any]) -> None:
+        """Commit round ``server_round``: ``checkpoint/server.pt`` (plain data: what
+        ``resume-from`` restores, the secret DP generator state included), owner-only.
+        Called after the round's aggregate, before anything of the round is written or
+        sent (see the module docstring)."""
+        payload = {"format": CHECKPOINT_FORMAT, "round": server_round, **server_state}
+        _atomic_torch_save(self.path / "checkpoint" / SERVER_CHECKPOINT, payload, private=True)
+
     def checkpoint(
         self,
         server_round: int,
         state_dict: Mapping[str, torch.Tensor],
         models: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-        server_state: Mapping[str, Any] | None = None,
     ) -> None:
-        """Save the global model of ``server_round`` (the latest finished round), any
-        further named global models (e.g. ``cluster-0``: ``checkpoint/cluster-0.pt``),
-        and, last, ``server_state`` (plain data: what ``resume-from`` restores)."""
+        """Save the global model of ``server_round`` (the latest finished round) and any
+        further named global models (e.g. ``cluster-0``: ``checkpoint/cluster-0.pt``)."""
         folder = self.path / "checkpoint"
         _atomic_torch_save(folder / "global.pt", dict(state_dict))
         for name, model in (models or {}).items():
             _atomic_torch_save(folder / f"{name}.pt", dict(model))
         state = {"round": server_round, "models": sorted(models or {})}
         _atomic_write_text(folder / "state.json", json.dumps(state) + "\n")
-        if server_state is not None:
-            payload = {"format": CHECKPOINT_FORMAT, "round": server_round, **server_state}
-            _atomic_torch_save(folder / SERVER_CHECKPOINT, payload)
 
     def write_rows(self, name: str, rows: list[Mapping[str, Any]]) -> None:
         """Bring the CSV file ``name`` up to ``rows`` (metrics, participation, the
@@ -229,9 +297,9 @@ class RunDirectory:
         if rows:
             self._written[name] = (list(frame.columns), len(rows), rows[-1])
 
-    def record_round(self, result, ledger=None, models=None, server_state=None) -> None:
-        """Record one round's metrics by scope; checkpoint the model(s), the server's
-        state and the ledger."""
+    def record_round(self, result, ledger=None, models=None) -> None:
+        """Record one (committed) round's metrics by scope and its participation; save
+        the model(s) and the ledger."""
         train = result.train
         if train is not None and result.seconds is not None:  # no row for aborted rounds
             train = {**dict(train), ROUND_SECONDS: round(result.seconds, 4)}
@@ -244,23 +312,23 @@ class RunDirectory:
                 self.record(result.server_round, scope, dict(record))
         if result.clients:
             self.participation.extend(result.clients)
-            self.write_rows("participation.csv", self.participation)
+            self.write_rows(self.table("participation.csv"), self.participation)
         if result.server_round > 0:
-            self.checkpoint(
-                result.server_round, result.arrays.to_torch_state_dict(), models, server_state
-            )
+            self.checkpoint(result.server_round, result.arrays.to_torch_state_dict(), models)
             if ledger is not None:
                 self.write_ledger(ledger)
 
     @classmethod
-    def resume(cls, path: Path, run_config: Mapping[str, Any]) -> tuple[RunDirectory, dict]:
+    def resume(
+        cls, path: Path, run_config: Mapping[str, Any], released: Released | None = None
+    ) -> tuple[RunDirectory, dict]:
         """Reopen the run directory ``path`` to continue it; return it and the saved
-        server state (``checkpoint/server.pt``).
+        server state (``checkpoint/server.pt``, committed after round t's aggregate).
 
-        Rows of rounds after the checkpoint (a run killed between writing its metrics
-        and its checkpoint) are dropped from ``metrics.csv`` and ``participation.csv``,
-        and so are the clients' saved states of those rounds (simulation: they share
-        this directory), so no round is counted twice.
+        Rows of round t and later rounds are dropped from ``metrics.csv`` and the
+        participation table (the resumed run writes round t's again after evaluating
+        it), and so are the clients' saved states of rounds after t (simulation: they
+        share this directory), so no round is counted twice.
 
         Raises
         ------
@@ -289,25 +357,57 @@ class RunDirectory:
         state = torch.load(file, weights_only=True)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
-                f"{key}: checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT}"
+                f"{key}: checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT} "
+                "(written by another version of this app)"
             )
         done = int(state["round"])
-        run_dir = cls(path)
-        run_dir.rows = _rows_through(path / "metrics.csv", done)
-        run_dir.participation = _rows_through(path / "participation.csv", done)
-        if run_dir.rows:
-            run_dir.started -= float(run_dir.rows[-1]["elapsed-s"])
-            run_dir.write_rows("metrics.csv", run_dir.rows)
-        if run_dir.participation:
-            run_dir.write_rows("participation.csv", run_dir.participation)
+        run_dir = cls(path, released)
+        run_dir.rows = _rows_before(path / "metrics.csv", done)
+        run_dir.curator_rows = _rows_before(path / CURATOR_DIR / "metrics.csv", done)
+        participation = run_dir.table("participation.csv")
+        run_dir.participation = _rows_before(path / participation, done)
+        timed = run_dir.rows if released is None else run_dir.curator_rows
+        if timed:
+            run_dir.started -= float(timed[-1]["elapsed-s"])
+        for name, rows in (
+            ("metrics.csv", run_dir.rows),
+            (f"{CURATOR_DIR}/metrics.csv", run_dir.curator_rows),
+            (participation, run_dir.participation),
+        ):
+            if rows or (path / name).is_file():
+                run_dir.write_rows(name, rows)
         for stale in (path / CLIENTS_DIR / STATE_DIR).glob("partition-*/round-*.bin"):
             if int(stale.stem.removeprefix("round-")) > done:
                 stale.unlink()
         return run_dir, state
 
-    def write_ledger(self, ledger) -> None:
-        """``ledger.json``: the human summary and the full, reloadable state."""
+    def layout(self) -> dict[str, list[str]]:
+        """The files of the run directory by what covers them, for ``ledger.json``."""
+        released = ["config.json", "metrics.csv", "model.pt", "checkpoint/global.pt",
+                    "checkpoint/<model>.pt", "ledger.json", "certificates.json", "plots/",
+                    "tensorboard/", "warm-start.*"]  # fmt: skip
+        curator = [f"{CURATOR_DIR}/"] if self.released is not None else []
+        return {
+            "covered-by-epsilon": released if self.released is not None else [],
+            "not-covered": [
+                *curator,
+                *(
+                    []
+                    if self.released is not None
+                    else ["metrics.csv", "participation.csv", "<strategy tables>.csv"]
+                ),
+                f"{CLIENTS_DIR}/ (the clients' own files: state, logs; never sent to the "
+                "server; in simulation they share this directory)",
+            ],
+            "secret": [f"checkpoint/{SERVER_CHECKPOINT} (DP generator state; owner-only)"],
+        }
+
+    def write_ledger(self, ledger, extra: Mapping[str, Any] | None = None) -> None:
+        """``ledger.json``: the human summary, the full reloadable state, what in the
+        run directory the ε covers, and ``extra`` (e.g. the threat models)."""
         doc = {"summary": ledger.summary(), "state": ledger.state_dict()}
+        doc["run-directory"] = self.layout()
+        doc.update(extra or {})
         _atomic_write_text(self.path / "ledger.json", json.dumps(doc, indent=2) + "\n")
 
     def finish(self, state_dict: Mapping[str, torch.Tensor], title: str) -> None:
@@ -328,18 +428,37 @@ class RunDirectory:
             plt.close(figure)
 
 
-def _rows_through(csv: Path, last_round: int) -> list[dict[str, Any]]:
-    """The rows of ``csv`` up to ``last_round`` (every column, in the file's order)."""
+def _rows_before(csv: Path, first_dropped: int) -> list[dict[str, Any]]:
+    """The rows of ``csv`` of rounds before ``first_dropped`` (every column, in the
+    file's order)."""
     if not csv.is_file():
         return []
     frame = pd.read_csv(csv)
-    return frame[frame["round"] <= last_round].to_dict("records")
+    return frame[frame["round"] < first_dropped].to_dict("records")
+
+
+def table_path(run_dir: str | Path, name: str) -> Path | None:
+    """Where a run keeps the per-client table ``name`` (e.g. ``participation.csv``):
+    at the top level, or under ``curator/`` in a privacy run; None if it has none."""
+    for path in (Path(run_dir) / name, Path(run_dir) / CURATOR_DIR / name):
+        if path.is_file():
+            return path
+    return None
 
 
 def load_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """Read a run directory's ``metrics.csv``, tagged with the run's config columns."""
+    """Read a run directory's ``metrics.csv``, tagged with the run's config columns.
+
+    Under a privacy mechanism the rows and columns of ``curator/metrics.csv`` (what no
+    ε covers: client reports, federated evaluation, timing) are merged in by (round,
+    scope): analysis sees the whole run, publication takes the top level only."""
     run_dir = Path(run_dir)
     frame = pd.read_csv(run_dir / "metrics.csv")
+    curator = run_dir / CURATOR_DIR / "metrics.csv"
+    if curator.is_file():
+        frame = frame.merge(pd.read_csv(curator), on=["round", "scope"], how="outer")
+        order = frame["scope"].map({scope: i for i, scope in enumerate(SCOPES)})
+        frame = frame.iloc[np.lexsort((order, frame["round"]))].reset_index(drop=True)
     config = json.loads((run_dir / "config.json").read_text())["run-config"]
     for key in ("task", "strategy", "privacy", "seed"):
         frame[key] = config[key]

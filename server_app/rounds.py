@@ -1,10 +1,16 @@
-"""The federated round loop, with a progress line and a callback per round.
+"""The federated round loop, with a progress line and callbacks per round.
 
 It drives a Flower ``Strategy`` through the same four calls as ``Strategy.start``
 (configure/aggregate train, configure/aggregate evaluate, then central evaluation).
 ``Strategy.start`` is not used because it offers no per-round hook for the
 aggregated train/eval metrics, which the run directory records and checkpoints
 every round.
+
+A round is committed (``on_commit``: the checkpoint) right after its aggregate and
+before its model leaves the server (federated evaluation sends it to clients; central
+evaluation and the results files publish it): a charged round is never released by a
+run that then dies and re-runs it. A resumed run evaluates the committed round again
+(:func:`evaluate_round`) and goes on with the next.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -20,6 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import StopTraining, keys, partitions
+from strategies.errors import DuplicatePartitionError
 from strategies.messaging import send_and_receive
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -158,6 +165,32 @@ def _exchange(grid: Grid, messages: list[Message], timeout: float, what: str) ->
     return replies
 
 
+def evaluate_round(
+    strategy: Strategy,
+    grid: Grid,
+    result: RoundResult,
+    *,
+    timeout: float,
+    central_eval: CentralEval | None,
+    train_config: Mapping[str, str | int | float | bool] | None = None,
+) -> RoundResult:
+    """Federated and central evaluation of a committed round's model, into ``result``."""
+    server_round, arrays = result.server_round, result.arrays
+    try:
+        evaluate = list(
+            strategy.configure_evaluate(
+                server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+            )
+        )
+    except StopTraining as stop:
+        log(WARNING, "Round %d: federated evaluation skipped: %s", server_round, stop)
+        evaluate = []
+    replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate")
+    result.federated_eval = regroup(strategy.aggregate_evaluate(server_round, replies), replies)
+    result.central_eval = central_eval(server_round, arrays) if central_eval else None
+    return result
+
+
 def run_rounds(
     strategy: Strategy,
     grid: Grid,
@@ -167,23 +200,31 @@ def run_rounds(
     timeout: float,
     central_eval: CentralEval | None,
     on_round: Callable[[RoundResult], None],
+    on_commit: Callable[[RoundResult], None] = lambda _result: None,
     train_config: Mapping[str, str | int | float | bool] | None = None,
-    start_round: int = 1,
+    resumed: RoundResult | None = None,
 ) -> ArrayRecord:
-    """Run rounds ``start_round`` .. ``num_rounds`` and return the final global arrays.
+    """Run the rounds up to ``num_rounds`` and return the final global arrays.
 
-    ``central_eval`` (if given) runs on the initial model as round 0 (unless the run
-    resumes at a later ``start_round``) and after every round; ``on_round`` receives
-    every round's result, round 0 included. A strategy ends the run early (e.g.
-    privacy budget exhausted) by raising ``StopTraining`` from ``configure_train``,
-    before anything is sent. ``train_config`` entries are added to every round's train
-    and evaluate config (e.g. where clients write their logs and state).
+    ``central_eval`` (if given) runs on the initial model as round 0 and after every
+    round; ``on_commit`` receives each round's result right after its aggregate (only
+    ``train`` and ``clients`` are set), ``on_round`` the whole result once evaluated,
+    round 0 included. ``resumed``: the committed round a resumed run continues after;
+    it is evaluated again, recorded, and the rounds after it run. A strategy ends the
+    run early (e.g. privacy budget exhausted) by raising ``StopTraining`` from
+    ``configure_train``, before anything is sent. ``train_config`` entries are added to
+    every round's train and evaluate config (e.g. where clients write their logs).
     """
-    arrays = initial_arrays
-    if central_eval is not None and start_round == 1:
-        on_round(RoundResult(0, arrays, central_eval=central_eval(0, arrays)))
-    progress = Progress(num_rounds - start_round + 1)
-    for server_round in range(start_round, num_rounds + 1):
+    evaluation = {"timeout": timeout, "central_eval": central_eval, "train_config": train_config}
+    if resumed is None:
+        arrays, start = initial_arrays, 1
+        if central_eval is not None:
+            on_round(RoundResult(0, arrays, central_eval=central_eval(0, arrays)))
+    else:
+        arrays, start = resumed.arrays, resumed.server_round + 1
+        on_round(evaluate_round(strategy, grid, resumed, **evaluation))
+    progress = Progress(num_rounds - start + 1)
+    for server_round in range(start, num_rounds + 1):
         started = time.monotonic()
         try:
             messages = list(
@@ -192,32 +233,19 @@ def run_rounds(
                 )
             )
         except StopTraining as stop:
-            log(WARNING, "Stopping before round %d: %s", server_round, stop)
+            level = ERROR if isinstance(stop, DuplicatePartitionError) else WARNING
+            log(level, "Stopping before round %d: %s", server_round, stop)
             break
         replies = _exchange(grid, messages, timeout, f"round {server_round} train")
         clients = participation(server_round, messages, replies)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
-        try:
-            evaluate = list(
-                strategy.configure_evaluate(
-                    server_round, arrays, ConfigRecord(dict(train_config or {})), grid
-                )
-            )
-        except StopTraining as stop:
-            log(WARNING, "Round %d: federated evaluation skipped: %s", server_round, stop)
-            evaluate = []
-        replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate")
-        result = RoundResult(
-            server_round,
-            arrays,
-            train=train_metrics,
-            federated_eval=regroup(strategy.aggregate_evaluate(server_round, replies), replies),
-            central_eval=central_eval(server_round, arrays) if central_eval else None,
-            clients=clients,
-            seconds=time.monotonic() - started,
-        )
+        result = RoundResult(server_round, arrays, train=train_metrics, clients=clients)
+        result.seconds = time.monotonic() - started
+        on_commit(result)
+        evaluate_round(strategy, grid, result, **evaluation)
+        result.seconds = time.monotonic() - started
         on_round(result)
         log(INFO, progress.line(result, time.monotonic() - started))
     return arrays

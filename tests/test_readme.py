@@ -37,3 +37,9 @@ def test_presets_are_valid_run_configs(preset):
     # What Flower does with `--run-config preset.toml`: flatten, then fuse with defaults.
     overrides = flatten_dict(tomllib.loads(preset.read_text()))
     config.load(fuse_dicts(defaults["config"], overrides))
+
+
+def test_readme_threat_model_table_is_generated_from_the_code():
+    from strategies import threat_models
+
+    assert threat_models.markdown_table() in README

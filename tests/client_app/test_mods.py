@@ -14,12 +14,14 @@ RECEIVED = {"w": [1.0, 1.0, 1.0], "b": [0.0]}
 
 
 def _context(**run_config) -> Context:
+    """A client's context; its noise derives from the seed (statistical tests must not
+    be flaky) unless the test asks for the default, secret noise."""
     return Context(
         run_id=1,
         node_id=1,
         node_config={"partition-id": 2, "num-partitions": 4},
         state=RecordDict(),
-        run_config={"seed": 7, **run_config},
+        run_config={"seed": 7, "dp.reproducible-noise": True, **run_config},
     )
 
 
@@ -70,23 +72,79 @@ def test_client_noise_has_the_requested_std():
     assert abs(np.mean(samples)) < 4 * std / np.sqrt(len(samples))
 
 
-def test_noise_is_reproducible_from_seed_round_and_partition():
+def test_noise_is_secret_by_default_and_reproducible_only_on_request():
     msg = instruction(
         RECEIVED, {keys.SERVER_ROUND: 3, keys.DP_CLIP_NORM: 1.0, keys.DP_NOISE_STDDEV: 1.0}
     )
-    first = _delta(privacy_mod(msg, _context(), _trainer(RECEIVED)[0]))
-    again = _delta(privacy_mod(msg, _context(), _trainer(RECEIVED)[0]))
-    other = _delta(privacy_mod(msg, _context(seed=8), _trainer(RECEIVED)[0]))
-    secure = _delta(privacy_mod(msg, _context(**{"dp.secure-rng": True}), _trainer(RECEIVED)[0]))
-    np.testing.assert_array_equal(first, again)
-    assert not np.allclose(first, other) and not np.allclose(first, secure)
+
+    def noise(**run_config):
+        return _delta(privacy_mod(msg, _context(**run_config), _trainer(RECEIVED)[0]))
+
+    # Default: the same client, seed, round and partition draw other noise every time.
+    secret = {"dp.reproducible-noise": False}
+    assert not np.allclose(noise(**secret), noise(**secret))
+    # dp.reproducible-noise: a function of seed, round and partition.
+    np.testing.assert_array_equal(noise(), noise())
+    assert not np.allclose(noise(), noise(seed=8))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_update_becomes_error_reply(bad):
+def test_non_finite_update_becomes_error_reply_with_server_noise(bad):
     msg = instruction(RECEIVED, {keys.SERVER_ROUND: 1, keys.DP_CLIP_NORM: 1.0})
     reply = privacy_mod(msg, _context(), _trainer({"w": [bad, 1.0, 1.0], "b": [0.0]})[0])
     assert reply.has_error() and "rejected" in reply.error.reason
+
+
+def _failing(msg: Message, ctxt: Context) -> Message:
+    raise RuntimeError("loss diverged")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {keys.DP_CLIP_NORM: 1.0, keys.DP_NOISE_STDDEV: 0.5, keys.REPORT_METRICS: []},
+        {keys.LAPLACE_SENSITIVITY: 1.0, keys.LAPLACE_SCALE: 0.5, keys.REPORT_METRICS: []},
+    ],
+    ids=["gaussian", "laplace"],
+)
+@pytest.mark.parametrize("failure", ["nan", "raises"])
+def test_a_client_that_noises_its_upload_hides_its_failure(config, failure):
+    # Whether training failed can depend on the data: the server (which sees every
+    # client-noised upload) gets the noised zero update, a reply like any other.
+    trainer = _trainer({"w": [np.nan, 1.0, 1.0], "b": [0.0]})[0]
+    call_next = trainer if failure == "nan" else _failing
+    samples = []
+    for rnd in range(1, 301):
+        msg = instruction(RECEIVED, {keys.SERVER_ROUND: rnd, **config})
+        reply = privacy_mod(msg, _context(), call_next)
+        assert not reply.has_error()
+        assert dict(reply.content[keys.METRICS]) == {keys.NUM_EXAMPLES: 1}
+        samples.extend(_delta(reply))
+    expected = 0.5 if keys.DP_NOISE_STDDEV in config else np.sqrt(2) * 0.5  # Laplace: √2 b
+    assert abs(np.mean(samples)) < 4 * expected / np.sqrt(len(samples))  # centred on zero
+    assert np.std(samples) == pytest.approx(expected, rel=0.06)
+
+
+def test_report_metrics_keeps_only_the_listed_keys():
+    config = {keys.SERVER_ROUND: 1, keys.DP_CLIP_NORM: 1.0, keys.DP_ADAPTIVE: True}
+    metrics = {"num-examples": 10, "train-loss": 0.3, "divergence": 2.0}
+    msg = instruction(RECEIVED, {**config, keys.REPORT_METRICS: [keys.DP_NORM_BIT]})
+    reply = privacy_mod(msg, _context(), _trainer(RECEIVED, metrics)[0])
+    assert dict(reply.content[keys.METRICS]) == {keys.DP_NORM_BIT: 1.0, keys.NUM_EXAMPLES: 1}
+    kept = [keys.NUM_EXAMPLES, "divergence"]  # e.g. DP-SGD under SmartFedProx
+    msg = instruction(RECEIVED, {keys.SERVER_ROUND: 1, keys.REPORT_METRICS: kept})
+    reply = privacy_mod(msg, _context(), _trainer(RECEIVED, metrics)[0])
+    assert dict(reply.content[keys.METRICS]) == {"num-examples": 10, "divergence": 2.0}
+    # Without the key (dp.client-metrics = true, or no privacy) everything is sent.
+    reply = privacy_mod(instruction(RECEIVED, config), _context(), _trainer(RECEIVED, metrics)[0])
+    assert set(reply.content[keys.METRICS]) == {*metrics, keys.DP_NORM_BIT}
+
+
+def test_report_metrics_applies_to_queries():
+    msg = instruction(RECEIVED, {keys.REPORT_METRICS: ["edge-id"]}, kind="query.edge")
+    metrics = {"edge-id": 1, "partition-id": 3, "num-examples": 90}
+    reply = privacy_mod(msg, _context(), _trainer(RECEIVED, metrics)[0])
+    assert dict(reply.content[keys.METRICS]) == {"edge-id": 1, "num-examples": 1}
 
 
 def test_laplace_clips_l1_and_adds_noise_of_scale():

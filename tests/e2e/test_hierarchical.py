@@ -8,6 +8,8 @@ import json
 import pandas as pd
 import pytest
 
+from server_app.results import load_metrics
+
 pytestmark = pytest.mark.e2e
 
 TINY = (
@@ -32,7 +34,7 @@ def hier_runs(flower, tmp_path_factory):
 @pytest.mark.parametrize("mode", MODES)
 def test_cloud_and_edge_models_are_evaluated(hier_runs, mode):
     run_dir = hier_runs[mode].run_dir
-    metrics = pd.read_csv(run_dir / "metrics.csv")
+    metrics = load_metrics(run_dir)  # under DP the per-edge counts are the curator's
     central = metrics[metrics["scope"] == "central-eval"].set_index("round")
     assert list(central.index) == [0, 1, 2], hier_runs[mode].output
     assert central.loc[2, ["edge-0-eval-accuracy", "edge-1-eval-accuracy"]].notna().all()
@@ -41,15 +43,22 @@ def test_cloud_and_edge_models_are_evaluated(hier_runs, mode):
     assert (run_dir / "tensorboard").is_dir()
 
 
+def _tables(run_dir, mode):
+    """Who took part is the curator's under a privacy mechanism."""
+    return run_dir if mode == "none" else run_dir / "curator"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_edge_aggregation_is_recorded(hier_runs, mode):
-    edges = pd.read_csv(hier_runs[mode].run_dir / "edges.csv")
+    tables = _tables(hier_runs[mode].run_dir, mode)
+    assert (hier_runs[mode].run_dir / "edges.csv").exists() == (mode == "none")
+    edges = pd.read_csv(tables / "edges.csv")
     # 2 cloud rounds x 2 edge aggregations x 2 edges x 1 sampled client (cfrac 0.5 of 2)
     assert len(edges) == 8 and edges["replied-ok"].all()
     assert sorted(edges.groupby(["round", "edge-round"]).size().tolist()) == [2, 2, 2, 2]
     # edges are contiguous blocks of partition ids: 0, 1 -> edge 0; 2, 3 -> edge 1
     assert (edges["edge-id"] == edges["partition-id"] // 2).all()
-    members = pd.read_csv(hier_runs[mode].run_dir / "edge-membership.csv")
+    members = pd.read_csv(tables / "edge-membership.csv")
     assert sorted(members["partition-id"]) == [0, 1, 2, 3]
     assert (members["edge-id"] == members["partition-id"] // 2).all()
 
@@ -76,10 +85,11 @@ def test_cp_np_is_accounted_per_edge_aggregation(hier_runs):
     # sigma dp-accounting's without-replacement amplification bound is the looser one.
     assert (train["dp-epsilon-edge-view"] > 0).all() and (train["dp-epsilon"] > 0).all()
     assert train["dp-epsilon"].is_monotonic_increasing
-    # only the noisy delta and its example count leave a CP-NP client
-    replied = pd.read_csv(result.run_dir / "participation.csv")
-    assert set(replied.columns) == {"round", "node-id", "replied", "error", "num-examples",
-                                    "noise-std"}  # fmt: skip
+    # only the noisy delta leaves a CP-NP client: edges average unweighted, and the
+    # example count is sent as 1
+    replied = pd.read_csv(result.run_dir / "curator" / "participation.csv")
+    assert set(replied.columns) == {"round", "node-id", "replied", "error", "num-examples"}
+    assert (replied["num-examples"] == 1).all()
 
 
 @pytest.mark.parametrize("mode", ["cg-ng", "cg-np"])

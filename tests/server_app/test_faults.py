@@ -2,10 +2,11 @@
 
 Node 33 (partition 2) receives its round-2 train message and dies: it never replies and
 leaves the node list, as a SuperNode whose heartbeat stops. Non-private strategies go on
-with the survivors; DP-FedAvg (fixed, adaptive, subspace) aborts that round, releasing
-and charging nothing, and goes on; the hierarchical strategy's edge aggregates the
-clients it still has. Every run finishes all its rounds, and the missing reply is logged
-with the round timeout.
+with the survivors; DP-FedAvg (fixed, adaptive, subspace) and Laplace count it as a
+zero update and release and charge the round like any other (an aborted round would
+be an uncharged, possibly data-dependent release); the hierarchical strategy's edge
+aggregates the clients it still has (CP-NP: the lost one as a noised zero delta). Every
+run finishes all its rounds, and the missing reply is logged with the round timeout.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]
 DEAD, DIES_IN = 33, 2
-# Seed 3 samples node DEAD in round DIES_IN under each DP wrapper (checked below).
-DP = {"dp.num-sampled-clients": 3, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5, "seed": 3}
+# Seed 3 samples node DEAD in round DIES_IN under each DP wrapper (checked below): with
+# dp.reproducible-noise the DP sample is the seed's.
+DP = {
+    "dp.num-sampled-clients": 3,
+    "dp.noise-multiplier": 0.3,
+    "dp.clip-norm": 0.5,
+    "seed": 3,
+    "dp.reproducible-noise": True,
+}
 
 
 def _run(tmp_path: Path, **overrides) -> tuple[Path, InProcessGrid]:
@@ -81,29 +89,36 @@ def test_flat_strategies_go_on_with_the_survivors(strategy, extra, tmp_path, cap
         ("subspace-dp", {"subspace.rank": 2, "subspace.sketch-dim": 8}),
     ],
 )
-def test_dp_fedavg_aborts_the_round_and_charges_nothing(privacy, extra, tmp_path, caplog):
+def test_dp_fedavg_counts_the_dead_client_as_zero_and_charges_every_round(
+    privacy, extra, tmp_path, caplog
+):
     caplog.set_level(logging.WARNING)
     # 4 nodes, 3 sampled per round: after the death exactly 3 are left to sample.
     path, grid = _run(tmp_path, privacy=privacy, **DP, **extra)
     assert DIES_IN in _train_sent_to(grid, DEAD)
     ledger = json.loads((path / "ledger.json").read_text())["state"]
-    assert sorted(r["server_round"] for r in ledger["releases"]) == [1, 3]
-    assert f"DP round {DIES_IN} aborted (nothing released, nothing charged)" in caplog.text
+    assert sorted(r["server_round"] for r in ledger["releases"]) == [1, 2, 3]
+    assert f"node {DEAD} counts as a zero update: no reply" in caplog.text
+    assert "aborted" not in caplog.text
     metrics = pd.read_csv(path / "metrics.csv")
-    assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 3}
+    assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 2, 3}
     central = metrics[metrics["scope"] == "central-eval"].set_index("round")
-    # The aborted round leaves the global model as round 1 left it.
-    assert central.loc[DIES_IN, "eval-loss"] == central.loc[1, "eval-loss"]
-    assert central.loc[3, "eval-loss"] != central.loc[1, "eval-loss"]
+    assert central.loc[DIES_IN, "eval-loss"] != central.loc[1, "eval-loss"]  # released
+    # Who failed is the curator's record, not a released column.
+    assert "dp-failed-clients" not in metrics.columns
+    curator = pd.read_csv(path / "curator" / "metrics.csv")
+    failed = curator[curator["scope"] == "train"].set_index("round")["dp-failed-clients"]
+    assert failed.loc[DIES_IN] == 1.0
 
 
-def test_laplace_drops_only_the_missing_client(tmp_path):
-    # Noise small enough that the model stays finite (else nothing is released at all).
+def test_laplace_counts_only_the_missing_client_as_zero(tmp_path):
+    # Noise small enough that the model stays finite.
     path, _ = _run(tmp_path, privacy="laplace", **{"dp.sensitivity": 1.0, "dp.epsilon": 100.0})
     ledger = json.loads((path / "ledger.json").read_text())["state"]
     assert sorted(r["server_round"] for r in ledger["releases"]) == [1, 2, 3]
-    rows = pd.read_csv(path / "participation.csv")
+    rows = pd.read_csv(path / "curator" / "participation.csv")
     assert rows.loc[rows["round"] == 3, "node-id"].tolist() == [11, 22, 44]
+    assert not (path / "participation.csv").exists()  # who was sampled: curator only
 
 
 @pytest.mark.parametrize("privacy", ["none", "cp-np"])
@@ -116,7 +131,8 @@ def test_hierarchical_edge_goes_on_without_its_lost_client(privacy, tmp_path):
         privacy=privacy,
         **{"hier.client-fraction": 1.0, "hier.edge-rounds": 2},
     )
-    edges = pd.read_csv(path / "edges.csv")
+    tables = path / "curator" if privacy != "none" else path
+    edges = pd.read_csv(tables / "edges.csv")
     lost = edges[(edges["round"] == DIES_IN) & (edges["node-id"] == DEAD)]
     assert len(lost) == 2 and not lost["replied-ok"].any()
     edge = lost["edge-id"].iloc[0]

@@ -14,6 +14,7 @@ import pytest
 
 from privacy.accounting import PrivacyLedger, Release
 from server_app import figures
+from server_app import figures_plots as fplots
 from server_app.results import RunDirectory
 
 DELTA = 1e-5
@@ -256,3 +257,32 @@ def test_an_unknown_metric_lists_the_valid_ones(results, tmp_path):
         figures.build_figures([root], tmp_path, metric="eval-auc")
     table = figures.build_figures([root], tmp_path / "loss", metric="eval-loss", echo=print)
     assert table.set_index("privacy").loc["none", "utility_mean"] == pytest.approx(0.25)
+
+
+def test_mixed_neighbouring_relations_are_said_on_the_figure():
+    # Laplace runs are accounted under add-or-remove-one, fixed-size DP-FedAvg under
+    # replace-one: one axis may show both, but not as if they were one quantity.
+    rows = [
+        ("laplace", 20.0, "add-or-remove-one", False),
+        ("dp-fedavg-fixed", 8.0, "replace-one", False),
+        ("debug", 8.0, "replace-one", True),
+    ]
+    summary = pd.DataFrame(
+        [
+            {"configuration": name, "n_runs": 1, "epsilon": eps, "epsilon_std": 0.0,
+             "utility_mean": 0.5, "utility_std": 0.0, "delta": DELTA, "relation": relation,
+             "noise_from_seed": seeded}
+            for name, eps, relation, seeded in rows
+        ]
+    )  # fmt: skip
+    assert fplots.relations(summary) == ["add-or-remove-one", "replace-one"]
+    figure = fplots.plot_utility_vs_epsilon(summary, "eval-accuracy")
+    left = figure.axes[0]
+    assert "neighbouring relations differ (add-or-remove-one, replace-one)" in left.get_xlabel()
+    labels = left.get_legend_handles_labels()[1] or [
+        t.get_text() for legend in figure.legends for t in legend.get_texts()
+    ]
+    assert any("[replace-one]" in label for label in labels)
+    assert any("noise from seed" in label for label in labels)
+    one = fplots.plot_utility_vs_epsilon(summary.iloc[1:2], "eval-accuracy")
+    assert one.axes[0].get_xlabel().endswith("neighbouring relation replace-one")

@@ -1,13 +1,24 @@
-"""Checkpoint and ``resume-from``: a run killed after round k and resumed ends exactly
-where the uninterrupted run ends.
+"""Checkpoint and ``resume-from``: a run killed at any moment and resumed ends exactly
+where the uninterrupted run ends, and a charged round is never released twice.
 
-Each case runs the ServerApp against the real ClientApp in this process
-(:mod:`tests.inprocess`) three times: uninterrupted; killed while it checkpoints round 2
-(its metrics of round 2 are on disk, its checkpoint is still round 1's: the hardest
-moment); and resumed from that directory with new node ids, as a new Flower run gets.
-The resumed run must leave the same final model bit for bit, the same ledger (no
-double charge, no lost round), the same metrics with no gap or duplicate round, and
-the same per-client tables.
+A round is committed (``checkpoint/server.pt``) right after its aggregate, before its
+model leaves the server. Each case runs the ServerApp against the real ClientApp in
+this process (:mod:`tests.inprocess`) three times: uninterrupted; killed at one of two
+moments of round 2; and resumed from that directory with new node ids, as a new Flower
+run gets. The two moments are the two sides of the commit: *before* it (round 2 trained,
+its aggregate not committed: the resumed run evaluates round 1 again and re-runs round
+2), and *after* it (round 2 committed and evaluated, none of its results written: the
+resumed run evaluates round 2 again and goes on). The resumed run must leave the same
+final model bit for bit, the same ledger (no double charge, no lost round), the same
+metrics with no gap or duplicate round, and the same per-client tables. DP runs use
+``dp.reproducible-noise`` here, so that the two runs draw the same noise.
+
+What a client sent in the round that may have been under way when the server stopped
+(the server cannot tell whether the next round had started) is charged on resume: one
+more upload for every client against the server (client-side noise, Laplace), one more
+training per client for DP-SGD's re-derived epsilon, and tau_2 edge aggregations without
+amplification for CP-NP. Those cases end with a larger (sound) epsilon than the
+uninterrupted run, from the first round after the commit on; everything else is equal.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ NODES = [11, 22, 33, 44]
 NEW_NODES = [505, 606, 707, 808]  # a new run: new ids, same partitions
 KILLED_AT = 2
 
-DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5}
+SEEDED = {"dp.reproducible-noise": True}
+DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5, **SEEDED}
 CASES = {
     "fedavg": ("fedavg", "none", {"fraction-train": 0.5}),
     "fedprox": ("fedprox", "none", {}),
@@ -35,13 +47,24 @@ CASES = {
     "clustered": ("clustered", "none", {"cluster.k": 2}),
     "smart-fedprox": ("smart-fedprox", "none", {"smart.cold-start-rounds": 1}),
     "hierarchical": ("hierarchical", "none", {}),
-    "hierarchical-cp-np": ("hierarchical", "cp-np", {}),
+    "hierarchical-cp-np": ("hierarchical", "cp-np", SEEDED),
     "dp-fedavg-fixed": ("fedavg", "dp-fedavg-fixed", DP),
     "dp-fedavg-adaptive": ("fedavg", "dp-fedavg-adaptive", DP),
     "dp-fedavg-client-noise": ("fedavg", "dp-fedavg-fixed", {**DP, "dp.noise-site": "client"}),
     "subspace-dp": ("fedavg", "subspace-dp", {**DP, "subspace.rank": 2, "subspace.sketch-dim": 8}),
-    "laplace": ("fedavg", "laplace", {}),
-    "dp-sgd": ("fedavg", "dp-sgd", {}),
+    "laplace": ("fedavg", "laplace", SEEDED),
+    "dp-sgd": ("fedavg", "dp-sgd", SEEDED),
+}
+# Cases killed on both sides of the commit (the others: after it, the moment that
+# checks re-evaluation); "before" re-runs a round and so exercises the resume charges.
+BOTH_SIDES = ("fedavg", "dp-fedavg-fixed", "dp-fedavg-client-noise", "laplace", "dp-sgd",
+              "hierarchical-cp-np")  # fmt: skip
+# Train-row columns that the resume charge raises (per case), and what else may differ.
+RESUME_CHARGED = {
+    "dp-fedavg-client-noise": ("dp-epsilon-local",),
+    "laplace": ("dp-epsilon-local",),
+    "dp-sgd": ("local-epsilon",),
+    "hierarchical-cp-np": ("dp-epsilon", "dp-epsilon-edge-view"),
 }
 
 
@@ -54,26 +77,37 @@ def _only_run(root: Path) -> Path:
     return path
 
 
-def _kill_while_checkpointing(monkeypatch, server_round: int) -> None:
-    original = RunDirectory.checkpoint
+def _kill(monkeypatch, moment: str) -> None:
+    """Die in round KILLED_AT: while committing it ("before": not committed), or while
+    writing its results once it is committed and evaluated ("after")."""
+    name = "commit" if moment == "before" else "record_round"
+    original = getattr(RunDirectory, name)
 
-    def checkpoint(self, at_round, *args, **kwargs):
-        if at_round == server_round:
-            raise Killed(f"killed while checkpointing round {at_round}")
-        return original(self, at_round, *args, **kwargs)
+    def dying(self, first, *args, **kwargs):
+        at_round = first if name == "commit" else first.server_round
+        if at_round == KILLED_AT:
+            raise Killed(f"killed in {name} of round {at_round}")
+        return original(self, first, *args, **kwargs)
 
-    monkeypatch.setattr(RunDirectory, "checkpoint", checkpoint)
+    monkeypatch.setattr(RunDirectory, name, dying)
 
 
-def _table(path: Path) -> pd.DataFrame:
+def _table(path: Path, drop: tuple[str, ...] = ()) -> pd.DataFrame:
     """A CSV without what differs between processes by design: wall time, node ids."""
     frame = pd.read_csv(path)
-    dropped = [c for c in frame.columns if c in TIMING_COLUMNS or "node" in c]
+    dropped = [c for c in frame.columns if c in TIMING_COLUMNS or "node" in c or c in drop]
     return frame.drop(columns=dropped)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_resumed_run_equals_uninterrupted_run(case, tmp_path, monkeypatch):
+def _csvs(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.csv"))
+
+
+@pytest.mark.parametrize(
+    ("case", "moment"),
+    [(case, "after") for case in CASES] + [(case, "before") for case in BOTH_SIDES],
+)
+def test_resumed_run_equals_uninterrupted_run(case, moment, tmp_path, monkeypatch):
     strategy, privacy, extra = CASES[case]
     common = {"strategy": strategy, "privacy": privacy, **extra}
 
@@ -83,12 +117,15 @@ def test_resumed_run_equals_uninterrupted_run(case, tmp_path, monkeypatch):
 
     cut = run_config(**common, **{"output-dir": str(tmp_path / "cut")})
     with monkeypatch.context() as patch:
-        _kill_while_checkpointing(patch, KILLED_AT)
+        _kill(patch, moment)
         with pytest.raises(Killed):
             run_server(cut, InProcessGrid(cut, NODES))
     cut_dir = _only_run(tmp_path / "cut")
-    rounds_on_disk = set(pd.read_csv(cut_dir / "metrics.csv")["round"])
-    assert KILLED_AT in rounds_on_disk  # the killed round's metrics were written
+    committed = torch.load(cut_dir / "checkpoint" / "server.pt", weights_only=True)["round"]
+    assert committed == (KILLED_AT if moment == "after" else KILLED_AT - 1)
+    # Nothing of the killed round was published: no row, no model file of it.
+    assert KILLED_AT not in set(pd.read_csv(cut_dir / "metrics.csv")["round"])
+    assert json.loads((cut_dir / "checkpoint" / "state.json").read_text())["round"] < KILLED_AT
     assert not (cut_dir / "model.pt").exists()
 
     resumed = {**cut, "resume-from": str(cut_dir)}
@@ -101,25 +138,54 @@ def test_resumed_run_equals_uninterrupted_run(case, tmp_path, monkeypatch):
     for key in want:
         assert torch.equal(want[key], got[key]), key
 
+    charged = RESUME_CHARGED.get(case, ())
     metrics = pd.read_csv(cut_dir / "metrics.csv")
     assert not metrics.duplicated(["round", "scope"]).any()
     assert sorted(set(metrics["round"])) == sorted(
         set(pd.read_csv(full_dir / "metrics.csv")["round"])
     )
-    pd.testing.assert_frame_equal(
-        _table(cut_dir / "metrics.csv"), _table(full_dir / "metrics.csv")
-    )
-
-    tables = sorted(p.name for p in full_dir.glob("*.csv"))
-    assert tables == sorted(p.name for p in cut_dir.glob("*.csv"))
-    for name in tables:
-        pd.testing.assert_frame_equal(_table(cut_dir / name), _table(full_dir / name), obj=name)
+    assert _csvs(full_dir) == _csvs(cut_dir)
+    for name in _csvs(full_dir):
+        pd.testing.assert_frame_equal(
+            _table(cut_dir / name, charged), _table(full_dir / name, charged), obj=name
+        )
+    if charged:  # charged for the interrupted round: larger, never smaller
+        later = metrics["round"] > committed
+        reference = pd.read_csv(full_dir / "metrics.csv")
+        for column in charged:
+            assert (
+                metrics.loc[later, column].dropna() > reference.loc[later, column].dropna()
+            ).all()
 
     if privacy != "none":
         ledger_full = json.loads((full_dir / "ledger.json").read_text())
         ledger_cut = json.loads((cut_dir / "ledger.json").read_text())
-        assert ledger_cut["state"] == ledger_full["state"]
-        assert ledger_cut["summary"] == ledger_full["summary"]
+        if case == "hierarchical-cp-np" and charged:
+            interrupted = [
+                r for r in ledger_cut["state"]["releases"] if "interrupted" in r["note"]
+            ]
+            assert [r["count"] for r in interrupted] == [2]  # tau_2 edge aggregations
+            rest = [r for r in ledger_cut["state"]["releases"] if r not in interrupted]
+            assert rest == ledger_full["state"]["releases"]
+        elif case == "dp-sgd" and charged:
+            assert ledger_cut["state"]["releases"] == ledger_full["state"]["releases"]
+            worst = max(g["epsilon"] for g in ledger_cut["state"]["local_guarantees"])
+            assert worst > max(g["epsilon"] for g in ledger_full["state"]["local_guarantees"])
+        else:
+            assert ledger_cut["state"] == ledger_full["state"]
+            if not charged:
+                assert ledger_cut["summary"] == ledger_full["summary"]
+
+
+def test_checkpoint_is_owner_only(tmp_path):
+    # server.pt holds the secret DP generator: whoever reads it can subtract the noise.
+    config = run_config(
+        **{"output-dir": str(tmp_path), "num-server-rounds": 1, "privacy": "dp-fedavg-fixed"},
+        **{"dp.num-sampled-clients": 2},
+    )
+    run_server(config, InProcessGrid(config, NODES))
+    server = _only_run(tmp_path) / "checkpoint" / "server.pt"
+    assert server.stat().st_mode & 0o777 == 0o600
 
 
 def test_resume_refuses_another_run_config(tmp_path):

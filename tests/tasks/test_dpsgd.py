@@ -20,7 +20,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.dpsgd import (
+    BUDGET_REFUSAL,
     HISTORY_KEY,
+    ROUND_NOISE,
+    ROUND_SAMPLE_RATE,
+    ROUND_STEPS,
+    ROUNDS,
+    BudgetExceeded,
     add_proximal_gradient,
     calibrate_noise_multiplier,
     epsilon_from_history,
@@ -159,21 +165,44 @@ def test_dp_training_reports_cumulative_epsilon(task, partition):
     rdp = rdp_analysis.compute_rdp(q=SAMPLE_RATE, noise_multiplier=1.0, steps=14, orders=orders)
     epsilon, _ = rdp_analysis.get_privacy_spent(orders=orders, rdp=rdp, delta=DP.delta)
     assert second[LOCAL_EPSILON] == pytest.approx(epsilon, abs=1e-6)
+    # What the server re-derives the epsilon from: trainings covered, this round's steps.
+    assert second[ROUNDS] == 2.0 and second[ROUND_STEPS] == STEPS_PER_EPOCH
+    assert (second[ROUND_NOISE], second[ROUND_SAMPLE_RATE]) == (1.0, pytest.approx(SAMPLE_RATE))
 
 
-def test_dp_training_is_reproducible_from_local_seed(task, partition):
+def test_a_client_refuses_a_round_that_would_exceed_its_budget(task, partition):
+    # One round costs epsilon(7 steps); a budget between one and two rounds' epsilon.
+    one = epsilon_from_history([(1.0, SAMPLE_RATE, STEPS_PER_EPOCH)], DP.delta)
+    two = epsilon_from_history([(1.0, SAMPLE_RATE, 2 * STEPS_PER_EPOCH)], DP.delta)
+    budgeted = DPSGD(
+        noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, max_epsilon=(one + two) / 2
+    )
+    model, state = task.build_model(seed=0), {}
+    task.train(model, partition, LocalTraining(1, seed=1, dp_sgd=budgeted, state=state))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(BudgetExceeded, match=BUDGET_REFUSAL):
+        task.train(model, partition, LocalTraining(2, seed=2, dp_sgd=budgeted, state=state))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # not trained
+    assert len(state[HISTORY_KEY]) == 1 and state[HISTORY_KEY][0][2] == STEPS_PER_EPOCH
+
+
+def test_dp_training_is_secret_by_default_and_reproducible_from_its_dp_seed(task, partition):
     # Prepare: cnn has dropout and GroupNorm.
     cnn_task = DigitsTask({**DIGITS_CONFIG, "model.name": "cnn"})
-    models = [cnn_task.build_model(seed=0) for _ in range(3)]
+    models = [cnn_task.build_model(seed=0) for _ in range(5)]
     rng_before = torch.get_rng_state()
 
-    # Execute
-    for model, seed in zip(models, (3, 3, 4), strict=True):
-        cnn_task.train(model, partition, LocalTraining(1, seed=seed, dp_sgd=DP, state={}))
+    # Execute: the same local seed; DP seeds given (dp.reproducible-noise) or secret.
+    for model, dp_seed in zip(models, (3, 3, 4, None, None), strict=True):
+        given = {} if dp_seed is None else {"dp_seed": dp_seed}
+        local = LocalTraining(1, seed=7, dp_sgd=DP, state={}, **given)
+        cnn_task.train(model, partition, local)
 
-    # Assert
+    # Assert: batch sampling and noise follow the DP seed alone, which by default
+    # nobody can recompute (OS entropy).
     assert torch.equal(_weights(models[0]), _weights(models[1]))
     assert not torch.equal(_weights(models[0]), _weights(models[2]))
+    assert not torch.equal(_weights(models[3]), _weights(models[4]))
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 

@@ -326,12 +326,14 @@ def test_public_gradients_of_one_group_are_its_rows_of_all():
     low = task.public_gradients(model, keys, labels=task.groups()["low"])
     high = task.public_gradients(model, keys, labels=set(HIGH))
 
-    # Assert: 84 * 10 + 10 columns; rows are the group's rows of the full matrix.
+    # Assert: 84 * 10 + 10 columns; rows are the group's rows of the full matrix, up to
+    # float32 rounding (the forward pass runs on other batches, and CPU kernels sum in
+    # a batch-size dependent order: ~1e-5 relative seen on this machine).
     is_low = np.isin(public.labels.numpy(), LOW)
     assert every.shape == (180, 850)
     assert low.shape == (int(is_low.sum()), 850) and high.shape == (int((~is_low).sum()), 850)
-    np.testing.assert_allclose(low, every[is_low], rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(high, every[~is_low], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(low, every[is_low], rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(high, every[~is_low], rtol=1e-4, atol=1e-8)
 
 
 @pytest.mark.parametrize("labels", [(), (10, 11)])
