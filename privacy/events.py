@@ -37,12 +37,25 @@ MECHANISMS = ("gaussian", "laplace")
 NEIGHBORING_RELATIONS = {
     "add-or-remove-one": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
     "replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+    # One client's contribution replaced by zero while it still takes part (Kairouz et
+    # al. 2021, "Practical and private (deep) learning without sampling or shuffling";
+    # dp-accounting's REPLACE_SPECIAL): the relation of local noise, where a client that
+    # took part always sends its noise, so only its data may be neighbouring.
+    "zero-out": dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
 }
-# The relation each sampling scheme is analysed under (see the module docstring).
+# The relation each sampling scheme is analysed under by default (module docstring).
 REQUIRED_NEIGHBORING = {
     "poisson": "add-or-remove-one",
     "none": "add-or-remove-one",
     "without-replacement": "replace-one",
+}
+# Every relation each sampling scheme may be analysed under: dp-accounting amplifies
+# Poisson sampling for add-or-remove-one and REPLACE_SPECIAL alike (the sensitivity of
+# a sum is C in both), and sampling without replacement only under REPLACE_ONE.
+ALLOWED_NEIGHBORING = {
+    "poisson": ("add-or-remove-one", "zero-out"),
+    "none": ("add-or-remove-one", "zero-out"),
+    "without-replacement": ("replace-one",),
 }
 
 # RDP orders: dp-accounting's default grid (1.1..10.9 by 0.1, 11..63, 128..1024) plus
@@ -101,9 +114,10 @@ def neighboring_name(neighboring: str | dp_accounting.NeighboringRelation) -> st
 def l2_sensitivity_factor(neighboring: str | dp_accounting.NeighboringRelation) -> float:
     """How much one client moves a sum of updates clipped to norm C, in units of C.
 
-    1 under add/remove-one (the client's update appears or disappears), 2 under
-    replace-one (‖u − u'‖ <= 2C). A release's noise multiplier is the noise std over
-    the sensitivity: with noise std z·C it is z / factor. The same holds for L1.
+    1 under add/remove-one (the client's update appears or disappears) and zero-out
+    (it becomes zero), 2 under replace-one (‖u − u'‖ <= 2C). A release's noise
+    multiplier is the noise std over the sensitivity: with noise std z·C it is
+    z / factor. The same holds for L1.
     """
     return 2.0 if neighboring_name(neighboring) == "replace-one" else 1.0
 
@@ -186,7 +200,7 @@ class Release:
 
 def _check_relation(sampling: str, neighboring: str) -> None:
     required = REQUIRED_NEIGHBORING[sampling]
-    if sampling != "none" and neighboring != required:
+    if sampling != "none" and neighboring not in ALLOWED_NEIGHBORING[sampling]:
         why = {
             "poisson": "dp-accounting amplifies Poisson sampling for add/remove-one",
             "without-replacement": "dp-accounting's RDP supports "

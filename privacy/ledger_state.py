@@ -15,8 +15,8 @@ from numbers import Real
 
 from privacy.events import (
     ACCOUNTANTS,
+    ALLOWED_NEIGHBORING,
     MECHANISMS,
-    REQUIRED_NEIGHBORING,
     SAMPLINGS,
     AccountingError,
     Release,
@@ -80,12 +80,13 @@ class LedgerConfig:
         ):
             if value not in choices:
                 raise AccountingError(f"{name} must be one of {list(choices)}, got {value!r}")
-        required = REQUIRED_NEIGHBORING[self.sampling]
-        if self.neighboring != required:
+        allowed = ALLOWED_NEIGHBORING[self.sampling]
+        if self.neighboring not in allowed:
             raise AccountingError(
-                f"sampling={self.sampling!r} must be accounted with neighboring={required!r} "
-                f"(fixed-size sampling without replacement: replace-one; Poisson or no "
-                f"sampling: add-or-remove-one), got neighboring={self.neighboring!r}"
+                f"sampling={self.sampling!r} must be accounted with neighboring in "
+                f"{list(allowed)} (fixed-size sampling without replacement: replace-one; "
+                f"Poisson or no sampling: add-or-remove-one, or zero-out for local noise), "
+                f"got neighboring={self.neighboring!r}"
             )
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         put("target_delta", _number("target_delta", self.target_delta, low=0.0, high=1.0))

@@ -454,14 +454,16 @@ def check_combinations(cfg: RunConfig) -> None:
     _check_head_only(cfg)
     if cfg.privacy == "subspace-dp":
         _check_subspace(cfg)
+    neighboring = None
     if cfg.privacy in registry.SELF_SAMPLING:
         sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
     elif cfg.privacy == "laplace":
         sampling, mechanisms = "none", ("laplace",)
+        neighboring = registry.LAPLACE_NEIGHBORING
     else:
         return
     try:  # accountant x sampling x mechanism must be one dp-accounting supports
-        registry.make_ledger(cfg.strategy_settings(), sampling, mechanisms)
+        registry.make_ledger(cfg.strategy_settings(), sampling, mechanisms, neighboring)
     except AccountingError as err:
         raise ConfigError(f"'dp.accountant' = {o['dp.accountant']!r}: {err}") from None
     if cfg.privacy == "dp-fedavg-adaptive":

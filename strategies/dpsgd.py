@@ -10,14 +10,14 @@ its summary says so.
 The server does not simply trust a client's accountant. It counts the rounds it asked
 each client (unit of privacy: its partition) to train, and every reply states this
 round's DP-SGD steps (noise multiplier, sample rate, steps) and how many trainings the
-client's accountant covers. The recorded ε is the larger of the client's and the
-server's own composition of the round's steps over the rounds it counted
-(:func:`privacy.calibration.sampled_gaussian_epsilon`): a client whose state file was
-lost restarts its accountant, and the server composes the lost history instead
-(a warning names it). With ``dp.max-epsilon`` the server refuses a round that would take
-a sampled client above it (from the steps that client reported), and each client
-refuses, before training, a round that would (``dpsgd-max-epsilon``): the run then
-stops before its next round.
+client's accountant covers. When that is fewer than the rounds the server counted (a
+client whose state file was lost restarts its accountant), or the client's ε is below
+the server's own composition of the round's steps over those rounds
+(:func:`privacy.calibration.sampled_gaussian_epsilon`), the server's composition is
+recorded instead, with a warning naming the client. With ``dp.max-epsilon`` the server
+refuses a round that would take a sampled client above it (from the steps that client
+reported), and each client refuses, before training, a round that would (``dpsgd-max-
+epsilon``): the run then stops before its next round.
 """
 
 from __future__ import annotations
@@ -178,8 +178,12 @@ class DPSGDClients(PrivacyWrapper):
         return add_to_config(messages, extra)
 
     def _verified(self, message: Message, reported: float) -> float:
-        """The larger of the client's ε and the server's composition of its steps over
-        the rounds the server asked it to train."""
+        """The ε to record: the server's composition of the client's steps over the
+        rounds the server asked it to train when the client's accountant covers fewer
+        (restarted) or its ε is below that composition by more than accountants differ
+        (1 %: Opacus' RDP orders and conversion against dp-accounting's); else the
+        client's own (Opacus, the accountant its noise was calibrated with). Either is
+        an upper bound for the steps it took."""
         client = partitions.client_name(message.metadata.src_node_id)
         metrics = metrics_of(message)
         steps = _round_steps(metrics)
@@ -201,10 +205,21 @@ class DPSGDClients(PrivacyWrapper):
                 client,
                 covered,
                 asked,
-                max(reported, composed),
+                composed,
                 reported,
             )
-        return max(reported, composed)
+            return composed
+        if reported < composed * (1 - 1e-2):
+            log(
+                WARNING,
+                "DP-SGD: %s reported epsilon %.4f for steps that compose to %.4f: the "
+                "server's is recorded",
+                client,
+                reported,
+                composed,
+            )
+            return composed
+        return reported
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -8,11 +8,13 @@ failed counts as a zero update, whose Laplace noise the server draws itself (sec
 generator), so the released mean is distributed as if it had sent a noised zero.
 
 Privacy unit: one client's whole contribution to a round (its data or, for RL, its
-whole environment interaction). Neighbouring relation: add-or-remove-one, in the form
-that fits a mechanism without amplification (the "zero-out" form of Kairouz et al.
-2021): a client's clipped update is present or replaced by zero. Each noisy upload is
-ε-DP for it (L1 sensitivity S); against replacing the update by another client's the
-sensitivity is 2S and the bound 2ε. Noise is added locally, so no amplification by
+whole environment interaction). Neighbouring relation: zero-out (Kairouz et al. 2021;
+dp-accounting's REPLACE_SPECIAL): a client's clipped update replaced by zero while it
+still takes part, sending its noise. That is the relation local noise supports: whether
+a client sent an upload is visible in the noise of the mean (one Laplace term per
+upload), so add-or-remove-one, which hides presence, does not hold. Each noisy upload
+is ε-DP for it (L1 sensitivity S); against replacing the update by another client's
+the sensitivity is 2S and the bound 2ε. Noise is added locally, so no amplification by
 subsampling is claimed, and the same ε holds against the server, which sees every
 upload: the ledger composes every round (against observers of the model) and
 :class:`~privacy.local_view.LocalViewLedger` each client's own rounds (against the
@@ -71,7 +73,7 @@ class LaplaceDP(PrivacyWrapper):
     sensitivity, epsilon : float
         S (L1 clip norm) and the per-round ε; the noise scale is S/ε.
     ledger : PrivacyLedger
-        The run's ledger (sampling "none", add-or-remove-one).
+        The run's ledger (sampling "none", zero-out).
     rng : numpy.random.Generator
         The secret DP generator: the noise of clients counted as zero updates.
     **kwargs
@@ -117,8 +119,8 @@ class LaplaceDP(PrivacyWrapper):
                 sample_size=clients,
                 population=population,
                 note="local Laplace noise on each client's L1-clipped update; epsilon for "
-                "adding or removing one client's update (present or zero; 2x for replacing "
-                "it by another client's)",
+                "zeroing out one client's update (it still takes part; 2x for replacing it "
+                "by another client's)",
             )
         ]
 
@@ -225,7 +227,7 @@ class LaplaceDP(PrivacyWrapper):
         log(
             INFO,
             "\t├──> Laplace: L1 clip S = %g, epsilon per round %g (scale %g), "
-            "add-or-remove-one; the same epsilon per upload against the server",
+            "zero-out relation; the same epsilon per upload against the server",
             self.mechanism.sensitivity,
             self.mechanism.epsilon,
             self.mechanism.scale,

@@ -29,6 +29,10 @@ from strategies.subspace_dp import SubspaceDP
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
+# Local noise: a client that takes part always sends its noise, so only its data may
+# differ between neighbouring runs (its update replaced by zero), not its presence.
+LAPLACE_NEIGHBORING = "zero-out"
+
 # Strategies that pick clients from what the clients report (no uniform sampling,
 # so DP wrappers claim no amplification by subsampling for them).
 DATA_DEPENDENT_SELECTION: frozenset[str] = frozenset({"smart-fedprox"})
@@ -125,16 +129,22 @@ def dp_fedavg_sampling(strategy: str) -> str:
 
 
 def make_ledger(
-    s: StrategySettings, sampling: str, mechanisms: tuple[str, ...] = ("gaussian",)
+    s: StrategySettings,
+    sampling: str,
+    mechanisms: tuple[str, ...] = ("gaussian",),
+    neighboring: str | None = None,
 ) -> PrivacyLedger:
     """The run's ledger, configured from the ``dp.*`` options; it refuses at once an
-    accountant x sampling x mechanism combination dp-accounting cannot account."""
+    accountant x sampling x mechanism combination dp-accounting cannot account.
+    ``neighboring``: the relation, when not the one ``sampling`` implies (Laplace:
+    :data:`LAPLACE_NEIGHBORING`)."""
     o = s.options
     ledger = PrivacyLedger(
         accountant=str(o["dp.accountant"]),
         target_delta=float(o["dp.target-delta"]),
         max_epsilon=float(o["dp.max-epsilon"]) or None,
         sampling=sampling,
+        neighboring=neighboring,
         mechanisms=mechanisms,
     )
     ledger.noise_from_seed = bool(o["dp.reproducible-noise"])
@@ -222,7 +232,7 @@ def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
         base,
         sensitivity=float(o["dp.sensitivity"]),
         epsilon=float(o["dp.epsilon"]),
-        ledger=make_ledger(s, "none", mechanisms=("laplace",)),
+        ledger=make_ledger(s, "none", ("laplace",), LAPLACE_NEIGHBORING),
         rng=dp_generator(s),
         **_wrapper_kwargs(s),
     )

@@ -93,11 +93,9 @@ def test_never_asked_client_has_zero_and_charge_all_reaches_everyone():
 
 def test_laplace_uploads_compose_to_the_smaller_of_basic_and_accountant():
     view = LocalViewLedger(
-        accountant="rdp",
-        target_delta=1e-5,
-        neighboring="add-or-remove-one",
-        mechanisms=("laplace",),
+        accountant="rdp", target_delta=1e-5, neighboring="zero-out", mechanisms=("laplace",)
     )
+    assert view.neighboring == "zero-out"
     view.charge(["a"], _laplace(10.0))
     assert view.epsilon("a") == 10.0  # RDP alone says 10.0028
     for _ in range(99):
@@ -180,3 +178,34 @@ def test_noise_from_seed_is_stated_first():
     summary = ledger.summary()
     assert summary["noise-from-seed"] is True
     assert summary["statements"][0].startswith("NO EPSILON HOLDS against anyone who knows")
+
+
+@pytest.mark.parametrize("sampling", ["none", "poisson"])
+def test_zero_out_is_dp_accountings_replace_special(sampling):
+    # Laplace (local noise) is accounted under zero-out: a client's update replaced by
+    # zero while it still takes part. dp-accounting calls it REPLACE_SPECIAL.
+    ledger = PrivacyLedger(
+        accountant="pld",
+        target_delta=1e-5,
+        sampling=sampling,
+        neighboring="zero-out",
+        mechanisms=("laplace",),
+    )
+    release = Release(**{**_laplace(0.5).__dict__, "sampling": sampling, "population": 10})
+    ledger.charge(Release(**{**release.__dict__, "count": 20}))
+    reference = pld_privacy_accountant.PLDAccountant(
+        dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+    )
+    event = dp_accounting.LaplaceDpEvent(2.0)
+    if sampling == "poisson":
+        event = dp_accounting.PoissonSampledDpEvent(0.1, event)
+    reference.compose(event, 20)
+    assert ledger.accountant_epsilon() == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
+    assert ledger.summary()["neighboring-relation"] == "zero-out"
+    with pytest.raises(AccountingError, match="replace-one"):
+        PrivacyLedger(
+            accountant="rdp",
+            target_delta=1e-5,
+            sampling="without-replacement",
+            neighboring="zero-out",
+        )

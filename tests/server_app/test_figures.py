@@ -260,10 +260,10 @@ def test_an_unknown_metric_lists_the_valid_ones(results, tmp_path):
 
 
 def test_mixed_neighbouring_relations_are_said_on_the_figure():
-    # Laplace runs are accounted under add-or-remove-one, fixed-size DP-FedAvg under
-    # replace-one: one axis may show both, but not as if they were one quantity.
+    # Laplace runs are accounted under zero-out, fixed-size DP-FedAvg under replace-one:
+    # one axis may show both, but not as if they were one quantity.
     rows = [
-        ("laplace", 20.0, "add-or-remove-one", False),
+        ("laplace", 20.0, "zero-out", False),
         ("dp-fedavg-fixed", 8.0, "replace-one", False),
         ("debug", 8.0, "replace-one", True),
     ]
@@ -275,10 +275,10 @@ def test_mixed_neighbouring_relations_are_said_on_the_figure():
             for name, eps, relation, seeded in rows
         ]
     )  # fmt: skip
-    assert fplots.relations(summary) == ["add-or-remove-one", "replace-one"]
+    assert fplots.relations(summary) == ["replace-one", "zero-out"]
     figure = fplots.plot_utility_vs_epsilon(summary, "eval-accuracy")
     left = figure.axes[0]
-    assert "neighbouring relations differ (add-or-remove-one, replace-one)" in left.get_xlabel()
+    assert "neighbouring relations differ (replace-one, zero-out)" in left.get_xlabel()
     labels = left.get_legend_handles_labels()[1] or [
         t.get_text() for legend in figure.legends for t in legend.get_texts()
     ]

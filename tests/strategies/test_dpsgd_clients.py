@@ -97,6 +97,24 @@ def test_a_restarted_accountant_is_caught_and_its_lost_history_composed(caplog):
     assert "partition-1's accountant covers 1 training(s), the server asked it 3" in caplog.text
 
 
+def test_a_client_reporting_less_than_its_steps_compose_to_is_overruled(caplog):
+    partitions.record(1, 0)
+    strategy = _wrapper()
+    _round(strategy, 1, {1: 1}, nodes=(1,))
+    messages = list(strategy.configure_train(2, record(GLOBAL), ConfigRecord(), FakeGrid([1])))
+    metrics = {
+        keys.NUM_EXAMPLES: 10,
+        keys.LOCAL_EPSILON: 0.01,  # far below what its stated steps compose to
+        keys.DPSGD_ROUNDS: 2,
+        keys.DPSGD_ROUND_NOISE: STEPS[0],
+        keys.DPSGD_ROUND_SAMPLE_RATE: STEPS[1],
+        keys.DPSGD_ROUND_STEPS: STEPS[2],
+    }
+    strategy.aggregate_train(2, [reply_from(messages[0].metadata.dst_node_id, GLOBAL, metrics)])
+    assert _recorded(strategy, 2)["partition-0"] == pytest.approx(_epsilon(2), rel=1e-9)
+    assert "reported epsilon 0.0100" in caplog.text
+
+
 def test_a_resume_counts_the_interrupted_round_for_every_client():
     partitions.record(1, 0)
     partitions.record(2, 1)

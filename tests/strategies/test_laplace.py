@@ -16,7 +16,11 @@ from tests.fakes import FakeGrid, error_from, record, reply_from
 
 def _ledger():
     return PrivacyLedger(
-        accountant="rdp", target_delta=1e-5, sampling="none", mechanisms=("laplace",)
+        accountant="rdp",
+        target_delta=1e-5,
+        sampling="none",
+        neighboring="zero-out",
+        mechanisms=("laplace",),
     )
 
 
