@@ -208,6 +208,9 @@ class PrivacyLedger:
         # dp.reproducible-noise: the noise and the DP sample derive from the run seed, so
         # no ε holds against anyone who knows it (set by the app; shown in summary).
         self.noise_from_seed = False
+        # What is done with released outputs that costs no privacy (e.g. a server
+        # optimizer): stated in the summary (set by the app's wrappers).
+        self.post_processing: list[str] = []
 
     # -- configuration ------------------------------------------------------------
     @property

@@ -49,11 +49,13 @@ REQUIRED_NEIGHBORING = {
     "none": "add-or-remove-one",
     "without-replacement": "replace-one",
 }
-# Every relation each sampling scheme may be analysed under: dp-accounting amplifies
-# Poisson sampling for add-or-remove-one and REPLACE_SPECIAL alike (the sensitivity of
-# a sum is C in both), and sampling without replacement only under REPLACE_ONE.
+# Every relation each sampling scheme may be analysed under. dp-accounting amplifies
+# Poisson sampling under REPLACE_SPECIAL as under add-or-remove-one, which holds when a
+# zeroed-out client is indistinguishable from an absent one (noise added once by the
+# server); the app's zero-out mechanism (Laplace) adds noise per client, so zero-out is
+# charged without sampling ("none"). Sampling without replacement: REPLACE_ONE only.
 ALLOWED_NEIGHBORING = {
-    "poisson": ("add-or-remove-one", "zero-out"),
+    "poisson": ("add-or-remove-one",),
     "none": ("add-or-remove-one", "zero-out"),
     "without-replacement": ("replace-one",),
 }

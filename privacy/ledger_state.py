@@ -85,7 +85,8 @@ class LedgerConfig:
             raise AccountingError(
                 f"sampling={self.sampling!r} must be accounted with neighboring in "
                 f"{list(allowed)} (fixed-size sampling without replacement: replace-one; "
-                f"Poisson or no sampling: add-or-remove-one, or zero-out for local noise), "
+                f"Poisson: add-or-remove-one; no sampling: that, or zero-out for local "
+                f"noise), "
                 f"got neighboring={self.neighboring!r}"
             )
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -275,6 +276,8 @@ def statements(ledger, epsilon: float, basic: float | None) -> list[str]:
             "= true derives the DP noise and sampling from it (a debugging setting). The "
             "epsilon below holds only if the seed is secret.",
         )
+    for note in getattr(ledger, "post_processing", []):
+        out.append(f"Post-processing, no privacy cost: {note}.")
     if ledger.unaccounted:
         kinds = sorted({u.kind for u in ledger.unaccounted})
         out.append(
