@@ -36,6 +36,7 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
 from tasks.vision.partitioning import (
+    ARRAY_SPLIT_SEED,
     PartitionSettings,
     build_partitioner,
     check_partition_id,
@@ -151,10 +152,15 @@ class CentralTestSet:
     test: TensorSplit
 
 
-def images_to_tensor(images: np.ndarray, spec: DatasetSpec) -> torch.Tensor:
-    """Scale and normalise raw images ``(N, H, W)`` or ``(N, H, W, C)`` to ``(N, C, H, W)``."""
+def images_to_tensor(
+    images: np.ndarray, spec: DatasetSpec, normalize: bool = True
+) -> torch.Tensor:
+    """Scale and normalise raw images ``(N, H, W)`` or ``(N, H, W, C)`` to ``(N, C, H, W)``
+    (``normalize=False``: scaled to [0, 1] only)."""
     x = torch.as_tensor(np.asarray(images), dtype=torch.float32) / spec.scale
     x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+    if not normalize:
+        return x.contiguous()
     mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
     std = torch.tensor(spec.std).view(1, -1, 1, 1)
     return ((x - mean) / std).contiguous()
@@ -222,35 +228,52 @@ def split_partition(
 # --- digits (scikit-learn, offline) ------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def digits_tensors() -> TensorSplit:
-    """All 1797 digits as a normalised ``(1797, 1, 8, 8)`` split with ids ``0..1796``."""
+@lru_cache(maxsize=2)
+def digits_tensors(normalize: bool = True) -> TensorSplit:
+    """All 1797 digits as a ``(1797, 1, 8, 8)`` split with ids ``0..1796``, normalised
+    (or, ``normalize=False``, pixels / 16: the peer workload's input)."""
     bunch = load_digits()
-    images = images_to_tensor(bunch.images, DIGITS)
+    images = images_to_tensor(bunch.images, DIGITS, normalize)
     labels = torch.as_tensor(bunch.target, dtype=torch.long)
     return TensorSplit(images, labels, torch.arange(len(labels)))
 
 
-@lru_cache(maxsize=8)
-def digits_central_split(seed: int, central_test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded stratified split of digits ids into (client pool, central test)."""
+def _stratified_split(seed: int, central_test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's stratified ``train_test_split`` of the digits ids, in its order."""
     labels = digits_tensors().labels.numpy()
-    pool, central = train_test_split(
+    return train_test_split(
         np.arange(len(labels)),
         test_size=central_test_fraction,
         stratify=labels,
         random_state=seed,
     )
+
+
+@lru_cache(maxsize=8)
+def digits_central_split(seed: int, central_test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified split of digits ids into (client pool, central test)."""
+    pool, central = _stratified_split(seed, central_test_fraction)
     return np.sort(pool), np.sort(central)
+
+
+def array_split_pool(central_test_fraction: float) -> np.ndarray:
+    """The peer workload's training rows in the order its clients cut them: scikit-learn's
+    ``train_test_split(random_state=0)`` order, permuted by ``default_rng(0)``."""
+    pool, _ = _stratified_split(ARRAY_SPLIT_SEED, central_test_fraction)
+    return pool[np.random.default_rng(ARRAY_SPLIT_SEED).permutation(len(pool))]
 
 
 @lru_cache(maxsize=8)
 def digits_partitioner(
     settings: PartitionSettings, central_test_fraction: float, num_partitions: int
 ) -> Partitioner:
-    """The partitioner over the digits client pool (shuffled with the run seed)."""
-    pool, _ = digits_central_split(settings.seed, central_test_fraction)
-    pool = np.random.default_rng(settings.seed).permutation(pool)
+    """The partitioner over the digits client pool (shuffled with the run seed; for
+    ``array-split`` the peer workload's fixed order, :func:`array_split_pool`)."""
+    if settings.partitioner == "array-split":
+        pool = array_split_pool(central_test_fraction)
+    else:
+        pool, _ = digits_central_split(settings.seed, central_test_fraction)
+        pool = np.random.default_rng(settings.seed).permutation(pool)
     labels = digits_tensors().labels.numpy()[pool]
     partitioner = build_partitioner(settings, num_partitions, DIGITS.label_column)
     partitioner.dataset = datasets.Dataset.from_dict({"id": pool, "label": labels})
@@ -279,15 +302,18 @@ def load_digits_partition(
         pool_size = partitioner.dataset.num_rows
         raise infeasible_partitioning(settings, pool_size, num_partitions, err) from err
     ids = np.asarray(part["id"], dtype=np.int64)
-    data = digits_tensors().subset(ids)
+    data = digits_tensors(settings.normalize).subset(ids)
     return split_partition(data, settings, partition_id, num_partitions)
 
 
 @lru_cache(maxsize=8)
-def load_digits_central_test(seed: int, central_test_fraction: float) -> CentralTestSet:
-    """The digits central test set (cached per process)."""
+def load_digits_central_test(
+    seed: int, central_test_fraction: float, normalize: bool = True
+) -> CentralTestSet:
+    """The digits central test set (cached per process); ``seed`` is the split's
+    ``random_state`` (the ``array-split`` partitioning passes its fixed 0)."""
     _, central = digits_central_split(seed, central_test_fraction)
-    return CentralTestSet(digits_tensors().subset(central))
+    return CentralTestSet(digits_tensors(normalize).subset(central))
 
 
 # --- label groups (seed 004: digits vs. letters) -------------------------------------

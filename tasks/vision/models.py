@@ -1,5 +1,8 @@
 """Image classifiers for 8x8 to 32x32 inputs, Opacus-compatible (no BatchNorm).
 
+- ``mlp``: the flattened image, one hidden ReLU layer of 64 units (4 810 weights on
+  digits): the model of the shared peer workload. DP noise grows with √d, so a small
+  model is what client-level DP on a few clients can train (LeNet has 21 386).
 - ``lenet``: LeNet-5 (LeCun et al., 1998, "Gradient-based learning applied to
   document recognition") with ReLU and max-pooling; convolutions are zero-padded
   where the image is too small for the classic unpadded 5x5 stack.
@@ -43,7 +46,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-MODEL_NAMES = ("lenet", "cnn", "cnn-complex-2", "cnn-complex-3", "resnet18", "mobilenet_v2")
+MODEL_NAMES = (
+    "mlp",
+    "lenet",
+    "cnn",
+    "cnn-complex-2",
+    "cnn-complex-3",
+    "resnet18",
+    "mobilenet_v2",
+)
+MLP_HIDDEN = 64  # the peer workload's hidden width
 SMALL_IMAGE_MAX = 64  # images up to this side use the CIFAR-style stem
 
 
@@ -259,7 +271,37 @@ def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Modu
     return model
 
 
+class MLP(nn.Module):
+    """The flattened image through one hidden ReLU layer: 64 -> 64 -> 10 on digits, the
+    model of the shared peer workload (``shared/peers/README.md``; pfl-research's and
+    bare Flower's digits MLP), with PyTorch's default initialisation as theirs.
+
+    Parameters
+    ----------
+    in_channels, num_classes, image_size : int
+        Input channels, output classes and image side: ``in_channels * image_size**2``
+        inputs.
+    hidden : int
+        Width of the hidden layer.
+    """
+
+    def __init__(
+        self, in_channels: int, num_classes: int, image_size: int, hidden: int = MLP_HIDDEN
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(in_channels * image_size * image_size, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
+    "mlp": MLP,
     "lenet": LeNet5,
     "cnn": SmallCNN,
     "cnn-complex-2": CifarCNN2Conv,

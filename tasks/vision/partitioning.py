@@ -70,8 +70,13 @@ from tasks.options import ConfigError
 from tasks.topology import edge_members, edge_start
 
 PARTITIONERS = (
-    "iid", "dirichlet", "pathological", "linear", "square", "exponential", "one-class"
+    "iid", "dirichlet", "pathological", "linear", "square", "exponential", "one-class",
+    "array-split",
 )  # fmt: skip
+# The shared peer workload's split (shared/peers/README.md), digits only: the central
+# test set of scikit-learn's train_test_split(random_state=0), and the training rows in
+# that split's order permuted by numpy's default_rng(0) and cut by np.array_split.
+ARRAY_SPLIT_SEED = 0
 QUANTITY_SKEW = {
     "linear": LinearPartitioner,
     "square": SquarePartitioner,
@@ -102,6 +107,9 @@ class PartitionSettings:
         Edges of the hierarchical topology, ``hier.num-edges`` (``one-class`` only).
     edge_iid : bool
         ``data.edge-iid``: every edge covers all classes (``one-class`` only).
+    normalize : bool
+        ``data.normalize``: standardise pixels by the dataset's mean and std (digits;
+        false: pixels / 16 only, the peer workload's input).
     """
 
     partitioner: str = "iid"
@@ -111,6 +119,7 @@ class PartitionSettings:
     seed: int = 42
     num_edges: int = 1
     edge_iid: bool = True
+    normalize: bool = True
 
 
 def build_partitioner(
@@ -135,7 +144,7 @@ def build_partitioner(
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
     mode = settings.partitioner
-    if mode == "iid":
+    if mode in ("iid", "array-split"):  # contiguous shards of the pool's order
         return IidPartitioner(num_partitions=num_partitions)
     if mode == "dirichlet":
         return DirichletPartitioner(
@@ -379,7 +388,7 @@ def split_local(
         Sorted train positions and sorted test positions.
     """
     order = rng.permutation(num_examples)
-    if num_examples < 2:
+    if num_examples < 2 or test_fraction == 0:  # 0: every example trains (no local test)
         return np.sort(order), np.empty(0, dtype=np.int64)
     num_test = min(max(round(test_fraction * num_examples), 1), num_examples - 1)
     return np.sort(order[num_test:]), np.sort(order[:num_test])

@@ -15,21 +15,29 @@ from tasks.options import Option
 from tasks.topology import NUM_EDGES_KEY
 from tasks.vision.data import GROUPINGS
 from tasks.vision.models import MODEL_NAMES
-from tasks.vision.partitioning import PARTITIONERS, PartitionSettings
+from tasks.vision.partitioning import ARRAY_SPLIT_SEED, PARTITIONERS, PartitionSettings
 
 # Declared by the app (hierarchical strategy); read here for the `one-class` partitioner.
 NUM_EDGES = Option(NUM_EDGES_KEY, 1, "Edges of the client -> edge -> cloud topology.", low=1)
 
 VISION_OPTIONS: tuple[Option, ...] = (
-    Option("data.partitioner", "iid", "How the train pool is split among clients.",
+    Option("data.partitioner", "iid",
+           "How the train pool is split among clients; `array-split` (digits): the shared "
+           "peer workload's fixed split (scikit-learn train_test_split(random_state=0), "
+           "default_rng(0).permutation, np.array_split), whatever the seed.",
            choices=PARTITIONERS),
     Option("data.alpha", 0.5, "Dirichlet concentration (smaller: stronger label skew).",
            low=0.0, low_open=True),
     Option("data.classes-per-client", 2, "Classes per client for `pathological`.", low=1),
     Option("data.edge-iid", True,
            "`one-class`: every edge covers all classes (true) or as few as it can (false)."),
-    Option("data.test-fraction", 0.2, "Fraction of each client's data held out locally.",
-           low=0.05, high=0.5),
+    Option("data.test-fraction", 0.2,
+           "Fraction of each client's data held out locally (0: none, every example trains; "
+           "federated evaluation then has nothing to evaluate).",
+           low=0.0, high=0.5),
+    Option("data.normalize", True,
+           "Standardise pixels by the dataset's mean and std; false (digits only): pixels "
+           "scaled to [0, 1], the peer workload's input."),
     Option("data.central-test-fraction", 0.2,
            "Fraction held out as the central test set (digits; emnist has no test split).",
            low=0.05, high=0.5),
@@ -84,6 +92,8 @@ class VisionConfig:
     """``hier.num-edges`` (declared by the app, default 1): edges (one-class)."""
     test_fraction: float
     """``data.test-fraction``: local test split of each client."""
+    normalize: bool
+    """``data.normalize``: standardise the pixels (false: scaled only, digits)."""
     central_test_fraction: float
     """``data.central-test-fraction``: central test share of a dataset without test split."""
     batch_size: int
@@ -126,4 +136,11 @@ class VisionConfig:
         return PartitionSettings(
             self.partitioner, self.alpha, self.classes_per_client, self.test_fraction,
             self.seed, self.num_edges if one_class else 1, self.edge_iid or not one_class,
+            self.normalize,
         )  # fmt: skip
+
+    @property
+    def central_split_seed(self) -> int:
+        """``random_state`` of the central test split: the run seed, or the peer
+        workload's fixed 0 under ``array-split``."""
+        return ARRAY_SPLIT_SEED if self.partitioner == "array-split" else self.seed

@@ -180,6 +180,7 @@ class ImageClassificationTask(Task):
             edge_iid=bool(opts["data.edge-iid"]),
             num_edges=int(NUM_EDGES.parse(run_config.get(NUM_EDGES.key, NUM_EDGES.default))),
             test_fraction=float(opts["data.test-fraction"]),
+            normalize=bool(opts["data.normalize"]),
             central_test_fraction=float(opts["data.central-test-fraction"]),
             batch_size=int(opts["data.batch-size"]),
             groups=MappingProxyType(self._resolve_groups(str(opts["data.groups"]))),
@@ -200,9 +201,24 @@ class ImageClassificationTask(Task):
         )
         self._check_classes_per_client()
         self._check_group_keep()
+        self._check_digits_only()
         self._thinned: dict[tuple[int, int], ClientPartition] = {}
         self._head_keys: tuple[str, ...] | None = None
         self._public_and_test: tuple[TensorSplit, TensorSplit] | None = None
+
+    def _check_digits_only(self) -> None:
+        """The peer workload's options exist for the offline digits alone."""
+        cfg = self.config
+        for key, used in (
+            ("data.partitioner", cfg.partitioner == "array-split"),
+            ("data.normalize", not cfg.normalize),
+        ):
+            if used and self.SPEC.hf_id is not None:
+                value = "'array-split'" if key == "data.partitioner" else "false"
+                raise ConfigError(
+                    f"{key!r} = {value} is the shared peer workload's (digits); valid tasks: "
+                    "'digits'"
+                )
 
     def _check_classes_per_client(self) -> None:
         cfg, num_classes = self.config, self.SPEC.num_classes
@@ -313,7 +329,9 @@ class ImageClassificationTask(Task):
         """The whole held-out set (digits: central ids; Hub: the test split)."""
         cfg = self.config
         if self.SPEC.hf_id is None:
-            return load_digits_central_test(cfg.seed, cfg.central_test_fraction)
+            return load_digits_central_test(
+                cfg.central_split_seed, cfg.central_test_fraction, cfg.normalize
+            )
         central = hub_central_fraction(self.SPEC, cfg.central_test_fraction)
         return load_hub_central_test(self.SPEC, cfg.seed, central)
 

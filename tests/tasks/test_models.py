@@ -122,3 +122,16 @@ def test_seed_cifar_cnns_work_with_dp_sgd_and_many_classes(name):
     # Execute / Assert: Opacus accepts them (no BatchNorm), and the head fits 62 classes.
     check_compatible(model, name)
     assert model.eval()(torch.randn(2, 1, 28, 28)).shape == (2, 62)
+
+
+def test_mlp_is_the_peer_workloads_64_64_10():
+    # The shared peer workload's model: 64 -> 64 -> 10 ReLU, 4 810 weights, PyTorch's
+    # default initialisation (nn.Linear's), so the same seed gives the peers' weights.
+    model = build_model("mlp", 1, 10, 8, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == 64 * 64 + 64 + 64 * 10 + 10
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+    check_compatible(model, "mlp")  # DP-SGD works on it

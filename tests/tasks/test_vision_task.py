@@ -381,3 +381,32 @@ def test_one_class_with_more_edges_than_clients_raises(fake_hub):
 
     with pytest.raises(ConfigError, match=r"hier\.num-edges.*\[1, 3\]"):
         task.load_partition(0, 3)
+
+
+def test_array_split_is_the_peer_workloads_split_whatever_the_seed():
+    # shared/peers/README.md: X / 16; train_test_split(test_size=0.2, random_state=0,
+    # stratify=y); clients np.array_split(default_rng(0).permutation(n_train), N).
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    x_train, x_test, _, _ = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    shards = np.array_split(np.random.default_rng(0).permutation(len(x_train)), 100)
+    peer = {"data.partitioner": "array-split", "data.normalize": False, "data.test-fraction": 0.0}
+    for seed in (0, 7):
+        task = DigitsTask({"task": "digits", "seed": seed, **peer})
+        for client in (0, 37, 99):
+            part = task.load_partition(client, 100)
+            assert len(part.test) == 0  # every example trains
+            ours = part.train.images.reshape(len(part.train), -1).numpy()
+            np.testing.assert_array_equal(
+                np.sort(ours, axis=0), np.sort(x_train[shards[client]], axis=0)
+            )
+        central = task.load_central_test().test.images.reshape(-1, 64).numpy()
+        np.testing.assert_array_equal(np.sort(central, axis=0), np.sort(x_test, axis=0))
+
+
+def test_peer_workload_options_are_digits_only():
+    with pytest.raises(ConfigError, match="valid tasks: 'digits'"):
+        MNISTTask({"task": "mnist", "data.normalize": False})
