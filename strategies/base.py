@@ -131,6 +131,16 @@ def sample_uniform(node_ids: list[int], size: int, rng: np.random.Generator) -> 
     return [ordered[i] for i in sorted(picked)]
 
 
+def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -> list[int]:
+    """Each node independently with probability ``rate`` (Poisson sampling), in
+    partition order; one uniform draw per node, in that order, from ``rng``."""
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"sampling rate must be in (0, 1], got {rate!r}")
+    ordered = partitions.order(node_ids)
+    taken = rng.random(len(ordered)) < rate
+    return [node for node, take in zip(ordered, taken, strict=True) if take]
+
+
 _NPY_V1 = b"\x93NUMPY\x01\x00"  # .npy magic and format version 1.0 (what np.save writes)
 
 

@@ -5,19 +5,26 @@ Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping".
 
 Any strategy of the registry can be wrapped. The wrapper
 
-* samples exactly ``num_sampled_clients`` nodes per round, uniformly without
-  replacement, with the secret DP generator (OS entropy; the run seed only under
-  ``dp.reproducible-noise``), and lets the wrapped strategy configure only those nodes
-  (it sees a grid holding just them);
+* samples the round's clients with the secret DP generator (OS entropy; the run seed
+  only under ``dp.reproducible-noise``) and lets the wrapped strategy configure only
+  those nodes (it sees a grid holding just them): by default **Poisson sampling**, each
+  connected client (one partition: one unit of privacy) independently with probability
+  q = m/N, accounted as ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under
+  add-or-remove-one; or exactly m uniformly without replacement
+  (``dp.sampling = "fixed"``), accounted under replace-one (sensitivity 2C: z/2);
+* calibrates z to ``dp.target-epsilon`` over the planned rounds once it knows N (the
+  first round), unless z is given;
 * adds ``dpfedavg_clip_norm`` (and, with client-side noising,
   ``dpfedavg_noise_stddev`` = z·C/√m) to every node's config, and what the clients may
   report (``report-metrics``);
 * never aborts a round: a sampled client that fails, times out or replies with
   something unusable contributes a zero update (a value an honest client may send, so
-  the sensitivity is unchanged), and the round is released and charged like any other.
-  With client-side noising the server adds that client's missing noise share itself;
-* averages the clipped updates over the fixed m and, with server-side noising, adds
-  N(0, (zC)²) once to their sum;
+  the sensitivity is unchanged), and the round is released and charged like any other
+  (an empty Poisson cohort releases the noise alone). With client-side noising the
+  server adds that client's missing noise share itself;
+* divides the sum of the clipped updates by the fixed m (the expected cohort under
+  Poisson sampling, so one client moves the mean by at most C/m) and, with server-side
+  noising, adds N(0, (zC)²) once to the sum;
 * charges every released aggregate to the run's :class:`privacy.accounting.PrivacyLedger`
   and, with client-side noising, each sampled client's own noisy upload to a
   :class:`privacy.local_view.LocalViewLedger` (what the server itself sees, without
@@ -60,15 +67,19 @@ from strategies.base import (
     add_to_config,
     arrays_of,
     check_reply,
+    poisson_sample,
     sample_uniform,
     to_record,
-    wait_for_nodes,
     weighted_metrics,
 )
+from strategies.calibrated import CalibratedNoise
 from strategies.private import PrivacyWrapper
 
+# z·√d/m above which the noise on the mean update drowns any client's signal.
+NOISE_TO_SIGNAL_WARNING = 20.0
 
-class DPFedAvgFixed(PrivacyWrapper):
+
+class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
     """DP-FedAvg with a fixed clip norm around any strategy.
 
     Parameters
@@ -78,10 +89,12 @@ class DPFedAvgFixed(PrivacyWrapper):
         (``fraction_train = 1``), since the wrapper does the sampling.
     clip_norm : float
         L2 clip norm C of each client's update.
-    noise_multiplier : float
-        z: the noise on the sum of clipped updates has std z·C.
+    noise_multiplier : float or None
+        z: the noise on the sum of clipped updates has std z·C. None: calibrated to
+        ``target_epsilon`` over ``planned_rounds`` at the first round.
     num_sampled_clients : int
-        m, the fixed number of clients per round.
+        m: the expected (Poisson) or exact (fixed) number of clients per round, and the
+        denominator of the mean. The ledger's sampling says which.
     noise_site : {"server", "client"}
         Who adds the noise.
     ledger : PrivacyLedger
@@ -99,12 +112,23 @@ class DPFedAvgFixed(PrivacyWrapper):
     released_keys : tuple of str, optional
         Head-only training: only these arrays are clipped, noised and updated; the
         others keep the global values whatever a client sends. None: every array.
+    target_epsilon : float, optional
+        The ε at the ledger's δ the whole run meets when z is calibrated.
+    planned_rounds : int
+        T, the rounds the run plans (calibration).
     **kwargs
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
     # The generator's state is secret: it lives only in the owner-only checkpoint.
-    CHECKPOINT = ("rng", "clip_norm", "ledger", "local_view")  # strategies.checkpoint
+    CHECKPOINT = (
+        "rng",
+        "clip_norm",
+        "noise_multiplier",
+        "calibration",
+        "ledger",
+        "local_view",
+    )  # strategies.checkpoint
     RELEASED_METRICS = (
         *PrivacyWrapper.RELEASED_METRICS,
         keys.DP_EPSILON_LOCAL,
@@ -117,7 +141,7 @@ class DPFedAvgFixed(PrivacyWrapper):
         strategy: Strategy,
         *,
         clip_norm: float,
-        noise_multiplier: float,
+        noise_multiplier: float | None,
         num_sampled_clients: int,
         noise_site: str,
         ledger: PrivacyLedger,
@@ -126,15 +150,24 @@ class DPFedAvgFixed(PrivacyWrapper):
         uniform_sampling: bool = True,
         connect_timeout: float = 300.0,
         released_keys: tuple[str, ...] | None = None,
+        target_epsilon: float | None = None,
+        planned_rounds: int = 1,
         **kwargs,
     ) -> None:
-        if clip_norm <= 0 or noise_multiplier <= 0 or num_sampled_clients < 1:
-            raise ValueError("clip_norm and noise_multiplier must be > 0, m >= 1")
+        if clip_norm <= 0 or num_sampled_clients < 1:
+            raise ValueError("clip_norm must be > 0, m >= 1")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+        if noise_multiplier is not None and noise_multiplier <= 0:
+            raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier!r}")
         if noise_site not in ("server", "client"):
             raise ValueError(f"noise_site must be 'server' or 'client', not {noise_site!r}")
+        if noise_site == "client" and ledger.sampling == "poisson":
+            raise ValueError("client-side noise needs fixed-size sampling (see config.py)")
         super().__init__(strategy, **kwargs)
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
+        self.target_epsilon, self.planned_rounds = target_epsilon, planned_rounds
         self.num_sampled_clients = num_sampled_clients
         self.noise_site = noise_site
         self.ledger = ledger
@@ -164,8 +197,15 @@ class DPFedAvgFixed(PrivacyWrapper):
 
     def release(self, server_round: int, population: int) -> list[Release]:
         """The releases one aggregation makes, as the ledger accounts them."""
+        assert self.noise_multiplier is not None
+        return self.releases_with(self.noise_multiplier, server_round, population)
+
+    def releases_with(
+        self, noise_multiplier: float, server_round: int, population: int, count: int = 1
+    ) -> list[Release]:
+        """The releases of ``count`` aggregations with noise multiplier z (calibration
+        plans a whole run with them before z is known)."""
         factor = l2_sensitivity_factor(self.ledger.neighboring)
-        sampling = "without-replacement" if self.uniform_sampling else "none"
         note = (
             ""
             if self.uniform_sampling
@@ -179,14 +219,36 @@ class DPFedAvgFixed(PrivacyWrapper):
                 server_round=server_round,
                 kind="model-update",
                 mechanism="gaussian",
-                noise_multiplier=self.noise_multiplier / factor,
+                noise_multiplier=noise_multiplier / factor,
                 laplace_epsilon=None,
-                sampling=sampling,
+                sampling=self.ledger.sampling,
                 sample_size=self.num_sampled_clients,
                 population=population,
+                count=count,
                 note=note,
             )
         ]
+
+    def calibrate(self, population: int) -> None:
+        """Set z to meet ``target_epsilon`` over the planned rounds with ``population``
+        clients (once: the first round's N)."""
+        if self.noise_multiplier is not None:
+            return
+        self.noise_multiplier = self.calibrated(population)
+        self.record_calibration(
+            "dp.noise-multiplier",
+            self.noise_multiplier,
+            population,
+            **{"expected-clients": self.num_sampled_clients},
+        )
+        self.after_calibration()
+
+    def planned_releases(self, noise_multiplier: float, population: int) -> list[Release]:
+        """The releases of the whole planned run with multiplier z (calibration)."""
+        return self.releases_with(noise_multiplier, 1, population, count=self.planned_rounds)
+
+    def after_calibration(self) -> None:
+        """What depends on z once it is calibrated (adaptive clipping's count noise)."""
 
     def local_release(self, server_round: int) -> Release:
         """One client's noisy upload as the server sees it: its clipped update plus its
@@ -241,25 +303,24 @@ class DPFedAvgFixed(PrivacyWrapper):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample m nodes, let the wrapped strategy configure them, add DP keys."""
-        all_nodes = wait_for_nodes(
-            grid,
-            max(self.num_sampled_clients, self.min_available_nodes),
-            timeout=self.connect_timeout,
+        all_nodes = self.nodes_for_round(
+            server_round, grid, self.num_sampled_clients, self.min_available_nodes
         )
-        if len(all_nodes) < self.num_sampled_clients:
+        expected = self.num_sampled_clients
+        if self.ledger.sampling == "poisson":
+            nodes = poisson_sample(all_nodes, expected / len(all_nodes), self.rng)
+            grid, expected = GridView(grid, nodes), len(nodes)
+        elif self.uniform_sampling:
+            grid = GridView(grid, sample_uniform(all_nodes, expected, self.rng))
+        messages = (
+            list(self.strategy.configure_train(server_round, arrays, config, grid))
+            if expected
+            else []  # an empty Poisson cohort: the round releases the noise alone
+        )
+        if len(messages) != expected:
             raise StopTraining(
-                f"'dp.num-sampled-clients' = {self.num_sampled_clients} but only "
-                f"{len(all_nodes)} nodes connected within {self.connect_timeout:g} s"
-            )
-        self._refuse_over_budget(server_round, len(all_nodes))
-        if self.uniform_sampling:
-            nodes = sample_uniform(all_nodes, self.num_sampled_clients, self.rng)
-            grid = GridView(grid, nodes)
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        if len(messages) != self.num_sampled_clients:
-            raise StopTraining(
-                f"the wrapped strategy configured {len(messages)} clients, DP-FedAvg needs "
-                f"exactly 'dp.num-sampled-clients' = {self.num_sampled_clients}"
+                f"the wrapped strategy configured {len(messages)} clients, DP-FedAvg "
+                f"sampled {expected}"
             )
         messages = add_to_config(messages, self.client_config())
         self._fix_released(arrays)
@@ -334,6 +395,40 @@ class DPFedAvgFixed(PrivacyWrapper):
             self._mask = self._released_mask(arrays)
             kept = zip(arrays_of(arrays), self._mask, strict=True)
             self._released_dim = sum(a.size for a, keep in kept if keep)
+            self._report_noise_to_signal()
+
+    def _report_noise_to_signal(self) -> None:
+        """Log the noise on the mean update against the most any client can move it.
+
+        The mean's noise has expected L2 norm about z·C·√d / m over the d released
+        weights, while the clipped signal is at most C: above ``NOISE_TO_SIGNAL_WARNING``
+        a model learns little (digits: the peer workload's MLP learns at ratios 5 and 10,
+        LeNet on the default federation of 10 nodes, at 40, does not), so the run says so
+        before it spends its budget.
+        """
+        ratio = (
+            self.update_noise_multiplier()
+            * math.sqrt(self._released_dim)
+            / self.num_sampled_clients
+        )
+        level = WARNING if ratio > NOISE_TO_SIGNAL_WARNING else INFO
+        log(
+            level,
+            "DP-FedAvg: the noise on the mean update has norm about %.1f x C (z %.3f, "
+            "d = %d released weights, m = %g clients per round) against at most C of "
+            "signal%s",
+            ratio,
+            self.update_noise_multiplier(),
+            self._released_dim,
+            self.num_sampled_clients,
+            (
+                ": expect the model to learn little. The noise shrinks as sqrt(d)/m: more "
+                "clients per round ('dp.num-sampled-clients' with more nodes), a smaller "
+                "model ('model.name' = 'mlp' for digits), or a larger epsilon"
+                if level == WARNING
+                else ""
+            ),
+        )
 
     def _released_mask(self, arrays: ArrayRecord) -> list[bool]:
         keys_ = list(arrays.keys())
@@ -441,14 +536,17 @@ class DPFedAvgFixed(PrivacyWrapper):
         log(INFO, "\t├──> DP-FedAvg (%s):", type(self).__name__)
         log(
             INFO,
-            "\t│\t├── clip norm C = %g, noise multiplier z = %g",
+            "\t│\t├── clip norm C = %g, noise multiplier z = %s",
             self.clip_norm,
-            self.noise_multiplier,
+            f"{self.noise_multiplier:g}"
+            if self.noise_multiplier is not None
+            else f"calibrated in round 1 to epsilon {self.target_epsilon:g}",
         )
         log(
             INFO,
-            "\t│\t├── m = %d clients per round, noise added by the %s",
+            "\t│\t├── m = %d clients per round (%s), noise added by the %s",
             self.num_sampled_clients,
+            "expected, Poisson" if self.ledger.sampling == "poisson" else "exactly",
             self.noise_site,
         )
         log(
@@ -467,87 +565,3 @@ class DPFedAvgFixed(PrivacyWrapper):
                 self.local_release(0).noise_multiplier,
             )
         self.strategy.summary()
-
-
-class DPFedAvgAdaptive(DPFedAvgFixed):
-    """DP-FedAvg with adaptive clipping (Andrew et al. 2021, Algorithm 1).
-
-    Each client reports the bit b_i = [||Δ_i|| <= C]. The server releases the noised
-    fraction b̄ = (Σ b_i + N(0, σ_b²)) / m and updates C ← C·exp(−η_C (b̄ − γ)), moving C
-    towards the γ-quantile of the update norms. The update noise uses
-    z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2) so that updates and count together are one Gaussian
-    mechanism with noise multiplier z (their Theorem 1): the ledger charges exactly
-    that release, which therefore covers the count query.
-
-    With client-side noise the bit reaches the server in the clear: no guarantee holds
-    against the server itself (no local view), only against observers of the model.
-    """
-
-    RELEASED_METRICS = (*DPFedAvgFixed.RELEASED_METRICS, "dp-noisy-unclipped-fraction")
-    CLIENT_REPORTS = (keys.DP_NORM_BIT,)
-    LOCAL_VIEW = False
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        *,
-        target_quantile: float,
-        clip_lr: float,
-        count_stddev: float,
-        **kwargs,
-    ) -> None:
-        super().__init__(strategy, **kwargs)
-        if not 0 < target_quantile < 1 or clip_lr <= 0:
-            raise ValueError("target_quantile must be in (0, 1), clip_lr > 0")
-        if count_stddev <= self.noise_multiplier / 2:
-            raise ValueError(
-                f"the count noise sigma_b = {count_stddev:g} must exceed z/2 = "
-                f"{self.noise_multiplier / 2:g} (z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2)"
-            )
-        self.target_quantile = target_quantile
-        self.clip_lr = clip_lr
-        self.count_stddev = count_stddev
-
-    def update_noise_multiplier(self) -> float:
-        """z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2), the update share of the combined noise."""
-        z, sigma_b = self.noise_multiplier, self.count_stddev
-        return (z**-2 - (2 * sigma_b) ** -2) ** -0.5
-
-    def client_config(self) -> dict[str, float | bool]:
-        """Fixed clipping's keys plus the request for the norm indicator bit."""
-        return {**super().client_config(), keys.DP_ADAPTIVE: True}
-
-    def release(self, server_round: int, population: int) -> list[Release]:
-        """One Gaussian release with multiplier z covers updates and count together."""
-        (update,) = super().release(server_round, population)
-        note = (
-            f"updates (z_delta = {self.update_noise_multiplier():.4f}) and the "
-            f"clipped-count query (sigma_b = {self.count_stddev:g}) as one Gaussian "
-            f"mechanism with z = {self.noise_multiplier:g} (Andrew et al. 2021, Thm 1)"
-        )
-        return [
-            Release(
-                **{
-                    **update.__dict__,
-                    "kind": "model-update+clip-count",
-                    "note": "; ".join(n for n in (update.note, note) if n),
-                }
-            )
-        ]
-
-    def round_metrics(self, records: list[MetricRecord]) -> dict[str, float]:
-        """Release the noised count (a failed client's bit counts 0), update C, and
-        report both."""
-        bits = [float(r[keys.DP_NORM_BIT]) for r in records]
-        m = self.num_sampled_clients
-        noisy_fraction = (sum(bits) + self.rng.normal(0.0, self.count_stddev)) / m
-        used = self.clip_norm
-        self.clip_norm = used * math.exp(-self.clip_lr * (noisy_fraction - self.target_quantile))
-        return {"dp-clip-norm": used, "dp-noisy-unclipped-fraction": noisy_fraction}
-
-    def _check(self, message: Message, current: ArrayRecord):
-        received, metrics = super()._check(message, current)
-        bit = metrics.get(keys.DP_NORM_BIT)
-        if bit not in (0.0, 1.0, 0, 1):
-            raise InvalidReply(f"no valid '{keys.DP_NORM_BIT}' (got {bit!r})")
-        return received, metrics

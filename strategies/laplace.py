@@ -2,10 +2,23 @@
 
 Each sampled client clips its update Δ to L1 norm S (``dp.sensitivity``) and adds
 Laplace(0, S/ε) noise to every coordinate before sending it (ε = ``dp.epsilon``, the
-per-round budget), from a generator only it knows. The server averages the noisy
-deltas over the clients it asked and adds the mean to the global model; a client that
-failed counts as a zero update, whose Laplace noise the server draws itself (secret
-generator), so the released mean is distributed as if it had sent a noised zero.
+per-round budget, or calibrated to ``dp.target-epsilon`` over the planned rounds), from
+a generator only it knows. The server averages the noisy deltas and adds the mean to
+the global model; a client that failed counts as a zero update, whose Laplace noise the
+server draws itself (secret generator), so the released mean is distributed as if it
+had sent a noised zero.
+
+Sampling. With ``dp.sampling = "poisson"`` the wrapper samples itself, each connected
+client independently with probability q = m/N from the secret generator, and divides by
+the expected m. With ``"fixed"`` the wrapped strategy samples (``fraction-train``,
+seeded: public) and the mean is over the clients asked. Neither is charged as
+amplification (the ledger's sampling is "none"): a client that is not sampled sends no
+noise, so "not sampled" and "sampled with a zeroed update" differ by one Laplace term in
+the mean, and the add-or-remove amplification bound that dp-accounting applies to
+``PoissonSampledDpEvent`` (also under REPLACE_SPECIAL) assumes they coincide, as they do
+for noise the server adds once. A sound amplified bound for this mechanism (by joint
+convexity, privacy loss 0 with probability 1 - q and the Laplace loss with probability
+q) is not computed here.
 
 Privacy unit: one client's whole contribution to a round (its data or, for RL, its
 whole environment interaction). Neighbouring relation: zero-out (Kairouz et al. 2021;
@@ -52,35 +65,46 @@ from privacy.local_view import LocalViewLedger
 from privacy.mechanisms import LaplaceMechanism
 from strategies import keys, partitions
 from strategies.base import (
+    GridView,
     InvalidReply,
     StopTraining,
     add_to_config,
     arrays_of,
     check_reply,
+    poisson_sample,
     to_record,
     weighted_metrics,
 )
+from strategies.calibrated import CalibratedNoise
 from strategies.private import PrivacyWrapper
 
 
-class LaplaceDP(PrivacyWrapper):
+class LaplaceDP(CalibratedNoise, PrivacyWrapper):
     """Local Laplace noise on every client's clipped update, averaged over the sample.
 
     Parameters
     ----------
     strategy : Strategy
-        The wrapped strategy (it samples the clients).
-    sensitivity, epsilon : float
-        S (L1 clip norm) and the per-round ε; the noise scale is S/ε.
+        The wrapped strategy (it samples the clients unless ``expected_clients``).
+    sensitivity : float
+        S, the L1 clip norm.
+    epsilon : float or None
+        The per-round ε (noise scale S/ε); None: calibrated to ``target_epsilon`` over
+        ``planned_rounds`` at the first round.
     ledger : PrivacyLedger
-        The run's ledger (sampling "none", zero-out).
+        The run's ledger (zero-out, sampling "none": no amplification, see above).
     rng : numpy.random.Generator
-        The secret DP generator: the noise of clients counted as zero updates.
+        The secret DP generator: Poisson sampling and the noise of clients counted as
+        zero updates.
+    expected_clients : int, optional
+        m under Poisson sampling (the wrapper samples with q = m/N and divides by m).
+    min_available_nodes, connect_timeout :
+        Nodes to wait for, and how long, before a Poisson round samples.
     **kwargs
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
-    CHECKPOINT = ("rng", "ledger", "local_view")  # strategies.checkpoint
+    CHECKPOINT = ("rng", "epsilon", "calibration", "ledger", "local_view")
     RELEASED_METRICS = (*PrivacyWrapper.RELEASED_METRICS, keys.DP_EPSILON_LOCAL)
 
     def __init__(
@@ -88,13 +112,29 @@ class LaplaceDP(PrivacyWrapper):
         strategy: Strategy,
         *,
         sensitivity: float,
-        epsilon: float,
+        epsilon: float | None,
         ledger: PrivacyLedger,
         rng: np.random.Generator,
+        target_epsilon: float | None = None,
+        planned_rounds: int = 1,
+        expected_clients: int | None = None,
+        min_available_nodes: int = 1,
+        connect_timeout: float = 300.0,
         **kwargs,
     ) -> None:
         super().__init__(strategy, **kwargs)
-        self.mechanism = LaplaceMechanism(sensitivity=sensitivity, epsilon=epsilon)
+        if (epsilon is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of epsilon and target_epsilon")
+        if ledger.sampling != "none":
+            raise ValueError(
+                f"Laplace is charged without amplification: the ledger's sampling must be "
+                f"'none', got {ledger.sampling!r} (module docstring)"
+            )
+        LaplaceMechanism(sensitivity=sensitivity, epsilon=epsilon or 1.0)  # validates S
+        self.sensitivity, self.epsilon = sensitivity, epsilon
+        self.target_epsilon, self.planned_rounds = target_epsilon, planned_rounds
+        self.expected_clients = expected_clients
+        self.min_available_nodes, self.connect_timeout = min_available_nodes, connect_timeout
         self.ledger = ledger
         self.rng = rng
         self.local_view = LocalViewLedger(
@@ -106,36 +146,88 @@ class LaplaceDP(PrivacyWrapper):
         )
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
 
-    def release(self, server_round: int, clients: int, population: int) -> list[Release]:
-        """One Laplace release per round (worst case: a client in every round)."""
+    @property
+    def mechanism(self) -> LaplaceMechanism:
+        """The mechanism with the per-round ε (given or calibrated)."""
+        assert self.epsilon is not None, "not calibrated yet"
+        return LaplaceMechanism(sensitivity=self.sensitivity, epsilon=self.epsilon)
+
+    def releases_with(
+        self, epsilon: float, server_round: int, clients: int, population: int, count: int = 1
+    ) -> list[Release]:
+        """``count`` rounds' releases with per-round ε (worst case: a client in every
+        round; no amplification, see the module docstring)."""
         return [
             Release(
                 server_round=server_round,
                 kind="model-update",
                 mechanism="laplace",
                 noise_multiplier=None,
-                laplace_epsilon=self.mechanism.epsilon,
-                sampling="none",
-                sample_size=clients,
+                laplace_epsilon=epsilon,
+                sampling=self.ledger.sampling,
+                sample_size=self.expected_clients or clients,
                 population=population,
+                count=count,
                 note="local Laplace noise on each client's L1-clipped update; epsilon for "
                 "zeroing out one client's update (it still takes part; 2x for replacing it "
                 "by another client's)",
             )
         ]
 
+    def release(self, server_round: int, clients: int, population: int) -> list[Release]:
+        """One round's release."""
+        assert self.epsilon is not None
+        return self.releases_with(self.epsilon, server_round, clients, population)
+
     def local_release(self, server_round: int) -> Release:
-        """One client's noisy upload as the server sees it."""
-        (release,) = self.release(server_round, 1, 1)
+        """One client's noisy upload as the server sees it (no amplification)."""
+        assert self.epsilon is not None
         return Release(
-            **{**release.__dict__, "kind": "noisy-upload", "note": "one client's upload"}
+            server_round=server_round,
+            kind="noisy-upload",
+            mechanism="laplace",
+            laplace_epsilon=self.epsilon,
+            sampling="none",
+            sample_size=1,
+            population=1,
+            note="one client's upload",
         )
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """The wrapped strategy's sampling, plus the clip bound and noise scale."""
-        population = len(list(grid.get_node_ids()))
+    def planned_releases(self, parameter: float, population: int) -> list[Release]:
+        """The planned run's releases with noise 1/ε per round = ``parameter``."""
+        return self.releases_with(1.0 / parameter, 1, 1, population, count=self.planned_rounds)
+
+    def calibrate(self, population: int) -> None:
+        """Set the per-round ε so that the planned rounds meet ``target_epsilon``: the
+        larger of what the accountant allows and what basic composition allows (T·ε;
+        the ledger reports the smaller of the two bounds)."""
+        if self.epsilon is not None:
+            return
+        assert self.target_epsilon is not None
+        accountant = 1.0 / self.calibrated(population)
+        self.epsilon = max(accountant, self.target_epsilon / self.planned_rounds)
+        self.record_calibration("dp.epsilon", self.epsilon, population)
+
+    def _sample(self, server_round, arrays, config, grid) -> tuple[list[Message], int]:
+        """(The round's train messages, the population N): the wrapped strategy's
+        sample, or a Poisson sample with the secret generator."""
+        if self.expected_clients is None:
+            population = len(list(grid.get_node_ids()))
+            self.calibrate(population)
+            self._refuse_over_budget(server_round, population)
+            return list(self.strategy.configure_train(server_round, arrays, config, grid)), (
+                population
+            )
+        nodes = self.nodes_for_round(
+            server_round, grid, self.expected_clients, self.min_available_nodes
+        )
+        chosen = poisson_sample(nodes, self.expected_clients / len(nodes), self.rng)
+        if not chosen:  # an empty cohort: the round releases the noise alone
+            return [], len(nodes)
+        view = GridView(grid, chosen)
+        return list(self.strategy.configure_train(server_round, arrays, config, view)), len(nodes)
+
+    def _refuse_over_budget(self, server_round: int, population: int) -> None:
         if self.ledger.would_exceed(self.release(server_round, 1, population)) or (
             self.local_view.would_exceed(self.local_release(server_round))
         ):
@@ -145,14 +237,18 @@ class LaplaceDP(PrivacyWrapper):
                 f"worst client against the server {self.local_view.worst()[1]:.4f}); "
                 "nothing was sent"
             )
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The round's sample, plus the clip bound and noise scale."""
+        messages, population = self._sample(server_round, arrays, config, grid)
         extra = {
-            keys.LAPLACE_SENSITIVITY: self.mechanism.sensitivity,
+            keys.LAPLACE_SENSITIVITY: self.sensitivity,
             keys.LAPLACE_SCALE: self.mechanism.scale,
             **self.report_config(),
         }
-        messages = add_to_config(
-            self.strategy.configure_train(server_round, arrays, config, grid), extra
-        )
+        messages = add_to_config(messages, extra)
         sent = partitions.order(m.metadata.dst_node_id for m in messages)
         clients = [partitions.client_name(n) for n in sent]
         self.local_view.charge(clients, self.local_release(server_round))
@@ -162,7 +258,8 @@ class LaplaceDP(PrivacyWrapper):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The mean of the noisy deltas over the clients asked (failed: a noised zero)."""
+        """The mean of the noisy deltas (a failed client: a noised zero) over m (Poisson)
+        or the clients asked."""
         if self._round_state is None:
             return None, None
         current, sent, population = self._round_state
@@ -178,10 +275,11 @@ class LaplaceDP(PrivacyWrapper):
         for _, received in valid:
             for t, r, c in zip(total, received, reference, strict=True):
                 t += np.asarray(r, dtype=np.float64) - c
+        scale = self.mechanism.scale
         for _ in failed:  # their noise, drawn here: the mean is as if they sent a zero
             for t in total:
-                t += self.rng.laplace(0.0, self.mechanism.scale, size=t.shape)
-        count = max(len(sent), 1)
+                t += self.rng.laplace(0.0, scale, size=t.shape)
+        count = self.expected_clients or max(len(sent), 1)
         new_arrays = to_record(
             current, [c + t / count for c, t in zip(reference, total, strict=True)]
         )
@@ -219,17 +317,19 @@ class LaplaceDP(PrivacyWrapper):
 
     def on_resume(self) -> None:
         """Every client may have uploaded in the round under way when the server stopped."""
-        self.local_view.charge_all(self.local_release(0))
-        log(INFO, "resume: one noisy upload charged to every client against the server")
+        if self.epsilon is not None:
+            self.local_view.charge_all(self.local_release(0))
+            log(INFO, "resume: one noisy upload charged to every client against the server")
 
     def summary(self) -> None:
         """Log the mechanism, then the wrapped strategy's summary."""
         log(
             INFO,
-            "\t├──> Laplace: L1 clip S = %g, epsilon per round %g (scale %g), "
-            "zero-out relation; the same epsilon per upload against the server",
-            self.mechanism.sensitivity,
-            self.mechanism.epsilon,
-            self.mechanism.scale,
+            "\t├──> Laplace: L1 clip S = %g, epsilon per round %s, sampling %s (no "
+            "amplification charged), zero-out relation; the same epsilon per upload "
+            "against the server",
+            self.sensitivity,
+            f"{self.epsilon:g}" if self.epsilon else f"calibrated to {self.target_epsilon:g}",
+            "poisson" if self.expected_clients else "the strategy's",
         )
         self.strategy.summary()

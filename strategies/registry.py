@@ -16,7 +16,8 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import noise_generator
 from strategies.clustered import ClusteredFedAvg
-from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
+from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.dpsgd import DPSGDClients
 from strategies.frontloaded import MODES as FRONT_LOADED
 from strategies.frontloaded import FrontLoadedDP
@@ -24,6 +25,7 @@ from strategies.hierarchical import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
 from strategies.seeded import SeededSampling
+from strategies.server_optimizer import ServerOptimizer, server_optimizer_settings
 from strategies.smart_fedprox import SmartFedProx
 from strategies.subspace_dp import SubspaceDP
 
@@ -123,9 +125,22 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
 }
 
 
-def dp_fedavg_sampling(strategy: str) -> str:
-    """The ledger's sampling model for DP-FedAvg around ``strategy``."""
-    return "none" if strategy in DATA_DEPENDENT_SELECTION else "without-replacement"
+def dp_sampling(s: StrategySettings) -> str:
+    """The ledger's sampling model for a privacy wrapper that samples its clients:
+    ``dp.sampling`` ("poisson", or "without-replacement" for "fixed"), or "none" around
+    a strategy that selects clients by their data (no amplification claimed)."""
+    if s.strategy in DATA_DEPENDENT_SELECTION:
+        return "none"
+    return "poisson" if s.options["dp.sampling"] == "poisson" else "without-replacement"
+
+
+def resolved_accountant(accountant: str, sampling: str) -> str:
+    """``dp.accountant``, with ``auto`` resolved: PLD for Poisson sampling (tighter, and
+    what dp-accounting recommends for it), RDP otherwise (PLD has no sampling without
+    replacement)."""
+    if accountant != "auto":
+        return accountant
+    return "pld" if sampling == "poisson" else "rdp"
 
 
 def make_ledger(
@@ -140,7 +155,7 @@ def make_ledger(
     :data:`LAPLACE_NEIGHBORING`)."""
     o = s.options
     ledger = PrivacyLedger(
-        accountant=str(o["dp.accountant"]),
+        accountant=resolved_accountant(str(o["dp.accountant"]), sampling),
         target_delta=float(o["dp.target-delta"]),
         max_epsilon=float(o["dp.max-epsilon"]) or None,
         sampling=sampling,
@@ -169,11 +184,24 @@ def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:
     }
 
 
-def count_stddev(s: StrategySettings) -> float:
-    """σ_b of adaptive clipping: ``dp.clip-count-stddev``, or max(m/20, z) when 0."""
+def count_stddev(s: StrategySettings) -> float | None:
+    """σ_b of adaptive clipping: ``dp.clip-count-stddev``; when 0, max(m/20, z), and
+    None while z is still to be calibrated (the wrapper then sets it with z)."""
     o = s.options
-    auto = max(int(o["dp.num-sampled-clients"]) / 20, float(o["dp.noise-multiplier"]))
-    return float(o["dp.clip-count-stddev"]) or auto
+    z = float(o["dp.noise-multiplier"])
+    if float(o["dp.clip-count-stddev"]):
+        return float(o["dp.clip-count-stddev"])
+    return max(int(o["dp.num-sampled-clients"]) / 20, z) if z else None
+
+
+def _noise(s: StrategySettings, key: str) -> float | None:
+    """The noise parameter ``key`` (``dp.noise-multiplier``, ``dp.epsilon``), or None when
+    it is 0: calibrated from ``dp.target-epsilon`` once the nodes are known."""
+    return float(s.options[key]) or None
+
+
+def _target(s: StrategySettings) -> float | None:
+    return float(s.options["dp.target-epsilon"]) or None
 
 
 def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
@@ -181,9 +209,11 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
     o = s.options
     return {
         "clip_norm": float(o["dp.clip-norm"]),
-        "noise_multiplier": float(o["dp.noise-multiplier"]),
+        "noise_multiplier": _noise(s, "dp.noise-multiplier"),
+        "target_epsilon": _target(s),
+        "planned_rounds": s.num_rounds,
         "num_sampled_clients": int(o["dp.num-sampled-clients"]),
-        "ledger": make_ledger(s, dp_fedavg_sampling(s.strategy)),
+        "ledger": make_ledger(s, dp_sampling(s)),
         "rng": dp_generator(s),
         "min_available_nodes": s.min_available_nodes,
         "connect_timeout": s.round_timeout,
@@ -220,7 +250,6 @@ def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
         pmu_reserve=float(o["subspace.pmu-budget-reserve"]),
         allocation=str(o["subspace.allocation"]),
         quantize_bits=int(o["subspace.quantize-bits"]),
-        num_rounds=s.num_rounds,
         seed=s.seed,
         **_dp_fedavg_kwargs(s),
     )
@@ -228,10 +257,17 @@ def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
 
 def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
     o = s.options
+    poisson = o["dp.sampling"] == "poisson"
     return LaplaceDP(
         base,
         sensitivity=float(o["dp.sensitivity"]),
-        epsilon=float(o["dp.epsilon"]),
+        epsilon=_noise(s, "dp.epsilon"),
+        target_epsilon=_target(s),
+        planned_rounds=s.num_rounds,
+        expected_clients=int(o["dp.num-sampled-clients"]) if poisson else None,
+        min_available_nodes=s.min_available_nodes,
+        connect_timeout=s.round_timeout,
+        # Charged without amplification either way (strategies.laplace's docstring).
         ledger=make_ledger(s, "none", ("laplace",), LAPLACE_NEIGHBORING),
         rng=dp_generator(s),
         **_wrapper_kwargs(s),
@@ -242,7 +278,7 @@ def _dp_sgd(base: Strategy, s: StrategySettings) -> Strategy:
     o = s.options
     return DPSGDClients(
         base,
-        noise_multiplier=float(o["dp.noise-multiplier"]),
+        noise_multiplier=float(o["dp.noise-multiplier"]),  # 0 with a target: calibrated
         max_grad_norm=float(o["dp.clip-norm"]),
         target_epsilon=float(o["dp.target-epsilon"]),
         ledger=make_ledger(s, "none", mechanisms=()),
@@ -284,17 +320,29 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     **{mode: _front_loaded(mode) for mode in FRONT_LOADED},
 }
 
-# Wrappers that sample clients themselves: the base strategy must take every node
-# of the (restricted) grid it is shown.
+# Wrappers that sample clients themselves (Laplace: under Poisson sampling): the base
+# strategy must take every node of the (restricted) grid it is shown.
 SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"})
 
 
+def self_sampling(privacy: str, options: Mapping[str, Any]) -> bool:
+    """Whether the privacy wrapper ``privacy`` samples the clients itself."""
+    return privacy in SELF_SAMPLING or (
+        privacy == "laplace" and options.get("dp.sampling") == "poisson"
+    )
+
+
 def build(privacy: str, settings: StrategySettings) -> Strategy:
-    """Build ``settings.strategy`` wrapped by the privacy strategy ``privacy``."""
+    """Build ``settings.strategy`` wrapped by the privacy strategy ``privacy``, and by
+    the server optimizer when one is asked for (:mod:`strategies.server_optimizer`)."""
     base_settings = settings
-    if privacy in SELF_SAMPLING:
+    if self_sampling(privacy, settings.options):
         base_settings = replace(
             settings, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1
         )
     base = STRATEGIES[settings.strategy](base_settings)
-    return PRIVACY[privacy](base, settings)
+    strategy = PRIVACY[privacy](base, settings)
+    optimizer = server_optimizer_settings(settings.options)
+    if optimizer.is_identity:
+        return strategy
+    return ServerOptimizer(strategy, optimizer)

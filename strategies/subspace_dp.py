@@ -47,7 +47,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from privacy.accounting import Release, l2_sensitivity_factor
+from privacy.accounting import Release
 from privacy.allocation import allocate
 from privacy.certificates import spi
 from privacy.mechanisms import NonFiniteUpdateError, make_generator
@@ -108,8 +108,6 @@ class SubspaceDP(DPFedAvgFixed):
         The PTR gate's threshold factor.
     pmu_reserve : float
         r in [0, 1): the share of the zCDP budget spent on PMU (0: no PMU, P = τI).
-    num_rounds : int
-        T, the rounds the run plans (for the budget split).
     seed : int
         Run seed: the public sketch matrices derive from it.
     initial_basis : numpy.ndarray, optional
@@ -121,12 +119,14 @@ class SubspaceDP(DPFedAvgFixed):
         0, or b >= 2 bits per whitened coordinate (see the module doc).
     **kwargs
         ``ledger``, ``rng``, ``min_available_nodes``, ``uniform_sampling``,
-        ``connect_timeout``, ``released_keys`` as for :class:`DPFedAvgFixed`.
+        ``connect_timeout``, ``released_keys``, ``target_epsilon`` (z calibrated for
+        the whole run, PMU sketches included) and ``planned_rounds`` (T, also for the
+        budget split) as for :class:`DPFedAvgFixed`.
     """
 
     # The metric in use and the spectra of every metric used (SPI); public samples are
     # rebuilt by the app.
-    CHECKPOINT = (*DPFedAvgFixed.CHECKPOINT, "metric", "_spectra")
+    CHECKPOINT = (*DPFedAvgFixed.CHECKPOINT, "z_train", "z_pmu", "z_noise", "metric", "_spectra")
     # The gate reads only the noised sketch, and the rank and code length are public;
     # the P-norm clipping statistics and quantization error come from raw updates.
     RELEASED_METRICS = (
@@ -150,13 +150,26 @@ class SubspaceDP(DPFedAvgFixed):
         pmu_every: int,
         lambda_ptr: float,
         pmu_reserve: float,
-        num_rounds: int,
         seed: int,
         initial_basis: np.ndarray | None = None,
         allocation: str = "uniform",
         quantize_bits: int = 0,
         **kwargs,
     ) -> None:
+        if not 1 <= rank < sketch_dim:
+            raise ValueError(f"need 1 <= rank k = {rank} < sketch_dim s = {sketch_dim}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        self.rank, self.tau, self.trace_budget = rank, tau, trace_budget
+        self.sketch_dim, self.pmu_every, self.lambda_ptr = sketch_dim, pmu_every, lambda_ptr
+        self.pmu_reserve, self.seed = pmu_reserve, seed
+        self.initial_basis = initial_basis
+        self.allocation = allocation
+        # Group name -> public samples (n x d, e.g. per-example gradients); POOLED holds
+        # all of them. Set by the app before round 1 when allocation is not uniform.
+        self.public_samples: dict[str, np.ndarray] | None = None
+        self.quantize_bits = quantize_bits
+        self.z_train = self.z_pmu = self.z_noise = math.nan  # set with z
         super().__init__(
             strategy,
             clip_norm=clip_norm,
@@ -165,52 +178,76 @@ class SubspaceDP(DPFedAvgFixed):
             noise_site="server",
             **kwargs,
         )
-        if not 1 <= rank < sketch_dim:
-            raise ValueError(f"need 1 <= rank k = {rank} < sketch_dim s = {sketch_dim}")
-        self.rank, self.tau, self.trace_budget = rank, tau, trace_budget
-        self.sketch_dim, self.pmu_every, self.lambda_ptr = sketch_dim, pmu_every, lambda_ptr
-        self.pmu_reserve, self.seed = pmu_reserve, seed
-        self.z_train, self.z_pmu = pmu_noise_multiplier(
-            noise_multiplier, pmu_reserve, num_rounds, pmu_rounds(num_rounds, pmu_every)
-        )
-        self.initial_basis = initial_basis
-        if allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
-        self.allocation = allocation
-        # Group name -> public samples (n x d, e.g. per-example gradients); POOLED holds
-        # all of them. Set by the app before round 1 when allocation is not uniform.
-        self.public_samples: dict[str, np.ndarray] | None = None
-        self.quantize_bits = quantize_bits
-        self.z_noise = self.z_train  # the Gaussian noise actually added (and charged)
-        if quantize_bits:
+        if self.noise_multiplier is not None:
             try:
-                self.z_noise = topup_noise_multiplier(
-                    self.z_train,
-                    clip_norm=clip_norm,
-                    step=step_for_bits(clip_norm, quantize_bits),
-                    num_clients=num_sampled_clients,
-                )
-            except ValueError as err:
-                raise ValueError(f"'subspace.quantize-bits' = {quantize_bits}: {err}") from None
+                self.after_calibration()
+            except StopTraining as err:
+                raise ValueError(str(err)) from None
         self._spectra: list[np.ndarray] = []  # τ + λ of every metric used, for SPI
         self.metric: SubspaceMetric | None = None
         self._round = 0
         self._stats: dict[str, float] = {}
 
     # -- schedule and accounting ----------------------------------------------------
+    def noise_split(self, noise_multiplier: float) -> tuple[float, float, float]:
+        """(z_train, z_pmu, z_noise) of the budget z: z/√(1 − r), the sketches' share,
+        and the Gaussian noise actually added (z_train, or its top-up when quantized).
+
+        Raises
+        ------
+        ValueError
+            If the quantization leaves no room for a Gaussian top-up.
+        """
+        rounds = self.planned_rounds
+        z_train, z_pmu = pmu_noise_multiplier(
+            noise_multiplier, self.pmu_reserve, rounds, pmu_rounds(rounds, self.pmu_every)
+        )
+        if not self.quantize_bits:
+            return z_train, z_pmu, z_train
+        try:
+            z_noise = topup_noise_multiplier(
+                z_train,
+                clip_norm=self.clip_norm,
+                step=step_for_bits(self.clip_norm, self.quantize_bits),
+                num_clients=self.num_sampled_clients,
+            )
+        except ValueError as err:
+            raise ValueError(f"'subspace.quantize-bits' = {self.quantize_bits}: {err}") from None
+        return z_train, z_pmu, z_noise
+
+    def after_calibration(self) -> None:
+        """Split the budget z between training and PMU (and the quantization top-up)."""
+        assert self.noise_multiplier is not None
+        try:
+            self.z_train, self.z_pmu, self.z_noise = self.noise_split(self.noise_multiplier)
+        except ValueError as err:
+            raise StopTraining(str(err)) from None
+
     def is_pmu_round(self, server_round: int) -> bool:
         """PMU runs in rounds 1, 1 + every, ... when a budget share is reserved for it."""
-        return math.isfinite(self.z_pmu) and (server_round - 1) % self.pmu_every == 0
+        return self.pmu_reserve > 0 and (server_round - 1) % self.pmu_every == 0
 
     def update_noise_multiplier(self) -> float:
         """The Gaussian noise multiplier of the update: z_train = z/√(1 − r), or its top-up
         z_top when updates are quantized."""
         return self.z_noise
 
+    def planned_releases(self, noise_multiplier: float, population: int) -> list[Release]:
+        """The releases of the whole planned run with budget z (calibration)."""
+        _, z_pmu, z_noise = self.noise_split(noise_multiplier)
+        pmu = sum(self.is_pmu_round(r) for r in range(1, self.planned_rounds + 1))
+        plain = self.planned_rounds - pmu
+        out = []
+        for count, z in ((plain, z_noise), (pmu, combined_noise_multiplier(z_noise, z_pmu))):
+            if count:
+                out += self.releases_with(z, 1, population, count=count)
+        return out
+
     def release(self, server_round: int, population: int) -> list[Release]:
         """One Gaussian release: the update, joined by the sketch in PMU rounds."""
-        (update,) = super().release(server_round, population)
-        factor = l2_sensitivity_factor(self.ledger.neighboring)
+        pmu = self.is_pmu_round(server_round)
+        z = combined_noise_multiplier(self.z_noise, self.z_pmu) if pmu else self.z_noise
+        (update,) = self.releases_with(z, server_round, population)
         # The rank that clipped this round (PMU may already have replaced the metric).
         rank = int(self._stats.get("subspace-rank", self.metric.rank if self.metric else 0))
         note = (
@@ -224,28 +261,14 @@ class SubspaceDP(DPFedAvgFixed):
                 f"top-up z_top = {self.z_noise:.4f} of z_train = {self.z_train:.4f} (only the "
                 "Gaussian part is charged)"
             )
-        if not self.is_pmu_round(server_round):
-            return [
-                Release(
-                    **{**update.__dict__, "noise_multiplier": self.z_noise / factor, "note": note}
-                )
-            ]
-        z = combined_noise_multiplier(self.z_noise, self.z_pmu)
+        if not pmu:
+            return [Release(**{**update.__dict__, "note": note})]
         note += (
             f"; PMU sketch (sensitivity sqrt 2, z_pmu = {self.z_pmu:.4f}) of the same sample, "
             f"composed with the update as one Gaussian with z = {z:.4f}; the PTR gate reads "
             "only the released sketch (post-processing)"
         )
-        return [
-            Release(
-                **{
-                    **update.__dict__,
-                    "kind": "model-update+pmu-sketch",
-                    "noise_multiplier": z / factor,
-                    "note": note,
-                }
-            )
-        ]
+        return [Release(**{**update.__dict__, "kind": "model-update+pmu-sketch", "note": note})]
 
     # -- training half --------------------------------------------------------------
     def client_config(self) -> dict:

@@ -7,6 +7,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 import strategies
+from server_app.config import STRATEGY_OPTIONS
 from strategies import keys
 from strategies.base import to_numpy, to_record, weighted_metrics
 from tests.fakes import FakeGrid, reply_from
@@ -19,7 +20,8 @@ SETTINGS = strategies.StrategySettings(
     min_evaluate_nodes=2,
     min_available_nodes=2,
     seed=0,
-    options={"fedprox.mu": 0.25},
+    # The server optimizer's defaults (plain FedAvg), as config.load fills them in.
+    options={**{o.key: o.default for o in STRATEGY_OPTIONS}, "fedprox.mu": 0.25},
 )
 
 

@@ -15,7 +15,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from privacy.accounting import PrivacyLedger
 from strategies import StopTraining, keys
-from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
+from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from tests.fakes import FakeGrid, error_from, record, reply_from
 
 GLOBAL = {"w": [0.0, 0.0], "b": [1.0]}
@@ -244,7 +245,8 @@ def test_adaptive_counts_a_reply_without_a_valid_bit_as_a_zero_update():
     arrays, metrics = strategy.aggregate_train(1, replies)
     np.testing.assert_allclose(arrays["w"].numpy(), [0.3 / 3, 0.0], atol=1e-2)
     assert metrics[keys.DP_FAILED_CLIENTS] == 2.0  # a bit of 0.5, and none
-    assert metrics["dp-noisy-unclipped-fraction"] == pytest.approx(1 / 3, abs=1e-2)
+    # Centred bits: the valid client adds 1 - 1/2, each failed one nothing (a bit of 1/2).
+    assert metrics["dp-noisy-unclipped-fraction"] == pytest.approx(0.5 / 3 + 0.5, abs=1e-2)
     assert len(strategy.ledger.releases) == 1
 
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import strategies
 from strategies import keys
 from strategies.base import MAX_NUM_EXAMPLES
-from strategies.dp_fedavg import DPFedAvgAdaptive, DPFedAvgFixed
+from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from tests.fakes import FakeGrid, error_from, record, reply_from
 from tests.strategies import test_dp_fedavg, test_laplace, test_subspace_dp
 from tests.strategies.test_aggregation import SETTINGS
