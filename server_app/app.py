@@ -198,7 +198,7 @@ def _run(grid: Grid, context: Context) -> None:
             run_dir.write_rows(run_dir.table(name), rows)
         run_dir.record_round(result, None, models)
         if ledger is not None and result.server_round > 0:
-            run_dir.write_ledger(ledger, _threat_models(cfg, strategy))
+            run_dir.write_ledger(ledger, _ledger_extra(cfg, strategy))
 
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
@@ -221,7 +221,7 @@ def _run(grid: Grid, context: Context) -> None:
         title=f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}",
     )
     if ledger is not None:
-        report = _threat_models(cfg, strategy)
+        report = _ledger_extra(cfg, strategy)
         run_dir.write_ledger(ledger, report)
         _log_privacy_summary(ledger, cfg, report)
         certify.report(run_dir, ledger, strategy)
@@ -252,9 +252,13 @@ def _restore(saved: dict, strategy: Strategy, grid: Grid, cfg: config.RunConfig)
     )
 
 
-def _threat_models(cfg: config.RunConfig, strategy: Strategy) -> dict:
-    """``ledger.json``'s record of who each epsilon holds against."""
-    return {"threat-models": threat_models.run_report(cfg.privacy, cfg.options, strategy)}
+def _ledger_extra(cfg: config.RunConfig, strategy: Strategy) -> dict:
+    """``ledger.json``'s record of who each epsilon holds against, and of the noise
+    calibrated to ``dp.target-epsilon`` (None when the noise was given)."""
+    return {
+        "threat-models": threat_models.run_report(cfg.privacy, cfg.options, strategy),
+        "calibration": getattr(strategy, "calibration", None),
+    }
 
 
 def _log_privacy_summary(ledger, cfg: config.RunConfig, report: dict) -> None:

@@ -33,7 +33,7 @@ import matplotlib
 import pandas as pd
 
 from server_app import comparison_plots as cplots
-from server_app import study
+from server_app import figures, study
 from server_app.study import Preset, StudyError
 from tasks.base import SEED
 from tasks.options import ConfigError
@@ -295,6 +295,7 @@ def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
     metrics, selection = cplots.load_trials(runs)
     out.mkdir(parents=True, exist_ok=True)
     cplots.save_figures(metrics, selection, runs, out)
+    privacy_figures(runs, out / "plots")
     table = results_table(run_values(metrics, runs))
     table.to_csv(out / "results.csv", index=False)
     (out / "results.md").write_text(
@@ -306,6 +307,16 @@ def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
         f"{to_markdown(table)}\n"
     )
     return table
+
+
+def privacy_figures(runs: Mapping[str, Mapping[int, Path]], out: Path) -> None:
+    """When the runs are private (a ``ledger.json``), the privacy-utility curve (final
+    utility against the printed ε, mean ± std over seeds, ``utility_vs_epsilon.png``) and
+    the other figures of :mod:`server_app.figures` into ``out``."""
+    dirs = [path for seeds in runs.values() for path in seeds.values()]
+    if not any((Path(d) / "ledger.json").is_file() for d in dirs):
+        return
+    figures.build_figures(dirs, out, echo=lambda _line: None)
 
 
 def one_task(presets: Sequence[Preset]) -> None:
@@ -321,8 +332,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog=(
             "Writes into --out: comparison_results.png, r2_comparison.png, "
-            "mse_comparison.png, curves/<scope>/<metric>.png, results.csv, results.md and "
-            "comparison.json (presets, seeds, run directories)."
+            "mse_comparison.png, curves/<scope>/<metric>.png, results.csv, results.md, "
+            "comparison.json (presets, seeds, run directories) and, for private runs, "
+            "plots/utility_vs_epsilon.png (the privacy-utility curve) with the figures of "
+            "python -m server_app.figures."
         ),
     )
     parser.add_argument("presets", nargs="*", metavar="PRESET.toml", help="presets to run")

@@ -21,6 +21,7 @@ from privacy.accounting import AccountingError
 from privacy.quantization import step_for_bits, topup_noise_multiplier
 from privacy.subspace import pmu_noise_multiplier
 from strategies import registry
+from strategies.server_optimizer import ONE_GLOBAL_MODEL, OPTIMIZERS, server_optimizer_settings
 from strategies.subspace_dp import pmu_rounds
 from tasks.base import SEED
 from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
@@ -148,35 +149,109 @@ STRATEGY_OPTIONS: tuple[Option, ...] = (
         low=0.0,
         low_open=True,
     ),
+    Option(
+        "server.optimizer",
+        "sgd",
+        "Server optimizer on the round's aggregate (strategies with one global model; under "
+        "DP post-processing of the released aggregate): `sgd` and `momentum` (Flower's "
+        "FedAvgM), `adam`, `yogi`, `adagrad` (FedAdam, FedYogi, FedAdagrad; Reddi et al. "
+        "2021).",
+        choices=OPTIMIZERS,
+    ),
+    Option(
+        "server.lr",
+        1.0,
+        "Server learning rate (sgd/momentum) or eta (adam/yogi/adagrad); sgd with 1.0 is "
+        "plain FedAvg.",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "server.momentum",
+        0.9,
+        "Server momentum of `server.optimizer = momentum`.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    ),
+    Option(
+        "server.beta1",
+        0.9,
+        "First-moment decay of adam and yogi.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    ),
+    Option(
+        "server.beta2",
+        0.99,
+        "Second-moment decay of adam and yogi.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    ),
+    Option(
+        "server.tau",
+        1e-3,
+        "Adaptivity tau of adam, yogi and adagrad (added to the root of the second moment).",
+        low=0.0,
+        low_open=True,
+    ),
 )
+
+# ``dp.clip-norm = 0``: adaptive clipping starts at 0.1, as Andrew et al. (2021), TFF's
+# and Flower's adaptive-clipping aggregators do (a model's first updates are often far
+# above the quantile it converges to, and the noise scales with C until it gets there);
+# a fixed clip, DP-SGD's per-example clip and the hierarchical modes start at 1.
+ADAPTIVE_INITIAL_CLIP = 0.1
+DEFAULT_CLIP = 1.0
 
 PRIVACY_OPTIONS: tuple[Option, ...] = (
     Option(
         "dp.clip-norm",
-        1.0,
+        0.0,
         "L2 clip norm C: of each client update (DP-FedAvg; the initial C when "
-        "adaptive), of each example's gradient (DP-SGD).",
+        "adaptive), of each example's gradient (DP-SGD). 0: the mechanism's default, "
+        f"{ADAPTIVE_INITIAL_CLIP:g} for dp-fedavg-adaptive (Andrew et al. 2021), "
+        f"{DEFAULT_CLIP:g} otherwise.",
         low=0.0,
-        low_open=True,
     ),
     Option(
         "dp.noise-multiplier",
-        1.0,
-        "z: noise std / C (DP-FedAvg: on the sum of the round's updates; DP-SGD: on "
-        "each batch's gradient sum).",
+        0.0,
+        "z: noise std / C (DP-FedAvg, subspace-dp: on the sum of the round's updates; "
+        "DP-SGD: on each batch's gradient sum). 0: calibrated from dp.target-epsilon; "
+        "give one of the two.",
         low=0.0,
-        low_open=True,
     ),
     Option(
         "dp.num-sampled-clients",
         5,
-        "m: clients sampled uniformly (without replacement) per DP-FedAvg round.",
+        "m: clients per DP round (dp.sampling = poisson: the expected number, each client "
+        "taken with probability m/N; fixed: exactly m, without replacement). The mean "
+        "divides by m either way.",
         low=1,
+    ),
+    Option(
+        "dp.sampling",
+        "poisson",
+        "How DP-FedAvg, subspace-dp and Laplace sample clients: `poisson` (each client "
+        "independently, add-or-remove-one, PLD by default) or `fixed` (exactly m without "
+        "replacement, replace-one, RDP; seed 002's DP-FedAvg). Laplace: `poisson` samples "
+        "q = m/N, `fixed` is the strategy's `fraction-train`; neither is charged as "
+        "amplified (local noise).",
+        choices=("poisson", "fixed"),
     ),
     Option(
         "dp.noise-site", "server", "Who adds the Gaussian noise.", choices=("server", "client")
     ),
-    Option("dp.accountant", "rdp", "Privacy accountant (dp-accounting).", choices=("rdp", "pld")),
+    Option(
+        "dp.accountant",
+        "auto",
+        "Privacy accountant (dp-accounting): `auto` is pld for Poisson sampling and rdp "
+        "otherwise (dp-accounting's PLD has no sampling without replacement).",
+        choices=("auto", "rdp", "pld"),
+    ),
     Option(
         "dp.target-delta",
         1e-5,
@@ -233,16 +308,18 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "dp.epsilon",
-        10.0,
-        "Laplace: epsilon per round (noise scale S/epsilon).",
+        0.0,
+        "Laplace: epsilon per round (noise scale S/epsilon). 0: calibrated from "
+        "dp.target-epsilon; give one of the two.",
         low=0.0,
-        low_open=True,
     ),
     Option(
         "dp.target-epsilon",
         0.0,
-        "DP-SGD: each client calibrates its noise to reach this sample-level epsilon "
-        "over the whole run (0: use dp.noise-multiplier).",
+        "The epsilon (at dp.target-delta) the whole run meets: the server calibrates z "
+        "(DP-FedAvg, subspace-dp) or the Laplace scale once the nodes are known, and "
+        "refuses a round beyond it; DP-SGD: each client calibrates its noise for this "
+        "sample-level epsilon. 0: use dp.noise-multiplier / dp.epsilon.",
         low=0.0,
     ),
     Option(
@@ -426,6 +503,9 @@ def load(run_config: Mapping[str, Any]) -> RunConfig:
     options = all_options()
     check_unknown_keys(run_config, options, REMOVED_KEYS)
     values = parse_options(run_config, options)
+    if values["dp.clip-norm"] == 0.0:
+        adaptive = values["privacy"] == "dp-fedavg-adaptive"
+        values["dp.clip-norm"] = ADAPTIVE_INITIAL_CLIP if adaptive else DEFAULT_CLIP
     top = {opt.key.replace("-", "_"): values.pop(opt.key) for opt in TOP_LEVEL}
     cfg = RunConfig(**top, options=MappingProxyType(values))
     check_combinations(cfg)
@@ -452,12 +532,16 @@ def check_combinations(cfg: RunConfig) -> None:
     if cfg.strategy == "hierarchical" or cfg.privacy in FRONT_LOADED:
         _check_hierarchical(cfg)
     _check_head_only(cfg)
+    _check_noise_parameters(cfg)
+    _check_server_optimizer(cfg)
     if cfg.privacy == "subspace-dp":
         _check_subspace(cfg)
     neighboring = None
     if cfg.privacy in registry.SELF_SAMPLING:
-        sampling, mechanisms = registry.dp_fedavg_sampling(cfg.strategy), ("gaussian",)
+        settings = cfg.strategy_settings()
+        sampling, mechanisms = registry.dp_sampling(settings), ("gaussian",)
     elif cfg.privacy == "laplace":
+        # Never charged as amplified (strategies.laplace), whatever dp.sampling is.
         sampling, mechanisms = "none", ("laplace",)
         neighboring = registry.LAPLACE_NEIGHBORING
     else:
@@ -466,7 +550,7 @@ def check_combinations(cfg: RunConfig) -> None:
         registry.make_ledger(cfg.strategy_settings(), sampling, mechanisms, neighboring)
     except AccountingError as err:
         raise ConfigError(f"'dp.accountant' = {o['dp.accountant']!r}: {err}") from None
-    if cfg.privacy == "dp-fedavg-adaptive":
+    if cfg.privacy == "dp-fedavg-adaptive" and float(o["dp.noise-multiplier"]):
         sigma_b, z = (
             registry.count_stddev(cfg.strategy_settings()),
             float(o["dp.noise-multiplier"]),
@@ -476,6 +560,64 @@ def check_combinations(cfg: RunConfig) -> None:
                 f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "
                 f"= {z / 2:g} (adaptive clipping splits z between updates and count)"
             )
+
+
+# Each mechanism's noise parameter: give it, or dp.target-epsilon to calibrate it.
+NOISE_PARAMETER = {
+    "dp-fedavg-fixed": "dp.noise-multiplier",
+    "dp-fedavg-adaptive": "dp.noise-multiplier",
+    "subspace-dp": "dp.noise-multiplier",
+    "dp-sgd": "dp.noise-multiplier",
+    "laplace": "dp.epsilon",
+}
+
+
+def _check_noise_parameters(cfg: RunConfig) -> None:
+    """Exactly one of a mechanism's noise parameter and dp.target-epsilon; client-side
+    noise only with fixed-size sampling."""
+    o = cfg.options
+    target = float(o["dp.target-epsilon"])
+    if cfg.privacy in FRONT_LOADED and target:
+        raise ConfigError(
+            f"'dp.target-epsilon' = {target:g} is not available with 'privacy' = "
+            f"{cfg.privacy!r} (its noise is 'dp.noise-std'); valid values with a target: "
+            + ", ".join(repr(p) for p in NOISE_PARAMETER)
+        )
+    key = NOISE_PARAMETER.get(cfg.privacy)
+    if key is None:
+        return
+    given = float(o[key])
+    if given and target:
+        raise ConfigError(
+            f"both {key!r} = {given:g} and 'dp.target-epsilon' = {target:g} are given; give "
+            f"one: {key!r} sets the noise, 'dp.target-epsilon' calibrates it"
+        )
+    if not given and not target:
+        raise ConfigError(
+            f"'privacy' = {cfg.privacy!r} needs its noise: set {key!r} > 0, or "
+            "'dp.target-epsilon' > 0 to calibrate it for the whole run"
+        )
+    if (
+        cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive")
+        and o["dp.noise-site"] == "client"
+        and o["dp.sampling"] == "poisson"
+        and cfg.strategy not in registry.DATA_DEPENDENT_SELECTION
+    ):
+        raise ConfigError(
+            "'dp.noise-site' = 'client' needs 'dp.sampling' = 'fixed': with Poisson "
+            "sampling the number of noise shares in the sum, and so whether a client took "
+            "part, would show in the released mean (add-or-remove-one would not hold)"
+        )
+
+
+def _check_server_optimizer(cfg: RunConfig) -> None:
+    optimizer = server_optimizer_settings(cfg.options)
+    if not optimizer.is_identity and cfg.strategy not in ONE_GLOBAL_MODEL:
+        raise ConfigError(
+            f"'server.optimizer' = {optimizer.name!r} (lr {optimizer.lr:g}) needs a strategy "
+            f"with one global model, not 'strategy' = {cfg.strategy!r}; valid strategies: "
+            + ", ".join(repr(s) for s in ONE_GLOBAL_MODEL)
+        )
 
 
 # Privacy under which head-only training releases only the head: the DP-FedAvg family
@@ -533,7 +675,7 @@ def _check_subspace(cfg: RunConfig) -> None:
             "'subspace.quantize-bits' = 1 cannot code a coordinate of a clipped update "
             "(the dithered codes take at least three values); valid values: 0 (off) or 2..16"
         )
-    if bits:
+    if bits and float(o["dp.noise-multiplier"]):  # calibrated z: checked when calibrated
         rounds, every = cfg.num_server_rounds, int(o["subspace.pmu-every"])
         z_train, _ = pmu_noise_multiplier(
             float(o["dp.noise-multiplier"]),

@@ -163,7 +163,9 @@ def plot_utility_vs_epsilon(summary: pd.DataFrame, metric: str) -> Figure:
     for ax in (left, right):
         ax.grid(alpha=0.3)
     missing = summary.loc[np.isnan(eps), "configuration"]
-    title = f"Utility vs privacy: final {metric} against final ε (dashed: no-DP level)"
+    title = f"Utility vs privacy: final {metric} against final ε"
+    if np.isinf(eps).any():
+        title += " (dashed: no-DP level)"
     if len(missing):
         title += "\nnot drawn, no ledger.json: " + wrap(", ".join(missing), 100)
     fig.suptitle(title)

@@ -15,6 +15,7 @@ from flwr.common.logger import log
 
 from privacy.subspace import top_subspace
 from server_app.config import RunConfig
+from strategies.checkpoint import chain
 from strategies.subspace_dp import POOLED, SubspaceDP
 from tasks.base import Task
 from tasks.options import ConfigError
@@ -34,8 +35,10 @@ def check(cfg: RunConfig, task: Task) -> None:
 
 
 def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, released) -> None:
-    """Give ``strategy`` (when it is subspace-dp) its public basis and samples."""
-    if not isinstance(strategy, SubspaceDP):
+    """Give ``strategy``'s subspace-dp layer (when it has one: it may sit inside a server
+    optimizer) its public basis and samples."""
+    strategy = next((layer for layer in chain(strategy) if isinstance(layer, SubspaceDP)), None)
+    if strategy is None:
         return
     o = cfg.options
     wants_basis = o["subspace.init"] == "public"

@@ -17,6 +17,7 @@ from flwr.app import Context, Message, RecordDict
 
 from client_app.app import app as client_app
 from server_app import app as server_app
+from server_app.config import NOISE_PARAMETER
 from strategies import partitions
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -34,9 +35,20 @@ TINY = {
 
 
 def run_config(**overrides) -> dict:
-    """The pyproject defaults with ``TINY`` and ``overrides`` on top."""
+    """The pyproject defaults with ``TINY`` and ``overrides`` on top (and the test noise,
+    :func:`with_test_noise`)."""
     defaults = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
-    return {**defaults, **TINY, **overrides}
+    return with_test_noise({**defaults, **TINY, **overrides})
+
+
+def with_test_noise(config: dict) -> dict:
+    """``config`` with the noise parameter its privacy mechanism needs (z = 1, Laplace
+    epsilon = 10) when it sets neither that nor ``dp.target-epsilon``: the app has no
+    default noise, tests of mechanics do not care which."""
+    key = NOISE_PARAMETER.get(str(config.get("privacy")))
+    if key and not float(config.get(key) or 0) and not float(config.get("dp.target-epsilon") or 0):
+        config = {**config, key: 1.0 if key == "dp.noise-multiplier" else 10.0}
+    return config
 
 
 class InProcessGrid:

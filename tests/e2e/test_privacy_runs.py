@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from privacy.accounting import PrivacyLedger
@@ -14,12 +15,15 @@ pytestmark = pytest.mark.e2e
 
 TINY = "num-server-rounds=3 fraction-train=1.0 train.local-epochs=1 train.momentum=0.0"
 VARIANTS = {
-    # Mechanics, not utility: with 3 of 4 clients and a 21k-parameter model, noise
-    # that gives a useful epsilon swamps the updates (README, "Privacy").
-    "dp-fedavg-fixed": "dp.num-sampled-clients=3 dp.noise-multiplier=0.1 dp.clip-norm=0.5",
+    # Mechanics, not utility: with 3 of 4 clients, noise that gives a useful epsilon
+    # swamps the updates (README, "Privacy"). Here the DP that learns: Poisson sampling
+    # (the default), z calibrated to a target epsilon over the run, Adam on the
+    # released aggregate, the small MLP.
+    "dp-fedavg-fixed": "dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
+    "server.optimizer='adam' server.lr=0.05 model.name='mlp'",
     "dp-fedavg-adaptive": "dp.num-sampled-clients=3 dp.noise-multiplier=0.1 "
-    "dp.noise-site='client' dp.clip-count-stddev=1.0 dp.clip-norm=0.5",
-    "laplace": "dp.sensitivity=1.0 dp.epsilon=30.0 dp.accountant='pld'",
+    "dp.noise-site='client' dp.sampling='fixed' dp.clip-count-stddev=1.0 dp.clip-norm=0.5",
+    "laplace": "dp.sensitivity=1.0 dp.epsilon=30.0 dp.sampling='fixed'",
     "dp-sgd": "dp.target-epsilon=5.0 dp.clip-norm=1.0",
     # Head-only after a 2-epoch warm start on the public split; PMU in rounds 1 and 3;
     # the public U split by the fairness program over two label groups; 8-bit updates.
@@ -28,14 +32,15 @@ VARIANTS = {
     "subspace.pmu-every=2 subspace.init='public' subspace.allocation='fairness' "
     "data.groups='low-high' subspace.quantize-bits=8",
 }
+RUNS = {p: f"privacy='{p}' {o}" for p, o in VARIANTS.items()}
 
 
 @pytest.fixture(scope="module")
 def dp_runs(flower, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp-runs")
     runs = {}
-    for privacy, options in VARIANTS.items():
-        result = flower.run(f"{TINY} privacy='{privacy}' {options} output-dir='{root}'")
+    for privacy, options in RUNS.items():
+        result = flower.run(f"{TINY} {options} output-dir='{root}'")
         assert result.returncode == 0 and result.run_dir is not None, result.output
         runs[privacy] = (
             result,
@@ -140,3 +145,18 @@ def test_subspace_dp_part2_fairness_quantization_and_certificates(dp_runs):
     for row in doc["mia"]:
         assert row["fpr"] < row["tpr-bound"] <= tpr_bound_gdp(mu, row["fpr"]) + 1e-12
     assert doc["spi"]["k"][0] == 1 and "Certificates:" in result.output
+
+
+def test_target_epsilon_is_met_with_poisson_sampling_and_adam(dp_runs):
+    result, metrics, ledger_doc = dp_runs["dp-fedavg-fixed"]
+    calibration = ledger_doc["calibration"]
+    assert calibration["parameter"] == "dp.noise-multiplier" and calibration["value"] > 0
+    assert f"noise multiplier z = {calibration['value']:.4f} meets epsilon 8" in result.output
+    summary = ledger_doc["summary"]
+    assert (summary["sampling"], summary["accountant"]) == ("poisson", "pld")
+    assert summary["neighboring-relation"] == "add-or-remove-one"
+    epsilon = metrics[metrics["scope"] == "train"]["dp-epsilon"].to_numpy()
+    assert len(epsilon) == 3 and 0.98 * 8.0 <= epsilon[-1] <= 8.0
+    assert any("server optimizer adam" in s for s in summary["statements"])
+    central = metrics[metrics["scope"] == "central-eval"]["eval-loss"].to_numpy()
+    assert np.isfinite(central).all()

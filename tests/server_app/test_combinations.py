@@ -5,11 +5,12 @@ import pytest
 from server_app import config
 from server_app.app import best_of_clusters
 from tasks.options import ConfigError
+from tests.inprocess import with_test_noise
 from tests.server_app.test_config import _pyproject_defaults
 
 
 def _load(**overrides):
-    return config.load({**_pyproject_defaults(), **overrides})
+    return config.load(with_test_noise({**_pyproject_defaults(), **overrides}))
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,12 @@ def test_impossible_combinations_are_refused(overrides, expected):
         {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "l2"},
         {"strategy": "clustered", "privacy": "dp-sgd"},
         {"task": "lunar-lander", "privacy": "laplace"},
-        {"task": "lunar-lander", "privacy": "dp-fedavg-adaptive", "dp.noise-site": "client"},
+        {
+            "task": "lunar-lander",
+            "privacy": "dp-fedavg-adaptive",
+            "dp.noise-site": "client",
+            "dp.sampling": "fixed",
+        },
         {
             "privacy": "subspace-dp",
             "subspace.head-only": True,

@@ -28,7 +28,18 @@ def test_defaults_load_into_typed_config():
     assert cfg.options["fedprox.mu"] == pytest.approx(0.1)
     with pytest.raises(TypeError):
         cfg.options["fedprox.mu"] = 1.0  # read-only
-    assert cfg.to_dict() == _pyproject_defaults()
+    assert cfg.to_dict() == {**_pyproject_defaults(), "dp.clip-norm": 1.0}  # resolved
+
+
+@pytest.mark.parametrize(
+    ("privacy", "clip"),
+    [("none", 1.0), ("dp-fedavg-fixed", 1.0), ("dp-sgd", 1.0), ("dp-fedavg-adaptive", 0.1)],
+)
+def test_clip_norm_zero_resolves_to_the_mechanism_default(privacy, clip):
+    run_config = {**_pyproject_defaults(), "privacy": privacy, "dp.target-epsilon": 8.0}
+    assert config.load(run_config).options["dp.clip-norm"] == clip
+    given = config.load({**run_config, "dp.clip-norm": 0.5})
+    assert given.options["dp.clip-norm"] == 0.5
 
 
 def test_int_given_for_float_is_converted():

@@ -17,6 +17,7 @@ NODES = [11, 22, 33, 44]
 CLIENT_NOISE = {
     "privacy": "dp-fedavg-fixed",
     "dp.noise-site": "client",
+    "dp.sampling": "fixed",
     "dp.num-sampled-clients": 3,
     "dp.clip-norm": 0.1,
     "dp.noise-multiplier": 0.5,
@@ -92,10 +93,10 @@ def test_a_run_without_privacy_keeps_one_layout(tmp_path):
         ("dp-fedavg-fixed", {"dp.num-sampled-clients": 3}, (True, False, False)),
         (
             "dp-fedavg-adaptive",
-            {"dp.num-sampled-clients": 3, "dp.noise-site": "client"},
+            {"dp.num-sampled-clients": 3, "dp.noise-site": "client", "dp.sampling": "fixed"},
             (True, False, False),
         ),
-        ("laplace", {}, (True, True, True)),
+        ("laplace", {"dp.num-sampled-clients": 3}, (True, True, True)),
         ("dp-sgd", {}, (True, True, True)),
     ],
 )

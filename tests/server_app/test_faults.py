@@ -23,8 +23,9 @@ from tests.inprocess import InProcessGrid, run_config, run_server
 NODES = [11, 22, 33, 44]
 DEAD, DIES_IN = 33, 2
 # Seed 3 samples node DEAD in round DIES_IN under each DP wrapper (checked below): with
-# dp.reproducible-noise the DP sample is the seed's.
+# dp.reproducible-noise the DP sample is the seed's; fixed-size, so 3 of 4 each round.
 DP = {
+    "dp.sampling": "fixed",
     "dp.num-sampled-clients": 3,
     "dp.noise-multiplier": 0.3,
     "dp.clip-norm": 0.5,
@@ -113,7 +114,9 @@ def test_dp_fedavg_counts_the_dead_client_as_zero_and_charges_every_round(
 
 def test_laplace_counts_only_the_missing_client_as_zero(tmp_path):
     # Noise small enough that the model stays finite.
-    path, _ = _run(tmp_path, privacy="laplace", **{"dp.sensitivity": 1.0, "dp.epsilon": 100.0})
+    # dp.sampling = "fixed": the wrapped FedAvg samples (here every node).
+    laplace = {"dp.sensitivity": 1.0, "dp.epsilon": 100.0, "dp.sampling": "fixed"}
+    path, _ = _run(tmp_path, privacy="laplace", **laplace)
     ledger = json.loads((path / "ledger.json").read_text())["state"]
     assert sorted(r["server_round"] for r in ledger["releases"]) == [1, 2, 3]
     rows = pd.read_csv(path / "curator" / "participation.csv")

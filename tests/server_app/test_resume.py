@@ -50,9 +50,13 @@ CASES = {
     "hierarchical-cp-np": ("hierarchical", "cp-np", SEEDED),
     "dp-fedavg-fixed": ("fedavg", "dp-fedavg-fixed", DP),
     "dp-fedavg-adaptive": ("fedavg", "dp-fedavg-adaptive", DP),
-    "dp-fedavg-client-noise": ("fedavg", "dp-fedavg-fixed", {**DP, "dp.noise-site": "client"}),
+    "dp-fedavg-client-noise": (
+        "fedavg",
+        "dp-fedavg-fixed",
+        {**DP, "dp.noise-site": "client", "dp.sampling": "fixed"},
+    ),
     "subspace-dp": ("fedavg", "subspace-dp", {**DP, "subspace.rank": 2, "subspace.sketch-dim": 8}),
-    "laplace": ("fedavg", "laplace", SEEDED),
+    "laplace": ("fedavg", "laplace", {**SEEDED, "dp.num-sampled-clients": 2}),
     "dp-sgd": ("fedavg", "dp-sgd", SEEDED),
 }
 # Cases killed on both sides of the commit (the others: after it, the moment that

@@ -14,6 +14,7 @@ FAIR = {
     "subspace.allocation": "fairness",
     "subspace.warm-start": 1,
     "subspace.head-only": True,
+    "dp.noise-multiplier": 1.0,
 }
 
 
