@@ -7,6 +7,16 @@ from flwr.supercore.task_identity import TaskIdentity
 torch.set_num_threads(1)  # the CI machine has 2 cores; keep tests predictable
 
 
+def pytest_collection_modifyitems(items):
+    """Under ``pytest -n 2 --dist loadgroup`` (the README's command) every end-to-end
+    test goes to one worker, in order: they share one local SuperLink
+    (``tests/e2e/conftest.py``) and each saturates the machine's 2 cores for a while;
+    the single-threaded unit tests run beside them on the other worker."""
+    for item in items:
+        if item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.xdist_group("e2e"))
+
+
 @pytest.fixture(autouse=True)
 def task_identity():
     """Message construction in flwr 1.41 reads the task identity the runtime sets:
