@@ -7,6 +7,7 @@ from flwr.supercore.task_identity import TaskIdentity
 torch.set_num_threads(1)  # the CI machine has 2 cores; keep tests predictable
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items):
     """Under ``pytest -n 2 --dist loadgroup`` (the README's command) every end-to-end
     test goes to one worker, in order: they share one local SuperLink
