@@ -9,13 +9,15 @@ torch.set_num_threads(1)  # the CI machine has 2 cores; keep tests predictable
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items):
-    """Under ``pytest -n 2 --dist loadgroup`` (the README's command) every end-to-end
-    test goes to one worker, in order: they share one local SuperLink
-    (``tests/e2e/conftest.py``) and each saturates the machine's 2 cores for a while;
-    the single-threaded unit tests run beside them on the other worker."""
+    """Under ``pytest -n 2 --dist loadgroup`` (the README's command) the end-to-end
+    tests that share the local SuperLink (``tests/e2e/conftest.py``) go to one worker,
+    in order. The deployment tests start their own SuperLink on free ports and spend
+    most of their time waiting (round timeouts, heartbeats), so they are a group of
+    their own that the other worker takes between single-threaded unit tests."""
     for item in items:
         if item.get_closest_marker("e2e"):
-            item.add_marker(pytest.mark.xdist_group("e2e"))
+            group = "e2e-deployment" if item.module.__name__.endswith("test_deployment") else "e2e"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
