@@ -1,13 +1,37 @@
-"""strategies.messaging.send_and_receive: every reply, soon, and no later than asked."""
+"""strategies.messaging.send_and_receive: every reply, soon, and no later than asked.
+
+Time is a virtual clock (``clock`` fixture): ``time.sleep`` advances it exactly, so the
+poll schedule is checked to the microsecond whatever the machine's load.
+"""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from strategies import messaging
+
+
+class Clock:
+    """``time.monotonic`` and ``time.sleep`` on a virtual clock."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(messaging, "time", fake)
+    return fake
 
 
 def _reply(message_id: str):
@@ -18,17 +42,18 @@ class PollingGrid:
     """Replies to message ``i`` become available ``ready_after[i]`` seconds after the
     push (``None``: never)."""
 
-    def __init__(self, ready_after: list[float | None]) -> None:
+    def __init__(self, ready_after: list[float | None], clock: Clock) -> None:
+        self.time = clock
         self.ready_after = ready_after
         self.pulls: list[float] = []
         self.delivered: set[str] = set()
 
     def push_messages(self, messages):
-        self.pushed_at = time.monotonic()
+        self.pushed_at = self.time.monotonic()
         return [str(i) for i, _ in enumerate(messages)]
 
     def pull_messages(self, message_ids):
-        now = time.monotonic()
+        now = self.time.monotonic()
         self.pulls.append(now - self.pushed_at)
         out = []
         for mid in sorted(message_ids):
@@ -39,8 +64,8 @@ class PollingGrid:
         return out
 
 
-def test_returns_every_reply_once_soon_after_it_arrives():
-    grid = PollingGrid([0.0, 0.05, 0.12])
+def test_returns_every_reply_once_soon_after_it_arrives(clock):
+    grid = PollingGrid([0.0, 0.05, 0.12], clock)
     replies = messaging.send_and_receive(grid, [object()] * 3, timeout=10)
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["0", "1", "2"]
     # The last reply was ready at 0.12 s: found within one poll interval after it
@@ -51,20 +76,20 @@ def test_returns_every_reply_once_soon_after_it_arrives():
     assert all(gap <= messaging.MAX_POLL + 0.05 for gap in gaps)  # ... and never slower than this
 
 
-def test_a_silent_node_costs_the_timeout_and_no_more():
-    grid = PollingGrid([0.0, None])
-    started = time.monotonic()
+def test_a_silent_node_costs_the_timeout_and_no_more(clock):
+    grid = PollingGrid([0.0, None], clock)
+    started = clock.monotonic()
     replies = messaging.send_and_receive(grid, [object()] * 2, timeout=0.3)
-    took = time.monotonic() - started
     assert [r.metadata.reply_to_message_id for r in replies] == ["0"]
-    assert 0.3 <= took < 0.3 + 0.1
+    assert clock.monotonic() - started == pytest.approx(0.3, abs=1e-9)
 
 
-def test_waits_back_off_to_max_poll():
-    grid = PollingGrid([None])
+def test_waits_back_off_to_max_poll(clock):
+    grid = PollingGrid([None], clock)
     messaging.send_and_receive(grid, [object()], timeout=2.0, max_poll=0.2)
     gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
-    assert max(gaps) == pytest.approx(0.2, abs=0.05)
+    assert max(gaps) == pytest.approx(0.2, abs=1e-9)
+    assert gaps[:3] == pytest.approx([0.002, 0.003, 0.0045])  # 1.5x from 2 ms
     assert len(grid.pulls) < 25  # 2 s at 5 pulls/s plus the fast start, not a busy loop
 
 
