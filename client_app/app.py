@@ -199,8 +199,13 @@ def cluster_scores(msg: Message, context: Context) -> Message:
 def partition(msg: Message, context: Context) -> Message:
     """Tell the server this node's partition id (it orders nodes by it: reproducible
     sampling and summation whatever node ids Flower assigned)."""
-    pid, _ = _node_partition(context.node_config)
+    pid, num = _node_partition(context.node_config)
     metrics = {keys.PARTITION_ID: pid}
+    task = _task(tuple(sorted(context.run_config.items())))
+    if task.partition_from_node_config(context.node_config) is None:
+        # Its data is partition pid of num (not named by the node config, e.g. a planet):
+        # the server checks num against the task and the other nodes.
+        metrics[keys.NUM_PARTITIONS] = num
     return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 

@@ -16,9 +16,11 @@ from threadpoolctl import threadpool_limits
 import strategies
 import tasks
 from server_app import certify, config, subspace_setup
+from server_app.failures import FailureWatch, Outcome, RunFailed
 from server_app.results import CLIENTS_DIR, RunDirectory, resolve_output_dir
 from server_app.rounds import RoundResult, run_rounds
-from strategies import keys, partitions, threat_models
+from server_app.startup import check_federation
+from strategies import StopTraining, keys, partitions, threat_models
 from strategies.base import wait_for_nodes
 from strategies.checkpoint import (
     decode,
@@ -160,6 +162,17 @@ def _run(grid: Grid, context: Context) -> None:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
     released = task.head_keys() if head_only else tuple(model.state_dict())
     subspace_setup.prepare(cfg, task, model, strategy, released)
+    watch = FailureWatch(
+        max_failed_rounds=int(cfg.options["run.max-failed-rounds"]),
+        divergence_factor=float(cfg.options["run.divergence-factor"]),
+        private=getattr(strategy, "ledger", None) is not None,
+    )
+    try:
+        check_federation(grid, cfg, task, strategy)
+    except StopTraining as err:
+        outcome = Outcome("failed", f"start-up check: {err}", int(saved["round"]) if saved else 0)
+        _write_outcome(run_dir, outcome, watch, None)
+        raise RunFailed(outcome.reason) from None
     initial, resumed = ArrayRecord(model.state_dict()), None
     if saved is not None:
         resumed = _restore(saved, strategy, grid, cfg)
@@ -188,7 +201,11 @@ def _run(grid: Grid, context: Context) -> None:
             },
         )
 
+    recorded = [0]  # the last round whose model was recorded
+
     def on_round(result) -> None:
+        if not result.diverged:
+            recorded[0] = result.server_round
         models = None
         if getattr(base, "models", None):  # K cluster models or E edge models
             label = getattr(base, "MODEL_LABEL", "cluster")
@@ -202,22 +219,28 @@ def _run(grid: Grid, context: Context) -> None:
 
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
-    final = run_rounds(
-        strategy,
-        grid,
-        initial,
-        num_rounds=cfg.num_server_rounds,
-        timeout=cfg.round_timeout,
-        central_eval=central,
-        on_round=on_round,
-        on_commit=on_commit,
-        # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
-        # filesystem (simulation) that is inside the run directory.
-        train_config={keys.ARTIFACTS_DIR: str(run_dir.path / CLIENTS_DIR)},
-        resumed=resumed,
-    )
+    try:
+        final, outcome = run_rounds(
+            strategy,
+            grid,
+            initial,
+            num_rounds=cfg.num_server_rounds,
+            timeout=cfg.round_timeout,
+            central_eval=central,
+            on_round=on_round,
+            on_commit=on_commit,
+            # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
+            # filesystem (simulation) that is inside the run directory.
+            train_config={keys.ARTIFACTS_DIR: str(run_dir.path / CLIENTS_DIR)},
+            resumed=resumed,
+            watch=watch,
+        )
+    except BaseException as err:  # written if the process lives long enough
+        reason = f"the ServerApp raised {type(err).__name__}: {err}"
+        _write_outcome(run_dir, Outcome("failed", reason, recorded[0]), watch, ledger)
+        raise
     run_dir.finish(
-        final.to_torch_state_dict(),
+        final.to_torch_state_dict() if outcome.status != "failed" else None,
         title=f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}",
     )
     if ledger is not None:
@@ -226,6 +249,23 @@ def _run(grid: Grid, context: Context) -> None:
         _log_privacy_summary(ledger, cfg, report)
         certify.report(run_dir, ledger, strategy)
     log(INFO, "Results: %s", run_dir.path)
+    _write_outcome(run_dir, outcome, watch, ledger)
+    if outcome.status == "failed":  # Flower's run status says so too (`flwr list`)
+        raise RunFailed(outcome.reason)
+
+
+def _write_outcome(run_dir: RunDirectory, outcome: Outcome, watch: FailureWatch, ledger) -> None:
+    """``outcome.json`` and the log's last line: how the run ended."""
+    if outcome.last_round > 0:
+        outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
+    if ledger is not None and watch.stopped_on_failed_rounds:
+        outcome.undisclosed = (
+            "the run stopped because no sampled client contributed in its last "
+            "'run.max-failed-rounds' rounds; that event depends on the clients' data and "
+            "no epsilon covers it"
+        )
+    run_dir.write_outcome(outcome)
+    log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
 
 
 def _restore(saved: dict, strategy: Strategy, grid: Grid, cfg: config.RunConfig) -> RoundResult:

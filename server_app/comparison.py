@@ -34,6 +34,7 @@ import pandas as pd
 
 from server_app import comparison_plots as cplots
 from server_app import figures, study
+from server_app.failures import exit_on_failed
 from server_app.study import Preset, StudyError
 from tasks.base import SEED
 from tasks.options import ConfigError
@@ -405,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit(f"comparison: {err}") from None
     print(to_markdown(table))
     print(f"Comparison written to {out.resolve()}")
+    exit_on_failed("comparison", [d for seeds in runs.values() for d in seeds.values()])
     return table
 
 

@@ -73,6 +73,20 @@ TOP_LEVEL: tuple[Option, ...] = (
 )
 
 STRATEGY_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "run.max-failed-rounds",
+        3,
+        "Stop the run (outcome 'failed') after this many consecutive rounds in which no "
+        "client contributed; 0: never.",
+        low=0,
+    ),
+    Option(
+        "run.divergence-factor",
+        1000.0,
+        "Stop the run (outcome 'failed') when an evaluation loss exceeds this many times "
+        "its first value (non-finite metrics always stop it); 0: no ratio check.",
+        low=0.0,
+    ),
     Option("fedprox.mu", 0.1, "FedProx proximal weight mu (strategy=fedprox).", low=0.0),
     Option("cluster.k", 3, "Clustered FedAvg: number K of global models.", low=1),
     Option(

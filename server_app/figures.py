@@ -39,6 +39,7 @@ import pandas as pd
 
 from privacy.accounting import PrivacyLedger
 from server_app import figures_plots as fplots
+from server_app.failures import failed_runs
 from server_app.figures_plots import GAP, GROUP_PREFIX, SCOPE
 from server_app.results import TIMING_COLUMNS, load_metrics
 
@@ -424,7 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FiguresError as err:
         print(f"figures: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    failed = failed_runs(find_run_dirs(args.paths))
+    for line in failed:
+        print(f"figures: run failed (outcome.json): {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

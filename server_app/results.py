@@ -13,7 +13,9 @@ Layout (DESIGN.md)::
         checkpoint/      the last finished round: global.pt (and cluster-<k>.pt),
                          state.json, and server.pt, everything ``resume-from`` needs
                          (global arrays, strategy state, ledger, generators)
-        model.pt         final global model (torch state dict)
+        model.pt         final global model (torch state dict; not for a failed run)
+        outcome.json     how the run ended: status completed | stopped | failed,
+                         reason, last-round, checkpoint (server_app/failures.py)
         plots/learning_curve.png
 
 Under a privacy mechanism (``released`` given) the directory separates what the ε
@@ -313,7 +315,7 @@ class RunDirectory:
         if result.clients:
             self.participation.extend(result.clients)
             self.write_rows(self.table("participation.csv"), self.participation)
-        if result.server_round > 0:
+        if result.server_round > 0 and not getattr(result, "diverged", False):
             self.checkpoint(result.server_round, result.arrays.to_torch_state_dict(), models)
             if ledger is not None:
                 self.write_ledger(ledger)
@@ -391,6 +393,8 @@ class RunDirectory:
             "covered-by-epsilon": released if self.released is not None else [],
             "not-covered": [
                 *curator,
+                "outcome.json (a run stopped by the failure policy: that every sampled "
+                "client failed in its last rounds; see server_app/failures.py)",
                 *(
                     []
                     if self.released is not None
@@ -410,8 +414,13 @@ class RunDirectory:
         doc.update(extra or {})
         _atomic_write_text(self.path / "ledger.json", json.dumps(doc, indent=2) + "\n")
 
-    def finish(self, state_dict: Mapping[str, torch.Tensor], title: str) -> None:
-        """Save the final model and the learning-curve plot."""
+    def write_outcome(self, outcome) -> None:
+        """``outcome.json``: how the run ended (:class:`server_app.failures.Outcome`)."""
+        self.write_json("outcome.json", outcome.to_json())
+
+    def finish(self, state_dict: Mapping[str, torch.Tensor] | None, title: str) -> None:
+        """Save the final model (``None``: a failed run, whose last good model is in
+        ``checkpoint/``) and the learning-curve plot."""
         import matplotlib
 
         matplotlib.use("Agg")  # the ServerApp draws to files only, display or not
@@ -419,7 +428,8 @@ class RunDirectory:
 
         from server_app.plots import plot_learning_curve
 
-        _atomic_torch_save(self.path / "model.pt", dict(state_dict))
+        if state_dict is not None:
+            _atomic_torch_save(self.path / "model.pt", dict(state_dict))
         if self._writer is not None:
             self._writer.close()
         if self.rows:

@@ -15,6 +15,7 @@ run that then dies and re-runs it. A resumed run evaluates the committed round a
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from server_app.failures import FailureWatch, Outcome, RunFailed, non_finite
 from strategies import StopTraining, keys, partitions
-from strategies.errors import DuplicatePartitionError
+from strategies.base import InvalidReply, arrays_of
+from strategies.errors import BudgetExhausted
 from strategies.messaging import send_and_receive
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -70,6 +73,8 @@ class RoundResult:
     seconds: float | None = None
     """Wall time of the round: sampling, training, aggregation and the federated and
     central evaluations (not the writing of its results)."""
+    diverged: bool = False
+    """The round's model diverged: its metrics are recorded, its model is not kept."""
 
 
 def _replies_to(sent: list[Message], replies: list[Message]) -> dict[int, Message]:
@@ -106,8 +111,25 @@ def participation(server_round: int, sent: list[Message], replies: list[Message]
             metrics = reply.content.get(keys.METRICS)
             if isinstance(metrics, MetricRecord):
                 row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+            row["error"] = _unusable(reply)
         rows.append(row)
     return rows
+
+
+def _unusable(reply: Message) -> str:
+    """Why a reply without error may not enter any aggregate ("": it may): a metric or
+    an array that is not finite. (Each strategy checks more, against what it sent.)"""
+    for name, record in reply.content.metric_records.items():
+        for key, value in record.items():
+            values = value if isinstance(value, list) else [value]
+            if not all(math.isfinite(v) for v in values if isinstance(v, int | float)):
+                return f"rejected: metric '{key}' of '{name}' is not finite"
+    for record in reply.content.array_records.values():
+        try:
+            arrays_of(record)
+        except InvalidReply as err:
+            return f"rejected: {err}"
+    return ""
 
 
 @dataclass
@@ -203,49 +225,84 @@ def run_rounds(
     on_commit: Callable[[RoundResult], None] = lambda _result: None,
     train_config: Mapping[str, str | int | float | bool] | None = None,
     resumed: RoundResult | None = None,
-) -> ArrayRecord:
-    """Run the rounds up to ``num_rounds`` and return the final global arrays.
+    watch: FailureWatch | None = None,
+) -> tuple[ArrayRecord, Outcome]:
+    """Run the rounds up to ``num_rounds``; return the last good global arrays and how
+    the run ended.
 
     ``central_eval`` (if given) runs on the initial model as round 0 and after every
     round; ``on_commit`` receives each round's result right after its aggregate (only
     ``train`` and ``clients`` are set), ``on_round`` the whole result once evaluated,
     round 0 included. ``resumed``: the committed round a resumed run continues after;
     it is evaluated again, recorded, and the rounds after it run. A strategy ends the
-    run early (e.g. privacy budget exhausted) by raising ``StopTraining`` from
-    ``configure_train``, before anything is sent. ``train_config`` entries are added to
-    every round's train and evaluate config (e.g. where clients write their logs).
+    run early by raising ``StopTraining`` from ``configure_train``, before anything is
+    sent (``BudgetExhausted``: status ``stopped``, else ``failed``). ``watch`` applies
+    the failure policy (:mod:`server_app.failures`): failed rounds, a first round in
+    which every client failed alike, a diverged model. ``train_config`` entries are
+    added to every round's train and evaluate config (e.g. where clients write logs).
     """
+    watch = watch or FailureWatch()
     evaluation = {"timeout": timeout, "central_eval": central_eval, "train_config": train_config}
     if resumed is None:
         arrays, start = initial_arrays, 1
         if central_eval is not None:
-            on_round(RoundResult(0, arrays, central_eval=central_eval(0, arrays)))
+            first = RoundResult(0, arrays, central_eval=central_eval(0, arrays))
+            watch.diverged(0, {"central-eval": first.central_eval})  # the reference values
+            on_round(first)
     else:
         arrays, start = resumed.arrays, resumed.server_round + 1
         on_round(evaluate_round(strategy, grid, resumed, **evaluation))
     progress = Progress(num_rounds - start + 1)
-    for server_round in range(start, num_rounds + 1):
-        started = time.monotonic()
-        try:
-            messages = list(
-                strategy.configure_train(
-                    server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+    last_round = start - 1
+    try:
+        for server_round in range(start, num_rounds + 1):
+            started = time.monotonic()
+            try:
+                messages = list(
+                    strategy.configure_train(
+                        server_round, arrays, ConfigRecord(dict(train_config or {})), grid
+                    )
                 )
+            except StopTraining as stop:
+                status = "stopped" if isinstance(stop, BudgetExhausted) else "failed"
+                log(WARNING if status == "stopped" else ERROR,
+                    "Stopping before round %d: %s", server_round, stop)  # fmt: skip
+                return arrays, Outcome(status, str(stop), last_round)
+            replies = _exchange(grid, messages, timeout, f"round {server_round} train")
+            clients = participation(server_round, messages, replies)
+            new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                bad = non_finite(new_arrays.to_torch_state_dict())
+                if bad is not None:  # never committed, evaluated or released
+                    raise RunFailed(
+                        f"round {server_round}: the aggregate's array '{bad}' is not finite; "
+                        "the global model diverged (likely a learning rate too large, "
+                        "'train.lr' or 'server.lr')"
+                    )
+            failure = watch.after_train(server_round, clients, first=server_round == start)
+            result = RoundResult(
+                server_round,
+                new_arrays if new_arrays is not None else arrays,
+                train=train_metrics,
+                clients=clients,
             )
-        except StopTraining as stop:
-            level = ERROR if isinstance(stop, DuplicatePartitionError) else WARNING
-            log(level, "Stopping before round %d: %s", server_round, stop)
-            break
-        replies = _exchange(grid, messages, timeout, f"round {server_round} train")
-        clients = participation(server_round, messages, replies)
-        new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
-        if new_arrays is not None:
-            arrays = new_arrays
-        result = RoundResult(server_round, arrays, train=train_metrics, clients=clients)
-        result.seconds = time.monotonic() - started
-        on_commit(result)
-        evaluate_round(strategy, grid, result, **evaluation)
-        result.seconds = time.monotonic() - started
-        on_round(result)
-        log(INFO, progress.line(result, time.monotonic() - started))
-    return arrays
+            result.seconds = time.monotonic() - started
+            on_commit(result)
+            evaluate_round(strategy, grid, result, **evaluation)
+            result.seconds = time.monotonic() - started
+            diverged = watch.diverged(
+                server_round,
+                {"central-eval": result.central_eval, "federated-eval": result.federated_eval},
+            )
+            result.diverged = diverged is not None
+            on_round(result)
+            log(INFO, progress.line(result, time.monotonic() - started))
+            if diverged is not None:
+                raise RunFailed(diverged)
+            arrays, last_round = result.arrays, server_round
+            if failure is not None:
+                raise RunFailed(failure)
+    except RunFailed as failed:
+        log(ERROR, "Stopping after round %d: %s", server_round, failed)
+        return arrays, Outcome("failed", str(failed), last_round)
+    return arrays, Outcome("completed", "", last_round)

@@ -34,6 +34,7 @@ from flwr.common.config import flatten_dict
 
 import tasks
 from server_app import config
+from server_app.failures import exit_on_failed
 from server_app.launcher import APP_DIR, LocalSimulation
 from server_app.plots import save_figure
 from tasks.lunar_lander import plots
@@ -394,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit(f"study: {err}") from None
     print(plots.to_markdown(table))
     print(f"Study written to {out.resolve()}")
+    exit_on_failed("study", runs.values())
     return table
 
 

@@ -16,9 +16,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from strategies import keys, partitions
-from strategies.errors import InvalidReply, StopTraining
+from strategies.errors import BudgetExhausted, InvalidReply, StopTraining
 
-__all__ = ["InvalidReply", "StopTraining"]  # re-exported: strategies import them from here
+# Re-exported: strategies import them from here.
+__all__ = ["BudgetExhausted", "InvalidReply", "StopTraining"]
 
 # More examples than any client of this app holds: a larger weight is a poisoning
 # attempt on the example-weighted average, not data.

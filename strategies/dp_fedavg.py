@@ -61,6 +61,7 @@ from privacy.local_view import LocalViewLedger
 from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError, clip_by_l2_norm
 from strategies import keys, partitions
 from strategies.base import (
+    BudgetExhausted,
     GridView,
     InvalidReply,
     StopTraining,
@@ -281,10 +282,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         )
 
     def _refuse_over_budget(self, server_round: int, population: int) -> None:
-        """StopTraining, before anything is sent, if the round would exceed the budget
+        """BudgetExhausted, before anything is sent, if the round would exceed the budget
         in the ledger or (client-side noise) for some client against the server."""
         if self.ledger.would_exceed(self.release(server_round, population)):
-            raise StopTraining(
+            raise BudgetExhausted(
                 f"round {server_round} would exceed 'dp.max-epsilon' = "
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f} at "
                 f"delta {self.ledger.target_delta:g}); nothing was sent"
@@ -293,7 +294,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             self.local_release(server_round)
         ):
             _, worst = self.local_view.worst()
-            raise StopTraining(
+            raise BudgetExhausted(
                 f"round {server_round} would take a client's epsilon against the server "
                 f"above 'dp.max-epsilon' = {self.ledger.max_epsilon} (worst so far "
                 f"{worst:.4f}); nothing was sent"

@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from privacy.accounting import PrivacyLedger
 from privacy.calibration import sampled_gaussian_epsilon
 from strategies import keys, partitions
-from strategies.base import InvalidReply, StopTraining, add_to_config, metrics_of
+from strategies.base import BudgetExhausted, InvalidReply, add_to_config, metrics_of
 from strategies.private import PrivacyWrapper
 
 Corrector = Callable[[Message, float], float]
@@ -153,7 +153,7 @@ class DPSGDClients(PrivacyWrapper):
         """The wrapped strategy's messages, with the DP-SGD settings added; refused
         (nothing sent) when a sampled client would exceed ``dp.max-epsilon``."""
         if self._refused:
-            raise StopTraining(self._refused)
+            raise BudgetExhausted(self._refused)
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         clients = [partitions.client_name(m.metadata.dst_node_id) for m in messages]
         budget = self.ledger.max_epsilon
@@ -161,7 +161,7 @@ class DPSGDClients(PrivacyWrapper):
             for client in clients:
                 projected = self._projected(client)
                 if projected is not None and projected > budget:
-                    raise StopTraining(
+                    raise BudgetExhausted(
                         f"round {server_round} would take {client}'s sample-level epsilon "
                         f"to {projected:.4f} > 'dp.max-epsilon' = {budget:g}; nothing was sent"
                     )

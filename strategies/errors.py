@@ -2,7 +2,14 @@
 
 
 class StopTraining(Exception):
-    """Raised by ``configure_train`` to end the run cleanly before sending anything."""
+    """Raised by ``configure_train`` to end the run before sending anything: the run
+    cannot go on (too few nodes, a setting that cannot be met), ``outcome.json``
+    status ``failed``."""
+
+
+class BudgetExhausted(StopTraining):
+    """The next round would exceed the privacy budget: the run ends as planned, with
+    what it released so far (``outcome.json`` status ``stopped``)."""
 
 
 class DuplicatePartitionError(StopTraining):

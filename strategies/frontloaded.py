@@ -40,7 +40,7 @@ from flwr.serverapp import Grid
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from strategies import keys
-from strategies.base import StopTraining
+from strategies.base import BudgetExhausted
 from strategies.dpsgd import record_local_epsilons
 from strategies.private import PrivacyWrapper
 
@@ -170,7 +170,7 @@ class FrontLoadedDP(PrivacyWrapper):
         releases = self.releases(server_round, edges)
         seen = self.releases(server_round, edges, sampling="none")
         if self.ledger.would_exceed(releases) or self.edge_view.would_exceed(seen):
-            raise StopTraining(
+            raise BudgetExhausted(
                 f"the next edge aggregation would exceed dp.max-epsilon = "
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f}, "
                 f"against an edge {self.edge_view.epsilon():.4f}, at delta "
@@ -204,7 +204,7 @@ class FrontLoadedDP(PrivacyWrapper):
         """The wrapped strategy's round (it runs the edge aggregations and charges);
         none once a client refused a round for its budget."""
         if self._refused:
-            raise StopTraining(self._refused)
+            raise BudgetExhausted(self._refused)
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(

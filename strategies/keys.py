@@ -91,6 +91,7 @@ HIER_QUERY = "edge"  # query action: message_type "query.edge" (learn a node's e
 NUM_EDGES = "num-edges"  # query config: the number of edges E (edge ids 0..E-1)
 EDGE_ID = "edge-id"  # query reply metric (the node's edge) and train config
 PARTITION_ID = "partition-id"  # query reply metric: the node's data partition
+NUM_PARTITIONS = "num-partitions"  # query reply metric: the partitions its node config names
 EDGE_ROUND = "edge-round"  # train config: edge aggregation k = 1..tau_2 of the cloud round
 LOCAL_UPDATES = "local-updates"  # train config: tau_1, local updates per edge aggregation
 

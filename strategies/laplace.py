@@ -65,9 +65,9 @@ from privacy.local_view import LocalViewLedger
 from privacy.mechanisms import LaplaceMechanism
 from strategies import keys, partitions
 from strategies.base import (
+    BudgetExhausted,
     GridView,
     InvalidReply,
-    StopTraining,
     add_to_config,
     arrays_of,
     check_reply,
@@ -231,7 +231,7 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         if self.ledger.would_exceed(self.release(server_round, 1, population)) or (
             self.local_view.would_exceed(self.local_release(server_round))
         ):
-            raise StopTraining(
+            raise BudgetExhausted(
                 f"round {server_round} would exceed 'dp.max-epsilon' = "
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f}, "
                 f"worst client against the server {self.local_view.worst()[1]:.4f}); "

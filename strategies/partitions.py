@@ -33,13 +33,27 @@ from strategies.messaging import send_and_receive
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
 
 _PARTITION: dict[int, int] = {}  # node id -> partition id, for this process (one run)
+_NUM_PARTITIONS: dict[int, int] = {}  # node id -> the num-partitions its node config names
+_ERRORS: dict[int, str] = {}  # node id -> why its partition query failed
 _ASKED: set[int] = set()  # nodes already asked (answered or not)
 
 
 def reset() -> None:
     """Forget every node (tests; a new run gets a new process anyway)."""
     _PARTITION.clear()
+    _NUM_PARTITIONS.clear()
+    _ERRORS.clear()
     _ASKED.clear()
+
+
+def num_partitions_of(node_id: int) -> int | None:
+    """The ``num-partitions`` ``node_id``'s node config names, or None."""
+    return _NUM_PARTITIONS.get(int(node_id))
+
+
+def query_error(node_id: int) -> str | None:
+    """Why ``node_id``'s partition query failed (its ClientApp's error), or None."""
+    return _ERRORS.get(int(node_id))
 
 
 def partition_of(node_id: int) -> int | None:
@@ -72,12 +86,17 @@ def discover(grid, node_ids: Iterable[int], *, timeout: float) -> None:
     ]
     _ASKED.update(unknown)
     for reply in send_and_receive(grid, queries, timeout=timeout):
+        node = int(reply.metadata.src_node_id)
         if reply.has_error():
+            _ERRORS[node] = reply.error.reason
             continue
         metrics = reply.content.get(keys.METRICS)
         value = None if metrics is None else metrics.get(keys.PARTITION_ID)
         if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
-            _PARTITION[int(reply.metadata.src_node_id)] = int(value)
+            _PARTITION[node] = int(value)
+        num = None if metrics is None else metrics.get(keys.NUM_PARTITIONS)
+        if isinstance(num, int | float) and not isinstance(num, bool):
+            _NUM_PARTITIONS[node] = int(num)
     missing = [n for n in unknown if n not in _PARTITION]
     if missing:
         log(

@@ -13,7 +13,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 
 from client_app.app import app as client_app
 from server_app import app as server_app
@@ -31,6 +32,9 @@ TINY = {
     "min-available-nodes": 4,
     "train.local-epochs": 1,
     "round-timeout": 5.0,
+    # Tests of mechanics use noise that swamps 4 clients' updates (eval loss 1e4-1e5 after
+    # a round): no ratio check here; test_failure_policy.py tests the divergence guard.
+    "run.divergence-factor": 0.0,
 }
 
 
@@ -69,6 +73,9 @@ class InProcessGrid:
         self.dead: set[int] = set()
         self.dies_in_round: dict[int, int] = {}  # node -> round whose train message kills it
         self.sent: list[Message] = []
+        self.errors_as_replies = False
+        """A ClientApp that raises answers with an error reply, as Flower's runtime
+        makes it (else the exception reaches the test)."""
 
     def get_node_ids(self) -> list[int]:
         return [node for node in self.contexts if node not in self.dead]
@@ -88,8 +95,18 @@ class InProcessGrid:
             ):
                 self.kill(node)  # it got the message and died training
             if node not in self.dead:
-                replies.append(client_app(message, self.contexts[node]))
+                replies.append(self._answer(message, self.contexts[node]))
         return replies
+
+    def _answer(self, message: Message, context: Context) -> Message:
+        try:
+            return client_app(message, context)
+        except Exception as ex:
+            if not self.errors_as_replies:
+                raise
+            reason = str(type(ex)) + ":<'" + str(ex) + "'>"  # Flower's format (vce_api.py)
+            error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+            return Message(error, reply_to=message)
 
 
 def run_server(config: dict, grid: InProcessGrid) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from server_app.failures import RunFailed
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]
@@ -156,10 +157,16 @@ def test_hierarchical_edge_goes_on_without_its_lost_client(privacy, tmp_path):
 def test_too_few_survivors_end_the_run_after_the_timeout(strategy, tmp_path, caplog):
     # Every round needs all 4 clients: after the death the run stops, it does not hang.
     caplog.set_level(logging.WARNING)
-    path, _ = _run(tmp_path, strategy=strategy, **{"min-train-nodes": 4})
+    with pytest.raises(RunFailed, match=r"3 node\(s\) connected within 'round-timeout' = 1 s"):
+        _run(tmp_path, strategy=strategy, **{"min-train-nodes": 4})
     assert "Stopping before round 3: 3 node(s) connected within 'round-timeout' = 1 s" in (
         caplog.text
     )
+    (path,) = list(tmp_path.iterdir())
     metrics = pd.read_csv(path / "metrics.csv")
     assert set(metrics.loc[metrics["scope"] == "train", "round"]) == {1, 2}
-    assert (path / "model.pt").exists()  # the run still finishes its directory
+    outcome = json.loads((path / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and outcome["last-round"] == 2
+    assert "the round needs at least 4" in outcome["reason"]
+    assert outcome["checkpoint"] == str(path / "checkpoint" / "global.pt")
+    assert not (path / "model.pt").exists()  # a failed run leaves its last good checkpoint

@@ -1,0 +1,195 @@
+"""One failure policy for every strategy, and the outcome record of a run.
+
+A run ends in one of three ways, written to ``outcome.json`` in the run directory
+(:class:`Outcome`) and said in the last line of the log:
+
+``completed``
+    every planned round ran;
+``stopped``
+    the run ended as planned before its last round: the next round would exceed the
+    privacy budget (:class:`~strategies.errors.BudgetExhausted`);
+``failed``
+    the run cannot learn, and stopped rather than go on:
+
+    * ``run.max-failed-rounds`` consecutive **failed rounds**, rounds in which no client
+      contributed (every train message was answered with an error, not answered, or
+      answered with a reply that may not enter an aggregate: non-finite arrays or
+      metrics). The reasons are grouped by message ("10 of 10 clients: ...");
+    * in the **first round** of a run, every sampled client answered with the same
+      error: a check only the client can make failed (e.g. its partition does not
+      exist), and the next rounds would fail the same way;
+    * the **global model diverged**: an evaluation metric is not finite, or a loss is
+      above ``run.divergence-factor`` times its first value (central evaluation:
+      round 0). The last good model stays in ``checkpoint/global.pt``;
+    * a start-up check against the federation failed, or a strategy cannot go on
+      (:class:`~strategies.errors.StopTraining`: too few nodes, duplicate partition
+      ids, a setting that cannot be met);
+    * the ServerApp raised (written when the process lives long enough).
+
+Under a privacy mechanism, the divergence guard reads only the central evaluation of
+the released model (post-processing). Whether every sampled client failed in the last
+``run.max-failed-rounds`` rounds is not covered by any ε: a run that stops on it says so
+in ``outcome.json``; ``run.max-failed-rounds = 0`` never stops on failed rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATUSES = ("completed", "stopped", "failed")
+OUTCOME_FILE = "outcome.json"
+
+
+@dataclass
+class Outcome:
+    """How a run ended (``outcome.json``)."""
+
+    status: str
+    reason: str = ""
+    last_round: int = 0
+    """The last round whose global model was recorded (0: none after the initial one)."""
+    checkpoint: str | None = None
+    """The last good global model (``checkpoint/global.pt``), if a round was recorded."""
+    undisclosed: str = ""
+    """What the way the run ended reveals that no ε covers (under a privacy mechanism)."""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        if not self.undisclosed:
+            doc.pop("undisclosed")
+        return doc
+
+    def line(self) -> str:
+        """The one-line summary the log ends with."""
+        text = f"Run {self.status} after round {self.last_round}"
+        return f"{text}: {self.reason}" if self.reason else text
+
+
+class RunFailed(Exception):
+    """The run cannot learn: it stops with status ``failed`` and this reason."""
+
+
+def grouped_reasons(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The errors of a round's participation rows grouped by message, most frequent
+    first: ``"10 of 10 clients: <reason>; ..."`` (rows that contributed count in the
+    total only)."""
+    rows = list(rows)
+    counts = Counter(str(row["error"]) for row in rows if row.get("error"))
+    return "; ".join(
+        f"{count} of {len(rows)} clients: {reason}" for reason, count in counts.most_common()
+    )
+
+
+def contributed(row: Mapping[str, Any]) -> bool:
+    """Whether a participation row's client sent a reply that may enter an aggregate."""
+    return bool(row.get("replied")) and not row.get("error")
+
+
+@dataclass
+class FailureWatch:
+    """Applies the policy round by round (see the module docstring)."""
+
+    max_failed_rounds: int = 3
+    divergence_factor: float = 1000.0
+    private: bool = False
+    """Under a privacy mechanism: the divergence guard reads the central evaluation only."""
+    failed_streak: int = 0
+    reference: dict[tuple[str, str], float] = field(default_factory=dict)
+    stopped_on_failed_rounds: bool = False
+
+    def after_train(self, server_round: int, rows: list[dict], *, first: bool) -> str | None:
+        """The reason to stop after this round's training, or None."""
+        if not rows or any(contributed(row) for row in rows):
+            self.failed_streak = 0
+            return None
+        self.failed_streak += 1
+        reasons = grouped_reasons(rows)
+        errors = {str(row["error"]) for row in rows}
+        replied_with_errors = all(row.get("replied") is False and row["error"] for row in rows)
+        if first and len(errors) == 1 and "no reply" not in errors and replied_with_errors:
+            self.stopped_on_failed_rounds = True
+            return f"round {server_round}, every client failed the same way: {reasons}"
+        if self.max_failed_rounds and self.failed_streak >= self.max_failed_rounds:
+            self.stopped_on_failed_rounds = True
+            return (
+                f"no client contributed in {self.failed_streak} consecutive rounds "
+                f"('run.max-failed-rounds' = {self.max_failed_rounds}); round "
+                f"{server_round}: {reasons}"
+            )
+        return None
+
+    def diverged(self, server_round: int, records: Mapping[str, Any]) -> str | None:
+        """The reason the global model counts as diverged after ``server_round``, from
+        its evaluation records by scope (``central-eval``, ``federated-eval``), or None."""
+        scopes = ("central-eval",) if self.private else ("central-eval", "federated-eval")
+        for scope in scopes:
+            for key, value in (records.get(scope) or {}).items():
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    continue
+                if not math.isfinite(value):
+                    return (
+                        f"round {server_round}: {scope} '{key}' = {value}: the global model "
+                        f"diverged ({_causes(self.private)})"
+                    )
+                if not key.endswith("loss"):
+                    continue
+                first = self.reference.setdefault((scope, key), float(value))
+                if self.divergence_factor and first > 0 and value > self.divergence_factor * first:
+                    return (
+                        f"round {server_round}: {scope} '{key}' = {value:.4g} > "
+                        f"'run.divergence-factor' = {self.divergence_factor:g} x its first "
+                        f"value {first:.4g}: the global model diverged ({_causes(self.private)})"
+                    )
+        return None
+
+
+def _causes(private: bool) -> str:
+    causes = "a learning rate too large ('train.lr', 'server.lr')"
+    if private:
+        causes += ", or noise that swamps the updates ('dp.noise-multiplier', 'dp.clip-norm')"
+    return f"likely {causes}"
+
+
+def non_finite(arrays: Mapping[str, Any]) -> str | None:
+    """The name of the first array of a state dict with a NaN or an infinity, or None."""
+    for key, tensor in arrays.items():
+        if torch.is_floating_point(tensor) and not torch.isfinite(tensor).all():
+            return key
+    return None
+
+
+def failed_runs(run_dirs: Iterable[str | Path]) -> list[str]:
+    """``"<run dir>: <reason>"`` for each run whose ``outcome.json`` says ``failed`` (the
+    analysis commands exit non-zero on them; runs written before the file existed have
+    none and are not counted)."""
+    failed = []
+    for run_dir in run_dirs:
+        path = Path(run_dir) / OUTCOME_FILE
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if doc.get("status") == "failed":
+            failed.append(f"{run_dir}: {doc.get('reason', '')}")
+    return failed
+
+
+def exit_on_failed(command: str, run_dirs: Iterable[str | Path]) -> None:
+    """``SystemExit`` naming the failed runs among ``run_dirs``, if any (after the
+    command wrote its output, so what could be analysed is there)."""
+    failed = failed_runs(run_dirs)
+    if failed:
+        listed = "\n  ".join(failed)
+        raise SystemExit(f"{command}: {len(failed)} run(s) failed (outcome.json):\n  {listed}")

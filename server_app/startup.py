@@ -1,0 +1,140 @@
+"""Start-up checks against the federation, before round 1.
+
+What the server can know before it trains (the connected nodes, and what each node's
+ClientApp reports from its node config: ``partition-id`` and ``num-partitions``) is
+checked against the run-config and the task. A mismatch stops the run
+(:class:`~strategies.errors.StopTraining`, outcome ``failed``) naming the key, the
+value and the fix, instead of failing in every client of every round or waiting
+``round-timeout`` for nodes that will not come:
+
+* enough nodes for every key that needs them (``min-available-nodes``,
+  ``min-train-nodes``, a DP cohort ``dp.num-sampled-clients``, ``hier.num-edges``).
+  In a simulation every virtual SuperNode registers at once, so the count is final
+  as soon as one is there; a deployment is waited for up to ``round-timeout``;
+* every node answers the partition query (its node config has ``partition-id`` and
+  ``num-partitions``), they agree on ``num-partitions``, no two share a partition id;
+* a task whose configuration fixes the number of clients (lunar-lander's client
+  table) gets a federation of that size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from logging import INFO
+
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from server_app.config import RunConfig
+from strategies import StopTraining, partitions
+from tasks.base import Task
+
+SETTLE_S = 1.0  # simulation: virtual SuperNodes register within this of the first one
+LOG_EVERY_S = 10.0
+
+
+def needs(cfg: RunConfig, strategy) -> dict[str, int]:
+    """``key -> the number of connected nodes it needs``."""
+    need = {"min-available-nodes": cfg.min_available_nodes}
+    if cfg.strategy != "local":
+        need["min-train-nodes"] = cfg.min_train_nodes
+    cohort = getattr(strategy, "num_sampled_clients", None) or getattr(
+        strategy, "expected_clients", None
+    )
+    if cohort:
+        need["dp.num-sampled-clients"] = int(cohort)
+    if cfg.strategy == "hierarchical":
+        need["hier.num-edges"] = int(cfg.options["hier.num-edges"])
+    return need
+
+
+def _is_simulation(grid: Grid) -> bool:
+    """Flower's simulation runs the ServerApp on an ``InMemoryGrid``."""
+    return type(grid).__name__ == "InMemoryGrid"
+
+
+def wait_for_federation(grid: Grid, need: dict[str, int], timeout: float) -> list[int]:
+    """The connected node ids once every key's need is met, or what is there when it
+    cannot be met any more (a simulation's count is final; a deployment waited
+    ``timeout`` seconds)."""
+    needed = max(need.values())
+    simulation = _is_simulation(grid)
+    started = time.monotonic()
+    logged = -LOG_EVERY_S
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        waited = time.monotonic() - started
+        if len(nodes) >= needed or waited >= timeout:
+            return nodes
+        if simulation and nodes:
+            time.sleep(SETTLE_S)
+            return sorted(grid.get_node_ids())
+        if waited - logged >= LOG_EVERY_S:
+            logged = waited
+            short = ", ".join(f"'{k}' = {v}" for k, v in need.items() if v > len(nodes))
+            log(
+                INFO,
+                "Waiting for nodes: %d connected, %d needed (%s); up to 'round-timeout' = %g s",
+                len(nodes),
+                needed,
+                short,
+                timeout,
+            )
+        time.sleep(0.5)
+
+
+def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[int]:
+    """Run the start-up checks (module docstring); return the connected nodes in
+    partition order.
+
+    Raises
+    ------
+    StopTraining
+        A check failed; the message names the key, the value and the fix.
+    """
+    need = needs(cfg, strategy)
+    nodes = wait_for_federation(grid, need, cfg.round_timeout)
+    short = {k: v for k, v in need.items() if v > len(nodes)}
+    if short:
+        where = (
+            "the simulation has"
+            if _is_simulation(grid)
+            else f"connected within 'round-timeout' = {cfg.round_timeout:g} s:"
+        )
+        keys = ", ".join(f"'{k}' = {v}" for k, v in short.items())
+        raise StopTraining(
+            f"{keys} needs at least {max(short.values())} nodes, but {where} {len(nodes)}. "
+            'Start more SuperNodes (simulation: --federation-config "num-supernodes=<n>") '
+            "or lower the key"
+        )
+    partitions.discover(grid, nodes, timeout=cfg.round_timeout)  # duplicates raise here
+    errors = Counter(partitions.query_error(n) for n in nodes if partitions.query_error(n))
+    if errors and sum(errors.values()) == len(nodes):
+        grouped = "; ".join(f"{c} of {len(nodes)} nodes: {r}" for r, c in errors.most_common())
+        raise StopTraining(f"no node could report its partition: {grouped}")
+    sizes = Counter(n for node in nodes if (n := partitions.num_partitions_of(node)) is not None)
+    if len(sizes) > 1:
+        listed = ", ".join(f"{count} nodes say {size}" for size, count in sorted(sizes.items()))
+        raise StopTraining(
+            f"the SuperNodes' node configs disagree on num-partitions ({listed}); give every "
+            "SuperNode the same 'num-partitions=<n>'"
+        )
+    defined = task.num_partitions()
+    if defined is not None and sizes:
+        (size,) = sizes
+        if size != defined:
+            try:
+                task.load_partition(0, size)  # the task's own message names the fix
+            except ValueError as err:
+                raise StopTraining(str(err)) from None
+            raise StopTraining(
+                f"task '{cfg.task}' defines {defined} clients but the federation has "
+                f"num-partitions={size}"
+            )
+    log(INFO, "Federation: %d nodes, %s", len(nodes), _describe(sizes))
+    return partitions.order(nodes)
+
+
+def _describe(sizes: Counter) -> str:
+    return f"num-partitions = {next(iter(sizes))}" if sizes else "num-partitions not reported"
