@@ -140,3 +140,20 @@ def test_invalid_config_fails_before_training(flower, tmp_path):
     assert result.run_dir is None and not any(tmp_path.iterdir())  # nothing was trained
     assert flower.list_runs()[0]["status"].endswith("failed")
     assert result.returncode == 1 and result.status.endswith("failed")
+
+
+def test_a_run_that_cannot_learn_fails_loudly(flower, tmp_path):
+    # lunar-lander defines 3 clients here, the federation has 4: a start-up check stops
+    # the run before round 1; outcome.json, Flower's status and the launcher agree.
+    result = flower.run(f"task='lunar-lander' ppo.derived-per-base=0 output-dir='{tmp_path}'")
+    assert result.returncode == 1 and result.status == "finished:failed", result.output
+    (run_dir,) = list(tmp_path.iterdir())
+    outcome = json.loads((run_dir / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and outcome["last-round"] == 0
+    assert "lunar-lander defines 3 clients" in outcome["reason"]
+    assert "num-partitions=4" in outcome["reason"]
+    assert "Run failed after round 0: start-up check" in result.output
+    assert (
+        not (run_dir / "metrics.csv").exists()
+        or "train" not in (run_dir / "metrics.csv").read_text()
+    )
