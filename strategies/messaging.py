@@ -8,6 +8,11 @@ most of the round (``bench/orchestration.py``). :func:`send_and_receive` uses th
 two public calls, ``push_messages`` and ``pull_messages``, polling first after
 ``first_poll`` seconds and backing off to ``max_poll``, so short rounds return soon
 and long ones cost the SuperLink a pull every ``max_poll`` seconds.
+
+The SuperLink answers a message to a node that went offline itself, with an error
+reply whose sender is the SuperLink (``SUPERLINK_NODE_ID`` = 1). Such a reply is
+attributed here to the node the message was sent to, so that logs, participation
+tables and strategies name the dead node, not "node 1".
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from collections.abc import Iterable
 
 from flwr.app import Message
+from flwr.common.constant import SUPERLINK_NODE_ID
 
 FIRST_POLL = 0.002  # seconds before the first pull
 MAX_POLL = 0.5  # the longest wait between two pulls
@@ -38,11 +44,14 @@ def send_and_receive(
     """
     if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
         return list(grid.send_and_receive(messages, timeout=timeout))
-    pending = set(grid.push_messages(messages))
+    messages = list(messages)
+    pushed = list(grid.push_messages(messages))
+    dst_of = dict(zip(pushed, messages, strict=False))
+    pending = set(pushed)
     deadline = None if timeout is None else time.monotonic() + timeout
     wait, replies = first_poll, []
     while pending:
-        got = list(grid.pull_messages(pending))
+        got = [_attributed(reply, dst_of) for reply in grid.pull_messages(pending)]
         replies += got
         pending -= {reply.metadata.reply_to_message_id for reply in got}
         if not pending:
@@ -53,3 +62,15 @@ def send_and_receive(
         time.sleep(wait if left is None else min(wait, left))
         wait = min(wait * BACKOFF, max_poll)
     return replies
+
+
+def _attributed(reply: Message, sent: dict) -> Message:
+    """``reply``, with the SuperLink's own error reply attributed to the node the
+    message it answers went to (Flower sets no setter: its own code writes the
+    metadata's ``__dict__`` the same way)."""
+    metadata = reply.metadata
+    if getattr(metadata, "src_node_id", None) == SUPERLINK_NODE_ID:
+        message = sent.get(metadata.reply_to_message_id)
+        if message is not None:
+            metadata.__dict__["_src_node_id"] = message.metadata.dst_node_id
+    return reply

@@ -102,3 +102,28 @@ def test_a_grid_without_push_and_pull_is_asked_with_send_and_receive():
         r.metadata.reply_to_message_id
         for r in messaging.send_and_receive(Double(), [object()], timeout=7)
     ] == ["x"]
+
+
+def test_the_superlinks_error_reply_names_the_node_the_message_went_to(clock):
+    # A node that went offline: the SuperLink answers for it, as node 1.
+    from flwr.app import Message, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+    from flwr.server.superlink.linkstate.utils import (
+        create_message_error_unavailable_res_message,
+    )
+
+    sent = Message(RecordDict(), dst_node_id=4242, message_type="train")
+    sent.metadata.__dict__["_message_id"] = "0"
+    unavailable = create_message_error_unavailable_res_message(sent.metadata, "node_unavail")
+    assert unavailable.metadata.src_node_id == SUPERLINK_NODE_ID
+
+    class Grid:
+        def push_messages(self, messages):
+            return ["0"]
+
+        def pull_messages(self, message_ids):
+            return [unavailable]
+
+    (reply,) = messaging.send_and_receive(Grid(), [sent], timeout=1.0)
+    assert reply.metadata.src_node_id == 4242 and reply.metadata.reply_to_message_id == "0"
+    assert reply.error.code == ErrorCode.NODE_UNAVAILABLE
