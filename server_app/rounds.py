@@ -134,16 +134,27 @@ def _unusable(reply: Message) -> str:
 
 @dataclass
 class Progress:
-    """Elapsed time and ETA from the mean duration of the finished rounds."""
+    """Elapsed time, and an ETA from the warm rounds: the first round of a run also
+    starts the ClientApps (Ray workers, imports), so it is left out of the estimate
+    once a second round has finished."""
 
     total: int
     started: float = field(default_factory=time.monotonic)
-    done: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> int:
+        return len(self.seconds)
+
+    def eta(self) -> float:
+        """Seconds left: the mean warm round times the rounds left."""
+        warm = self.seconds[1:] or self.seconds
+        return sum(warm) / len(warm) * (self.total - self.done) if warm else 0.0
 
     def line(self, result: RoundResult, round_seconds: float) -> str:
-        self.done += 1
+        self.seconds.append(round_seconds)
         elapsed = time.monotonic() - self.started
-        eta = elapsed / self.done * (self.total - self.done)
+        eta = self.eta()
         parts = [
             f"[round {result.server_round}/{self.total}]",
             f"{round_seconds:.1f}s",
@@ -268,6 +279,14 @@ def run_rounds(
                 log(WARNING if status == "stopped" else ERROR,
                     "Stopping before round %d: %s", server_round, stop)  # fmt: skip
                 return arrays, Outcome(status, str(stop), last_round)
+            if server_round == start:
+                log(
+                    INFO,
+                    "Round %d: training on %d clients; the first round also starts the "
+                    "ClientApps (in a simulation: Ray and its workers), so it takes longer",
+                    server_round,
+                    len(messages),
+                )
             replies = _exchange(grid, messages, timeout, f"round {server_round} train")
             clients = participation(server_round, messages, replies)
             new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)

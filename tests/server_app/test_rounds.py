@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from flwr.app import MetricRecord
 
-from server_app.rounds import participation, regroup
+from server_app.rounds import Progress, participation, regroup
 from tests.fakes import error_from, instruction, reply_from
 
 
@@ -26,6 +26,19 @@ def test_participation_has_one_row_per_client_sent_a_message():
         {"round": 4, "node-id": 5, "replied": False, "error": "out of memory"},
         {"round": 4, "node-id": 7, "replied": False, "error": "no reply"},
     ]  # fmt: skip
+
+
+def test_a_reply_with_non_finite_values_is_recorded_as_rejected():
+    sent = [instruction({"w": [0.0]}, {}, node_id=n) for n in (3, 5)]
+    replies = [
+        reply_from(3, {"w": [float("nan")]}, {"num-examples": 10}),
+        reply_from(5, {"w": [1.0]}, {"num-examples": 10, "train-loss": float("inf")}),
+    ]
+    rows = participation(1, sent, replies)
+    assert [(r["replied"], r["error"]) for r in rows] == [
+        (True, "rejected: array 'w' contains NaN or Inf"),
+        (True, "rejected: metric 'train-loss' of 'metrics' is not finite"),
+    ]
 
 
 def test_regroup_weights_group_accuracy_by_the_group_count():
@@ -64,3 +77,11 @@ def test_group_metric_keys_mirror_the_tasks():
     assert keys.GROUP_ACCURACY == data.GROUP_ACCURACY
     assert keys.GROUP_NUM_EXAMPLES == data.GROUP_NUM_EXAMPLES
     assert keys.FAIRNESS_GAP == data.FAIRNESS_GAP
+
+
+def test_the_eta_leaves_out_the_first_rounds_start_up():
+    progress = Progress(total=10)
+    progress.seconds = [29.0]  # round 1: start-up included, the only estimate yet
+    assert progress.eta() == 29.0 * 9
+    progress.seconds = [29.0, 2.0, 4.0]
+    assert progress.eta() == 3.0 * 7  # the "ETA 4:20" for a 2 s round is gone
