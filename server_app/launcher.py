@@ -183,11 +183,26 @@ class LocalSimulation:
         match = _RUN_DIR_LINE.search(output)
         run_dir = Path(match.group(1)) if match else None
         status = self._status(output)
+        output += self._refusal(output)
         returncode = proc.returncode
         if returncode == 0 and status.endswith(("failed", "stopped")):
             returncode = 1
             output += f"\nflwr run exited 0, but the run ended {status!r} on the SuperLink\n"
         return RunOutcome(returncode, output, run_dir, seconds, status)
+
+    def _refusal(self, output: str) -> str:
+        """Why the SuperLink refused to start the run, from its log: ``flwr run`` prints
+        only Flower's public message (an unknown run-config key: "[code: 15] Invalid
+        run configuration."), the SuperLink logs the key."""
+        if "[code: 15]" not in output:
+            return ""
+        log_file = self.home / "local-superlink" / "superlink.log"
+        try:
+            lines = log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        reasons = [line for line in lines if "Could not start run:" in line]
+        return f"\nThe SuperLink's reason ({log_file}):\n{reasons[-1]}\n" if reasons else ""
 
     def _status(self, output: str) -> str:
         """The SuperLink's status of the run ``output`` started ("" if none started)."""

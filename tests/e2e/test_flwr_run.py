@@ -134,6 +134,15 @@ def test_default_output_dir_is_the_app_directory(flower):
             shutil.rmtree(path)
 
 
+def test_an_unknown_key_is_refused_by_the_superlink_and_named(flower):
+    # Flower refuses keys not in pyproject.toml before the app runs and prints only
+    # "[code: 15] Invalid run configuration."; the launcher adds the SuperLink's reason.
+    result = flower.run("num-server-round=3")
+    assert result.returncode != 0 and result.run_dir is None
+    assert "[code: 15] Invalid run configuration." in result.output
+    assert "num-server-round" in result.output.split("The SuperLink's reason")[1]
+
+
 def test_invalid_config_fails_before_training(flower, tmp_path):
     result = flower.run(f"strategy='fedsgd' output-dir='{tmp_path}'")
     assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in result.output
