@@ -260,9 +260,10 @@ def _write_outcome(run_dir: RunDirectory, outcome: Outcome, watch: FailureWatch,
         outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
     if ledger is not None and watch.stopped_on_failed_rounds:
         outcome.undisclosed = (
-            "the run stopped because no sampled client contributed in its last "
-            "'run.max-failed-rounds' rounds; that event depends on the clients' data and "
-            "no epsilon covers it"
+            "the run stopped because no sampled client contributed (every client of its "
+            "first round failed alike, or no client of its last 'run.max-failed-rounds' "
+            "rounds contributed); that event depends on the clients' data and no epsilon "
+            "covers it"
         )
     run_dir.write_outcome(outcome)
     log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())

@@ -223,3 +223,22 @@ def test_divergence_is_measured_against_the_first_value_and_non_finite_always_st
 def test_outcome_refuses_an_unknown_status():
     with pytest.raises(ValueError, match="'done' is not one of"):
         Outcome("done")
+
+
+def test_under_dp_the_failed_round_is_charged_and_the_stop_is_disclosed(tmp_path, monkeypatch):
+    def broken(self, model, partition, local):
+        raise RuntimeError("the data file is corrupt")
+
+    monkeypatch.setattr(tasks.get("digits"), "train", broken)
+    path, _, raised = _run(
+        tmp_path,
+        privacy="dp-fedavg-fixed",
+        **{"dp.num-sampled-clients": 4, "dp.sampling": "fixed", "dp.noise-multiplier": 3.0,
+           "dp.clip-norm": 0.1},
+    )  # fmt: skip
+    outcome = _outcome(path)
+    assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
+    assert "no epsilon covers it" in outcome["undisclosed"]
+    ledger = json.loads((path / "ledger.json").read_text())["state"]
+    assert [r["server_round"] for r in ledger["releases"]] == [1]  # the round was charged
+    assert outcome["last-round"] == 1  # its (noise-only) model was released and kept
