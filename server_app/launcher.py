@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,13 @@ def stage_app(source: Path, dest: Path) -> int:
     return len(kept)
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS's choice for port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def superlink_processes(flwr_home: Path) -> list[psutil.Process]:
     """The local SuperLink processes whose command line names ``flwr_home``."""
     marker = str(flwr_home / "local-superlink")
@@ -119,7 +127,8 @@ def stop_processes(processes: list[psutil.Process], timeout: float = 10) -> None
 
 
 class LocalSimulation:
-    """A private Flower home with a ``local-simulation`` connection; a context manager.
+    """A private Flower home with a ``local-simulation`` connection and a local SuperLink
+    on its own free port; a context manager.
 
     Parameters
     ----------
@@ -137,6 +146,11 @@ class LocalSimulation:
             "FLWR_HOME": str(self.home),
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            # Its own local SuperLink: not one already on the machine-wide default port
+            # 39091 (another user's, or one started with another environment), and
+            # several of these can run at once (the e2e tests on two workers).
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         }
         subprocess.run(
             [
