@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 import strategies
 import tasks
 from server_app import certify, config, subspace_setup
-from server_app.failures import FailureWatch, Outcome, RunFailed
+from server_app.failures import OUTCOME_FILE, FailureWatch, Outcome, RunFailed
 from server_app.results import CLIENTS_DIR, RunDirectory, resolve_output_dir
 from server_app.rounds import RoundResult, run_rounds
 from server_app.startup import check_federation
@@ -258,7 +258,15 @@ def _write_outcome(run_dir: RunDirectory, outcome: Outcome, watch: FailureWatch,
     """``outcome.json`` and the log's last line: how the run ended."""
     if outcome.last_round > 0:
         outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
+    log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
     if ledger is not None and watch.stopped_on_failed_rounds:
+        # The clients' error texts stay with what no epsilon covers (curator/); the top
+        # level says only that the run stopped, and that no epsilon covers that event.
+        run_dir.write_json(run_dir.table(OUTCOME_FILE), outcome.to_json())
+        outcome.reason = (
+            f"no sampled client contributed; the clients' reasons are in "
+            f"{run_dir.table(OUTCOME_FILE)}"
+        )
         outcome.undisclosed = (
             "the run stopped because no sampled client contributed (every client of its "
             "first round failed alike, or no client of its last 'run.max-failed-rounds' "
@@ -266,7 +274,6 @@ def _write_outcome(run_dir: RunDirectory, outcome: Outcome, watch: FailureWatch,
             "covers it"
         )
     run_dir.write_outcome(outcome)
-    log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
 
 
 def _restore(saved: dict, strategy: Strategy, grid: Grid, cfg: config.RunConfig) -> RoundResult:

@@ -29,7 +29,8 @@ A run ends in one of three ways, written to ``outcome.json`` in the run director
 Under a privacy mechanism, the divergence guard reads only the central evaluation of
 the released model (post-processing). Whether every sampled client failed in the last
 ``run.max-failed-rounds`` rounds is not covered by any ε: a run that stops on it says so
-in ``outcome.json``; ``run.max-failed-rounds = 0`` never stops on failed rounds.
+in ``outcome.json``, whose reason then points to ``curator/outcome.json`` for the
+clients' error texts; ``run.max-failed-rounds = 0`` never stops on failed rounds.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 STATUSES = ("completed", "stopped", "failed")
 OUTCOME_FILE = "outcome.json"
@@ -160,14 +159,6 @@ def _causes(private: bool) -> str:
     if private:
         causes += ", or noise that swamps the updates ('dp.noise-multiplier', 'dp.clip-norm')"
     return f"likely {causes}"
-
-
-def non_finite(arrays: Mapping[str, Any]) -> str | None:
-    """The name of the first array of a state dict with a NaN or an infinity, or None."""
-    for key, tensor in arrays.items():
-        if torch.is_floating_point(tensor) and not torch.isfinite(tensor).all():
-            return key
-    return None
 
 
 def failed_runs(run_dirs: Iterable[str | Path]) -> list[str]:

@@ -57,6 +57,7 @@ import pandas as pd
 import torch
 
 from client_app.state import STATE_DIR
+from server_app.failures import OUTCOME_FILE
 from tasks.options import ConfigError
 
 DIST_NAME = "flower-privacy-lab"
@@ -393,8 +394,9 @@ class RunDirectory:
             "covered-by-epsilon": released if self.released is not None else [],
             "not-covered": [
                 *curator,
-                "outcome.json (a run stopped by the failure policy: that every sampled "
-                "client failed in its last rounds; see server_app/failures.py)",
+                "outcome.json (whether the failure policy stopped the run because no "
+                "sampled client contributed; the clients' reasons are under curator/; "
+                "see server_app/failures.py)",
                 *(
                     []
                     if self.released is not None
@@ -416,7 +418,7 @@ class RunDirectory:
 
     def write_outcome(self, outcome) -> None:
         """``outcome.json``: how the run ended (:class:`server_app.failures.Outcome`)."""
-        self.write_json("outcome.json", outcome.to_json())
+        self.write_json(OUTCOME_FILE, outcome.to_json())
 
     def finish(self, state_dict: Mapping[str, torch.Tensor] | None, title: str) -> None:
         """Save the final model (``None``: a failed run, whose last good model is in

@@ -15,7 +15,6 @@ run that then dies and re-runs it. A resumed run evaluates the committed round a
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,9 +25,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from server_app.failures import FailureWatch, Outcome, RunFailed, non_finite
+from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining, keys, partitions
-from strategies.base import InvalidReply, arrays_of
+from strategies.base import non_finite_array, unusable_reason
 from strategies.errors import BudgetExhausted
 from strategies.messaging import send_and_receive
 
@@ -111,25 +110,9 @@ def participation(server_round: int, sent: list[Message], replies: list[Message]
             metrics = reply.content.get(keys.METRICS)
             if isinstance(metrics, MetricRecord):
                 row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
-            row["error"] = _unusable(reply)
+            row["error"] = unusable_reason(reply)
         rows.append(row)
     return rows
-
-
-def _unusable(reply: Message) -> str:
-    """Why a reply without error may not enter any aggregate ("": it may): a metric or
-    an array that is not finite. (Each strategy checks more, against what it sent.)"""
-    for name, record in reply.content.metric_records.items():
-        for key, value in record.items():
-            values = value if isinstance(value, list) else [value]
-            if not all(math.isfinite(v) for v in values if isinstance(v, int | float)):
-                return f"rejected: metric '{key}' of '{name}' is not finite"
-    for record in reply.content.array_records.values():
-        try:
-            arrays_of(record)
-        except InvalidReply as err:
-            return f"rejected: {err}"
-    return ""
 
 
 @dataclass
@@ -291,7 +274,7 @@ def run_rounds(
             clients = participation(server_round, messages, replies)
             new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
             if new_arrays is not None:
-                bad = non_finite(new_arrays.to_torch_state_dict())
+                bad = non_finite_array(new_arrays)
                 if bad is not None:  # never committed, evaluated or released
                     raise RunFailed(
                         f"round {server_round}: the aggregate's array '{bad}' is not finite; "

@@ -145,14 +145,15 @@ def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -
 _NPY_V1 = b"\x93NUMPY\x01\x00"  # .npy magic and format version 1.0 (what np.save writes)
 
 
-def to_numpy(array: Array) -> np.ndarray:
+def to_numpy(array: Array, *, copy: bool = True) -> np.ndarray:
     """``array.numpy()``, without ``np.load``'s parsing of the ``.npy`` header.
 
     Flower's ``Array.numpy()`` reads the header with ``ast.literal_eval``, most of the
     cost of decoding a small array (the server decodes every array of every reply;
     bench/orchestration.py). A C-order version-1.0 payload whose header states exactly
     the ``dtype`` and ``shape`` the Array declares is read directly from the bytes,
-    into a new writable array as ``np.load`` returns; anything else goes to
+    into a new writable array as ``np.load`` returns (``copy=False``: a read-only
+    view of the bytes, for a check that keeps nothing); anything else goes to
     ``array.numpy()``.
     """
     data = array.data
@@ -166,9 +167,8 @@ def to_numpy(array: Array) -> np.ndarray:
             and data[10:offset].decode("latin1").rstrip() == expected
             and len(data) - offset == count * dtype.itemsize
         ):
-            return (
-                np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
-            )
+            view = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+            return view.copy() if copy else view
     return array.numpy()
 
 
@@ -198,6 +198,32 @@ def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.n
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
             raise InvalidReply(f"array '{key}' contains NaN or Inf")
     return arrays
+
+
+def non_finite_array(record: ArrayRecord) -> str | None:
+    """The key of the first floating array of ``record`` holding a NaN or an infinity,
+    or None; read in place (no copy), for checks on every reply and aggregate."""
+    for key in record:
+        value = to_numpy(record[key], copy=False)
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return key
+    return None
+
+
+def unusable_reason(message: Message) -> str:
+    """Why a reply without error may enter no aggregate at all ("": it may): a metric
+    or an array that is not finite. Each strategy checks more (:func:`check_reply`:
+    keys, shapes and weights against what it sent)."""
+    for name, record in message.content.metric_records.items():
+        for key, value in record.items():
+            values = value if isinstance(value, list) else [value]
+            if not all(math.isfinite(v) for v in values if is_number(v)):
+                return f"rejected: metric '{key}' of '{name}' is not finite"
+    for record in message.content.array_records.values():
+        key = non_finite_array(record)
+        if key is not None:
+            return f"rejected: array '{key}' contains NaN or Inf"
+    return ""
 
 
 def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:

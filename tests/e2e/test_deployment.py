@@ -40,7 +40,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from server_app import deploy
+from server_app import deploy, launcher
 from server_app.launcher import _RUN_DIR_LINE, _RUN_ID_LINE, APP_DIR, BIN, stop_processes
 
 pytestmark = pytest.mark.e2e
@@ -61,13 +61,11 @@ RUN_CONFIG = (
 
 
 def free_port() -> int:
-    """A free loopback TCP port (bound to port 0), outside ``RESERVED_PORTS``."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in RESERVED_PORTS:
-            return port
+    """A free loopback TCP port (:func:`server_app.launcher.free_port`), outside
+    ``RESERVED_PORTS``."""
+    while (port := launcher.free_port()) in RESERVED_PORTS:
+        pass
+    return port
 
 
 def _is_free(port: int) -> bool:

@@ -239,6 +239,13 @@ def test_under_dp_the_failed_round_is_charged_and_the_stop_is_disclosed(tmp_path
     outcome = _outcome(path)
     assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
     assert "no epsilon covers it" in outcome["undisclosed"]
+    # The clients' error texts are kept with what no epsilon covers, not at the top level.
+    assert "corrupt" not in json.dumps(outcome)
+    assert outcome["reason"].endswith("the clients' reasons are in curator/outcome.json")
+    detail = json.loads((path / "curator" / "outcome.json").read_text())
+    assert (
+        "4 of 4 clients: <class 'RuntimeError'>:<'the data file is corrupt'>" in (detail["reason"])
+    )
     ledger = json.loads((path / "ledger.json").read_text())["state"]
     assert [r["server_round"] for r in ledger["releases"]] == [1]  # the round was charged
     assert outcome["last-round"] == 1  # its (noise-only) model was released and kept
