@@ -25,10 +25,11 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 import tasks
-from client_app import hierarchy, proximal, state
+from client_app import canary, hierarchy, proximal, state
 from client_app.mods import privacy_mod
 from privacy.mechanisms import secret_seed
 from strategies import keys
+from strategies.base import to_record
 from strategies.clustered import model_key, score_key
 from tasks.base import DPSGD, EVAL_LOSS, EVAL_REWARD, SEED, LocalTraining, Task, local_seed
 
@@ -61,14 +62,26 @@ def _node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
-    """Return (task, this process's model object, partition, partition id)."""
+    """Return (task, this process's model object, partition, partition id).
+
+    With ``audit.canaries`` = k the real clients split the data N = num-partitions - k
+    ways, and a canary gets the partition it shadows (:mod:`client_app.canary`)."""
     run_config = context.run_config
     task = _task(tuple(sorted(run_config.items())))
     pid, num = _node_partition(context.node_config)
     partition = task.partition_from_node_config(context.node_config)
     if partition is None:
-        partition = task.load_partition(pid, num)
+        real = canary.real_partitions(run_config, num)
+        index = canary.canary_index(run_config, pid, num)
+        shadow = pid if index is None else canary.shadow_partition(index, real)
+        partition = task.load_partition(shadow, real)
     return task, _model(task, int(run_config.get(SEED.key, SEED.default))), partition, pid
+
+
+def _canary(context: Context) -> int | None:
+    """This node's canary index, or None for a real client."""
+    pid, num = _node_partition(context.node_config)
+    return canary.canary_index(context.run_config, pid, num)
 
 
 def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
@@ -131,9 +144,12 @@ def _artifacts_dir(config, node_config: Mapping[str, Any]) -> str | None:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train the received (or, under strategy=local, the client's own) model."""
+    """Train the received (or, under strategy=local, the client's own) model; a canary
+    replies its own update (:mod:`client_app.canary`)."""
+    index, config = _canary(context), msg.content[keys.CONFIG]
+    if index is not None and canary.reports_nothing_trained(config):
+        return _canary_reply(msg, context, index, {keys.NUM_EXAMPLES: 1})
     task, model, partition, pid = _prepare(msg, context)
-    config = msg.content[keys.CONFIG]
     server_round = int(config[keys.SERVER_ROUND])
     received, mu = proximal.parameters(model), proximal.effective_mu(config, context.state)
     seed = local_seed(
@@ -170,14 +186,29 @@ def train(msg: Message, context: Context) -> Message:
         kept = {keys.NUM_EXAMPLES: metrics[keys.NUM_EXAMPLES], "noise-std": extra["noise-std"]}
         content = RecordDict({keys.ARRAYS: delta, keys.METRICS: MetricRecord(kept)})
         return Message(content=content, reply_to=msg)
+    if index is not None:  # the canary's update replaces the one it trained
+        return _canary_reply(msg, context, index, metrics)
     return _reply(msg, metrics, model)
+
+
+def _canary_reply(msg: Message, context: Context, index: int, metrics: dict) -> Message:
+    """Canary ``index``'s train reply: the received model plus its update."""
+    received = msg.content[keys.ARRAYS]
+    arrays, _ = canary.update(received, msg.content[keys.CONFIG], context.run_config, index)
+    content = RecordDict({keys.ARRAYS: to_record(received, arrays)})
+    content[keys.METRICS] = MetricRecord(metrics)
+    return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Evaluate the received (or the client's own) model on the local test split."""
+    """Evaluate the received (or the client's own) model on the local test split (a
+    canary: on the split it shadows, with weight 0)."""
     task, model, partition, _ = _prepare(msg, context)
-    return _reply(msg, task.evaluate(model, partition), None)
+    metrics = task.evaluate(model, partition)
+    if _canary(context) is not None:
+        metrics[keys.NUM_EXAMPLES] = 0
+    return _reply(msg, metrics, None)
 
 
 @app.evaluate(keys.CLUSTER_QUERY)

@@ -16,6 +16,7 @@ from threadpoolctl import threadpool_limits
 import strategies
 import tasks
 from server_app import certify, config, subspace_setup
+from server_app.audit import run_audit
 from server_app.failures import OUTCOME_FILE, FailureWatch, Outcome, RunFailed
 from server_app.results import CLIENTS_DIR, RunDirectory, resolve_output_dir
 from server_app.rounds import RoundResult, run_rounds
@@ -243,8 +244,17 @@ def _run(grid: Grid, context: Context) -> None:
         final.to_torch_state_dict() if outcome.status != "failed" else None,
         title=f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}",
     )
+    audited = None
+    if outcome.status != "failed":  # a failed run's last model is no release to audit
+        audited = run_audit(run_dir, cfg, initial, final, ledger)
     if ledger is not None:
         report = _ledger_extra(cfg, strategy)
+        if audited is not None:
+            report["audit"] = {
+                key: audited.to_json()[key]
+                for key in ("epsilon_estimate", "epsilon_lower_bound", "confidence",
+                            "canaries", "exceeds_accountant")
+            }  # fmt: skip
         run_dir.write_ledger(ledger, report)
         _log_privacy_summary(ledger, cfg, report)
         certify.report(run_dir, ledger, strategy)

@@ -34,6 +34,7 @@ import pandas as pd
 
 from server_app import comparison_plots as cplots
 from server_app import figures, study
+from server_app.audit import audit_markdown
 from server_app.failures import exit_on_failed
 from server_app.study import Preset, StudyError
 from tasks.base import SEED
@@ -305,9 +306,21 @@ def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
         "`final` is the last round that reports the metric, `best` the highest over "
         "rounds ≥ 1. Per-seed values: `results.csv`; run directories: "
         "`comparison.json`.\n\n"
-        f"{to_markdown(table)}\n"
+        f"{to_markdown(table)}\n" + _audit_section(runs)
     )
     return table
+
+
+def _audit_section(runs: Mapping[str, Mapping[int, Path]]) -> str:
+    """``results.md``'s privacy-audit table, when the runs were audited."""
+    table = audit_markdown({name: seeds.values() for name, seeds in runs.items()})
+    if table is None:
+        return ""
+    return (
+        "\n## Privacy audit (`audit.json`)\n\nAn audit fails when its lower bound, valid "
+        "at its confidence, exceeds the accountant's epsilon; the command then exits "
+        f"non-zero.\n\n{table}\n"
+    )
 
 
 def privacy_figures(runs: Mapping[str, Mapping[int, Path]], out: Path) -> None:

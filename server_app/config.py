@@ -424,6 +424,35 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
 )
 
 
+AUDIT_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "audit.canaries",
+        0,
+        "Empirical privacy audit: k canary clients, the federation's last k partition ids "
+        "(simulation: num-supernodes = N + k); each is inserted with probability 1/2, the "
+        "rest are held out. 0: no audit.",
+        low=0,
+    ),
+    Option(
+        "audit.canary-rate",
+        1.0,
+        "Audit: probability that a sampled inserted canary uploads its direction in a round "
+        "(1: it is sampled and uploads exactly like a real client).",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    ),
+    Option(
+        "audit.confidence",
+        0.95,
+        "Audit: confidence of the one-run epsilon lower bound (Steinke et al. 2023).",
+        low=0.5,
+        high=1.0,
+        high_open=True,
+    ),
+)
+
+
 # Keys of earlier versions, with what replaces them.
 REMOVED_KEYS = {
     "dp.secure-rng": "DP noise and sampling are secret (OS entropy) by default; "
@@ -441,7 +470,7 @@ def all_options() -> tuple[Option, ...]:
         can hold only one default per key).
     """
     seen: dict[str, Option] = {}
-    declared = [*TOP_LEVEL, *STRATEGY_OPTIONS, *PRIVACY_OPTIONS]
+    declared = [*TOP_LEVEL, *STRATEGY_OPTIONS, *PRIVACY_OPTIONS, *AUDIT_OPTIONS]
     for task_cls in tasks.REGISTRY.values():
         declared.extend(task_cls.OPTIONS)
     for opt in declared:
@@ -546,6 +575,7 @@ def check_combinations(cfg: RunConfig) -> None:
     if cfg.strategy == "hierarchical" or cfg.privacy in FRONT_LOADED:
         _check_hierarchical(cfg)
     _check_head_only(cfg)
+    _check_audit(cfg)
     _check_noise_parameters(cfg)
     _check_server_optimizer(cfg)
     if cfg.privacy == "subspace-dp":
@@ -631,6 +661,36 @@ def _check_server_optimizer(cfg: RunConfig) -> None:
             f"'server.optimizer' = {optimizer.name!r} (lr {optimizer.lr:g}) needs a strategy "
             f"with one global model, not 'strategy' = {cfg.strategy!r}; valid strategies: "
             + ", ".join(repr(s) for s in ONE_GLOBAL_MODEL)
+        )
+
+
+# What the audit's canaries fit: one global model that averages uploads, released under
+# a client-level mechanism (or none). DP-SGD is sample-level (a canary client would
+# exceed its epsilon by design); the hierarchical modes, clusters and SmartFedProx's
+# selection are not one average of sampled uploads.
+AUDIT_STRATEGIES = ("fedavg", "fedprox")
+AUDIT_PRIVACY = ("none", "dp-fedavg-fixed", "dp-fedavg-adaptive", "laplace", "subspace-dp")
+
+
+def _check_audit(cfg: RunConfig) -> None:
+    k = int(cfg.options["audit.canaries"])
+    if not k:
+        return
+    if k < 4:
+        raise ConfigError(
+            f"'audit.canaries' = {k} is too few: the estimate fits a Gaussian to the inserted "
+            "and to the held-out canaries (each about k/2); valid values: 0 (off) or >= 4"
+        )
+    if cfg.strategy not in AUDIT_STRATEGIES:
+        raise ConfigError(
+            f"'audit.canaries' = {k} is not available with 'strategy' = {cfg.strategy!r}; "
+            "valid strategies: " + ", ".join(repr(s) for s in AUDIT_STRATEGIES)
+        )
+    if cfg.privacy not in AUDIT_PRIVACY:
+        raise ConfigError(
+            f"'audit.canaries' = {k} is not available with 'privacy' = {cfg.privacy!r} (the "
+            "audit tests a client-level guarantee of one released model); valid values: "
+            + ", ".join(repr(p) for p in AUDIT_PRIVACY)
         )
 
 

@@ -178,9 +178,21 @@ def failed_runs(run_dirs: Iterable[str | Path]) -> list[str]:
 
 
 def exit_on_failed(command: str, run_dirs: Iterable[str | Path]) -> None:
-    """``SystemExit`` naming the failed runs among ``run_dirs``, if any (after the
-    command wrote its output, so what could be analysed is there)."""
-    failed = failed_runs(run_dirs)
-    if failed:
+    """``SystemExit`` naming the failed runs among ``run_dirs`` and the runs whose privacy
+    audit's lower bound exceeds their epsilon, if any (after the command wrote its
+    output, so what could be analysed is there)."""
+    from server_app.audit import failed_audits
+
+    run_dirs = list(run_dirs)
+    messages = []
+    if failed := failed_runs(run_dirs):
         listed = "\n  ".join(failed)
-        raise SystemExit(f"{command}: {len(failed)} run(s) failed (outcome.json):\n  {listed}")
+        messages.append(f"{command}: {len(failed)} run(s) failed (outcome.json):\n  {listed}")
+    if audits := failed_audits(run_dirs):
+        listed = "\n  ".join(audits)
+        messages.append(
+            f"{command}: AUDIT FAILED in {len(audits)} run(s) (audit.json; the run is not as "
+            f"private as its ledger says, or an assumption is broken):\n  {listed}"
+        )
+    if messages:
+        raise SystemExit("\n".join(messages))

@@ -387,8 +387,8 @@ class RunDirectory:
     def layout(self) -> dict[str, list[str]]:
         """The files of the run directory by what covers them, for ``ledger.json``."""
         released = ["config.json", "metrics.csv", "model.pt", "checkpoint/global.pt",
-                    "checkpoint/<model>.pt", "ledger.json", "certificates.json", "plots/",
-                    "tensorboard/", "warm-start.*"]  # fmt: skip
+                    "checkpoint/<model>.pt", "ledger.json", "certificates.json", "audit.json",
+                    "plots/", "tensorboard/", "warm-start.*"]  # fmt: skip
         curator = [f"{CURATOR_DIR}/"] if self.released is not None else []
         return {
             "covered-by-epsilon": released if self.released is not None else [],

@@ -14,7 +14,8 @@ value and the fix, instead of failing in every client of every round or waiting
 * every node answers the partition query (its node config has ``partition-id`` and
   ``num-partitions``), they agree on ``num-partitions``, no two share a partition id;
 * a task whose configuration fixes the number of clients (lunar-lander's client
-  table) gets a federation of that size.
+  table) gets a federation of that size (plus ``audit.canaries``, the last partition
+  ids, which hold no data).
 """
 
 from __future__ import annotations
@@ -120,9 +121,19 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
             f"the SuperNodes' node configs disagree on num-partitions ({listed}); give every "
             "SuperNode the same 'num-partitions=<n>'"
         )
+    canaries = int(cfg.options["audit.canaries"])
+    if canaries and sizes:
+        (size,) = sizes
+        if size <= canaries:
+            raise StopTraining(
+                f"'audit.canaries' = {canaries} needs num-partitions = N + {canaries} with N "
+                f">= 1 real clients, but the federation has num-partitions = {size} "
+                f'(simulation: --federation-config "num-supernodes={size + canaries}")'
+            )
     defined = task.num_partitions()
     if defined is not None and sizes:
         (size,) = sizes
+        size -= canaries  # the last partition ids are the audit's canaries
         if size != defined:
             try:
                 task.load_partition(0, size)  # the task's own message names the fix
@@ -130,7 +141,8 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
                 raise StopTraining(str(err)) from None
             raise StopTraining(
                 f"task '{cfg.task}' defines {defined} clients but the federation has "
-                f"num-partitions={size}"
+                f"num-partitions={size + canaries}"
+                + (f" ({canaries} of them 'audit.canaries')" if canaries else "")
             )
     log(INFO, "Federation: %d nodes, %s", len(nodes), _describe(sizes))
     return partitions.order(nodes)

@@ -24,8 +24,9 @@ VARIANTS = {
     # swamps the updates (README, "Privacy"). Here the DP that learns: Poisson sampling
     # (the default), z calibrated to a target epsilon over the run, Adam on the
     # released aggregate, the small MLP.
+    # With the privacy audit: 4 canary clients beside the 4 real ones (FEDERATION).
     "dp-fedavg-fixed": "dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
-    "server.optimizer='adam' server.lr=0.05 model.name='mlp'",
+    "server.optimizer='adam' server.lr=0.05 model.name='mlp' audit.canaries=4",
     "dp-fedavg-adaptive": "dp.num-sampled-clients=3 dp.noise-multiplier=0.1 "
     "dp.noise-site='client' dp.sampling='fixed' dp.clip-count-stddev=1.0 dp.clip-norm=0.5",
     "laplace": "dp.sensitivity=1.0 dp.epsilon=30.0 dp.sampling='fixed'",
@@ -38,6 +39,7 @@ VARIANTS = {
     "data.groups='low-high' subspace.quantize-bits=8",
 }
 RUNS = {p: f"privacy='{p}' {o}" for p, o in VARIANTS.items()}
+FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8"}  # N = 4 real clients + k = 4 canaries
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,10 @@ def dp_runs(flower, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp-runs")
     runs = {}
     for privacy, options in RUNS.items():
-        result = flower.run(f"{TINY} {options} output-dir='{root}'")
+        result = flower.run(
+            f"{TINY} {options} output-dir='{root}'",
+            federation_config=FEDERATION.get(privacy, ""),
+        )
         assert result.returncode == 0 and result.run_dir is not None, result.output
         runs[privacy] = (
             result,
@@ -165,3 +170,20 @@ def test_target_epsilon_is_met_with_poisson_sampling_and_adam(dp_runs):
     assert any("server optimizer adam" in s for s in summary["statements"])
     central = metrics[metrics["scope"] == "central-eval"]["eval-loss"].to_numpy()
     assert np.isfinite(central).all()
+
+
+def test_the_audit_runs_beside_the_ledger(dp_runs):
+    """Canary clients of a real federation: audit.json, the plot, the summary line and
+    the ledger's record; 4 canaries cannot bound epsilon above 0 but the estimate exists."""
+    result, _, ledger_doc = dp_runs["dp-fedavg-fixed"]
+    audit = json.loads((result.run_dir / "audit.json").read_text())
+    assert audit["canaries"] == 4 and audit["dimension"] > 0
+    assert len(audit["cosines_inserted"]) + len(audit["cosines_held_out"]) == 4
+    assert audit["accountant_epsilon"] == pytest.approx(ledger_doc["summary"]["epsilon"])
+    assert 0.0 <= audit["epsilon_lower_bound"] <= audit["epsilon_lower_bound_max"]
+    assert not audit["exceeds_accountant"]
+    assert (result.run_dir / "plots" / "audit.png").stat().st_size > 0
+    assert ledger_doc["audit"]["canaries"] == 4
+    assert "Audit (4 canaries" in result.output
+    # The real clients split the data 4 ways: the start-up check counted the canaries.
+    assert "Federation: 8 nodes, num-partitions = 8" in result.output

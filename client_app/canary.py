@@ -1,0 +1,112 @@
+"""Canary clients of the privacy audit (``audit.canaries = k``, :mod:`privacy.audit`).
+
+A canary is a node of the federation like any other: the server samples it, sends it
+the global model and config, and its reply passes through the same client mods
+(clipping, client-side noise) as every client's. Which nodes are canaries is a
+property of their node config: the last ``k`` partition ids, ``partition-id >=
+num-partitions - k`` (in a simulation, the last ``k`` virtual SuperNodes: run with
+``num-supernodes = N + k``; deployed, the SuperNodes started with those partition
+ids). Real clients split the data ``num-partitions - k`` ways.
+
+A canary's train reply is the received model plus its update: ``s · c_j`` when it is
+inserted (and the round's ``audit.canary-rate`` coin says so), else the zero update.
+``c_j`` depends on the run seed and ``j`` only, never on data; ``s`` is twice the clip
+bound the round's config (or the run-config) names, so clipping brings it to the
+bound. A canary holds no data of its own: it *shadows* real partition ``j mod N``.
+Under a privacy mechanism whose config lets clients report nothing that training
+computes (``report-metrics``: at most ``num-examples``, sent as 1, and the norm bit the
+client mod sets) it replies without training. Otherwise (``privacy = 'none'``,
+``dp.client-metrics``) it trains on the shadow partition like that client, so that its
+reply carries the metrics every reply carries and its example count (its weight in
+plain FedAvg), then replaces the trained model by its own update. It evaluates on the
+shadow's test split with weight 0 (``num-examples = 0``), moving no average.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from privacy import audit
+from strategies import keys
+from strategies.base import arrays_of
+
+CANARIES = "audit.canaries"
+RATE = "audit.canary-rate"
+
+
+def num_canaries(run_config: Mapping[str, Any]) -> int:
+    return int(run_config.get(CANARIES, 0) or 0)
+
+
+def real_partitions(run_config: Mapping[str, Any], num_partitions: int) -> int:
+    """How many ways the real clients split the data: ``num-partitions`` minus the
+    canaries."""
+    real = num_partitions - num_canaries(run_config)
+    if real < 1:
+        raise ValueError(
+            f"'{CANARIES}' = {num_canaries(run_config)} leaves no real client among "
+            f"num-partitions = {num_partitions}; the federation needs N + k nodes"
+        )
+    return real
+
+
+def canary_index(
+    run_config: Mapping[str, Any], partition_id: int, num_partitions: int
+) -> int | None:
+    """``j`` if this node is canary ``j``, else None."""
+    k = num_canaries(run_config)
+    first = num_partitions - k
+    return partition_id - first if k and partition_id >= first else None
+
+
+def shadow_partition(index: int, real: int) -> int:
+    """The real partition a canary takes its weight and evaluation split from."""
+    return index % real
+
+
+def reports_nothing_trained(config) -> bool:
+    """Whether the train config restricts replies to keys training does not compute (a
+    canary then replies without training)."""
+    if keys.REPORT_METRICS not in config:
+        return False
+    return set(config[keys.REPORT_METRICS]) <= {keys.NUM_EXAMPLES, keys.DP_NORM_BIT}
+
+
+def _l2_bound(config, run_config: Mapping[str, Any]) -> float:
+    """The L2 norm a canary update must reach: the round's DP clip norm when the client
+    clips; subspace-DP clips on the server in the P-norm, ``‖x‖_P >= sqrt(tau) ‖x‖``, so
+    C / sqrt(tau); without a mechanism, ``dp.clip-norm`` (1 when 0) as a scale."""
+    if keys.DP_CLIP_NORM in config:
+        return float(config[keys.DP_CLIP_NORM])
+    clip = float(run_config.get("dp.clip-norm", 0.0) or 1.0)
+    if run_config.get("privacy") == "subspace-dp":
+        return clip / math.sqrt(float(run_config.get("subspace.tau", 1.0)))
+    return clip / audit.CANARY_OVERSHOOT  # no clip: the canary's norm is dp.clip-norm
+
+
+def update(
+    received, config, run_config: Mapping[str, Any], index: int
+) -> tuple[list[np.ndarray], bool]:
+    """The canary's trained arrays (received + its update) and whether it inserted its
+    direction this round."""
+    reference = arrays_of(received)
+    seed = int(run_config.get("seed", 0))
+    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    inserted = bool(audit.inclusion(seed, num_canaries(run_config))[index]) and (
+        audit.inserts_in_round(seed, index, server_round, float(run_config.get(RATE, 1.0)))
+    )
+    if not inserted:
+        return [np.array(a, copy=True) for a in reference], False
+    flat = audit.flatten(reference)
+    direction = audit.canary_direction(seed, index, flat.size)
+    if keys.LAPLACE_SENSITIVITY in config:
+        scale = audit.canary_norm(
+            direction, l2_bound=None, l1_bound=float(config[keys.LAPLACE_SENSITIVITY])
+        )
+    else:
+        scale = audit.canary_norm(direction, l2_bound=_l2_bound(config, run_config), l1_bound=None)
+    return audit.unflatten(flat + scale * direction, reference), True

@@ -1,0 +1,186 @@
+"""The run's privacy audit (``audit.canaries`` > 0): ``audit.json``, ``plots/audit.png``
+and the summary lines beside the accountant's ε (:mod:`privacy.audit` has the method,
+:mod:`client_app.canary` the canary clients).
+
+The audit reads only what the run released (the initial and the final global model)
+and the canaries' own synthetic truth (directions and coins from the run seed), so
+``audit.json`` is post-processing: covered by the run's ε like ``model.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from logging import ERROR, INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+
+from privacy import audit
+from server_app.config import RunConfig
+
+AUDIT_FILE = "audit.json"
+
+
+def _flat(record: ArrayRecord) -> np.ndarray:
+    return audit.flatten([record[key].numpy() for key in record])
+
+
+def run_audit(
+    run_dir, cfg: RunConfig, initial: ArrayRecord, final: ArrayRecord, ledger
+) -> audit.AuditResult | None:
+    """Audit the run (None when ``audit.canaries`` = 0); write ``audit.json`` and the plot
+    and log the summary."""
+    k = int(cfg.options["audit.canaries"])
+    if not k:
+        return None
+    epsilon = ledger.epsilon() if ledger is not None and ledger.releases else None
+    delta = ledger.target_delta if ledger is not None else float(cfg.options["dp.target-delta"])
+    result = audit.audit(
+        _flat(final) - _flat(initial),
+        seed=cfg.seed,
+        canaries=k,
+        delta=delta,
+        confidence=float(cfg.options["audit.confidence"]),
+        accountant_epsilon=epsilon,
+    )
+    if cfg.options["dp.reproducible-noise"] and cfg.privacy != "none":
+        result.notes.append(
+            "dp.reproducible-noise: the noise derives from the seed; this audit is of an "
+            "auditor who does not subtract it"
+        )
+    run_dir.write_json(AUDIT_FILE, result.to_json())
+    _plot(result, run_dir.path / "plots" / "audit.png")
+    for level, line in summary_lines(result):
+        log(level, "%s", line)
+    return result
+
+
+def summary_lines(result: audit.AuditResult) -> list[tuple[int, str]]:
+    """(log level, line) of the audit's summary."""
+    estimate = "n/a" if result.epsilon_estimate is None else f"{result.epsilon_estimate:.3f}"
+    if result.epsilon_estimate_interval is not None:
+        low, high = result.epsilon_estimate_interval
+        estimate += f" (95 % sampling interval {low:.3f}..{high:.3f})"
+    against = (
+        "no accountant epsilon (privacy = 'none')"
+        if result.accountant_epsilon is None
+        else f"accountant epsilon {result.accountant_epsilon:.3f}"
+    )
+    lines = [
+        (
+            INFO,
+            f"Audit ({result.canaries} canaries, {result.inserted} inserted, d = "
+            f"{result.dimension}): epsilon estimate {estimate} (Andrew et al.), lower bound "
+            f"{result.epsilon_lower_bound:.3f} at {result.confidence:g} confidence (Steinke "
+            f"et al.; at most {result.epsilon_lower_bound_max:.3f} with these canaries), "
+            f"{against}, delta {result.delta:g}",
+        )
+    ]
+    if result.exceeds:
+        lines.append(
+            (
+                ERROR,
+                f"AUDIT FAILED: the lower bound {result.epsilon_lower_bound:.3f} exceeds the "
+                f"accountant's epsilon {result.accountant_epsilon:.3f}; with probability "
+                f">= {result.confidence:g} the run is not as private as its ledger says (a "
+                "bug or a broken assumption)",
+            )
+        )
+    elif result.estimate_exceeds:
+        lines.append(
+            (
+                WARNING,
+                f"Audit: the epsilon estimate {result.epsilon_estimate:.3f} and its whole 95 % "
+                f"sampling interval exceed the accountant's {result.accountant_epsilon:.3f} "
+                "(an estimate, not a bound: check with more canaries or seeds)",
+            )
+        )
+    lines.extend((INFO, f"Audit: {note}") for note in result.notes)
+    return lines
+
+
+def _plot(result: audit.AuditResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from server_app.plots import save_figure
+
+    figure, ax = plt.subplots(figsize=(6.4, 4.0))
+    values = result.cosines_inserted + result.cosines_held_out
+    bins = np.linspace(min(values), max(values), 30) if values else 10
+    ax.hist(result.cosines_held_out, bins=bins, alpha=0.6, label="held-out canaries")
+    ax.hist(result.cosines_inserted, bins=bins, alpha=0.6, label="inserted canaries")
+    if result.threshold is not None:
+        ax.axvline(result.threshold, color="black", linestyle="--", label="guess threshold")
+    null = 1 / np.sqrt(max(result.dimension, 1))
+    ax.axvspan(-2 * null, 2 * null, color="grey", alpha=0.12, label="±2/√d (random direction)")
+    estimate = "n/a" if result.epsilon_estimate is None else f"{result.epsilon_estimate:.2f}"
+    accountant = "—" if result.accountant_epsilon is None else f"{result.accountant_epsilon:.2f}"
+    ax.set_title(
+        f"ε estimate {estimate}, lower bound {result.epsilon_lower_bound:.2f} "
+        f"({result.confidence:g}), accountant {accountant}",
+        fontsize=9,
+    )
+    ax.set_xlabel("cosine of the final model delta with the canary direction")
+    ax.set_ylabel("canaries")
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    save_figure(figure, path)
+
+
+def failed_audits(run_dirs: Iterable[str | Path]) -> list[str]:
+    """``"<run dir>: <why>"`` for each run whose audit's lower bound exceeds its ε."""
+    failed = []
+    for run_dir in run_dirs:
+        try:
+            doc = json.loads((Path(run_dir) / AUDIT_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if doc.get("exceeds_accountant"):
+            failed.append(
+                f"{run_dir}: audit lower bound {doc['epsilon_lower_bound']:.3f} > accountant "
+                f"epsilon {doc['accountant_epsilon']:.3f}"
+            )
+    return failed
+
+
+def _audit_docs(run_dirs: Iterable[str | Path]) -> list[dict]:
+    docs = []
+    for run_dir in run_dirs:
+        try:
+            docs.append(json.loads((Path(run_dir) / AUDIT_FILE).read_text()))
+        except (OSError, ValueError):
+            continue
+    return docs
+
+
+def audit_markdown(runs: Mapping[str, Iterable[str | Path]]) -> str | None:
+    """A table of the experiments' audits (None when no run was audited): per experiment
+    the accountant's epsilon, the estimate (mean ± std over seeds) and the largest lower
+    bound, and whether any seed's audit failed."""
+    lines = [
+        "| experiment | canaries | accountant epsilon | estimate | lower bound (largest) "
+        "| audit |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, run_dirs in runs.items():
+        docs = _audit_docs(run_dirs)
+        if not docs:
+            continue
+        accountant = [d["accountant_epsilon"] for d in docs]
+        accountant = [e for e in accountant if e is not None]
+        estimates = np.array([e for d in docs if (e := d["epsilon_estimate"]) is not None])
+        spread = float(np.std(estimates, ddof=1)) if len(estimates) > 1 else 0.0
+        lines.append(
+            f"| {name} | {docs[0]['canaries']} | "
+            f"{f'{max(accountant):.3f}' if accountant else '-'} | "
+            f"{f'{estimates.mean():.3f} ± {spread:.3f}' if len(estimates) else '-'} | "
+            f"{max(d['epsilon_lower_bound'] for d in docs):.3f} | "
+            f"{'**FAILED**' if any(d['exceeds_accountant'] for d in docs) else 'passed'} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else None
