@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 import strategies
 import tasks
 from server_app import certify, config, subspace_setup
-from server_app.audit import run_audit
+from server_app.audit import RunAudit
 from server_app.failures import OUTCOME_FILE, FailureWatch, Outcome, RunFailed
 from server_app.results import CLIENTS_DIR, RunDirectory, resolve_output_dir
 from server_app.rounds import RoundResult, run_rounds
@@ -203,10 +203,12 @@ def _run(grid: Grid, context: Context) -> None:
         )
 
     recorded = [0]  # the last round whose model was recorded
+    auditor = RunAudit(cfg, initial, ledger)
 
     def on_round(result) -> None:
         if not result.diverged:
             recorded[0] = result.server_round
+            auditor.interim(result.server_round, result.arrays)
         models = None
         if getattr(base, "models", None):  # K cluster models or E edge models
             label = getattr(base, "MODEL_LABEL", "cluster")
@@ -246,7 +248,7 @@ def _run(grid: Grid, context: Context) -> None:
     )
     audited = None
     if outcome.status != "failed":  # a failed run's last model is no release to audit
-        audited = run_audit(run_dir, cfg, initial, final, ledger)
+        audited = auditor.final(run_dir, final)
     if ledger is not None:
         report = _ledger_extra(cfg, strategy)
         if audited is not None:

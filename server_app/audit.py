@@ -1,5 +1,6 @@
-"""The run's privacy audit (``audit.canaries`` > 0): ``audit.json``, ``plots/audit.png``
-and the summary lines beside the accountant's ε (:mod:`privacy.audit` has the method,
+"""The run's privacy audit (``audit.canaries`` > 0): ``audit.json`` (with the interim
+audits of ``audit.every`` as ``history``), ``plots/audit.png`` and the summary lines
+beside the accountant's ε (:mod:`privacy.audit` has the method,
 :mod:`client_app.canary` the canary clients).
 
 The audit reads only what the run released (the initial and the final global model)
@@ -28,34 +29,68 @@ def _flat(record: ArrayRecord) -> np.ndarray:
     return audit.flatten([record[key].numpy() for key in record])
 
 
-def run_audit(
-    run_dir, cfg: RunConfig, initial: ArrayRecord, final: ArrayRecord, ledger
-) -> audit.AuditResult | None:
-    """Audit the run (None when ``audit.canaries`` = 0); write ``audit.json`` and the plot
-    and log the summary."""
-    k = int(cfg.options["audit.canaries"])
-    if not k:
-        return None
-    epsilon = ledger.epsilon() if ledger is not None and ledger.releases else None
-    delta = ledger.target_delta if ledger is not None else float(cfg.options["dp.target-delta"])
-    result = audit.audit(
-        _flat(final) - _flat(initial),
-        seed=cfg.seed,
-        canaries=k,
-        delta=delta,
-        confidence=float(cfg.options["audit.confidence"]),
-        accountant_epsilon=epsilon,
-    )
-    if cfg.options["dp.reproducible-noise"] and cfg.privacy != "none":
-        result.notes.append(
-            "dp.reproducible-noise: the noise derives from the seed; this audit is of an "
-            "auditor who does not subtract it"
+class RunAudit:
+    """The audit of one run: ``interim`` after rounds (``audit.every``), ``final`` after
+    the last; both read the released global model and the initial one only."""
+
+    def __init__(self, cfg: RunConfig, initial: ArrayRecord, ledger) -> None:
+        self.cfg, self.ledger = cfg, ledger
+        self.canaries = int(cfg.options["audit.canaries"])
+        self.every = int(cfg.options["audit.every"])
+        self.initial = _flat(initial) if self.canaries else None
+        self.history: list[dict] = []
+
+    def _audit(self, arrays: ArrayRecord) -> audit.AuditResult:
+        ledger = self.ledger
+        epsilon = ledger.epsilon() if ledger is not None and ledger.releases else None
+        delta = ledger.target_delta if ledger is not None else self.cfg.options["dp.target-delta"]
+        return audit.audit(
+            _flat(arrays) - self.initial,
+            seed=self.cfg.seed,
+            canaries=self.canaries,
+            delta=float(delta),
+            confidence=float(self.cfg.options["audit.confidence"]),
+            accountant_epsilon=epsilon,
         )
-    run_dir.write_json(AUDIT_FILE, result.to_json())
-    _plot(result, run_dir.path / "plots" / "audit.png")
-    for level, line in summary_lines(result):
-        log(level, "%s", line)
-    return result
+
+    def interim(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Audit round ``server_round``'s model when ``audit.every`` asks for it."""
+        if not self.canaries or not self.every or server_round < 1 or server_round % self.every:
+            return
+        if server_round >= self.cfg.num_server_rounds:  # the final audit covers it
+            return
+        result = self._audit(arrays)
+        self.history.append(
+            {
+                "round": server_round,
+                "epsilon_estimate": result.epsilon_estimate,
+                "epsilon_lower_bound": result.epsilon_lower_bound,
+                "accountant_epsilon": result.accountant_epsilon,
+            }
+        )
+        for level, line in summary_lines(result):
+            log(level, "Round %d: %s", server_round, line)
+
+    def final(self, run_dir, final: ArrayRecord) -> audit.AuditResult | None:
+        """Audit the final model (None when ``audit.canaries`` = 0); write ``audit.json``
+        and the plot and log the summary."""
+        if not self.canaries:
+            return None
+        result = self._audit(final)
+        if self.cfg.options["dp.reproducible-noise"] and self.cfg.privacy != "none":
+            result.notes.append(
+                "dp.reproducible-noise: the noise derives from the seed; this audit is of an "
+                "auditor who does not subtract it"
+            )
+        if any(h["accountant_epsilon"] is not None and h["epsilon_lower_bound"]
+               > h["accountant_epsilon"] + 1e-9 for h in self.history):  # fmt: skip
+            result.notes.append("an interim audit's lower bound exceeded its epsilon")
+        doc = result.to_json() | {"history": self.history}
+        run_dir.write_json(AUDIT_FILE, doc)
+        _plot(result, run_dir.path / "plots" / "audit.png")
+        for level, line in summary_lines(result):
+            log(level, "%s", line)
+        return result
 
 
 def summary_lines(result: audit.AuditResult) -> list[tuple[int, str]]:

@@ -443,6 +443,13 @@ AUDIT_OPTIONS: tuple[Option, ...] = (
         low_open=True,
     ),
     Option(
+        "audit.every",
+        0,
+        "Audit also the global model of every this many rounds (its delta from the initial "
+        "model; audit.json 'history'); 0: only the final model.",
+        low=0,
+    ),
+    Option(
         "audit.confidence",
         0.95,
         "Audit: confidence of the one-run epsilon lower bound (Steinke et al. 2023).",

@@ -66,7 +66,12 @@ def test_canaries_upload_their_direction_clipped_to_c_and_the_run_is_audited(tmp
     path, grid = _run(
         tmp_path,
         privacy="dp-fedavg-fixed",
-        **{"dp.clip-norm": CLIP, "dp.sampling": "fixed", "dp.num-sampled-clients": 8},
+        **{
+            "dp.clip-norm": CLIP,
+            "dp.sampling": "fixed",
+            "dp.num-sampled-clients": 8,
+            "audit.every": 1,
+        },
     )
     seed = grid.run_config["seed"]
     truth = audit.inclusion(seed, K)
@@ -96,6 +101,10 @@ def test_canaries_upload_their_direction_clipped_to_c_and_the_run_is_audited(tmp
     assert ledger["audit"]["epsilon_lower_bound"] == doc["epsilon_lower_bound"]
     assert (path / "plots" / "audit.png").stat().st_size > 0
     assert "audit.json" in ledger["run-directory"]["covered-by-epsilon"]
+    # audit.every = 1: round 1 audited on its own model (round 2 is the final audit)
+    (interim,) = doc["history"]
+    assert interim["round"] == 1
+    assert 0 < interim["accountant_epsilon"] < doc["accountant_epsilon"]
 
 
 def test_without_dp_canaries_train_their_shadow_and_evaluate_with_weight_zero(tmp_path):
