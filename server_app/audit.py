@@ -102,7 +102,8 @@ def summary_lines(result: audit.AuditResult) -> list[tuple[int, str]]:
     against = (
         "no accountant epsilon (privacy = 'none')"
         if result.accountant_epsilon is None
-        else f"accountant epsilon {result.accountant_epsilon:.3f}"
+        else f"accountant epsilon {result.accountant_epsilon:.3f} (the ledger's, against "
+        "observers of the released models)"
     )
     lines = [
         (

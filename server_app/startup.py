@@ -144,7 +144,10 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
                 f"num-partitions={size + canaries}"
                 + (f" ({canaries} of them 'audit.canaries')" if canaries else "")
             )
-    log(INFO, "Federation: %d nodes, %s", len(nodes), _describe(sizes))
+    described = _describe(sizes)
+    if canaries:  # say which nodes are not real clients: a federation not sized N + k
+        described += f" ({canaries} of them the audit's canaries, the last partition ids)"
+    log(INFO, "Federation: %d nodes, %s", len(nodes), described)
     return partitions.order(nodes)
 
 
