@@ -24,12 +24,13 @@ of the client-level guarantee.
 model delta ``Δ = θ_T − θ_0`` and each canary's cosine ``ρ_j = <c_j, Δ> / ‖Δ‖``. A
 held-out canary's cosine is that of a random direction, about N(0, 1/d).
 
-**ε estimate** (Andrew et al., Section 3): Gaussians are fitted to the inserted and
-to the held-out cosines, and the estimate is the ε at ``δ`` of that pair of Gaussians
+**ε estimate** (after Andrew et al.): Gaussians are fitted to the inserted and to the
+held-out cosines, and the estimate is the ε at ``δ`` of that pair of Gaussians
 (:func:`gaussian_pair_epsilon`, exact through normal CDFs, both orders). With a
 common (pooled) variance (:func:`estimate_epsilon`) this is μ-Gaussian DP with μ the
-gap of the means in units of σ: the Gaussian mechanism's own shape, for which Andrew
-et al. show the estimate is consistent. With each group's own variance
+gap of the means in units of σ: the shape of the Gaussian mechanism the paper
+analyses (equal variances), and our reading of its estimator (the paper's full text
+was not at hand offline when this was written). With each group's own variance
 (:func:`estimate_epsilon_two_variances`, also reported) the privacy loss of two
 Gaussians grows without bound in the tails, and with tens of canaries a chance
 variance ratio dominates: measured on digits with 10 + 10 canaries, 7.5 at an
