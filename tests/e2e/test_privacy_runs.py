@@ -174,7 +174,8 @@ def test_target_epsilon_is_met_with_poisson_sampling_and_adam(dp_runs):
 
 def test_the_audit_runs_beside_the_ledger(dp_runs):
     """Canary clients of a real federation: audit.json, the plot, the summary line and
-    the ledger's record; 4 canaries cannot bound epsilon above 0 but the estimate exists."""
+    the ledger's record. 4 canaries can bound epsilon by 0 at most, and at the run seed
+    (42) 3 are inserted and 1 held out: too few for an estimate, which audit.json says."""
     result, _, ledger_doc = dp_runs["dp-fedavg-fixed"]
     audit = json.loads((result.run_dir / "audit.json").read_text())
     assert audit["canaries"] == 4 and audit["dimension"] > 0
@@ -182,8 +183,12 @@ def test_the_audit_runs_beside_the_ledger(dp_runs):
     assert audit["accountant_epsilon"] == pytest.approx(ledger_doc["summary"]["epsilon"])
     assert 0.0 <= audit["epsilon_lower_bound"] <= audit["epsilon_lower_bound_max"]
     assert not audit["exceeds_accountant"]
+    assert audit["inserted"] == 3 and audit["epsilon_estimate"] is None
+    assert any("no estimate" in note for note in audit["notes"])
     assert (result.run_dir / "plots" / "audit.png").stat().st_size > 0
     assert ledger_doc["audit"]["canaries"] == 4
     assert "Audit (4 canaries" in result.output
     # The real clients split the data 4 ways: the start-up check counted the canaries.
-    assert "Federation: 8 nodes, num-partitions = 8" in result.output
+    assert "Federation: 8 nodes, num-partitions = 8 (4 of them the audit's canaries" in (
+        result.output
+    )
