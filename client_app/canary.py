@@ -76,16 +76,23 @@ def reports_nothing_trained(config) -> bool:
     return set(config[keys.REPORT_METRICS]) <= {keys.NUM_EXAMPLES, keys.DP_NORM_BIT}
 
 
-def _l2_bound(config, run_config: Mapping[str, Any]) -> float:
-    """The L2 norm a canary update must reach: the round's DP clip norm when the client
-    clips; subspace-DP clips on the server in the P-norm, ``‖x‖_P >= sqrt(tau) ‖x‖``, so
-    C / sqrt(tau); without a mechanism, ``dp.clip-norm`` (1 when 0) as a scale."""
+def _scale(direction: np.ndarray, config, run_config: Mapping[str, Any]) -> float:
+    """The factor of the canary's upload ``s · direction``: twice the bound the round
+    clips to (:func:`privacy.audit.canary_norm`): the client's L1 bound (Laplace) or L2
+    clip norm (DP-FedAvg); subspace-DP clips on the server in the P-norm, ``‖x‖_P >=
+    sqrt(tau) ‖x‖``, so L2 C / sqrt(tau). Without a mechanism nothing clips: the
+    canary's norm is ``dp.clip-norm`` (1 when 0), a scale."""
+    if keys.LAPLACE_SENSITIVITY in config:
+        bound = float(config[keys.LAPLACE_SENSITIVITY])
+        return audit.canary_norm(direction, l2_bound=None, l1_bound=bound)
     if keys.DP_CLIP_NORM in config:
-        return float(config[keys.DP_CLIP_NORM])
+        clip = float(config[keys.DP_CLIP_NORM])
+        return audit.canary_norm(direction, l2_bound=clip, l1_bound=None)
     clip = float(run_config.get("dp.clip-norm", 0.0) or 1.0)
     if run_config.get("privacy") == "subspace-dp":
-        return clip / math.sqrt(float(run_config.get("subspace.tau", 1.0)))
-    return clip / audit.CANARY_OVERSHOOT  # no clip: the canary's norm is dp.clip-norm
+        tau = float(run_config.get("subspace.tau", 1.0))
+        return audit.canary_norm(direction, l2_bound=clip / math.sqrt(tau), l1_bound=None)
+    return clip
 
 
 def update(
@@ -103,10 +110,5 @@ def update(
         return [np.array(a, copy=True) for a in reference], False
     flat = audit.flatten(reference)
     direction = audit.canary_direction(seed, index, flat.size)
-    if keys.LAPLACE_SENSITIVITY in config:
-        scale = audit.canary_norm(
-            direction, l2_bound=None, l1_bound=float(config[keys.LAPLACE_SENSITIVITY])
-        )
-    else:
-        scale = audit.canary_norm(direction, l2_bound=_l2_bound(config, run_config), l1_bound=None)
+    scale = _scale(direction, config, run_config)
     return audit.unflatten(flat + scale * direction, reference), True

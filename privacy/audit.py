@@ -64,6 +64,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy import optimize, special, stats
 
+from privacy import subspace
 from privacy.mechanisms import make_generator
 
 AUDIT_STREAM = 0xA0D1  # separates the canaries' randomness from every other stream
@@ -106,23 +107,17 @@ def canary_norm(direction: np.ndarray, *, l2_bound: float | None, l1_bound: floa
 def flatten(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """The floating-point arrays' values in order, as one float64 vector (the space the
     canaries live in; integer buffers such as BatchNorm's step count are left out)."""
-    parts = [np.asarray(a, dtype=np.float64).ravel() for a in arrays if _floating(a)]
-    return np.concatenate(parts) if parts else np.zeros(0)
+    return subspace.flatten([a for a in arrays if _floating(a)])
 
 
 def unflatten(vector: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
     """``vector`` laid out as the floating-point arrays of ``like``, in their dtypes; the
     other arrays are copies of ``like``'s."""
-    out, offset = [], 0
-    for a in like:
-        if _floating(a):
-            out.append(vector[offset : offset + a.size].reshape(a.shape).astype(a.dtype))
-            offset += a.size
-        else:
-            out.append(np.array(a, copy=True))
-    if offset != vector.size:
-        raise ValueError(f"vector has {vector.size} values, the arrays {offset}")
-    return out
+    floating = iter(subspace.unflatten(vector, [a for a in like if _floating(a)]))
+    return [
+        next(floating).astype(np.asarray(a).dtype) if _floating(a) else np.array(a, copy=True)
+        for a in like
+    ]
 
 
 def _floating(a: np.ndarray) -> bool:

@@ -252,8 +252,9 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         report = _ledger_extra(cfg, strategy)
         if audited is not None:
+            doc = audited.to_json()
             report["audit"] = {
-                key: audited.to_json()[key]
+                key: doc[key]
                 for key in ("epsilon_estimate", "epsilon_lower_bound", "confidence",
                             "canaries", "exceeds_accountant")
             }  # fmt: skip

@@ -169,30 +169,22 @@ def _plot(result: audit.AuditResult, path: Path) -> None:
     save_figure(figure, path)
 
 
+def _read(run_dir: str | Path) -> dict | None:
+    """A run directory's ``audit.json``, or None (not audited)."""
+    try:
+        return json.loads((Path(run_dir) / AUDIT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def failed_audits(run_dirs: Iterable[str | Path]) -> list[str]:
     """``"<run dir>: <why>"`` for each run whose audit's lower bound exceeds its ε."""
-    failed = []
-    for run_dir in run_dirs:
-        try:
-            doc = json.loads((Path(run_dir) / AUDIT_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        if doc.get("exceeds_accountant"):
-            failed.append(
-                f"{run_dir}: audit lower bound {doc['epsilon_lower_bound']:.3f} > accountant "
-                f"epsilon {doc['accountant_epsilon']:.3f}"
-            )
-    return failed
-
-
-def _audit_docs(run_dirs: Iterable[str | Path]) -> list[dict]:
-    docs = []
-    for run_dir in run_dirs:
-        try:
-            docs.append(json.loads((Path(run_dir) / AUDIT_FILE).read_text()))
-        except (OSError, ValueError):
-            continue
-    return docs
+    return [
+        f"{run_dir}: audit lower bound {doc['epsilon_lower_bound']:.3f} > accountant "
+        f"epsilon {doc['accountant_epsilon']:.3f}"
+        for run_dir in run_dirs
+        if (doc := _read(run_dir)) is not None and doc.get("exceeds_accountant")
+    ]
 
 
 def audit_markdown(runs: Mapping[str, Iterable[str | Path]]) -> str | None:
@@ -205,7 +197,7 @@ def audit_markdown(runs: Mapping[str, Iterable[str | Path]]) -> str | None:
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, run_dirs in runs.items():
-        docs = _audit_docs(run_dirs)
+        docs = [doc for run_dir in run_dirs if (doc := _read(run_dir)) is not None]
         if not docs:
             continue
         accountant = [d["accountant_epsilon"] for d in docs]
