@@ -21,6 +21,11 @@ loss: Opacus replaces ``p.grad`` with the noisy clipped per-example sum, so a te
 that is not per-example would be dropped. They are added to ``p.grad`` after the
 noise (``public_gradient``); being a function of the parameters only, they cost no
 privacy.
+
+:func:`train_private` is a task's whole DP-SGD training round on these pieces: the
+noise multiplier calibrated to ``dp.target-epsilon`` (:func:`calibrated_settings`), the
+budget check, the proximal gradient on the public path, the task's own epochs on the
+private loader and optimizer, and the accountant history and epsilon report.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import cache
+from dataclasses import dataclass, field, replace
+from functools import cache, partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -38,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tasks.base import DPSGD
+from tasks.base import DPSGD, LOCAL_EPSILON, LocalTraining
 
 if TYPE_CHECKING:
     from opacus.accountants import RDPAccountant
@@ -80,6 +85,7 @@ def opacus_names() -> SimpleNamespace:
 
 
 HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
+CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in LocalTraining.state
 ROUNDS_KEY = "dpsgd-rounds"  # in LocalTraining.state: trainings the history covers
 # What a DP-SGD client reports besides local-epsilon (strategies/keys.py has the same
 # names; a test checks they agree): trainings its accountant covers, and this round's
@@ -191,6 +197,25 @@ def calibrate_noise_multiplier(
             accountant="rdp",
         )
     return float(z)
+
+
+def calibrated_settings(local: LocalTraining, *, sample_rate: float, epochs: int) -> DPSGD:
+    """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any.
+
+    Calibrated once per client (cached in ``local.state`` under :data:`CALIBRATED_KEY`)
+    for the worst case of training ``epochs`` local epochs in every one of the planned
+    rounds, at ``sample_rate`` (capped at 1).
+    """
+    dp = local.dp_sgd
+    assert dp is not None
+    if dp.target_epsilon <= 0:
+        return dp
+    if CALIBRATED_KEY not in local.state:
+        local.state[CALIBRATED_KEY] = calibrate_noise_multiplier(
+            target_epsilon=dp.target_epsilon, delta=dp.delta,
+            sample_rate=min(1.0, sample_rate), epochs=dp.planned_rounds * epochs,
+        )  # fmt: skip
+    return replace(dp, noise_multiplier=float(local.state[CALIBRATED_KEY]))
 
 
 class BudgetExceeded(ValueError):
@@ -403,3 +428,65 @@ def account_then_add(
             public_gradient()
 
     return hook
+
+
+def train_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    local: LocalTraining,
+    *,
+    epochs: int,
+    global_params: Sequence[torch.Tensor],
+    run_epochs: Callable[[DPDataLoader, DPOptimizer], dict[str, float]],
+    model_name: str | None = None,
+) -> dict[str, float]:
+    """One client's DP-SGD training round; extends the accountant history in ``local.state``.
+
+    The noise multiplier is ``local.dp_sgd``'s or, with a target epsilon, the calibrated
+    one (:func:`calibrated_settings`); a round that would exceed ``dp.max_epsilon`` is
+    refused before training (:func:`check_budget`). The proximal gradient
+    ``mu (w - w_global)`` does not depend on the data: it is added to the noisy clipped
+    gradient (Opacus would drop it from the loss), so ``run_epochs`` must not put it in
+    its loss.
+
+    Parameters
+    ----------
+    model, optimizer, loader
+        As for :func:`make_private`; ``loader``'s batch size is the expected batch size.
+    local : LocalTraining
+        ``dp_sgd`` (set), ``proximal_mu``, ``dp_seed`` and the client's ``state``.
+    epochs : int
+        The local epochs ``run_epochs`` runs (for the calibration and the budget check).
+    global_params : sequence of torch.Tensor
+        The proximal anchor (the received parameters).
+    run_epochs : callable
+        ``run_epochs(private_loader, private_optimizer)`` trains ``epochs`` epochs without
+        the proximal term and returns the task's training metrics.
+    model_name : str, optional
+        For :func:`make_private`'s incompatibility error.
+
+    Returns
+    -------
+    dict
+        ``run_epochs``' metrics, the cumulative ``local-epsilon`` and this round's steps
+        (:func:`round_report`).
+    """
+    num_examples, batch_size = len(loader.dataset), int(loader.batch_size or 1)
+    dp = calibrated_settings(local, sample_rate=batch_size / num_examples, epochs=epochs)
+    mu = local.proximal_mu
+    public = partial(add_proximal_gradient, model, global_params, mu) if mu > 0 else None
+    history = local.state.get(HISTORY_KEY, [])
+    q = poisson_sample_rate(batch_size, num_examples)
+    planned = (dp.noise_multiplier, q, epochs * steps_per_epoch(q))
+    check_budget(history, planned, delta=dp.delta, max_epsilon=dp.max_epsilon)
+    private = make_private(
+        model, optimizer, loader, dp=dp, generator_seed=local.dp_seed,
+        history=history, public_gradient=public, model_name=model_name,
+    )  # fmt: skip
+    with private:
+        metrics = run_epochs(private.loader, private.optimizer)
+    spent = private.finish()
+    local.state[HISTORY_KEY] = spent.history
+    report = round_report(history, spent.history, local.state)
+    return {**metrics, LOCAL_EPSILON: spent.epsilon, **report}

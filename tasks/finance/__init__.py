@@ -1,6 +1,7 @@
 """Disposable-income regression on Indian personal-finance data (seed 001): the real
 Kaggle CSV (``finance.data-path``) or its synthetic twin, the seed's non-IID
-partitionings, a BatchNorm MLP and FedBN as an option."""
+partitionings, a BatchNorm MLP with FedBN as an option, and sample-level DP-SGD on a
+LayerNorm variant of the MLP."""
 
 from tasks.finance import data, task
 from tasks.finance.data import FinanceTable, PreparedData

@@ -7,14 +7,24 @@ the server sends ``proximal_mu > 0``. Clients hold the seed's non-IID partitions
 on a held-out central test set. Metrics: MSE on the standardised target and R²
 (R² is invariant to the target's affine scaling, so it equals R² in rupees).
 
-DP-SGD is not supported: BatchNorm mixes the examples of a batch, so per-example
-gradients are undefined. With ``finance.bn = local`` the BatchNorm layers stay on
-each client (FedBN, Li et al., 2021): :meth:`FinanceTask.local_state_keys` names them.
+Sample-level DP-SGD (``privacy = 'dp-sgd'``, Abadi et al., 2016) runs through
+:func:`tasks.dpsgd.train_private`, as the vision tasks do: Poisson-sampled batches of
+expected size ``finance.batch-size``, each example's gradient clipped and the sum
+noised, Adam on the noisy gradient, the FedProx gradient added after the noise (it
+depends on the parameters only), and the cumulative sample-level ``local-epsilon`` with
+this round's steps reported for the server's ledger. BatchNorm mixes the examples of a
+batch, so per-example gradients are undefined: under DP-SGD the MLP normalises each
+example on its own with LayerNorm instead (``finance.norm = auto`` resolves to
+``layer`` when ``privacy = 'dp-sgd'``, to ``batch``, the seed's model, otherwise; the
+server and every client resolve it from the same run-config, so they build the same
+architecture). With ``finance.bn = local`` the BatchNorm layers stay on each client
+(FedBN, Li et al., 2021): :meth:`FinanceTask.local_state_keys` names them; with
+LayerNorm there are none, and ``finance.bn = local`` is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -22,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from tasks.base import (
     EVAL_LOSS,
@@ -32,6 +43,7 @@ from tasks.base import (
     Task,
     resolve_device,
 )
+from tasks.dpsgd import train_private
 from tasks.finance.data import (
     PARTITION_STREAM,
     SPLIT_STREAM,
@@ -39,7 +51,7 @@ from tasks.finance.data import (
     describe_source,
     prepared_data,
 )
-from tasks.finance.model import batchnorm_state_keys, build_model
+from tasks.finance.model import NORMS, batchnorm_state_keys, build_model
 from tasks.finance.partitioning import parse_scheme, partition_rows, split_local
 from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
@@ -47,6 +59,7 @@ from tasks.proximal import proximal_term, snapshot_parameters
 EVAL_MSE = "eval-mse"
 EVAL_R2 = "eval-r2"
 EVAL_CHUNK = 4096  # rows per forward pass in evaluation (eval-mode BN: no batch effect)
+PRIVACY_KEY, DP_SGD = "privacy", "dp-sgd"  # the top-level key finance.norm = auto reads
 
 FINANCE_OPTIONS: tuple[Option, ...] = (
     Option("finance.data-path", "", "CSV of Kaggle's Indian personal finance data; "
@@ -63,6 +76,9 @@ FINANCE_OPTIONS: tuple[Option, ...] = (
     Option("finance.lr", 1e-3, "Adam learning rate.", low=0.0, low_open=True),
     Option("finance.bn", "average", "BatchNorm layers: `average` (federated) or `local` "
            "(FedBN: kept on each client).", choices=("average", "local")),
+    Option("finance.norm", "auto", "Normalisation in the MLP: `batch` (BatchNorm) or "
+           "`layer` (LayerNorm, per example: DP-SGD can train it); `auto`: `layer` under "
+           "privacy = `dp-sgd`, else `batch`.", choices=("auto", *NORMS)),
     Option("finance.device", "auto", "Device; `auto`: cuda when available.",
            choices=("auto", "cpu", "cuda")),
 )  # fmt: skip
@@ -90,6 +106,8 @@ class FinanceConfig:
     """``finance.lr``."""
     bn: str
     """``finance.bn``: ``average`` or ``local``."""
+    norm: str
+    """``finance.norm`` with ``auto`` resolved to ``batch`` or ``layer`` (derived)."""
     device: str
     """``finance.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
     seed: int
@@ -175,28 +193,41 @@ def training_batches(
     return [batch for batch in order.split(batch_size) if len(batch) > 1]
 
 
+def split_batches(
+    split: RegressionSplit, batches: list[torch.Tensor]
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """(features, target) of each batch of row positions of ``split``."""
+    return ((split.features[batch], split.target[batch]) for batch in batches)
+
+
 def train_epoch(
     model: nn.Module,
-    split: RegressionSplit,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
-    batches: list[torch.Tensor],
     device: torch.device,
     proximal: tuple[list[torch.Tensor], float],
 ) -> float:
-    """One pass over ``batches``; returns the mean squared error per trained row,
-    without the proximal term. ``proximal`` is (global parameters, mu)."""
+    """One pass over the (features, target) ``batches``; returns the mean squared
+    error per trained row, without the proximal term. ``proximal`` is (global
+    parameters, mu).
+
+    An empty batch (possible under DP-SGD's Poisson sampling) still makes an optimizer
+    step: under DP-SGD that step releases pure noise, as the accountant assumes.
+    """
     global_params, mu = proximal
     model.train()
     total, seen = 0.0, 0
-    for batch in batches:
-        x, y = split.features[batch].to(device), split.target[batch].to(device)
+    for features, target in batches:
+        x, y = features.to(device), target.to(device)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         objective = loss + proximal_term(model, global_params, mu) if mu > 0 else loss
         objective.backward()
         optimizer.step()
-        total += loss.item() * len(batch)
-        seen += len(batch)
+        if len(y) == 0:
+            continue
+        total += loss.item() * len(y)
+        seen += len(y)
     return total / seen if seen else 0.0
 
 
@@ -206,6 +237,13 @@ def predict(model: nn.Module, features: torch.Tensor, device: torch.device) -> t
     model.eval()
     chunks = [model(x.to(device)).reshape(-1).cpu() for x in features.split(EVAL_CHUNK)]
     return torch.cat(chunks) if chunks else torch.empty(0)
+
+
+def resolve_norm(choice: str, dp_sgd: bool) -> str:
+    """``finance.norm`` with ``auto`` resolved: ``layer`` under DP-SGD, else ``batch``."""
+    if choice == "auto":
+        return "layer" if dp_sgd else "batch"
+    return choice
 
 
 def regression_metrics(prediction: np.ndarray, target: np.ndarray) -> tuple[float, float]:
@@ -226,7 +264,8 @@ def regression_metrics(prediction: np.ndarray, target: np.ndarray) -> tuple[floa
 class FinanceTask(Task):
     """Federated regression of disposable income (seed 001).
 
-    Options are :data:`FINANCE_OPTIONS` (``finance.*``) plus the top-level ``seed``.
+    Options are :data:`FINANCE_OPTIONS` (``finance.*``) plus the top-level ``seed``
+    and ``privacy`` (which ``finance.norm = auto`` reads).
     ``load_partition`` returns a :class:`FinancePartition`, ``load_central_test`` a
     :class:`FinanceCentralTest`; ``evaluate`` accepts either, or a bare
     :class:`RegressionSplit`.
@@ -234,12 +273,14 @@ class FinanceTask(Task):
 
     name = "finance"
     OPTIONS: ClassVar[tuple[Option, ...]] = FINANCE_OPTIONS
-    SUPPORTS_DP_SGD: ClassVar[bool] = False
+    SUPPORTS_DP_SGD: ClassVar[bool] = True  # with finance.norm = layer (auto's choice)
     EPOCHS_KEY: ClassVar[str | None] = "finance.local-epochs"
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
         opts = self.options
+        self.under_dp_sgd = run_config.get(PRIVACY_KEY) == DP_SGD
+        """Whether the run-config's top-level ``privacy`` is ``dp-sgd``."""
         self.config = FinanceConfig(
             data_path=str(opts["finance.data-path"]),
             synthetic_rows=int(opts["finance.synthetic-rows"]),
@@ -250,9 +291,31 @@ class FinanceTask(Task):
             local_epochs=int(opts["finance.local-epochs"]),
             lr=float(opts["finance.lr"]),
             bn=str(opts["finance.bn"]),
+            norm=resolve_norm(str(opts["finance.norm"]), self.under_dp_sgd),
             device=resolve_device(str(opts["finance.device"]), "finance.device"),
             seed=int(SEED.parse(run_config.get(SEED.key, SEED.default))),
         )
+        self._check_norm()
+
+    def _check_norm(self) -> None:
+        """FedBN needs BatchNorm layers; DP-SGD needs per-example normalisation."""
+        cfg, chosen = self.config, str(self.options["finance.norm"])
+        how = f"'finance.norm' = {chosen!r}" + (
+            f" (resolved to {cfg.norm!r})" if chosen == "auto" else ""
+        )
+        if cfg.bn == "local" and cfg.norm != "batch":
+            raise ConfigError(
+                f"'finance.bn' = 'local' keeps the BatchNorm layers on each client (FedBN), "
+                f"but {how} builds the MLP with LayerNorm, which has none; valid values: "
+                "'finance.bn' = 'average', or 'finance.norm' = 'batch' (not with "
+                "privacy = 'dp-sgd')"
+            )
+        if self.under_dp_sgd and cfg.norm == "batch":
+            raise ConfigError(
+                f"{how} is not available with privacy = 'dp-sgd': BatchNorm mixes the "
+                "examples of a batch, so per-example gradients are undefined; valid values "
+                "with dp-sgd: 'finance.norm' = 'auto' or 'layer'"
+            )
 
     @property
     def data_source(self) -> str:
@@ -266,8 +329,9 @@ class FinanceTask(Task):
         return torch.device(self.config.device)
 
     def build_model(self, seed: int) -> nn.Module:
-        """A fresh :class:`~tasks.finance.model.FinanceMLP`, weights drawn from ``seed``."""
-        return build_model(seed)
+        """A fresh :class:`~tasks.finance.model.FinanceMLP` with the resolved
+        ``finance.norm``, weights drawn from ``seed``."""
+        return build_model(seed, self.config.norm)
 
     def local_state_keys(self) -> tuple[str, ...]:
         """The BatchNorm state keys with ``finance.bn = local`` (FedBN), else ``()``."""
@@ -299,16 +363,24 @@ class FinanceTask(Task):
         restored on return). ``train-loss`` is the mean MSE per row of the last
         epoch, without the proximal term. The model is back on the CPU on return.
 
+        With ``local.dp_sgd`` the epochs are DP-SGD's (:func:`tasks.dpsgd.train_private`):
+        Poisson-sampled batches (sampling and noise draw from ``local.dp_seed``), the
+        proximal gradient added after the noise, the accountant history in
+        ``local.state`` extended, and the cumulative ``local-epsilon`` and this round's
+        DP-SGD steps reported.
+
         Raises
         ------
         ConfigError
-            If ``local.dp_sgd`` is set: BatchNorm rules out per-example gradients.
+            If ``local.dp_sgd`` is set but ``finance.norm`` resolves to ``batch``:
+            BatchNorm rules out per-example gradients.
         """
-        if local.dp_sgd is not None:
+        if local.dp_sgd is not None and self.config.norm == "batch":
             raise ConfigError(
-                "finance does not support dp-sgd: BatchNorm mixes the examples of a batch, "
-                "so per-example gradients are undefined; use a client-level mechanism "
-                "instead, e.g. privacy='dp-fedavg-fixed' or privacy='laplace'"
+                "finance trains with dp-sgd only with 'finance.norm' = 'layer' (what "
+                "'auto' resolves to under privacy = 'dp-sgd'): BatchNorm mixes the "
+                "examples of a batch, so per-example gradients are undefined; valid "
+                "values: 'finance.norm' = 'auto' with privacy = 'dp-sgd', or 'layer'"
             )
         device = self.device
         model.to(device)
@@ -316,10 +388,13 @@ class FinanceTask(Task):
         try:
             with torch.random.fork_rng(devices=rng_devices):
                 torch.manual_seed(local.seed)
-                loss = self._run_epochs(model, partition.train, local)
+                if local.dp_sgd is not None:
+                    metrics = self._run_private_epochs(model, partition.train, local)
+                else:
+                    metrics = {TRAIN_LOSS: self._run_epochs(model, partition.train, local)}
         finally:
             model.to("cpu")
-        return {NUM_EXAMPLES: len(partition.train), TRAIN_LOSS: float(loss)}
+        return {NUM_EXAMPLES: len(partition.train), **metrics}
 
     def _run_epochs(self, model: nn.Module, split: RegressionSplit, local: LocalTraining) -> float:
         """The local epochs; the last epoch's mean MSE."""
@@ -330,8 +405,36 @@ class FinanceTask(Task):
         loss = 0.0
         for _ in range(cfg.local_epochs):
             batches = training_batches(len(split), cfg.batch_size, generator)
-            loss = train_epoch(model, split, optimizer, batches, self.device, proximal)
-        return loss
+            loss = train_epoch(
+                model, split_batches(split, batches), optimizer, self.device, proximal
+            )
+        return float(loss)
+
+    def _run_private_epochs(
+        self, model: nn.Module, split: RegressionSplit, local: LocalTraining
+    ) -> dict[str, float]:
+        """The local epochs under DP-SGD; ``train-loss`` (the last epoch's mean MSE),
+        ``local-epsilon`` and this round's steps."""
+        cfg = self.config
+        global_params = snapshot_parameters(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        loader = DataLoader(TensorDataset(split.features, split.target), cfg.batch_size)
+
+        def run_epochs(
+            private_loader: DataLoader, private_optimizer: torch.optim.Optimizer
+        ) -> dict[str, float]:
+            loss = 0.0
+            for _ in range(cfg.local_epochs):  # the proximal term is on the public path
+                loss = train_epoch(
+                    model, private_loader, private_optimizer, self.device, ([], 0.0)
+                )
+            return {TRAIN_LOSS: float(loss)}
+
+        return train_private(
+            model, optimizer, loader, local, epochs=cfg.local_epochs,
+            global_params=global_params, run_epochs=run_epochs,
+            model_name=f"finance MLP (finance.norm = {cfg.norm!r})",
+        )  # fmt: skip
 
     def evaluate(
         self, model: nn.Module, data: FinancePartition | FinanceCentralTest | RegressionSplit

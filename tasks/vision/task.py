@@ -34,7 +34,6 @@ import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from functools import partial
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -47,7 +46,6 @@ from tasks.base import (
     DPSGD,
     EVAL_ACCURACY,
     EVAL_LOSS,
-    LOCAL_EPSILON,
     NUM_EXAMPLES,
     SEED,
     TRAIN_ACCURACY,
@@ -57,16 +55,7 @@ from tasks.base import (
     local_seed,
     resolve_device,
 )
-from tasks.dpsgd import (
-    HISTORY_KEY,
-    add_proximal_gradient,
-    calibrate_noise_multiplier,
-    check_budget,
-    make_private,
-    poisson_sample_rate,
-    round_report,
-    steps_per_epoch,
-)
+from tasks.dpsgd import calibrated_settings, train_private
 from tasks.options import ConfigError, Option
 from tasks.proximal import snapshot_parameters
 from tasks.vision.data import (
@@ -98,7 +87,6 @@ from tasks.vision.models import (
 from tasks.vision.settings import NUM_EDGES, VISION_OPTIONS, VisionConfig
 from tasks.vision.steps import tally_split, train_epoch
 
-CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's persistent state
 EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
 WARM_START_LOSS = "warm-start-loss"
 WARM_START_ACCURACY = "warm-start-accuracy"
@@ -519,50 +507,27 @@ class ImageClassificationTask(Task):
         global_params: list[torch.Tensor],
         local: LocalTraining,
     ) -> dict[str, float]:
-        """DP-SGD epochs; extends the accountant history in ``local.state``.
+        """DP-SGD epochs (:func:`tasks.dpsgd.train_private`); extends the accountant
+        history in ``local.state``. The proximal gradient goes on the public path."""
 
-        The proximal gradient ``mu (w - w_global)`` does not depend on the data: it is
-        added to the noisy clipped gradient (Opacus would drop it from the loss).
-        """
-        dp = self._calibrated(local, sample_rate=loader.batch_size / len(loader.dataset))
-        mu = local.proximal_mu
-        public = partial(add_proximal_gradient, model, global_params, mu) if mu > 0 else None
-        history = local.state.get(HISTORY_KEY, [])
-        q = poisson_sample_rate(int(loader.batch_size or 1), len(loader.dataset))
-        planned = (dp.noise_multiplier, q, self.config.local_epochs * steps_per_epoch(q))
-        check_budget(history, planned, delta=dp.delta, max_epsilon=dp.max_epsilon)
-        private = make_private(
-            model, optimizer, loader, dp=dp, generator_seed=local.dp_seed,
-            history=history, public_gradient=public, model_name=self.config.model_name,
-        )  # fmt: skip
-        with private:
+        def run_epochs(
+            private_loader: DataLoader, private_optimizer: torch.optim.Optimizer
+        ) -> dict[str, float]:
             loss, accuracy = self._run_epochs(
-                model, private.loader, private.optimizer, global_params, 0.0, local.state
+                model, private_loader, private_optimizer, global_params, 0.0, local.state
             )
-        spent = private.finish()
-        local.state[HISTORY_KEY] = spent.history
-        report = round_report(history, spent.history, local.state)
-        return {
-            TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy, LOCAL_EPSILON: spent.epsilon, **report
-        }  # fmt: skip
+            return {TRAIN_LOSS: loss, TRAIN_ACCURACY: accuracy}
+
+        return train_private(
+            model, optimizer, loader, local, epochs=self.config.local_epochs,
+            global_params=global_params, run_epochs=run_epochs,
+            model_name=self.config.model_name,
+        )  # fmt: skip
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
-        """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any.
-
-        Calibrated once per client (cached in ``local.state``) for the worst case of
-        training in every one of the planned rounds.
-        """
-        dp = local.dp_sgd
-        assert dp is not None
-        if dp.target_epsilon <= 0:
-            return dp
-        if CALIBRATED_KEY not in local.state:
-            local.state[CALIBRATED_KEY] = calibrate_noise_multiplier(
-                target_epsilon=dp.target_epsilon, delta=dp.delta,
-                sample_rate=min(1.0, sample_rate),
-                epochs=dp.planned_rounds * self.config.local_epochs,
-            )  # fmt: skip
-        return replace(dp, noise_multiplier=float(local.state[CALIBRATED_KEY]))
+        """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any
+        (:func:`tasks.dpsgd.calibrated_settings` over ``train.local-epochs``)."""
+        return calibrated_settings(local, sample_rate=sample_rate, epochs=self.config.local_epochs)
 
     def evaluate(
         self, model: nn.Module, data: ClientPartition | CentralTestSet | TensorSplit

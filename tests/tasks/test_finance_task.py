@@ -35,17 +35,19 @@ def test_defaults_and_parsed_config():
     cfg = task.config
     assert cfg.scheme == ("multi-key", "label-skew", "quantity-skew")
     assert (cfg.batch_size, cfg.local_epochs, cfg.lr, cfg.bn) == (64, 3, 1e-3, "average")
+    assert cfg.norm == "batch"  # finance.norm = auto without privacy = dp-sgd
     assert (cfg.synthetic_rows, cfg.central_test_fraction, cfg.test_fraction) == (20000, 0.2, 0.2)
     assert cfg.seed == 42 and cfg.device == "cpu"  # this test machine has no CUDA
     assert task.data_source == "synthetic (seed 42, 20000 rows)"
     assert FinanceTask.name == "finance"
     assert FinanceTask.EPOCHS_KEY == "finance.local-epochs"
-    assert FinanceTask.SUPPORTS_DP_SGD is False
+    assert FinanceTask.SUPPORTS_DP_SGD is True  # with LayerNorm (test_finance_dpsgd.py)
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("finance.partitioning", "dirichlet"), ("finance.bn", "group"), ("finance.lr", 0),
+    [("finance.partitioning", "dirichlet"), ("finance.bn", "group"), ("finance.norm", "group"),
+     ("finance.lr", 0),
      ("finance.batch-size", 1), ("finance.test-fraction", 0.9), ("finance.device", "tpu"),
      ("finance.synthetic-rows", 10), ("finance.local-epochs", 0), ("finance.data-path", 3)],
 )  # fmt: skip
@@ -209,13 +211,13 @@ def test_training_on_a_split_with_a_lone_last_row():
     assert metrics[NUM_EXAMPLES] == 65 and np.isfinite(metrics[TRAIN_LOSS])
 
 
-def test_dp_sgd_is_refused():
-    # Prepare
+def test_dp_sgd_on_the_batchnorm_model_is_refused():
+    # Prepare: no privacy = dp-sgd in the run-config, so finance.norm = auto is batch
     task = FinanceTask(CONFIG)
     local = LocalTraining(1, seed=0, dp_sgd=DPSGD(1.0, 1.0, 1e-5))
 
     # Execute / Assert
-    with pytest.raises(ConfigError, match="does not support dp-sgd"):
+    with pytest.raises(ConfigError, match=r"'finance\.norm' = 'layer'.*BatchNorm"):
         task.train(task.build_model(0), task.load_partition(0, 4), local)
 
 
