@@ -7,6 +7,10 @@
   report the indicator bit ‖Δ‖ ≤ C when adaptive clipping is on;
 * Laplace (``laplace-sensitivity`` present): clip Δ to L1 norm S, add Laplace noise of
   scale ``laplace-scale`` to every coordinate;
+* SmartFedProx under DP (``divergence-clip`` present): clip the reported divergence to
+  [0, ``divergence-clip``] and add N(0, ``divergence-noise-stddev``²)
+  (:class:`privacy.mechanisms.BoundedScalarRelease`); a client whose training failed
+  reports 0 plus that noise;
 * every privacy mechanism (``report-metrics`` present, train and query replies): keep
   only the metric keys the server needs; ``num-examples``, when not among them, is sent
   as 1.
@@ -43,6 +47,7 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from privacy.mechanisms import (
+    BoundedScalarRelease,
     GaussianMechanism,
     LaplaceMechanism,
     NonFiniteUpdateError,
@@ -103,7 +108,21 @@ def _privatise(
         scale = float(config[keys.LAPLACE_SCALE])
         mechanism = LaplaceMechanism(sensitivity=sensitivity, epsilon=sensitivity / scale)
         delta = mechanism.noise(mechanism.clip(delta).arrays, rng=rng)
+    if keys.DIVERGENCE_CLIP in config:
+        _release_divergence(config, metrics, rng)
     return delta
+
+
+def _release_divergence(config, metrics: MetricRecord, rng: np.random.Generator) -> None:
+    """Replace the raw divergence by its clipped, noised release (0 when none was
+    computed: a failed client's zero update)."""
+    bound = float(config[keys.DIVERGENCE_CLIP])
+    std = float(config[keys.DIVERGENCE_NOISE_STDDEV])
+    raw = metrics.get(keys.DIVERGENCE, 0.0)
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise InvalidReply(f"'{keys.DIVERGENCE}' = {raw!r} is not a number")
+    release = BoundedScalarRelease(bound=bound, noise_multiplier=std / bound)
+    metrics[keys.DIVERGENCE] = release.release(float(raw), rng=rng)
 
 
 def _process(msg: Message, reply: Message, ctxt: Context) -> Message:

@@ -180,22 +180,24 @@ class LocalViewLedger:
         """Releases counted for ``client`` (its own and those charged to every client)."""
         return sum(self._total(self._clients.get(client, [])))
 
-    def would_exceed(self, release: Release) -> bool:
-        """Whether one more ``release`` would take any client (one not asked yet
-        included) above ``max_epsilon``; the same for every client, so the answer does
-        not depend on who is sampled next."""
+    def would_exceed(self, *releases: Release) -> bool:
+        """Whether one more round of ``releases`` would take any client (one not asked
+        yet included) above ``max_epsilon``; the same for every client, so the answer
+        does not depend on who is sampled next."""
         if self.max_epsilon is None:
             return False
-        self._index(release)
+        for release in releases:
+            self._index(release)
         signatures = {self._total(c) for c in self._clients.values()} | {self._total([])}
         return any(
-            self._epsilon(self._add(s, release)) > self.max_epsilon
+            self._epsilon(self._add(s, releases)) > self.max_epsilon
             for s in self._maximal(signatures)
         )
 
-    def _add(self, signature: tuple[int, ...], release: Release) -> tuple[int, ...]:
+    def _add(self, signature: tuple[int, ...], releases: tuple[Release, ...]) -> tuple[int, ...]:
         total = list(signature) + [0] * (len(self._units) - len(signature))
-        total[self._units.index(_unit(release))] += release.count
+        for release in releases:
+            total[self._units.index(_unit(release))] += release.count
         return tuple(total)
 
     def summary(self) -> dict:

@@ -395,6 +395,46 @@ class LaplaceMechanism:
         return dp_accounting.LaplaceDpEvent(self.scale / self.sensitivity)
 
 
+@dataclass(frozen=True)
+class BoundedScalarRelease:
+    """One client's scalar report (e.g. SmartFedProx's model divergence), clipped to
+    ``[0, bound]`` and released with Gaussian noise of std z·bound.
+
+    A client's report changes by at most ``bound`` between neighbouring inputs: the
+    client's data changed (any value in [0, bound] for another), or the client absent
+    and its report counted as 0 (the server holds a missing report at 0 + noise, as
+    DP-FedAvg holds a missing update at zero). So one report is the Gaussian mechanism
+    with L2 sensitivity ``bound`` and noise multiplier z: ``GaussianDpEvent(z)``,
+    without amplification (the server knows whom it asked). A vector of reports, one
+    per client, releases each client's data through its own entry only.
+    """
+
+    bound: float
+    """The public bound of the report (its sensitivity)."""
+    noise_multiplier: float
+    """z: noise std divided by ``bound``."""
+
+    def __post_init__(self) -> None:
+        _check_positive("bound", self.bound)
+        _check_positive("noise_multiplier", self.noise_multiplier)
+
+    @property
+    def noise_std(self) -> float:
+        """z·bound (derived)."""
+        return self.noise_multiplier * self.bound
+
+    def release(self, value: float, *, rng: np.random.Generator) -> float:
+        """``min(max(value, 0), bound) + N(0, (z·bound)²)``; NonFiniteUpdateError for a
+        NaN or infinite ``value`` (which no clip can bound)."""
+        if not math.isfinite(value):
+            raise NonFiniteUpdateError(f"the reported value {value!r} is not finite")
+        return min(max(float(value), 0.0), self.bound) + float(rng.normal(0.0, self.noise_std))
+
+    def dp_event(self) -> dp_accounting.GaussianDpEvent:
+        """One report: ``GaussianDpEvent(z)``."""
+        return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+
+
 # -- generators -------------------------------------------------------------------
 def make_generator(seed: int, *streams: int) -> np.random.Generator:
     """A reproducible PCG64 generator for ``SeedSequence([seed, *streams])``.

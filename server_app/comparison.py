@@ -3,8 +3,8 @@ compare the experiments as mean ± std over the seeds.
 
 ::
 
-    python -m server_app.comparison experiments/finance-*.toml --seeds 0 1 2 \\
-        --out results/finance-comparison
+    python -m server_app.comparison experiments/finance-{fedavg,fedprox,smart-fedprox}.toml \\
+        --seeds 0 1 2 --out results/finance-comparison
     python -m server_app.comparison --runs fedavg:0=runs/A fedavg:1=runs/B ... --out x
     python -m server_app.comparison --from results/finance-comparison/comparison.json --out x
 

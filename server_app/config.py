@@ -126,6 +126,20 @@ STRATEGY_OPTIONS: tuple[Option, ...] = (
         high=1.0,
         low_open=True,
     ),
+    Option(
+        "smart.divergence-clip",
+        0.0,
+        "SmartFedProx under DP-FedAvg: public bound D each client clips its reported "
+        "divergence to; 0: the round's clip norm C.",
+        low=0.0,
+    ),
+    Option(
+        "smart.divergence-noise",
+        0.0,
+        "SmartFedProx under DP-FedAvg: noise multiplier of the divergence report (std / "
+        "D), charged every round; 0: the run's `dp.noise-multiplier` z.",
+        low=0.0,
+    ),
     Option("hier.num-edges", 2, "Hierarchical: edges (groups of SuperNodes).", low=1),
     Option(
         "hier.edge-rounds",
@@ -786,20 +800,28 @@ def _privacy_for(task: str) -> list[str]:
     return [p for p in strategies.PRIVACY if p != "dp-sgd" or supported]
 
 
-# Privacy under which clustered FedAvg stays sound: every client's upload is itself
-# private (local noise), so k-means over uploads is post-processing. DP-FedAvg only
-# makes the noised sum private, never the individual updates k-means needs.
-CLUSTERED_PRIVACY = ("none", "laplace", "dp-sgd")
+# Privacy under which clustered FedAvg stays sound: under local noise every client's
+# upload is itself private, so k-means over uploads is post-processing; under DP-FedAvg
+# there is no k-means: each client's update enters the private mean of the model it
+# was assigned by its own data (strategies.clustered_dp), one Gaussian per round.
+CLUSTERED_PRIVACY = ("none", "laplace", "dp-sgd", "dp-fedavg-fixed", "dp-fedavg-adaptive")
+CENTRAL_CLUSTERED = ("dp-fedavg-fixed", "dp-fedavg-adaptive")
 
 
 def _check_clustered(cfg: RunConfig) -> None:
     if cfg.privacy not in CLUSTERED_PRIVACY:
         raise ConfigError(
-            f"'privacy' = {cfg.privacy!r} cannot protect 'strategy' = 'clustered': k-means "
-            "runs over individual client updates, and DP-FedAvg makes only their noised "
-            "sum private; valid values with clustered: "
-            + ", ".join(repr(p) for p in CLUSTERED_PRIVACY)
+            f"'privacy' = {cfg.privacy!r} cannot protect 'strategy' = 'clustered': valid "
+            "values with clustered: " + ", ".join(repr(p) for p in CLUSTERED_PRIVACY)
         )
+    if cfg.privacy in CENTRAL_CLUSTERED:
+        if cfg.options["dp.noise-site"] != "server":
+            raise ConfigError(
+                f"'strategy' = 'clustered' with 'privacy' = {cfg.privacy!r} needs "
+                "'dp.noise-site' = 'server': the server assigns each client a model from "
+                "its raw scores or upload, so no guarantee could hold against it"
+            )
+        return
     if cfg.privacy != "none" and cfg.options["cluster.assign"] == "loss":
         raise ConfigError(
             "'cluster.assign' = 'loss' lets each client release which model fits its data "
@@ -808,10 +830,11 @@ def _check_clustered(cfg: RunConfig) -> None:
         )
 
 
-# SmartFedProx selects clients by the raw divergence each one reports: sound only where
-# that report is post-processing of an already private model (DP-SGD) or nothing is
-# claimed. DP-FedAvg also samples clients itself, uniformly, which selection would undo.
-SMART_PRIVACY = ("none", "dp-sgd")
+# SmartFedProx selects clients by the divergence each one reports. Under DP-SGD that
+# report is post-processing of an already private model; under DP-FedAvg each client
+# releases it clipped and noised, and the ledger charges it (strategies.dp_fedavg).
+# Laplace and subspace-dp have no divergence release, hierarchical modes no selection.
+SMART_PRIVACY = ("none", "dp-sgd", "dp-fedavg-fixed", "dp-fedavg-adaptive")
 
 
 def _check_smart(cfg: RunConfig) -> None:
@@ -819,8 +842,15 @@ def _check_smart(cfg: RunConfig) -> None:
         raise ConfigError(
             f"'privacy' = {cfg.privacy!r} cannot protect 'strategy' = 'smart-fedprox': it "
             "selects clients by the divergence ||w_local - w_global|| each reports, which "
-            "only DP-SGD makes private; valid values with smart-fedprox: "
-            + ", ".join(repr(p) for p in SMART_PRIVACY)
+            "only DP-SGD and the DP-FedAvg family make private; valid values with "
+            "smart-fedprox: " + ", ".join(repr(p) for p in SMART_PRIVACY)
+        )
+    reports = [k for k in ("smart.divergence-clip", "smart.divergence-noise") if cfg.options[k]]
+    if reports and cfg.privacy not in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
+        raise ConfigError(
+            f"{reports[0]!r} = {cfg.options[reports[0]]:g} sets the divergence release of "
+            "DP-FedAvg; with 'privacy' = {!r} nothing is released that way; valid privacy "
+            "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'".format(cfg.privacy)
         )
     low, high = float(cfg.options["smart.mu-min"]), float(cfg.options["smart.mu-max"])
     if low > high:

@@ -151,11 +151,11 @@ class ClusteredFedAvg(Strategy):
 
     An error or malformed query reply (missing or non-finite score) gets a random model.
 
-    Privacy. With ``assign="loss"`` each client releases which model fits its data
-    best: a data-dependent release that no DP mechanism here covers. k-means needs
-    every client's individual update, so this strategy cannot run behind a DP wrapper
-    that releases only a noised sum (DP-FedAvg); behind local noise (Laplace, DP-SGD)
-    the clustering is post-processing of already private uploads (``AGGREGATES_UPLOADS``).
+    Privacy. With ``assign="loss"`` each client tells the server which model fits its
+    data best. Behind local noise (Laplace, DP-SGD) only ``l2`` runs, and the clustering
+    is post-processing of already private uploads (``AGGREGATES_UPLOADS``). Behind
+    DP-FedAvg (trusted server) there is no k-means: the wrapper releases K private means
+    and hands them back with :meth:`take_private_models` (:mod:`strategies.clustered_dp`).
 
     Parameters
     ----------
@@ -308,6 +308,24 @@ class ClusteredFedAvg(Strategy):
         metrics.update(self._round_metrics(pending, matched))
         log(INFO, "aggregate_train: cluster sizes %s", self._sizes)
         return self.models[self.largest_cluster()], metrics
+
+    def take_private_models(
+        self,
+        server_round: int,
+        models: list[ArrayRecord],
+        valid: dict[int, tuple[int, list[np.ndarray]]],
+    ) -> None:
+        """End a round whose K models a DP wrapper released (:mod:`strategies.clustered_dp`):
+        no k-means; ``valid`` maps each node whose update entered to (its assigned model,
+        its upload), which the next ``l2`` assignment reads."""
+        pending, self._pending = self._pending, None
+        self.models = list(models)
+        matched = {node: k for node, (k, _) in valid.items()}
+        for node, (k, upload) in valid.items():
+            self._uploads[node], self._clusters[node] = flatten(upload), k
+        self._sizes = np.bincount(list(matched.values()), minlength=self.k).tolist()
+        self._round = server_round
+        self._record(server_round, pending or {}, matched)
 
     # -- evaluation -----------------------------------------------------------------
     def configure_evaluate(

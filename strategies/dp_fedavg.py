@@ -25,6 +25,11 @@ Any strategy of the registry can be wrapped. The wrapper
 * divides the sum of the clipped updates by the fixed m (the expected cohort under
   Poisson sampling, so one client moves the mean by at most C/m) and, with server-side
   noising, adds N(0, (zC)²) once to the sum;
+* around SmartFedProx (``divergence``): asks every sampled client for its model
+  divergence clipped to a public bound D and noised with N(0, (z_d D)²) from the
+  client's secret generator (``divergence-clip``, ``divergence-noise-stddev``), hands
+  the wrapped strategy only those noised reports (:meth:`SmartFedProx.observe_train`),
+  and charges them as one more Gaussian release per round, without amplification;
 * charges every released aggregate to the run's :class:`privacy.accounting.PrivacyLedger`
   and, with client-side noising, each sampled client's own noisy upload to a
   :class:`privacy.local_view.LocalViewLedger` (what the server itself sees, without
@@ -40,6 +45,8 @@ Contract with the client (``client_app.mods.privacy_mod`` implements it)::
     if config.get("dpfedavg_adaptive_clip_enabled"):
         metrics["dpfedavg-norm-bit"] = float(||delta_before_clip||_2 <= C)
     reply arrays = received + delta
+    if "divergence-clip" in config:                  # SmartFedProx's report
+        metrics["divergence"] = min(max(d, 0), D) + N(0, config["divergence-noise-stddev"]**2)
     reply metrics = only config["report-metrics"] (num-examples sent as 1)
 """
 
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
 import numpy as np
@@ -58,7 +66,12 @@ from flwr.serverapp.strategy import Strategy
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.certificates import spi
 from privacy.local_view import LocalViewLedger
-from privacy.mechanisms import GaussianMechanism, NonFiniteUpdateError, clip_by_l2_norm
+from privacy.mechanisms import (
+    BoundedScalarRelease,
+    GaussianMechanism,
+    NonFiniteUpdateError,
+    clip_by_l2_norm,
+)
 from strategies import keys, partitions
 from strategies.base import (
     BudgetExhausted,
@@ -78,6 +91,31 @@ from strategies.private import PrivacyWrapper
 
 # z·√d/m above which the noise on the mean update drowns any client's signal.
 NOISE_TO_SIGNAL_WARNING = 20.0
+
+
+@dataclass(frozen=True)
+class DivergenceRelease:
+    """How sampled clients release SmartFedProx's divergence under DP-FedAvg.
+
+    Attributes
+    ----------
+    bound : float
+        D, the public clip of the report; 0: the round's clip norm C (the divergence
+        ``||w_local - w_global||`` is the norm of the update C clips).
+    noise_multiplier : float or None
+        z_d: the report's noise std is z_d·D; None: the run's z (calibrated with it).
+    """
+
+    bound: float = 0.0
+    noise_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.bound >= 0:
+            raise ValueError(f"bound must be >= 0 (0: the clip norm), got {self.bound!r}")
+        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+            raise ValueError(
+                f"noise_multiplier must be > 0 or None, got {self.noise_multiplier!r}"
+            )
 
 
 class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
@@ -110,6 +148,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         SmartFedProx): then no amplification by subsampling is claimed.
     connect_timeout : float
         Seconds to wait for enough nodes before ending the run.
+    divergence : DivergenceRelease, optional
+        The wrapped strategy selects clients by their model divergence (SmartFedProx):
+        clients release it clipped and noised, and each round charges it. Needs a ledger
+        without sampling (``uniform_sampling = False``).
     released_keys : tuple of str, optional
         Head-only training: only these arrays are clipped, noised and updated; the
         others keep the global values whatever a client sends. None: every array.
@@ -153,6 +195,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         released_keys: tuple[str, ...] | None = None,
         target_epsilon: float | None = None,
         planned_rounds: int = 1,
+        divergence: DivergenceRelease | None = None,
         **kwargs,
     ) -> None:
         if clip_norm <= 0 or num_sampled_clients < 1:
@@ -165,6 +208,11 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             raise ValueError(f"noise_site must be 'server' or 'client', not {noise_site!r}")
         if noise_site == "client" and ledger.sampling == "poisson":
             raise ValueError("client-side noise needs fixed-size sampling (see config.py)")
+        if divergence is not None and (uniform_sampling or ledger.sampling != "none"):
+            raise ValueError(
+                "divergence reports drive a data-dependent selection: they need "
+                "uniform_sampling = False and a ledger without sampling"
+            )
         super().__init__(strategy, **kwargs)
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
@@ -177,6 +225,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         self.uniform_sampling = uniform_sampling
         self.connect_timeout = connect_timeout
         self.released_keys = released_keys
+        self.divergence = divergence
         self.local_view = (
             LocalViewLedger(
                 accountant=ledger.accountant,
@@ -215,20 +264,54 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 "no amplification by subsampling claimed"
             )
         )
-        return [
-            Release(
-                server_round=server_round,
-                kind="model-update",
-                mechanism="gaussian",
-                noise_multiplier=noise_multiplier / factor,
-                laplace_epsilon=None,
-                sampling=self.ledger.sampling,
-                sample_size=self.num_sampled_clients,
-                population=population,
-                count=count,
-                note=note,
-            )
-        ]
+        update = Release(
+            server_round=server_round,
+            kind="model-update",
+            mechanism="gaussian",
+            noise_multiplier=noise_multiplier / factor,
+            laplace_epsilon=None,
+            sampling=self.ledger.sampling,
+            sample_size=self.num_sampled_clients,
+            population=population,
+            count=count,
+            note=note,
+        )
+        if self.divergence is None:
+            return [update]
+        return [update, self._divergence_release(noise_multiplier, server_round, count)]
+
+    def divergence_mechanism(self, noise_multiplier: float | None = None) -> BoundedScalarRelease:
+        """The divergence report's mechanism this round (bound D, multiplier z_d), with
+        the run's z, or ``noise_multiplier`` while calibration tries one."""
+        assert self.divergence is not None
+        z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        assert z is not None
+        return BoundedScalarRelease(
+            bound=self.divergence.bound or self.clip_norm,
+            noise_multiplier=self.divergence.noise_multiplier or z,
+        )
+
+    def _divergence_release(self, noise_multiplier: float, server_round: int, count: int = 1):
+        """Every sampled client's noised divergence: one Gaussian release with
+        multiplier z_d per round for the client it concerns (each report depends on its
+        own client's data only), charged as if every client reported every round."""
+        z_d = self.divergence_mechanism(noise_multiplier).noise_multiplier
+        return Release(
+            server_round=server_round,
+            kind="divergence-report",
+            mechanism="gaussian",
+            noise_multiplier=z_d,
+            sampling="none",
+            sample_size=1,
+            population=1,
+            count=count,
+            note=(
+                "each selected client's model divergence, clipped to a public bound and "
+                "noised on the client; selection and adaptive mu read only these. No "
+                "amplification: the server knows whom it asked, and selection depends on "
+                "the reports"
+            ),
+        )
 
     def calibrate(self, population: int) -> None:
         """Set z to meet ``target_epsilon`` over the planned rounds with ``population``
@@ -267,6 +350,15 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             note="one client's clipped update and its own noise share, seen by the server",
         )
 
+    def local_releases(self, server_round: int) -> list[Release]:
+        """What the server sees of one sampled client in one round: its noisy upload,
+        and its noised divergence when the wrapped strategy asks for one."""
+        releases = [self.local_release(server_round)]
+        if self.divergence is not None:
+            assert self.noise_multiplier is not None
+            releases.append(self._divergence_release(self.noise_multiplier, server_round))
+        return releases
+
     # -- training half ----------------------------------------------------------
     def client_config(self) -> dict[str, float | bool | list[str]]:
         """Keys added to every sampled client's train config."""
@@ -274,6 +366,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         if self.noise_site == "client":
             mech = self._mechanism()
             config[keys.DP_NOISE_STDDEV] = mech.client_noise_std(self.num_sampled_clients)
+        if self.divergence is not None:
+            report = self.divergence_mechanism()
+            config[keys.DIVERGENCE_CLIP] = report.bound
+            config[keys.DIVERGENCE_NOISE_STDDEV] = report.noise_std
         return config
 
     def _mechanism(self) -> GaussianMechanism:
@@ -291,7 +387,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 f"delta {self.ledger.target_delta:g}); nothing was sent"
             )
         if self.local_view is not None and self.local_view.would_exceed(
-            self.local_release(server_round)
+            *self.local_releases(server_round)
         ):
             _, worst = self.local_view.worst()
             raise BudgetExhausted(
@@ -328,7 +424,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         sent = partitions.order(m.metadata.dst_node_id for m in messages)
         if self.local_view is not None:  # the server will see each of them on its own
             clients = [partitions.client_name(n) for n in sent]
-            self.local_view.charge(clients, self.local_release(server_round))
+            for release in self.local_releases(server_round):
+                self.local_view.charge(clients, release)
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
 
@@ -341,6 +438,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             return None, None
         current, sent, population = self._round_state
         self._round_state = None
+        replies = list(replies)
+        if self.divergence is not None:  # the noised reports drive the next selection
+            self.strategy.observe_train(server_round, replies)
         reference = arrays_of(current)
         deltas, records, failed = self._contributions(replies, sent, current, reference)
         mean = self._private_mean(deltas, len(failed), self._released(reference))
@@ -523,8 +623,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         """Every client may have sent a noisy upload in the round under way when the
         server stopped (its sample was lost with it): charge one to each (local view)."""
         if self.local_view is not None:
-            release = self.local_release(0)
-            self.local_view.charge_all(release)
+            for release in self.local_releases(0):
+                self.local_view.charge_all(release)
             log(
                 INFO,
                 "resume: one noisy upload charged to every client against the server (the "
@@ -558,6 +658,16 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             self.ledger.target_delta,
             self.ledger.max_epsilon or "none",
         )
+        if self.divergence is not None:
+            log(
+                INFO,
+                "\t│\t└── divergence reports: clipped to %s, noise multiplier %s, "
+                "charged every round without amplification (selection reads only them)",
+                f"{self.divergence.bound:g}" if self.divergence.bound else "the clip norm C",
+                f"{self.divergence.noise_multiplier:g}"
+                if self.divergence.noise_multiplier
+                else "z (the run's)",
+            )
         if self.local_view is not None:
             log(
                 INFO,

@@ -84,7 +84,7 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
 
     def release(self, server_round: int, population: int) -> list[Release]:
         """One Gaussian release with multiplier z covers updates and count together."""
-        (update,) = super().release(server_round, population)
+        update, *reports = super().release(server_round, population)
         note = (
             f"updates (z_delta = {self.update_noise_multiplier():.4f}) and the "
             f"clipped-count query (sigma_b = {self.count_stddev:g}) as one Gaussian "
@@ -97,7 +97,8 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
                     "kind": "model-update+clip-count",
                     "note": "; ".join(n for n in (update.note, note) if n),
                 }
-            )
+            ),
+            *reports,
         ]
 
     def round_metrics(self, records: list[MetricRecord]) -> dict[str, float]:

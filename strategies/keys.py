@@ -77,6 +77,9 @@ DIVERGENCE = "divergence"  # MetricRecord: ||w_local - w_global|| after training
 EFFECTIVE_MU = "effective-mu"  # MetricRecord: the mu the client trained with
 HISTORICAL_DIVERGENCE = "historical-divergence"  # MetricRecord: the client's EMA after it
 TRAIN_LOSS = "train-loss"  # MetricRecord: mean local training loss (tasks.base.TRAIN_LOSS)
+# Under client-level DP the divergence is released: clipped to [0, bound], noised.
+DIVERGENCE_CLIP = "divergence-clip"  # train config: the public bound of the report
+DIVERGENCE_NOISE_STDDEV = "divergence-noise-stddev"  # train config: std of its noise
 
 # Label-group evaluation metrics (tasks.vision.data): per group, and the gap between them.
 GROUP_ACCURACY = "eval-accuracy-{}"  # MetricRecord: accuracy on one label group

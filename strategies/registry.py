@@ -16,7 +16,8 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import noise_generator
 from strategies.clustered import ClusteredFedAvg
-from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
+from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.dpsgd import DPSGDClients
 from strategies.frontloaded import MODES as FRONT_LOADED
@@ -56,6 +57,7 @@ class StrategySettings:
     local_epochs: int = 1  # the task's local epochs per round (SmartFedProx's epoch factor)
     num_rounds: int = 1  # rounds the run plans (subspace-dp splits its noise budget over them)
     released_keys: tuple[str, ...] | None = None  # head-only: the arrays DP wrappers release
+    train_sample_size: int | None = None  # clients a data-dependent selection picks (DP: m)
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -107,6 +109,7 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
         local_epochs=s.local_epochs,
         ema_alpha=float(s.options["smart.ema-alpha"]),
         seed=s.seed,
+        sample_size=s.train_sample_size,
         connect_timeout=s.round_timeout,
     ),
     "hierarchical": lambda s: HierarchicalFedAvg(
@@ -223,12 +226,25 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
     }
 
 
+def divergence_release(s: StrategySettings) -> DivergenceRelease | None:
+    """SmartFedProx's divergence report under DP-FedAvg (``smart.divergence-*``)."""
+    if s.strategy != "smart-fedprox":
+        return None
+    o = s.options
+    return DivergenceRelease(
+        bound=float(o["smart.divergence-clip"]),
+        noise_multiplier=float(o["smart.divergence-noise"]) or None,
+    )
+
+
 def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
     o = s.options
     kwargs = {**_dp_fedavg_kwargs(s), "noise_site": str(o["dp.noise-site"])}
+    kwargs["divergence"] = divergence_release(s)
+    clustered = s.strategy == "clustered"
     if not adaptive:
-        return DPFedAvgFixed(base, **kwargs)
-    return DPFedAvgAdaptive(
+        return (ClusteredDPFedAvgFixed if clustered else DPFedAvgFixed)(base, **kwargs)
+    return (ClusteredDPFedAvgAdaptive if clustered else DPFedAvgAdaptive)(
         base,
         target_quantile=float(o["dp.target-quantile"]),
         clip_lr=float(o["dp.clip-lr"]),
@@ -340,6 +356,9 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
         base_settings = replace(
             settings, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1
         )
+        if settings.strategy in DATA_DEPENDENT_SELECTION:  # it picks the wrapper's m
+            m = int(settings.options["dp.num-sampled-clients"])
+            base_settings = replace(base_settings, train_sample_size=m)
     base = STRATEGIES[settings.strategy](base_settings)
     strategy = PRIVACY[privacy](base, settings)
     optimizer = server_optimizer_settings(settings.options)

@@ -7,6 +7,14 @@ random (cold start, exploration, or ``selection="random"``) or by the hybrid rul
 section 1.4 (30 % high, 50 % middle, 20 % low smoothed divergence), and sends each
 client the inputs of the adaptive-mu formula of section 3.2, which the client
 evaluates (``tasks.adaptive_mu``). Aggregation is FedAvg's, over the valid replies.
+
+Under client-level DP (:mod:`strategies.dp_fedavg` with a
+:class:`~strategies.dp_fedavg.DivergenceRelease`) the wrapper picks nothing: this
+strategy selects exactly ``sample_size`` (m) nodes, each client releases its divergence
+clipped and noised, and the wrapper hands the replies to :meth:`observe_train` instead
+of :meth:`aggregate_train`. Every value selection and mu read afterwards is then
+computed from released values only; the selection's own randomness (the run seed) is
+not relied on for privacy, since no amplification is claimed.
 """
 
 from __future__ import annotations
@@ -111,6 +119,10 @@ class SmartFedProx(FedProx):
         Inputs of the client's adaptive mu and EMA (seed: alpha 0.3).
     seed : int
         The run seed; one generator drives every random choice.
+    sample_size : int, optional
+        Select exactly this many nodes per training round (at most the connected ones)
+        instead of ``fraction_train`` of them: what a DP wrapper fixes (m), since it
+        divides the sum of the clipped updates by m.
     connect_timeout : float
         Seconds to wait for enough nodes before ending the run (StopTraining).
     """
@@ -139,6 +151,7 @@ class SmartFedProx(FedProx):
         local_epochs: int,
         ema_alpha: float = 0.3,
         seed: int,
+        sample_size: int | None = None,
         connect_timeout: float = 600.0,
     ) -> None:
         settings = dict(selection=selection, cold_start_rounds=cold_start_rounds)
@@ -151,6 +164,9 @@ class SmartFedProx(FedProx):
         self.cold_start_rounds, self.exploration_rate = cold_start_rounds, exploration_rate
         self.mu_min, self.mu_max, self.local_epochs = mu_min, mu_max, local_epochs
         self.ema_alpha, self.seed, self.connect_timeout = ema_alpha, seed, connect_timeout
+        if sample_size is not None and sample_size < 1:
+            raise ValueError(f"sample_size = {sample_size!r}; valid values: >= 1 or None")
+        self.sample_size = sample_size
         self.rng = np.random.default_rng([seed, _STREAM])
         self.history: list[dict] = []
         self.divergences: dict[int, list[float]] = {}  # node -> its valid reports, oldest first
@@ -199,6 +215,8 @@ class SmartFedProx(FedProx):
         if self.fraction_train == 0.0:
             return []
         nodes, n = self._population(grid, self.fraction_train, self.min_train_nodes)
+        if self.sample_size is not None:
+            n = min(len(nodes), self.sample_size)
         mode, values = self._mode(server_round), {}
         if mode == "hybrid":
             values = fill_unknown(nodes, self.smoothed())
@@ -221,22 +239,36 @@ class SmartFedProx(FedProx):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """FedAvg over the valid replies; update the nodes' divergence histories."""
+        current = self._current
+        valid, failed = self.observe_train(server_round, replies)
+        if not valid or current is None:
+            return None, None
+        aggregate, metrics = super().aggregate_train(server_round, [m for m, _ in valid.values()])
+        divergences = [float(m[keys.DIVERGENCE]) for _, m in valid.values()]
+        metrics["divergence-std"] = float(np.std(divergences))
+        metrics["failed-replies"] = failed
+        return to_record(current, arrays_of(aggregate)), metrics
+
+    def observe_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[dict[int, tuple[Message, MetricRecord]], int]:
+        """Take in the round's replies without aggregating them: validate them, add each
+        valid reply's divergence to its node's history, and end the round. Returns (node
+        -> (reply, metrics) of the valid replies, number of selected nodes left out).
+
+        A DP wrapper calls this instead of :meth:`aggregate_train` (it releases the
+        model itself); the divergences it sees are then the clients' noised releases,
+        and everything selection and mu read afterwards is computed from them."""
         pending, current = self._pending, self._current
         self._pending, self._current = None, None
         if pending is None or current is None:
-            return None, None
+            return {}, 0
         valid = self._valid_replies(replies, pending, current)
         if not valid:
             log(WARNING, "SmartFedProx round %d: no valid reply, model unchanged", server_round)
-            return None, None
-        divergences = []
         for node, (_, metrics) in valid.items():
-            divergences.append(finite_metric(metrics, keys.DIVERGENCE))
-            self._observe(node, divergences[-1])
-        aggregate, metrics = super().aggregate_train(server_round, [m for m, _ in valid.values()])
-        metrics["divergence-std"] = float(np.std(divergences))
-        metrics["failed-replies"] = len(pending) - len(valid)
-        return to_record(current, arrays_of(aggregate)), metrics
+            self._observe(node, finite_metric(metrics, keys.DIVERGENCE))
+        return valid, len(pending) - len(valid)
 
     # -- evaluation -----------------------------------------------------------------
     def aggregate_evaluate(

@@ -65,6 +65,10 @@ def _always(_options: Mapping[str, Any]) -> bool:
 _SERVER_SEES_RAW = Cell(NONE, "none: the server sees every client's update before it is noised")
 _NO_SECAGG = "without secure aggregation the server sees every noisy upload: the local epsilon"
 _CENTRAL = Cell(CENTRAL, "client-level epsilon of the ledger (amplified by the secret sample)")
+_CENTRAL_UNAMPLIFIED = (
+    "client-level epsilon of the ledger, no amplification claimed (the strategy selects "
+    "clients from what they report)"
+)
 _BIT_IN_CLEAR = Cell(NONE, "none: each client's unclipped-norm bit reaches the server in clear")
 _PER_BATCH = Cell(NONE, "none: per-batch clipping bounds no example's or client's influence")
 _UPLOAD = Cell(LOCAL, "per client, composed over the rounds it was asked (no amplification)")
@@ -178,6 +182,8 @@ def run_report(privacy: str, options: Mapping[str, Any], strategy) -> list[dict[
         entry: dict[str, Any] = {"threat-model": threat, "holds": cell.kind != NONE}
         entry["unit"] = "sample-level" if cell.kind == SAMPLE else "client-level"
         entry["basis"] = cell.text
+        if cell is _CENTRAL and strategy.ledger.sampling == "none":  # e.g. SmartFedProx
+            entry["basis"] = _CENTRAL_UNAMPLIFIED
         if cell.kind != NONE:
             epsilon, delta, client = _epsilon(cell.kind, strategy)
             entry |= {"epsilon": epsilon, "delta": delta}

@@ -18,12 +18,18 @@ def _load(**overrides):
     [
         ({"strategy": "local", "privacy": "laplace"}, "needs a federated strategy"),
         (
-            {"strategy": "clustered", "privacy": "dp-fedavg-fixed"},
-            "valid values with clustered: 'none', 'laplace', 'dp-sgd'",
+            {"strategy": "clustered", "privacy": "subspace-dp"},
+            "valid values with clustered: 'none', 'laplace', 'dp-sgd', 'dp-fedavg-fixed', "
+            "'dp-fedavg-adaptive'",
         ),
         (
-            {"strategy": "clustered", "privacy": "dp-fedavg-adaptive"},
-            "DP-FedAvg makes only their noised sum private",
+            {
+                "strategy": "clustered",
+                "privacy": "dp-fedavg-adaptive",
+                "dp.noise-site": "client",
+                "dp.sampling": "fixed",
+            },
+            "needs 'dp.noise-site' = 'server'",
         ),
         (
             {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "loss"},
@@ -35,8 +41,13 @@ def _load(**overrides):
         ),
         ({"cluster.assign": "nearest"}, "valid values: 'l2', 'loss'"),
         (
-            {"strategy": "smart-fedprox", "privacy": "dp-fedavg-fixed"},
-            "valid values with smart-fedprox: 'none', 'dp-sgd'",
+            {"strategy": "smart-fedprox", "privacy": "laplace"},
+            "valid values with smart-fedprox: 'none', 'dp-sgd', 'dp-fedavg-fixed', "
+            "'dp-fedavg-adaptive'",
+        ),
+        (
+            {"strategy": "smart-fedprox", "smart.divergence-noise": 2.0},
+            "'smart.divergence-noise' = 2 sets the divergence release of DP-FedAvg",
         ),
         (
             {"strategy": "smart-fedprox", "smart.mu-min": 0.5, "smart.mu-max": 0.1},
@@ -89,6 +100,8 @@ def test_impossible_combinations_are_refused(overrides, expected):
         {"strategy": "clustered", "privacy": "none", "cluster.assign": "loss"},
         {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "l2"},
         {"strategy": "clustered", "privacy": "dp-sgd"},
+        {"strategy": "clustered", "privacy": "dp-fedavg-adaptive", "cluster.assign": "loss"},
+        {"strategy": "clustered", "privacy": "dp-fedavg-fixed", "cluster.assign": "l2"},
         {"task": "lunar-lander", "privacy": "laplace"},
         {
             "task": "lunar-lander",
@@ -104,6 +117,14 @@ def test_impossible_combinations_are_refused(overrides, expected):
         },
         {"privacy": "dp-fedavg-fixed", "subspace.head-only": True, "strategy": "fedprox"},
         {"task": "lunar-lander", "privacy": "subspace-dp"},
+        {"strategy": "smart-fedprox", "privacy": "dp-fedavg-adaptive", "task": "finance"},
+        {
+            "strategy": "smart-fedprox",
+            "privacy": "dp-fedavg-fixed",
+            "dp.noise-site": "client",
+            "smart.divergence-clip": 2.0,
+            "smart.divergence-noise": 3.0,
+        },
     ],
 )
 def test_sound_combinations_load(overrides):
