@@ -78,22 +78,28 @@ def best_of_clusters(per_model: list[dict[str, float]]) -> dict[str, float]:
     """Merge the central evaluation of K cluster models.
 
     Every model's metrics appear as ``cluster-<k>-<key>``. The plain keys are the
-    best model's per key (highest reward or accuracy, lowest loss): for a per-planet
-    reward, that is the cluster model the planet's clients would pick with perfect
-    assignment. Other keys (counts, stds) are model 0's.
+    best model's per key (highest reward, accuracy, R², AUC or hit rate; lowest loss
+    or squared error): for a per-planet reward, that is the cluster model the planet's
+    clients would pick with perfect assignment. Other keys (counts, stds, gaps) are
+    model 0's.
     """
     merged = _prefixed(per_model, "cluster")
     for key, first in per_model[0].items():
         values = [metrics[key] for metrics in per_model]
         if "std" in key:
             merged[key] = first
-        elif "reward" in key or "accuracy" in key:
+        elif any(word in key for word in HIGHER_IS_BETTER):
             merged[key] = max(values)
-        elif "loss" in key:
+        elif any(word in key for word in LOWER_IS_BETTER):
             merged[key] = min(values)
         else:
             merged[key] = first
     return merged
+
+
+# Metric-name parts that say which way is better (tasks' EVAL_* keys).
+HIGHER_IS_BETTER = ("reward", "accuracy", "r2", "auc", "hr10")
+LOWER_IS_BETTER = ("loss", "mse")
 
 
 def _innermost(strategy):

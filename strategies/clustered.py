@@ -265,8 +265,7 @@ class ClusteredFedAvg(Strategy):
         if self.fraction_train == 0.0:
             return []
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
-        if self.models is None:
-            self.models = [copy_record(arrays) for _ in range(self.k)]
+        self.start_models(arrays)
         if self.assign == "l2":
             choices = self._assign_l2(nodes)
         else:
@@ -308,6 +307,11 @@ class ClusteredFedAvg(Strategy):
         metrics.update(self._round_metrics(pending, matched))
         log(INFO, "aggregate_train: cluster sizes %s", self._sizes)
         return self.models[self.largest_cluster()], metrics
+
+    def start_models(self, arrays: ArrayRecord) -> None:
+        """K copies of ``arrays`` as the global models, unless there are models already."""
+        if self.models is None:
+            self.models = [copy_record(arrays) for _ in range(self.k)]
 
     def take_private_models(
         self,

@@ -72,8 +72,9 @@ class ClusteredMeans:
         """Release K private means (noise on every one) and charge one Gaussian release."""
         if self._round_state is None:
             return None, None
-        _, sent, population = self._round_state
+        current, sent, population = self._round_state
         self._round_state = None
+        self.strategy.start_models(current)  # an empty first cohort never asked it
         models = self.strategy.models
         assert models is not None
         by_node: dict[int, Message] = {}

@@ -158,3 +158,14 @@ def test_best_of_clusters_takes_each_metrics_best_model():
     assert merged["cluster-0-eval-reward-moon"] == -50.0
     assert merged["cluster-1-eval-reward-mars"] == -80.0
     assert len(merged) == 5 + 2 * 5
+
+
+def test_best_of_clusters_takes_the_best_r2_and_mse_of_a_regression():
+    merged = best_of_clusters(
+        [
+            {"eval-r2": -0.03, "eval-mse": 1.03, "eval-loss": 1.03, "num-examples": 8},
+            {"eval-r2": 0.62, "eval-mse": 0.38, "eval-loss": 0.38, "num-examples": 8},
+        ]
+    )
+    assert merged["eval-r2"] == 0.62 and merged["eval-mse"] == 0.38
+    assert merged["eval-loss"] == 0.38 and merged["cluster-0-eval-r2"] == -0.03

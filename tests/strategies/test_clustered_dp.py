@@ -148,3 +148,28 @@ def test_adaptive_clipping_moves_one_clip_norm_for_all_clusters():
     _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["dp-clip-norm"] == 1.0
     assert strategy.clip_norm == pytest.approx(np.exp(-0.5 * (1.0 - 0.5)))
+
+
+class NobodySampled:
+    """A generator whose Poisson draws never take a node; its normals are real."""
+
+    def __init__(self):
+        self.normals = np.random.default_rng(0)
+
+    def random(self, size):
+        return np.ones(size)
+
+    def normal(self, *args, **kwargs):
+        return self.normals.normal(*args, **kwargs)
+
+
+def test_an_empty_poisson_cohort_in_round_one_releases_noise_on_every_model():
+    strategy = _wrapper(z=0.5, sampling="poisson")
+    strategy.strategy.models = None  # the clustered strategy has not been asked yet
+    strategy.rng = NobodySampled()
+    messages = strategy.configure_train(1, record(MODELS[0]), ConfigRecord({}), FakeGrid(NODES))
+    assert messages == []
+    _, metrics = strategy.aggregate_train(1, [])
+    models = [m["w"].numpy() for m in strategy.strategy.models]
+    assert len(models) == 3 and all(not np.allclose(m, MODELS[0]["w"]) for m in models)
+    assert metrics["cluster-0-size"] == 0 and len(strategy.ledger.releases) == 1
