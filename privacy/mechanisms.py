@@ -401,12 +401,12 @@ class BoundedScalarRelease:
     ``[0, bound]`` and released with Gaussian noise of std z·bound.
 
     A client's report changes by at most ``bound`` between neighbouring inputs: the
-    client's data changed (any value in [0, bound] for another), or the client absent
-    and its report counted as 0 (the server holds a missing report at 0 + noise, as
-    DP-FedAvg holds a missing update at zero). So one report is the Gaussian mechanism
-    with L2 sensitivity ``bound`` and noise multiplier z: ``GaussianDpEvent(z)``,
-    without amplification (the server knows whom it asked). A vector of reports, one
-    per client, releases each client's data through its own entry only.
+    client's data changed (any value in [0, bound] for another), or zeroed out (the
+    client still takes part, with no data: its report is 0). So one report is the
+    Gaussian mechanism with L2 sensitivity ``bound`` and noise multiplier z:
+    ``GaussianDpEvent(z)``, without amplification (the server knows whom it asked). A
+    vector of reports, one per client, releases each client's data through its own
+    entry only.
     """
 
     bound: float

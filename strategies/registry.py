@@ -137,6 +137,15 @@ def dp_sampling(s: StrategySettings) -> str:
     return "poisson" if s.options["dp.sampling"] == "poisson" else "without-replacement"
 
 
+def dp_neighboring(s: StrategySettings) -> str | None:
+    """The relation of a DP-FedAvg ledger when not the one its sampling implies: around a
+    strategy that selects clients by what they report, zero-out (a client's data
+    replaced by none while it stays selectable: update 0, reports 0), since removing a
+    client would also change whom the selection picks. For the unamplified Gaussian
+    releases charged there it gives the same epsilon as add-or-remove-one."""
+    return "zero-out" if s.strategy in DATA_DEPENDENT_SELECTION else None
+
+
 def resolved_accountant(accountant: str, sampling: str) -> str:
     """``dp.accountant``, with ``auto`` resolved: PLD for Poisson sampling (tighter, and
     what dp-accounting recommends for it), RDP otherwise (PLD has no sampling without
@@ -216,7 +225,7 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
         "target_epsilon": _target(s),
         "planned_rounds": s.num_rounds,
         "num_sampled_clients": int(o["dp.num-sampled-clients"]),
-        "ledger": make_ledger(s, dp_sampling(s)),
+        "ledger": make_ledger(s, dp_sampling(s), neighboring=dp_neighboring(s)),
         "rng": dp_generator(s),
         "min_available_nodes": s.min_available_nodes,
         "connect_timeout": s.round_timeout,

@@ -16,12 +16,14 @@ from scipy.stats import norm
 from client_app.mods import privacy_mod
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import BoundedScalarRelease, NonFiniteUpdateError
-from strategies import keys
+from server_app import config as app_config
+from strategies import keys, registry
 from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.smart_fedprox import SmartFedProx
 from strategies.threat_models import run_report
 from tests.fakes import FakeGrid, instruction, record
+from tests.inprocess import run_config
 
 GLOBAL = {"w": [0.0, 0.0]}
 NODES = range(1, 9)
@@ -255,3 +257,14 @@ def test_the_ledger_report_says_no_amplification_is_claimed():
     central = run_report("dp-fedavg-fixed", {"dp.noise-site": "server"}, strategy)[0]
     assert central["holds"] and "no amplification claimed" in central["basis"]
     assert "divergence" in strategy.ledger.releases[1].note
+
+
+def test_the_app_builds_a_zero_out_ledger_without_sampling_and_m_selected_clients():
+    cfg = app_config.load(
+        run_config(strategy="smart-fedprox", privacy="dp-fedavg-adaptive", task="finance")
+    )
+    strategy = registry.build(cfg.privacy, cfg.strategy_settings())
+    assert strategy.ledger.sampling == "none"  # whatever dp.sampling says
+    assert strategy.ledger.neighboring == "zero-out"  # removal would change the selection
+    assert strategy.strategy.sample_size == cfg.options["dp.num-sampled-clients"]
+    assert strategy.divergence == DivergenceRelease()
