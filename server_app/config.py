@@ -847,10 +847,11 @@ def _check_smart(cfg: RunConfig) -> None:
         )
     reports = [k for k in ("smart.divergence-clip", "smart.divergence-noise") if cfg.options[k]]
     if reports and cfg.privacy not in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
+        key = reports[0]
         raise ConfigError(
-            f"{reports[0]!r} = {cfg.options[reports[0]]:g} sets the divergence release of "
-            "DP-FedAvg; with 'privacy' = {!r} nothing is released that way; valid privacy "
-            "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'".format(cfg.privacy)
+            f"{key!r} = {cfg.options[key]:g} sets the divergence release of DP-FedAvg; with "
+            f"'privacy' = {cfg.privacy!r} nothing is released that way; valid privacy "
+            "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'"
         )
     low, high = float(cfg.options["smart.mu-min"]), float(cfg.options["smart.mu-max"])
     if low > high:
