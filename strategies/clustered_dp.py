@@ -37,15 +37,14 @@ reports each one and the best per metric.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import INFO
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from strategies import keys
-from strategies.base import InvalidReply, arrays_of, to_record, weighted_metrics
+from strategies.base import arrays_of, to_record
 from strategies.clustered import ClusteredFedAvg
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
@@ -77,43 +76,29 @@ class ClusteredMeans:
         self.strategy.start_models(current)  # an empty first cohort never asked it
         models = self.strategy.models
         assert models is not None
-        by_node: dict[int, Message] = {}
-        for message in replies:
-            by_node.setdefault(message.metadata.src_node_id, message)
-        deltas: list[list[list[np.ndarray]]] = [[] for _ in models]
-        records, valid = [], {}
-        for node in sent:
-            k = self._assigned[node]
-            reference = arrays_of(models[k])
-            try:
-                message = by_node.get(node)
-                if message is None:
-                    raise InvalidReply("no reply")
-                received, metrics = self._check(message, models[k])
-            except InvalidReply as err:
-                log(WARNING, "DP clustered: node %d counts as a zero update: %s", node, err)
-                continue
-            delta = [r - c for r, c in zip(received, reference, strict=True)]
-            deltas[k].append(self._released(delta))
-            metrics[keys.NUM_EXAMPLES] = 1.0
-            records.append(metrics)
-            valid[node] = (k, received)
+        references = [(model, arrays_of(model)) for model in models]
+        deltas, records, failed = self._contributions(
+            replies, sent, lambda node: references[self._assigned[node]]
+        )
         new_models = []
-        for k, model in enumerate(models):
-            reference = arrays_of(model)
-            mean = self._private_mean(deltas[k], 0, self._released(reference))
-            merged = self._merge(mean, reference)
-            moved = [c + d for c, d in zip(reference, merged, strict=True)]
+        for k, (model, reference) in enumerate(references):
+            members = [delta for node, delta in deltas.items() if self._assigned[node] == k]
+            mean = self._private_mean(members, 0, self._released(reference))
+            moved = [c + d for c, d in zip(reference, self._merge(mean, reference), strict=True)]
             new_models.append(to_record(model, moved))
-        self.strategy.take_private_models(server_round, new_models, valid)
+        uploads = {}  # node -> (its model, its upload): the next l2 assignment reads it
+        for node, delta in deltas.items():
+            k = self._assigned[node]
+            reference = references[k][1]
+            merged = self._merge(delta, reference)
+            uploads[node] = (k, [c + d for c, d in zip(reference, merged, strict=True)])
+        self.strategy.take_private_models(server_round, new_models, uploads)
         self.ledger.charge(self.release(server_round, population))
-        aggregated = dict(weighted_metrics(records))
-        aggregated.update(self.round_metrics(records))
-        aggregated |= {f"cluster-{k}-size": len(d) for k, d in enumerate(deltas)}  # curator
-        aggregated[keys.DP_FAILED_CLIENTS] = float(len(sent) - len(valid))
-        aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
+        sizes = {f"cluster-{k}-size": 0 for k in range(len(models))}
+        for k, _ in uploads.values():
+            sizes[f"cluster-{k}-size"] += 1
         log(INFO, "aggregate_train: %d private cluster means released", len(models))
-        return new_models[0], MetricRecord(self.mark(aggregated))
+        return new_models[0], self.released_metrics(records, failed, **sizes)  # sizes: curator
 
 
 class ClusteredDPFedAvgFixed(ClusteredMeans, DPFedAvgFixed):

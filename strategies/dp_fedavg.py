@@ -53,7 +53,7 @@ Contract with the client (``client_app.mods.privacy_mod`` implements it)::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 
@@ -439,37 +439,49 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         current, sent, population = self._round_state
         self._round_state = None
         replies = list(replies)
-        if self.divergence is not None:  # the noised reports drive the next selection
-            self.strategy.observe_train(server_round, replies)
         reference = arrays_of(current)
-        deltas, records, failed = self._contributions(replies, sent, current, reference)
-        mean = self._private_mean(deltas, len(failed), self._released(reference))
+        deltas, records, failed = self._contributions(
+            replies, sent, lambda _node: (current, reference)
+        )
+        if self.divergence is not None:  # the noised reports drive the next selection
+            accepted = [m for m in replies if m.metadata.src_node_id not in failed]
+            self.strategy.observe_train(server_round, accepted, arrays_checked=True)
+        mean = self._private_mean(list(deltas.values()), len(failed), self._released(reference))
         new_arrays = to_record(
             current, [c + d for c, d in zip(reference, self._merge(mean, reference), strict=True)]
         )
         self.ledger.charge(self.release(server_round, population))
+        return new_arrays, self.released_metrics(records, failed)
+
+    def released_metrics(
+        self, records: list[MetricRecord], failed: list[int], **extra: float
+    ) -> MetricRecord:
+        """The round's train metrics: the valid replies' (weighted 1), the mechanism's,
+        ``extra``, the failed clients and the ε so far (after the round is charged)."""
         aggregated = dict(weighted_metrics(records))
         aggregated.update(self.round_metrics(records))
+        aggregated.update(extra)
         aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
         aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
         if self.local_view is not None:
             aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.worst()[1]
-        return new_arrays, MetricRecord(self.mark(aggregated))
+        return MetricRecord(self.mark(aggregated))
 
     def _contributions(
         self,
         replies: Iterable[Message],
         sent: list[int],
-        current: ArrayRecord,
-        reference: list[np.ndarray],
-    ) -> tuple[list[list[np.ndarray]], list[MetricRecord], list[int]]:
-        """(released deltas of the valid replies, their metrics weighted 1, the sampled
-        nodes counted as a zero update), in partition order."""
+        reference_of: Callable[[int], tuple[ArrayRecord, list[np.ndarray]]],
+    ) -> tuple[dict[int, list[np.ndarray]], list[MetricRecord], list[int]]:
+        """(node -> released delta of its valid reply, their metrics weighted 1, the
+        sampled nodes counted as a zero update), in partition order. ``reference_of``
+        gives the model a node was sent, as a record and as arrays."""
         by_node: dict[int, Message] = {}
         for message in replies:
             by_node.setdefault(message.metadata.src_node_id, message)
-        deltas, records, failed = [], [], []
+        deltas, records, failed = {}, [], []
         for node in sent:
+            current, reference = reference_of(node)
             message = by_node.get(node)
             try:
                 if message is None:
@@ -479,8 +491,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 failed.append(node)
                 log(WARNING, "DP-FedAvg: node %d counts as a zero update: %s", node, err)
                 continue
-            delta = [r - c for r, c in zip(received, reference, strict=True)]
-            deltas.append(self._released(delta))
+            deltas[node] = self._released(
+                [r - c for r, c in zip(received, reference, strict=True)]
+            )
             metrics[keys.NUM_EXAMPLES] = 1.0
             records.append(metrics)
         return deltas, records, failed
@@ -627,7 +640,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 self.local_view.charge_all(release)
             log(
                 INFO,
-                "resume: one noisy upload charged to every client against the server (the "
+                "resume: one noisy upload (and divergence report) charged to every client "
+                "against the server (the "
                 "interrupted round's sample is unknown)",
             )
 

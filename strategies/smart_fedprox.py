@@ -250,7 +250,7 @@ class SmartFedProx(FedProx):
         return to_record(current, arrays_of(aggregate)), metrics
 
     def observe_train(
-        self, server_round: int, replies: Iterable[Message]
+        self, server_round: int, replies: Iterable[Message], *, arrays_checked: bool = False
     ) -> tuple[dict[int, tuple[Message, MetricRecord]], int]:
         """Take in the round's replies without aggregating them: validate them, add each
         valid reply's divergence to its node's history, and end the round. Returns (node
@@ -258,12 +258,14 @@ class SmartFedProx(FedProx):
 
         A DP wrapper calls this instead of :meth:`aggregate_train` (it releases the
         model itself); the divergences it sees are then the clients' noised releases,
-        and everything selection and mu read afterwards is computed from them."""
+        and everything selection and mu read afterwards is computed from them. It hands
+        over only the replies whose arrays it accepted (``arrays_checked``: they are not
+        decoded and scanned a second time)."""
         pending, current = self._pending, self._current
         self._pending, self._current = None, None
         if pending is None or current is None:
             return {}, 0
-        valid = self._valid_replies(replies, pending, current)
+        valid = self._valid_replies(replies, pending, current, arrays_checked)
         if not valid:
             log(WARNING, "SmartFedProx round %d: no valid reply, model unchanged", server_round)
         for node, (_, metrics) in valid.items():
@@ -320,7 +322,9 @@ class SmartFedProx(FedProx):
             keys.SMART_EMA_ALPHA: float(self.ema_alpha),
         }
 
-    def _check(self, message: Message, current: ArrayRecord) -> MetricRecord:
+    def _check(
+        self, message: Message, current: ArrayRecord, arrays_checked: bool = False
+    ) -> MetricRecord:
         """The reply's metrics if it may enter the aggregate, else InvalidReply."""
         metrics = checked_metrics(message)
         if finite_metric(metrics, keys.NUM_EXAMPLES) <= 0:
@@ -328,12 +332,17 @@ class SmartFedProx(FedProx):
         content = message.content
         if len(content.array_records) != 1 or len(content.metric_records) != 1:
             raise InvalidReply(f"expected one ArrayRecord '{keys.ARRAYS}' and one MetricRecord")
-        arrays_of(content.get(keys.ARRAYS), current)
+        if not arrays_checked:
+            arrays_of(content.get(keys.ARRAYS), current)
         finite_metric(metrics, keys.DIVERGENCE)
         return metrics
 
     def _valid_replies(
-        self, replies: Iterable[Message], pending: dict[int, dict], current: ArrayRecord
+        self,
+        replies: Iterable[Message],
+        pending: dict[int, dict],
+        current: ArrayRecord,
+        arrays_checked: bool = False,
     ) -> dict[int, tuple[Message, MetricRecord]]:
         """node -> (reply, metrics) of the valid replies; the others are marked faulty."""
         valid: dict[int, tuple[Message, MetricRecord]] = {}
@@ -345,7 +354,7 @@ class SmartFedProx(FedProx):
                 continue
             seen.add(node)
             try:
-                valid[node] = (message, self._check(message, current))
+                valid[node] = (message, self._check(message, current, arrays_checked))
             except InvalidReply as err:
                 self._fault(node, pending[node], str(err))
         # FedAvg aggregates only replies with equal metric keys: keep the most common set.
