@@ -162,7 +162,8 @@ class PrivacyLedger:
         Must match ``sampling`` (replace-one for fixed-size sampling without
         replacement, add-or-remove-one otherwise); derived from it when omitted.
     mechanisms : tuple of str
-        Mechanisms the run will release with, checked at construction.
+        Mechanisms the run will release with, checked at construction ("skellam":
+        accountant "rdp", sampling "none", neighboring "zero-out" or "replace-one").
     rdp_orders : tuple of float, optional
         RDP orders (default :data:`privacy.events.RDP_ORDERS`); RDP only.
     pld_discretization : float, optional
@@ -344,7 +345,7 @@ class PrivacyLedger:
     def basic_composition_epsilon(self) -> float | None:
         """Σ count·ε of the Laplace releases (pure ε, basic composition, no amplification).
 
-        None when a Gaussian release is present (it has no pure ε).
+        None when a Gaussian or Skellam release is present (it has no pure ε).
         """
         return _basic_epsilon(self._groups) if self._releases else None
 

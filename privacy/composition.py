@@ -14,6 +14,8 @@ from a fresh ``RdpAccountant`` (``compose(event).rdp``), and add the curves as t
 accountant does (``rdp += count * curve``, Mironov 2017, Prop. 1), so the total equals
 bit for bit an ``RdpAccountant`` composing the same groups in the same order. ε and δ
 then come from dp-accounting's own conversions (``compute_epsilon``/``compute_delta``).
+The Skellam event, which dp-accounting's accountants do not know, has its curve from
+:func:`privacy.skellam.skellam_rdp` and is added in the same way.
 
 PLD: likewise, ``PLDAccountant.compose(event, count)`` rebuilds the event's PLD (0.3-0.4 s
 for a Poisson-subsampled Gaussian at the default discretisation) on every composition,
@@ -40,6 +42,7 @@ from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_me
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from privacy.events import NEIGHBORING_RELATIONS, neighboring_name, new_accountant
+from privacy.skellam import SkellamDpEvent, skellam_rdp
 
 Groups = tuple[tuple[dp_accounting.DpEvent, int], ...]
 
@@ -51,7 +54,20 @@ Groups = tuple[tuple[dp_accounting.DpEvent, int], ...]
 def event_rdp_curve(
     event: dp_accounting.DpEvent, neighboring: str, orders: tuple[float, ...]
 ) -> np.ndarray:
-    """The RDP curve of one event at ``orders``, from dp-accounting (read-only)."""
+    """The RDP curve of one event at ``orders``, from dp-accounting (read-only).
+
+    A :class:`~privacy.skellam.SkellamDpEvent` (its sensitivities already under the
+    relation), alone or self-composed, gets :func:`~privacy.skellam.skellam_rdp`.
+    """
+    count, inner = 1, event
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        count, inner = event.count, event.event
+    if isinstance(inner, SkellamDpEvent):
+        curve = count * skellam_rdp(
+            orders, inner.l2_sensitivity, inner.l1_sensitivity, inner.variance
+        )
+        curve.setflags(write=False)
+        return curve
     accountant = rdp_privacy_accountant.RdpAccountant(orders, NEIGHBORING_RELATIONS[neighboring])
     curve = accountant.compose(event).rdp
     curve.setflags(write=False)

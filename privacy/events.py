@@ -1,13 +1,18 @@
 """Private releases and the dp-accounting events that describe them.
 
 A :class:`Release` is what the ledger records: one private release (or ``count``
-identical ones) of a Gaussian or Laplace mechanism, possibly on a sampled subset of
-the client population. :func:`to_dp_event` turns it into the ``DpEvent`` that
-dp-accounting composes (google/differential-privacy, ``dp_accounting``):
+identical ones) of a Gaussian, Laplace or distributed Skellam mechanism, possibly on a
+sampled subset of the client population. :func:`to_dp_event` turns it into the
+``DpEvent`` that dp-accounting composes (google/differential-privacy, ``dp_accounting``):
 
 * ``GaussianDpEvent(z)`` with z = noise std / L2 sensitivity;
 * ``LaplaceDpEvent(1/ε)``: dp-accounting's Laplace parameter is scale/sensitivity,
   the inverse of the pure ε of one release;
+* ``SkellamDpEvent(Δ2, Δ1, μ)`` (:mod:`privacy.skellam`): one client's integer L2/L1
+  bounds times the relation's factor, and the variance of the summed Skellam shares;
+  only unsampled, under zero-out or replace-one, and with the RDP accountant (the
+  client's noise share must be in both neighbouring sums; dp-accounting's accountants
+  do not know the event, the ledger composes its RDP curve, :mod:`privacy.composition`);
 * ``PoissonSampledDpEvent(q = sample_size/population, ·)`` for Poisson sampling,
   ``SampledWithoutReplacementDpEvent(population, sample_size, ·)`` for fixed-size
   sampling, nothing when no amplification is claimed;
@@ -33,7 +38,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "without-replacement", "none")
-MECHANISMS = ("gaussian", "laplace")
+MECHANISMS = ("gaussian", "laplace", "skellam")
+# The parameters each mechanism's release takes (all others must be None).
+_PARAMETERS = {
+    "gaussian": ("noise_multiplier",),
+    "laplace": ("laplace_epsilon",),
+    "skellam": ("l2_sensitivity", "l1_sensitivity", "variance"),
+}
 NEIGHBORING_RELATIONS = {
     "add-or-remove-one": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
     "replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,
@@ -161,11 +172,17 @@ class Release:
     kind: str
     """What was released, free text: "model-update", "adaptive-clip-count", ..."""
     mechanism: str
-    """"gaussian" or "laplace"."""
+    """"gaussian", "laplace" or "skellam"."""
     noise_multiplier: float | None = None
     """Gaussian: noise std / L2 sensitivity (under the ledger's neighbouring relation)."""
     laplace_epsilon: float | None = None
     """Laplace: L1 sensitivity / scale, the pure ε of one release."""
+    l2_sensitivity: float | None = None
+    """Skellam: one client's L2 bound in integer units (``SecureSumEncoding.l2_bound``)."""
+    l1_sensitivity: float | None = None
+    """Skellam: one client's L1 bound in integer units (``skellam.l1_bound``)."""
+    variance: float | None = None
+    """Skellam: per-coordinate variance of the summed shares (integer units)."""
     sampling: str
     """"poisson", "without-replacement" or "none" (no amplification claimed)."""
     sample_size: int
@@ -184,11 +201,14 @@ class Release:
         put("server_round", _int_at_least("server_round", self.server_round, 0))
         put("kind", _text("kind", self.kind, empty=False))
         _check_choice("mechanism", self.mechanism, MECHANISMS)
-        parameter = "noise_multiplier" if self.mechanism == "gaussian" else "laplace_epsilon"
-        other = "laplace_epsilon" if parameter == "noise_multiplier" else "noise_multiplier"
-        if getattr(self, other) is not None:
-            raise AccountingError(f"a {self.mechanism} release takes {parameter}, not {other}")
-        put(parameter, _positive_real(parameter, getattr(self, parameter)))
+        takes = _PARAMETERS[self.mechanism]
+        for other in (p for ps in _PARAMETERS.values() for p in ps if p not in takes):
+            if getattr(self, other) is not None:
+                raise AccountingError(
+                    f"a {self.mechanism} release takes {', '.join(takes)}, not {other}"
+                )
+        for parameter in takes:
+            put(parameter, _positive_real(parameter, getattr(self, parameter)))
         _check_choice("sampling", self.sampling, SAMPLINGS)
         put("sample_size", _int_at_least("sample_size", self.sample_size, 1))
         put("population", _int_at_least("population", self.population, 1))
@@ -214,12 +234,48 @@ def _check_relation(sampling: str, neighboring: str) -> None:
         )
 
 
+def _check_skellam(accountant: str | None, neighboring: str, sampling: str) -> None:
+    """Raise AccountingError unless a Skellam release can be accounted this way."""
+    if accountant == "pld":
+        raise AccountingError(
+            "the distributed Skellam mechanism is accounted by its RDP bound (Agarwal et "
+            "al. 2021) only; dp-accounting's PLD accountant does not know it: use "
+            "dp.accountant = 'rdp'"
+        )
+    if sampling != "none":
+        raise AccountingError(
+            f"a Skellam release needs sampling='none', got {sampling!r}: no amplification "
+            "by sampling is claimed for the distributed Skellam mechanism: the server that "
+            "samples knows the sample"
+        )
+    if neighboring == "add-or-remove-one":
+        raise AccountingError(
+            "the distributed Skellam mechanism cannot be accounted under add-or-remove-one: "
+            "each client adds a share of the noise, so removing a client also removes its "
+            "share and the bound (a shift with the noise unchanged) does not apply; use "
+            "neighboring='zero-out' (the client takes part and sends its share, its data "
+            "is zeroed) or 'replace-one'"
+        )
+
+
 def to_dp_event(
     release: Release, neighboring: str | dp_accounting.NeighboringRelation
 ) -> dp_accounting.DpEvent:
     """The dp-accounting event of ``release`` (see the module docstring)."""
-    _check_relation(release.sampling, neighboring_name(neighboring))
-    if release.mechanism == "gaussian":
+    neighboring = neighboring_name(neighboring)
+    _check_relation(release.sampling, neighboring)
+    if release.mechanism == "skellam":
+        # Imported here: privacy.skellam imports RDP_ORDERS from this module.
+        from privacy.skellam import SkellamDpEvent
+
+        _check_skellam(None, neighboring, release.sampling)
+        factor = l2_sensitivity_factor(neighboring)
+        event = SkellamDpEvent(
+            l2_sensitivity=release.l2_sensitivity * factor,
+            l1_sensitivity=release.l1_sensitivity * factor,
+            variance=release.variance,
+        )
+    elif release.mechanism == "gaussian":
         event = dp_accounting.GaussianDpEvent(release.noise_multiplier)
     else:
         event = dp_accounting.LaplaceDpEvent(1.0 / release.laplace_epsilon)
@@ -251,7 +307,9 @@ def new_accountant(
     _check_choice("accountant", accountant, ACCOUNTANTS)
     relation = NEIGHBORING_RELATIONS[neighboring_name(neighboring)]
     if accountant == "rdp":
-        return rdp_privacy_accountant.RdpAccountant(rdp_orders, relation)
+        from privacy.skellam import SkellamRdpAccountant  # skellam imports this module
+
+        return SkellamRdpAccountant(rdp_orders, relation)
     return pld_privacy_accountant.PLDAccountant(relation, pld_discretization)
 
 
@@ -260,14 +318,19 @@ def check_supported(accountant: str, neighboring: str, sampling: str, mechanism:
     """Raise AccountingError unless dp-accounting can account this combination.
 
     The decision is dp-accounting's own ``accountant.supports(event)`` on a probe
-    release; the message says why and what to use instead.
+    release; the message says why and what to use instead. dp-accounting's accountants
+    do not know the Skellam event: it is accounted by its own RDP curve, unsampled,
+    under zero-out or replace-one (module docstring).
     """
     _check_choice("accountant", accountant, ACCOUNTANTS)
     _check_choice("sampling", sampling, SAMPLINGS)
     _check_choice("mechanism", mechanism, MECHANISMS)
     neighboring = neighboring_name(neighboring)
     _check_relation(sampling, neighboring)
-    parameter = "noise_multiplier" if mechanism == "gaussian" else "laplace_epsilon"
+    if mechanism == "skellam":
+        _check_skellam(accountant, neighboring, sampling)
+        return
+    (parameter,) = _PARAMETERS[mechanism]
     probe = Release(
         server_round=0,
         kind="probe",
