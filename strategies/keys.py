@@ -103,3 +103,12 @@ FRONT_LOADED_MODE = "fl-mode"  # "cg-ng" | "cg-np" | "cp-np" (absent: baseline)
 FRONT_LOADED_CLIP = "fl-clip"  # C: per-batch (per-example) gradient clip, or delta clip
 FRONT_LOADED_SIGMA = "fl-sigma"  # sigma: std of the Gaussian noise
 FRONT_LOADED_PER_EXAMPLE = "fl-per-example"  # CG-NG: clip per example, noise every step
+
+# Secure aggregation (SecAgg+, strategies/secagg.py): train config of the collect stage.
+SECAGG_CLIP_NORM = "secagg-clip-norm"  # C (L2, DP) or 0: coordinates clipped to the range
+SECAGG_COORDINATE_RANGE = "secagg-coordinate-range"  # without DP: each coordinate in ±range
+SECAGG_SCALE = "secagg-scale"  # integers per unit of an update coordinate
+SECAGG_MODULUS_BITS = "secagg-modulus-bits"  # log2 M (M = 2^64 does not fit a config int)
+SECAGG_VARIANCE = "secagg-client-variance"  # each client's Skellam share (integer units)
+SECAGG_MAX_WEIGHT = "secagg-max-weight"  # without DP: weight = min(n, max)/max, summed too
+SECAGG_NORM_BIT = "secagg-norm-bit"  # adaptive clipping: the bit is one more summed integer
