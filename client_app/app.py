@@ -27,13 +27,14 @@ from flwr.clientapp import ClientApp
 import tasks
 from client_app import canary, hierarchy, proximal, state
 from client_app.mods import privacy_mod
+from client_app.secagg import secagg_mod
 from privacy.mechanisms import secret_seed
 from strategies import keys
 from strategies.base import to_record
 from strategies.clustered import model_key, score_key
 from tasks.base import DPSGD, EVAL_LOSS, EVAL_REWARD, SEED, LocalTraining, Task, local_seed
 
-app = ClientApp(mods=[privacy_mod])
+app = ClientApp(mods=[secagg_mod, privacy_mod])  # secagg_mod answers SecAgg+ stages
 _DP_STREAM = 0xD5  # dp.reproducible-noise: the DP seed's stream beside the local seed
 
 

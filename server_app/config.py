@@ -438,6 +438,68 @@ PRIVACY_OPTIONS: tuple[Option, ...] = (
 )
 
 
+SECAGG_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "secagg.enabled",
+        False,
+        "Run each train round as SecAgg+ (strategies/secagg.py): the server obtains only the "
+        "sum of the sampled clients' encoded updates. With dp.noise-site = 'client': "
+        "distributed DP (Skellam), an epsilon against the server itself.",
+    ),
+    Option(
+        "secagg.num-shares",
+        1.0,
+        "Shares of each client's secrets: a fraction (0, 1] of the cohort (1: every client "
+        "is every client's neighbour) or an integer > 2 (Flower's num_shares).",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "secagg.reconstruction-threshold",
+        0.67,
+        "t: shares that reconstruct a secret, a fraction (0, 1] of the shares or an integer "
+        ">= 2. A client's update stays hidden unless the server colludes with t of its "
+        "neighbours; fewer than t survivors abandon the round.",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "secagg.clipping-range",
+        8.0,
+        "Update coordinates are encoded over [-range, range] (without DP each is clipped "
+        "to it); with quantization-range it sets the scale.",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "secagg.quantization-range",
+        4194304,
+        "Integer levels over [-clipping-range, clipping-range] (scale = levels / 2 range).",
+        low=2,
+    ),
+    Option(
+        "secagg.modulus-range",
+        4294967296,
+        "M, a power of two up to 2^62: the sum is taken modulo M (Flower's default 2^32); "
+        "a round whose sum could wrap around is refused before anything is sent.",
+        low=4,
+    ),
+    Option(
+        "secagg.max-weight",
+        1000.0,
+        "Without DP: a client's weight is min(num-examples, max-weight) / max-weight.",
+        low=0.0,
+        low_open=True,
+    ),
+    Option(
+        "secagg.min-survivors",
+        0,
+        "The fewest vectors a round's sum needs to be unmasked (distributed DP calibrates "
+        "each client's noise share for this many); 0: the reconstruction threshold.",
+        low=0,
+    ),
+)
+
 AUDIT_OPTIONS: tuple[Option, ...] = (
     Option(
         "audit.canaries",
@@ -491,7 +553,7 @@ def all_options() -> tuple[Option, ...]:
         can hold only one default per key).
     """
     seen: dict[str, Option] = {}
-    declared = [*TOP_LEVEL, *STRATEGY_OPTIONS, *PRIVACY_OPTIONS, *AUDIT_OPTIONS]
+    declared = [*TOP_LEVEL, *STRATEGY_OPTIONS, *PRIVACY_OPTIONS, *SECAGG_OPTIONS, *AUDIT_OPTIONS]
     for task_cls in tasks.REGISTRY.values():
         declared.extend(task_cls.OPTIONS)
     for opt in declared:
@@ -596,6 +658,8 @@ def check_combinations(cfg: RunConfig) -> None:
     if cfg.strategy == "hierarchical" or cfg.privacy in FRONT_LOADED:
         _check_hierarchical(cfg)
     _check_head_only(cfg)
+    if bool(o["secagg.enabled"]):
+        _check_secagg(cfg)
     _check_audit(cfg)
     _check_noise_parameters(cfg)
     _check_server_optimizer(cfg)
@@ -604,7 +668,8 @@ def check_combinations(cfg: RunConfig) -> None:
     neighboring = None
     if cfg.privacy in registry.SELF_SAMPLING:
         settings = cfg.strategy_settings()
-        sampling, mechanisms = registry.dp_sampling(settings), ("gaussian",)
+        sampling, mechanisms = registry.dp_sampling(settings), registry.dp_mechanisms(settings)
+        neighboring = registry.dp_neighboring(settings)
     elif cfg.privacy == "laplace":
         # Never charged as amplified (strategies.laplace), whatever dp.sampling is.
         sampling, mechanisms = "none", ("laplace",)
@@ -744,6 +809,58 @@ def _check_head_only(cfg: RunConfig) -> None:
         raise ConfigError(
             f"'subspace.head-only' = true is not available with 'strategy' = "
             f"{cfg.strategy!r}; valid values: 'fedavg', 'fedprox'"
+        )
+
+
+SECAGG_STRATEGIES = ("fedavg", "fedprox")
+SECAGG_PRIVACY = ("none", "dp-fedavg-fixed", "dp-fedavg-adaptive")
+
+
+def _check_secagg(cfg: RunConfig) -> None:
+    o = cfg.options
+    if cfg.strategy not in SECAGG_STRATEGIES:
+        raise ConfigError(
+            f"'secagg.enabled' = true gives the server only the sum of the updates; "
+            f"'strategy' = {cfg.strategy!r} needs each client's own update or report "
+            "(cluster assignments, divergences, edge sums, local models); valid values "
+            "with secure aggregation: " + ", ".join(repr(v) for v in SECAGG_STRATEGIES)
+        )
+    if cfg.privacy not in SECAGG_PRIVACY:
+        raise ConfigError(
+            f"'secagg.enabled' = true is not available with 'privacy' = {cfg.privacy!r}; "
+            "valid values: " + ", ".join(repr(v) for v in SECAGG_PRIVACY)
+        )
+    if cfg.privacy == "dp-fedavg-adaptive" and o["dp.noise-site"] == "client":
+        raise ConfigError(
+            "'secagg.enabled' = true with 'dp.noise-site' = 'client' (distributed DP) "
+            "supports 'privacy' = 'dp-fedavg-fixed' only: adaptive clipping's count of norm "
+            "bits has no distributed mechanism here; use 'dp.noise-site' = 'server' (the "
+            "bits are summed securely and the server noises their count)"
+        )
+    if bool(o.get("subspace.head-only", False)):
+        raise ConfigError(
+            "'subspace.head-only' = true is not available with 'secagg.enabled' = true"
+        )
+    if int(o["audit.canaries"]):
+        raise ConfigError(
+            "'audit.canaries' > 0 is not available with 'secagg.enabled' = true (the "
+            "audit's canaries upload crafted updates the secure sum would hide)"
+        )
+    try:
+        settings = registry.secagg_settings(o)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    assert settings is not None
+    cohort = int(o["dp.num-sampled-clients"]) if cfg.privacy != "none" else 0
+    if cfg.privacy != "none" and cohort < 2:
+        raise ConfigError(
+            f"'dp.num-sampled-clients' = {cohort} with 'secagg.enabled' = true: secure "
+            "aggregation needs at least 2 clients per round"
+        )
+    if cohort and settings.survivors_needed(cohort) > cohort:
+        raise ConfigError(
+            f"'secagg.min-survivors' = {settings.min_survivors} exceeds the "
+            f"{cohort} clients sampled per round ('dp.num-sampled-clients')"
         )
 
 

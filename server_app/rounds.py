@@ -30,6 +30,7 @@ from strategies import StopTraining, keys, partitions
 from strategies.base import non_finite_array, unusable_reason
 from strategies.errors import BudgetExhausted
 from strategies.messaging import send_and_receive
+from strategies.secure import SecureExchange
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -270,7 +271,10 @@ def run_rounds(
                     server_round,
                     len(messages),
                 )
-            replies = _exchange(grid, messages, timeout, f"round {server_round} train")
+            if isinstance(strategy, SecureExchange):  # SecAgg+: several exchanges
+                replies = strategy.exchange_train(grid, messages, timeout)
+            else:
+                replies = _exchange(grid, messages, timeout, f"round {server_round} train")
             clients = participation(server_round, messages, replies)
             new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
             if new_arrays is not None:

@@ -56,6 +56,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -88,6 +89,9 @@ from strategies.base import (
 )
 from strategies.calibrated import CalibratedNoise
 from strategies.private import PrivacyWrapper
+
+if TYPE_CHECKING:
+    from strategies.secure import SecureNoise
 
 # z·√d/m above which the noise on the mean update drowns any client's signal.
 NOISE_TO_SIGNAL_WARNING = 20.0
@@ -236,6 +240,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             if noise_site == "client" and self.LOCAL_VIEW
             else None
         )
+        self.secure: SecureNoise | None = None  # set by strategies.secure.SecureAggregation
         self._mask: list[bool] | None = None
         self._released_dim = 0  # d of the released arrays, known from round 1
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
@@ -255,6 +260,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
     ) -> list[Release]:
         """The releases of ``count`` aggregations with noise multiplier z (calibration
         plans a whole run with them before z is known)."""
+        if self.secure is not None:
+            return [self.secure.release(self, noise_multiplier, server_round, population, count)]
         factor = l2_sensitivity_factor(self.ledger.neighboring)
         note = (
             ""
@@ -363,6 +370,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
     def client_config(self) -> dict[str, float | bool | list[str]]:
         """Keys added to every sampled client's train config."""
         config: dict = {keys.DP_CLIP_NORM: self.clip_norm, **self.report_config()}
+        if self.secure is not None:
+            return {**config, **self.secure.client_config(self)}
         if self.noise_site == "client":
             mech = self._mechanism()
             config[keys.DP_NOISE_STDDEV] = mech.client_noise_std(self.num_sampled_clients)
@@ -419,8 +428,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 f"the wrapped strategy configured {len(messages)} clients, DP-FedAvg "
                 f"sampled {expected}"
             )
-        messages = add_to_config(messages, self.client_config())
         self._fix_released(arrays)
+        messages = add_to_config(messages, self.client_config())
         sent = partitions.order(m.metadata.dst_node_id for m in messages)
         if self.local_view is not None:  # the server will see each of them on its own
             clients = [partitions.client_name(n) for n in sent]
@@ -454,12 +463,16 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         return new_arrays, self.released_metrics(records, failed)
 
     def released_metrics(
-        self, records: list[MetricRecord], failed: list[int], **extra: float
+        self,
+        records: list[MetricRecord],
+        failed: list[int],
+        centred_bits: float | None = None,
+        **extra: float,
     ) -> MetricRecord:
         """The round's train metrics: the valid replies' (weighted 1), the mechanism's,
         ``extra``, the failed clients and the ε so far (after the round is charged)."""
         aggregated = dict(weighted_metrics(records))
-        aggregated.update(self.round_metrics(records))
+        aggregated.update(self.round_metrics(records, centred_bits))
         aggregated.update(extra)
         aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
         aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
@@ -627,9 +640,12 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             [], floor=1.0, dim=self._released_dim, noise_multiplier=self.update_noise_multiplier()
         )
 
-    def round_metrics(self, records: list[MetricRecord]) -> dict[str, float]:
+    def round_metrics(
+        self, records: list[MetricRecord], centred_bits: float | None = None
+    ) -> dict[str, float]:
         """Extra per-round metrics from the valid replies' metrics (the adaptive subclass
-        releases its noised count and moves its clip norm here)."""
+        releases its noised count and moves its clip norm here; ``centred_bits``: the
+        securely summed bits minus half the survivors, instead of the replies')."""
         return {"dp-clip-norm": self.clip_norm}
 
     def on_resume(self) -> None:

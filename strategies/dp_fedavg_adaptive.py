@@ -101,7 +101,9 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
             *reports,
         ]
 
-    def round_metrics(self, records: list[MetricRecord]) -> dict[str, float]:
+    def round_metrics(
+        self, records: list[MetricRecord], centred_bits: float | None = None
+    ) -> dict[str, float]:
         """Release the noised count of centred bits, update C, and report both.
 
         Each valid reply adds its bit minus ½, a failed client nothing (bit ½):
@@ -110,9 +112,10 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
         z_Δ = (z⁻² − (2σ_b)⁻²)^(-½) assumes; under replace-one it is 1, matching the
         update's 2C (the ledger's z/2). With every one of m clients valid this is the
         uncentred (Σ b_i + noise)/m."""
-        bits = [float(r[keys.DP_NORM_BIT]) for r in records]
         m = self.num_sampled_clients
-        centred = sum(b - 0.5 for b in bits)
+        centred = centred_bits
+        if centred is None:  # under secure aggregation the sum arrives instead
+            centred = sum(float(r[keys.DP_NORM_BIT]) - 0.5 for r in records)
         noisy_fraction = (centred + self.rng.normal(0.0, self.count_stddev)) / m + 0.5
         used = self.clip_norm
         self.clip_norm = used * math.exp(-self.clip_lr * (noisy_fraction - self.target_quantile))

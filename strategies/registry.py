@@ -25,6 +25,8 @@ from strategies.frontloaded import FrontLoadedDP
 from strategies.hierarchical import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalTraining
+from strategies.secagg import SecAggSettings
+from strategies.secure import SecureAggregation
 from strategies.seeded import SeededSampling
 from strategies.server_optimizer import ServerOptimizer, server_optimizer_settings
 from strategies.smart_fedprox import SmartFedProx
@@ -128,11 +130,37 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
 }
 
 
+def secagg_settings(options: Mapping[str, Any]) -> SecAggSettings | None:
+    """The ``secagg.*`` options, or None when ``secagg.enabled`` is false."""
+    if not bool(options.get("secagg.enabled", False)):
+        return None
+    return SecAggSettings(
+        num_shares=float(options["secagg.num-shares"]),
+        reconstruction_threshold=float(options["secagg.reconstruction-threshold"]),
+        clipping_range=float(options["secagg.clipping-range"]),
+        quantization_range=int(options["secagg.quantization-range"]),
+        modulus_range=int(options["secagg.modulus-range"]),
+        max_weight=float(options["secagg.max-weight"]),
+        min_survivors=int(options["secagg.min-survivors"]),
+    )
+
+
+def distributed_dp(options: Mapping[str, Any]) -> bool:
+    """Client-side noise under secure aggregation: the distributed Skellam mechanism."""
+    return bool(options.get("secagg.enabled", False)) and options["dp.noise-site"] == "client"
+
+
+def dp_mechanisms(s: StrategySettings) -> tuple[str, ...]:
+    """The mechanisms a DP-FedAvg ledger charges."""
+    return ("skellam",) if distributed_dp(s.options) else ("gaussian",)
+
+
 def dp_sampling(s: StrategySettings) -> str:
     """The ledger's sampling model for a privacy wrapper that samples its clients:
     ``dp.sampling`` ("poisson", or "without-replacement" for "fixed"), or "none" around
-    a strategy that selects clients by their data (no amplification claimed)."""
-    if s.strategy in DATA_DEPENDENT_SELECTION:
+    a strategy that selects clients by their data, and for distributed DP (the server
+    that samples is the party the ε holds against): no amplification claimed."""
+    if s.strategy in DATA_DEPENDENT_SELECTION or distributed_dp(s.options):
         return "none"
     return "poisson" if s.options["dp.sampling"] == "poisson" else "without-replacement"
 
@@ -143,7 +171,9 @@ def dp_neighboring(s: StrategySettings) -> str | None:
     replaced by none while it stays selectable: update 0, reports 0), since removing a
     client would also change whom the selection picks. For the unamplified Gaussian
     releases charged there it gives the same epsilon as add-or-remove-one."""
-    return "zero-out" if s.strategy in DATA_DEPENDENT_SELECTION else None
+    if s.strategy in DATA_DEPENDENT_SELECTION or distributed_dp(s.options):
+        return "zero-out"  # distributed DP: a client always sends its noise share
+    return None
 
 
 def resolved_accountant(accountant: str, sampling: str) -> str:
@@ -225,7 +255,7 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
         "target_epsilon": _target(s),
         "planned_rounds": s.num_rounds,
         "num_sampled_clients": int(o["dp.num-sampled-clients"]),
-        "ledger": make_ledger(s, dp_sampling(s), neighboring=dp_neighboring(s)),
+        "ledger": make_ledger(s, dp_sampling(s), dp_mechanisms(s), dp_neighboring(s)),
         "rng": dp_generator(s),
         "min_available_nodes": s.min_available_nodes,
         "connect_timeout": s.round_timeout,
@@ -370,6 +400,9 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
             base_settings = replace(base_settings, train_sample_size=m)
     base = STRATEGIES[settings.strategy](base_settings)
     strategy = PRIVACY[privacy](base, settings)
+    secagg = secagg_settings(settings.options)
+    if secagg is not None:
+        strategy = SecureAggregation(strategy, secagg)
     optimizer = server_optimizer_settings(settings.options)
     if optimizer.is_identity:
         return strategy

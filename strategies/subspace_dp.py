@@ -454,7 +454,7 @@ class SubspaceDP(DPFedAvgFixed):
             estimate.lift_threshold,
         )
 
-    def round_metrics(self, records: list) -> dict[str, float]:
+    def round_metrics(self, records: list, centred_bits: float | None = None) -> dict[str, float]:
         """The clip norm, P-norm statistics and, in PMU rounds, the gate's numbers."""
         stats, self._stats = self._stats, {}
         return {"dp-clip-norm": self.clip_norm, **stats}

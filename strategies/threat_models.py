@@ -34,6 +34,9 @@ TITLES = {
 # own rounds, no amplification), the edge view (every edge aggregation at rate 1), the
 # worst client-reported sample-level ε, or nothing.
 CENTRAL, LOCAL, EDGE, SAMPLE, NONE = "central", "local", "edge", "sample-level", "none"
+# Secure aggregation: no upload reaches the server on its own (a cryptographic, not a DP,
+# protection; no ε).
+MASKED = "masked"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,64 @@ def _always(_options: Mapping[str, Any]) -> bool:
     return True
 
 
+def _secagg(site: str | None) -> Callable[[Mapping[str, Any]], bool]:
+    def applies(options: Mapping[str, Any]) -> bool:
+        on = bool(options.get("secagg.enabled", False))
+        return on and (site is None or str(options.get("dp.noise-site", "server")) == site)
+
+    return applies
+
+
+_MASKED = Cell(
+    MASKED,
+    "no single upload reaches the server: SecAgg+ shows it only the sum (unless it colludes "
+    "with t of a client's neighbours, t = secagg.reconstruction-threshold)",
+)
+_SECAGG_ROWS = (
+    Row(
+        "none",
+        "secagg.enabled",
+        _secagg(None),
+        (
+            Cell(NONE, "none: no privacy mechanism"),
+            Cell(NONE, "none: no noise; the server sees the exact sum of the updates"),
+            _MASKED,
+        ),
+    ),
+    *(
+        Row(
+            privacy,
+            "secagg.enabled, dp.noise-site = server",
+            _secagg("server"),
+            (
+                Cell(CENTRAL, "client-level epsilon of the ledger (the server adds the noise)"),
+                Cell(NONE, "none: the server sees the unnoised sum (but no single update)"),
+                _MASKED,
+            ),
+        )
+        for privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive")
+    ),
+    Row(
+        "dp-fedavg-fixed",
+        "secagg.enabled, dp.noise-site = client",
+        _secagg("client"),
+        (
+            Cell(
+                CENTRAL,
+                "client-level epsilon of the ledger: distributed Skellam noise of the clients "
+                "that reached the sum, no amplification claimed",
+            ),
+            Cell(
+                CENTRAL,
+                "the same epsilon: the server sees only the noised sum (SecAgg+, up to "
+                "collusion with t of a client's neighbours)",
+            ),
+            _MASKED,
+        ),
+    ),
+)
+
+
 _SERVER_SEES_RAW = Cell(NONE, "none: the server sees every client's update before it is noised")
 _NO_SECAGG = "without secure aggregation the server sees every noisy upload: the local epsilon"
 _CENTRAL = Cell(CENTRAL, "client-level epsilon of the ledger (amplified by the secret sample)")
@@ -75,6 +136,7 @@ _UPLOAD = Cell(LOCAL, "per client, composed over the rounds it was asked (no amp
 _SAMPLE = Cell(SAMPLE, "sample-level epsilon only (one example of one client), no client-level")
 
 ROWS: tuple[Row, ...] = (
+    *_SECAGG_ROWS,  # first: row_for takes the first row that applies
     Row("none", "", _always, (Cell(NONE, "none: no privacy mechanism"),) * 3),
     *(
         Row(
@@ -184,7 +246,7 @@ def run_report(privacy: str, options: Mapping[str, Any], strategy) -> list[dict[
         entry["basis"] = cell.text
         if cell is _CENTRAL and strategy.ledger.sampling == "none":  # e.g. SmartFedProx
             entry["basis"] = _CENTRAL_UNAMPLIFIED
-        if cell.kind != NONE:
+        if cell.kind not in (NONE, MASKED):
             epsilon, delta, client = _epsilon(cell.kind, strategy)
             entry |= {"epsilon": epsilon, "delta": delta}
             if client is not None:
@@ -205,7 +267,7 @@ def summary_lines(report: list[dict[str, Any]]) -> list[str]:
     lines = []
     for entry in report:
         title = TITLES[entry["threat-model"]]
-        if not entry["holds"]:
+        if not entry["holds"] or "epsilon" not in entry:  # none, or secure aggregation's
             lines.append(f"against the {title}: {entry['basis']}")
             continue
         if entry.get("epsilon") is None:

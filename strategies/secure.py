@@ -1,0 +1,346 @@
+"""Secure aggregation around a strategy: each train round runs as SecAgg+
+(:mod:`strategies.secagg`), so the server obtains only the sum of the sampled
+clients' encoded updates (``secagg.enabled = true``).
+
+Three uses, by the run's ``privacy``:
+
+* ``none`` (fedavg, fedprox): each client sends w·Δ with every coordinate clipped to
+  ``secagg.clipping-range``, and its weight w = min(n, max-weight)/max-weight; the
+  server divides the two sums. No ε: secure aggregation hides single updates, it does
+  not make the sum private.
+* ``dp-fedavg-*`` with ``dp.noise-site = 'server'``: clients clip to C and round
+  conditionally (the integer vector's norm is at most Δ₂, a hair above C·s); the
+  server adds N(0, (zC)²) to the decoded sum and charges a Gaussian release with
+  multiplier z·C·s/Δ₂ (the exact sensitivity after rounding). The ε holds for observers
+  of the model (trusted server); against the server itself nothing does, it sees the
+  unnoised sum, but never an individual update. Adaptive clipping: the norm bits are
+  one more securely summed integer, the server noises their count as before.
+* ``dp-fedavg-fixed`` with ``dp.noise-site = 'client'``: distributed DP. Each client
+  adds a Skellam share of variance μ/n_min to its rounded update
+  (:mod:`privacy.skellam`); whatever n >= n_min survivors reach the sum, it carries
+  Skellam noise of variance n·μ/n_min >= μ, with μ = (zCs)². The ledger charges, after
+  the round, the Skellam mechanism with the noise that actually made it into the sum
+  (zero-out relation, no amplification: the server knows whom it asked). A round with
+  fewer than n_min survivors is abandoned before unmasking: nothing is released or
+  charged. This ε holds against the honest-but-curious server, up to the protocol's
+  collusion threshold (:mod:`strategies.secagg`), assuming that whether a client drops
+  out does not depend on its data (a lost connection, a crash): a client whose
+  training fails still sends its noised zero update (``client_app.secagg``).
+
+Clients send no metrics under secure aggregation (the collect reply is the masked
+vector alone); what the server learns besides the sum (who was sampled, who dropped,
+timings) is the same uncovered participation record as without it (``curator/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from logging import INFO
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from privacy.accounting import Release, l2_sensitivity_factor
+from privacy.skellam import SecureSumEncoding, l1_bound, rounded_l2_bound
+from strategies import keys
+from strategies.base import TrainingWrapper, add_to_config, arrays_of, to_record
+from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
+from strategies.errors import StopTraining
+from strategies.secagg import SecAggSettings, SecureSum, secure_sum
+
+SURVIVORS, DROPPED = "secagg-survivors", "secagg-dropped"
+
+
+@runtime_checkable
+class SecureExchange(Protocol):
+    """A strategy whose train round is a protocol of several exchanges, not one."""
+
+    def exchange_train(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+        """Run the round's exchanges; the replies that stand for the clients' answers."""
+
+
+def _centred(value: np.uint64, modulus: int) -> int:
+    value = int(value)
+    return value - modulus if value >= modulus // 2 else value
+
+
+@dataclass
+class SecureNoise:
+    """What DP-FedAvg does differently when its sum is computed securely: the clients'
+    encoding, the releases it charges, and the aggregate from the decoded sum."""
+
+    settings: SecAggSettings
+    distributed: bool
+    """The clients add the noise (Skellam shares); else the server (Gaussian)."""
+    dim: int = 0
+    """d: the update's size (set before the first round's calibration)."""
+
+    def survivors_needed(self, dp: DPFedAvgFixed) -> int:
+        """n_min: the survivors each client's noise share is calibrated for."""
+        return self.settings.survivors_needed(dp.num_sampled_clients)
+
+    def l2(self, dp: DPFedAvgFixed) -> float:
+        """Δ₂ of one client's rounded update in integer units."""
+        return rounded_l2_bound(dp.clip_norm * self.settings.scale, self.dim)
+
+    def client_variance(self, dp: DPFedAvgFixed, noise_multiplier: float | None = None) -> float:
+        """Each client's Skellam share, (zCs)²/n_min (0 with server-side noise)."""
+        if not self.distributed:
+            return 0.0
+        z = dp.update_noise_multiplier() if noise_multiplier is None else noise_multiplier
+        return (z * dp.clip_norm * self.settings.scale) ** 2 / self.survivors_needed(dp)
+
+    def encoding(self, dp: DPFedAvgFixed) -> SecureSumEncoding:
+        return SecureSumEncoding(
+            clip_norm=dp.clip_norm,
+            scale=self.settings.scale,
+            modulus=self.settings.modulus_range,
+            client_variance=self.client_variance(dp),
+        )
+
+    def client_config(self, dp: DPFedAvgFixed) -> dict:
+        """The collect stage's encoding keys (no Gaussian noise key: see the module)."""
+        return {
+            keys.SECAGG_CLIP_NORM: dp.clip_norm,
+            keys.SECAGG_SCALE: self.settings.scale,
+            keys.SECAGG_MODULUS_BITS: self.settings.modulus_range.bit_length() - 1,
+            keys.SECAGG_VARIANCE: self.client_variance(dp),
+            keys.SECAGG_NORM_BIT: isinstance(dp, DPFedAvgAdaptive),
+        }
+
+    def release(
+        self,
+        dp: DPFedAvgFixed,
+        noise_multiplier: float,
+        server_round: int,
+        population: int,
+        count: int = 1,
+        survivors: int | None = None,
+    ) -> Release:
+        """The round's release: Skellam with ``survivors`` shares (default n_min, the
+        least noise a released round carries), or the server's Gaussian at the
+        sensitivity Δ₂/s of a rounded update."""
+        l2 = self.l2(dp)
+        if self.distributed:
+            shares = survivors or self.survivors_needed(dp)
+            return Release(
+                server_round=server_round,
+                kind="model-update",
+                mechanism="skellam",
+                l2_sensitivity=l2,
+                l1_sensitivity=l1_bound(l2, self.dim),
+                variance=self.client_variance(dp, noise_multiplier) * shares,
+                sampling="none",
+                sample_size=1,
+                population=1,
+                count=count,
+                note=(
+                    f"distributed Skellam: {shares} clients' noise shares in the securely "
+                    "summed, conditionally rounded updates; no amplification (the server "
+                    "knows whom it asked)"
+                ),
+            )
+        factor = l2_sensitivity_factor(dp.ledger.neighboring)
+        scaled = dp.clip_norm * self.settings.scale / l2  # z at the rounded sensitivity
+        return Release(
+            server_round=server_round,
+            kind="model-update",
+            mechanism="gaussian",
+            noise_multiplier=noise_multiplier * scaled / factor,
+            sampling=dp.ledger.sampling,
+            sample_size=dp.num_sampled_clients,
+            population=population,
+            count=count,
+            note=(
+                "securely summed, conditionally rounded updates; Gaussian noise added by "
+                "the server"
+            ),
+        )
+
+    def aggregate(
+        self, dp: DPFedAvgFixed, server_round: int, result: SecureSum
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The private mean from the secure sum, charged (nothing when abandoned)."""
+        assert dp._round_state is not None
+        current, _sent, population = dp._round_state
+        dp._round_state = None
+        extra = {SURVIVORS: float(len(result.survivors)), DROPPED: float(len(result.dropped))}
+        if result.vector is None:
+            extra[keys.DP_EPSILON] = dp.ledger.epsilon()
+            return None, MetricRecord(dp.mark(extra))
+        vector, centred = result.vector, None
+        if isinstance(dp, DPFedAvgAdaptive):
+            bits = _centred(vector[self.dim], self.settings.modulus_range)
+            vector, centred = vector[: self.dim], bits - len(result.survivors) / 2
+        reference = arrays_of(current)
+        flat = self.encoding(dp).decode(vector)
+        total = _unflatten(flat, reference)
+        if not self.distributed:
+            total = dp._mechanism().noise_sum(total, rng=dp.rng)
+        m = dp.num_sampled_clients
+        mean = [(t / m).astype(r.dtype, copy=False) for t, r in zip(total, reference, strict=True)]
+        new = to_record(current, [r + d for r, d in zip(reference, mean, strict=True)])
+        if self.distributed:
+            survivors = len(result.survivors)
+            z = dp.noise_multiplier
+            dp.ledger.charge([self.release(dp, z, server_round, population, survivors=survivors)])
+        else:
+            dp.ledger.charge(dp.release(server_round, population))
+        return new, dp.released_metrics([], result.dropped, centred_bits=centred, **extra)
+
+
+def _unflatten(flat: np.ndarray, reference: list[np.ndarray]) -> list[np.ndarray]:
+    out, start = [], 0
+    for array in reference:
+        out.append(flat[start : start + array.size].reshape(array.shape))
+        start += array.size
+    return out
+
+
+class SecureAggregation(TrainingWrapper):
+    """Run each train round of ``strategy`` as SecAgg+ (see the module docstring).
+
+    Parameters
+    ----------
+    strategy : Strategy
+        FedAvg or FedProx (plain secure aggregation), or a DP-FedAvg wrapper.
+    settings : SecAggSettings
+        The protocol's parameters.
+    """
+
+    CHECKPOINT = ()  # strategies.checkpoint: nothing outlives a round
+
+    def __init__(self, strategy: Strategy, settings: SecAggSettings) -> None:
+        super().__init__(strategy)
+        self.settings = settings
+        self.dp = strategy if isinstance(strategy, DPFedAvgFixed) else None
+        if self.dp is not None:
+            distributed = self.dp.noise_site == "client"
+            if distributed and isinstance(self.dp, DPFedAvgAdaptive):
+                raise ValueError(
+                    "distributed DP under secure aggregation supports fixed clipping only: "
+                    "the count of norm bits would need its own distributed mechanism"
+                )
+            self.dp.secure = SecureNoise(settings, distributed)
+            self.dp.local_view = None  # the server never sees an upload
+        self._current: ArrayRecord | None = None
+        self._result: SecureSum | None = None
+        self._length = 0
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes this wrapper lacks: the wrapped strategy's.
+        if name == "strategy":
+            raise AttributeError(name)
+        return getattr(self.strategy, name)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """The wrapped strategy's train messages, with the encoding the clients use."""
+        dim = sum(a.size for a in arrays_of(arrays))
+        self._current, self._result = arrays, None
+        if self.dp is not None:
+            assert self.dp.secure is not None
+            self.dp.secure.dim = dim
+            self._length = dim + (1 if isinstance(self.dp, DPFedAvgAdaptive) else 0)
+            messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+            encoding = self.dp.secure.encoding(self.dp)
+        else:
+            self._length = dim + 1  # the weighted update and the weight
+            messages = self.strategy.configure_train(server_round, arrays, config, grid)
+            messages, encoding = (
+                add_to_config(messages, self._plain_config()),
+                self._plain_encoding(),
+            )
+        if not encoding.fits(len(messages), self._length):
+            raise StopTraining(
+                f"round {server_round}: the sum of {len(messages)} encoded updates could wrap "
+                f"around modulo 'secagg.modulus-range' = {self.settings.modulus_range}; raise it "
+                "or lower 'secagg.quantization-range' (nothing was sent)"
+            )
+        return messages
+
+    def _plain_config(self) -> dict:
+        s = self.settings
+        return {
+            keys.SECAGG_CLIP_NORM: 0.0,
+            keys.SECAGG_COORDINATE_RANGE: s.clipping_range,
+            keys.SECAGG_SCALE: s.scale,
+            keys.SECAGG_MODULUS_BITS: s.modulus_range.bit_length() - 1,
+            keys.SECAGG_MAX_WEIGHT: s.max_weight,
+        }
+
+    def _plain_encoding(self) -> SecureSumEncoding:
+        s = self.settings
+        return SecureSumEncoding(
+            clip_norm=0.0,
+            scale=s.scale,
+            modulus=s.modulus_range,
+            coordinate_range=s.clipping_range,
+        )
+
+    def exchange_train(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+        """The SecAgg+ round; the collect stage's replies (masked vectors only)."""
+        server_round = (
+            int(messages[0].content[keys.CONFIG].get(keys.SERVER_ROUND, 0)) if messages else 0
+        )
+        needed = (
+            self.dp.secure.survivors_needed(self.dp)
+            if self.dp is not None and self.dp.secure is not None
+            else 2
+        )
+        self._result = secure_sum(
+            grid,
+            messages,
+            self.settings,
+            length=self._length,
+            server_round=server_round,
+            timeout=timeout,
+            survivors_needed=needed,
+        )
+        return self._result.replies
+
+    def aggregate_train(
+        self, server_round: int, replies
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The aggregate from the secure sum (the replies carry nothing else)."""
+        result, self._result = self._result, None
+        if result is None:  # nothing was sampled: the wrapped strategy's empty round
+            return self.strategy.aggregate_train(server_round, [])
+        if self.dp is not None:
+            assert self.dp.secure is not None
+            return self.dp.secure.aggregate(self.dp, server_round, result)
+        extra = {SURVIVORS: float(len(result.survivors)), DROPPED: float(len(result.dropped))}
+        if result.vector is None:
+            return None, MetricRecord(extra)
+        current = self._current
+        assert current is not None
+        flat = self._plain_encoding().decode(result.vector)
+        weight = flat[-1]
+        if not weight > 0:
+            return None, MetricRecord(extra)
+        reference = arrays_of(current)
+        mean = _unflatten(flat[:-1] / weight, reference)
+        new = to_record(current, [r + d for r, d in zip(reference, mean, strict=True)])
+        extra[keys.NUM_EXAMPLES] = float(weight * self.settings.max_weight)
+        return new, MetricRecord(extra)
+
+    def summary(self) -> None:
+        """Log the protocol's parameters, then the wrapped strategy's summary."""
+        s = self.settings
+        log(
+            INFO,
+            "\t├──> SecAgg+ (server sees only the sum): shares %g, threshold %g, "
+            "scale %g per unit, modulus 2^%d, min survivors %s",
+            s.num_shares,
+            s.reconstruction_threshold,
+            s.scale,
+            s.modulus_range.bit_length() - 1,
+            s.min_survivors or "the threshold",
+        )
+        self.strategy.summary()
