@@ -8,12 +8,16 @@ host) run as written, in bash, with ``HOME`` set to the test's folder (so
 (:func:`doc_block`); the guide cannot drift from what works. Certificates and keys come
 from :mod:`server_app.deploy` as §1 says; then ``flwr run . lab``.
 
-One run serves two checks, because a deployed SuperNode starts a fresh ClientApp
-process per message (about 6 s of imports here), so a second run would not fit the
-time budget: its first round has all three SuperNodes; once it is checkpointed,
-SuperNode 2 and its children are SIGKILLed and the run must finish on the two
-survivors (the SuperLink keeps a killed node "online" until 2 x 30 s heartbeat
-intervals pass, so meanwhile each round waits ``round-timeout`` for it).
+The run aggregates with SecAgg+ (``secagg.enabled``: four exchanges per round, the
+server sees only the sum), so it also checks the protocol across real SuperNodes with
+TLS and node authentication. One run serves two checks, because a deployed SuperNode
+starts a fresh ClientApp process per message (about 6 s of imports here), so a second
+run would not fit the time budget: its first round has all three SuperNodes; in round
+2, once all three have shared their SecAgg+ keys, SuperNode 2 and its children are
+SIGKILLed (a dropout after key sharing: the round's sum must be the two survivors'),
+and the run must finish on the two survivors (the SuperLink keeps a killed node
+"online" until 2 x 30 s heartbeat intervals pass, so meanwhile each exchange with it
+waits ``round-timeout``).
 
 Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
 found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
@@ -53,10 +57,11 @@ KILLED = 2  # the SuperNode killed after round 1
 ROUNDS = 3
 ROUND_TIMEOUT = 60  # s: 3 ClientApp starts (about 7 s each) on 2 cores busy with the
 # other tests; 30 s was once too short on CI. A dead node costs a round this long.
+KEYS_SHARED = "SecAgg+ round 2: keys shared among 3 of 3 clients"
 RUN_CONFIG = (
     f"num-server-rounds={ROUNDS} fraction-train=1.0 fraction-evaluate=0.0 "
     f"train.local-epochs=1 min-available-nodes=2 min-train-nodes=2 "
-    f"round-timeout={ROUND_TIMEOUT}"
+    f"round-timeout={ROUND_TIMEOUT} secagg.enabled=true"
 )
 
 
@@ -378,10 +383,13 @@ def killed_run(deployment) -> Run:
         "--run-config", f"{RUN_CONFIG} output-dir='{out}'", cwd=APP_DIR,
     )  # fmt: skip
     deadline = time.monotonic() + 120 + 4 * ROUND_TIMEOUT
-    while (done := _checkpointed_round(out)) < 1:
+    # Killed in round 2 once every SuperNode has shared its keys, while the collect stage
+    # trains (a ClientApp start of ~7 s): its masked vector never arrives.
+    while KEYS_SHARED not in deployment.log("flwr-run"):
         assert flwr.poll() is None, deployment.log("flwr-run")
-        assert time.monotonic() < deadline, "round 1 not done\n" + deployment.log("flwr-run")
-        time.sleep(0.2)
+        assert time.monotonic() < deadline, "round 2 not reached\n" + deployment.log("flwr-run")
+        time.sleep(0.1)
+    done = _checkpointed_round(out)
     deployment.kill_tree(f"supernode-{KILLED}")
     killed_at = time.monotonic()
     deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
@@ -423,6 +431,10 @@ def test_run_completes_on_authenticated_supernodes(killed_run, deployment):
     assert set(first["node-id"]) == set(deployment.node_ids.values())
     assert first["replied"].all(), first.to_string()
     assert run.git[0] == run.git[1]  # `flwr run` wrote nothing into the repository
+    # Every round was a SecAgg+ round: the server unmasked only the sum.
+    unmasked = re.findall(r"SecAgg\+ round (\d+): sum of (\d+) of (\d+)", run.output)
+    assert [int(r) for r, _, _ in unmasked] == list(range(1, ROUNDS + 1)), run.output
+    assert unmasked[0][1:] == ("3", "3")
 
 
 def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment):
@@ -436,6 +448,12 @@ def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment
         assert not rows[rows["node-id"] == dead]["replied"].any(), rows.to_string()
         replied = set(rows[rows["replied"]]["node-id"])
         assert replied == survivors, rows.to_string()
+    # Round 2: it died after sharing its keys; the survivors' sum was unmasked (its
+    # pairwise masks removed with its key's shares). Round 3: it never got that far.
+    assert "SecAgg+ round 2: sum of 2 of 3 clients' vectors unmasked (1 dropped after " in (
+        run.output
+    )
+    assert "SecAgg+ round 3: sum of 2 of" in run.output
     assert run.status == "finished:completed"
     # The SuperLink marks it offline after 2 missed 30 s heartbeat intervals (measured
     # here from the kill to the first look after the run, so only an upper bound).

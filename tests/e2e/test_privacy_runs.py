@@ -37,8 +37,12 @@ VARIANTS = {
     "subspace.head-only=true subspace.warm-start=2 subspace.rank=2 subspace.sketch-dim=8 "
     "subspace.pmu-every=2 subspace.init='public' subspace.allocation='fairness' "
     "data.groups='low-high' subspace.quantize-bits=8",
+    # Distributed DP: SecAgg+ in the Ray simulation, Skellam shares from the clients.
+    "dp-fedavg-fixed+secagg": "secagg.enabled=true dp.noise-site='client' "
+    "dp.sampling='fixed' dp.num-sampled-clients=3 dp.noise-multiplier=1.0 "
+    "dp.clip-norm=0.5 model.name='mlp'",
 }
-RUNS = {p: f"privacy='{p}' {o}" for p, o in VARIANTS.items()}
+RUNS = {name: f"privacy='{name.split('+')[0]}' {o}" for name, o in VARIANTS.items()}
 FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8"}  # N = 4 real clients + k = 4 canaries
 
 
@@ -61,7 +65,8 @@ def dp_runs(flower, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "privacy", ["dp-fedavg-fixed", "dp-fedavg-adaptive", "laplace", "subspace-dp"]
+    "privacy",
+    ["dp-fedavg-fixed", "dp-fedavg-adaptive", "laplace", "subspace-dp", "dp-fedavg-fixed+secagg"],
 )
 def test_client_level_epsilon_grows_and_reloads(dp_runs, privacy):
     result, metrics, ledger_doc = dp_runs[privacy]
@@ -73,6 +78,16 @@ def test_client_level_epsilon_grows_and_reloads(dp_runs, privacy):
     assert len(ledger.releases) == 3
     assert ledger.epsilon() == pytest.approx(epsilon[-1], rel=1e-9)
     assert f"(epsilon, delta) = ({epsilon[-1]:.4f}, 1e-05)" in result.output
+
+
+def test_secure_aggregation_gives_an_epsilon_against_the_server(dp_runs):
+    result, _, ledger_doc = dp_runs["dp-fedavg-fixed+secagg"]
+    for server_round in (1, 2, 3):
+        assert f"SecAgg+ round {server_round}: sum of 3 of 3" in result.output
+    models = {m["threat-model"]: m for m in ledger_doc["threat-models"]}
+    epsilon = ledger_doc["summary"]["epsilon"]
+    assert models["honest-but-curious-server"]["epsilon"] == pytest.approx(epsilon)
+    assert {r["mechanism"] for r in ledger_doc["state"]["releases"]} == {"skellam"}
 
 
 def test_adaptive_clip_norm_moves(dp_runs):
