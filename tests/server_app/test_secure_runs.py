@@ -68,8 +68,14 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoint" / "global.pt", weights_only=True)
 
 
-def test_secure_fedavg_moves_the_model_as_plain_fedavg(tmp_path):
-    common = {"num-server-rounds": 1, "fraction-train": 1.0, "min-available-nodes": 4}
+@pytest.mark.parametrize("strategy", ["fedavg", "fedprox"])
+def test_secure_aggregation_moves_the_model_as_the_plain_strategy(strategy, tmp_path):
+    common = {
+        "strategy": strategy,
+        "num-server-rounds": 1,
+        "fraction-train": 1.0,
+        "min-available-nodes": 4,
+    }
 
     secure, _ = _run(tmp_path / "secure", **common, **{"secagg.enabled": True})
     plain, _ = _run(tmp_path / "plain", **common)
