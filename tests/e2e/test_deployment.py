@@ -382,7 +382,10 @@ def killed_run(deployment) -> Run:
         "flwr-run", str(BIN / "flwr"), "run", ".", "lab", "--stream",
         "--run-config", f"{RUN_CONFIG} output-dir='{out}'", cwd=APP_DIR,
     )  # fmt: skip
-    deadline = time.monotonic() + 120 + 4 * ROUND_TIMEOUT
+    # Four exchanges a round, each starting a ClientApp per SuperNode (~7 s alone, far
+    # more on 2 cores busy with other tests), and a dead node costs an exchange the
+    # round timeout: a generous limit, reached only by a run that hangs.
+    deadline = time.monotonic() + 120 + 8 * ROUND_TIMEOUT
     # Killed in round 2 once every SuperNode has shared its keys, while the collect stage
     # trains (a ClientApp start of ~7 s): its masked vector never arrives.
     while KEYS_SHARED not in deployment.log("flwr-run"):
@@ -392,7 +395,10 @@ def killed_run(deployment) -> Run:
     done = _checkpointed_round(out)
     deployment.kill_tree(f"supernode-{KILLED}")
     killed_at = time.monotonic()
-    deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
+    try:
+        deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{deployment.log('flwr-run')}") from None
     after = git_status()
     output = deployment.log("flwr-run")
     run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
