@@ -1,0 +1,524 @@
+"""Cost of a SecAgg+ round on the Message API against the same round without it.
+
+Reproduce from the repository root (the first is the full run, ~12 min; the second a
+smoke check of under a minute; the BENCHMARKS.md tables ran the full run's two sections
+separately, each started when the machine's 1-min load average was below 0.35)::
+
+    PYTHONPATH=. python bench/secagg.py
+    PYTHONPATH=. python bench/secagg.py --quick
+    PYTHONPATH=. python bench/secagg.py --sections protocol
+    PYTHONPATH=. python bench/secagg.py --sections cifar
+    PYTHONPATH=. python bench/secagg.py --sections protocol --dims 1e5 1e6 --clients 10 50
+    PYTHONPATH=. python bench/secagg.py --sections cifar --cifar-examples 500 --repeats 3
+
+Everything runs in ONE process on this machine: the server driver
+(``strategies.secure.SecureAggregation`` around Flower's ``FedAvg``, which calls
+``strategies.secagg.secure_sum``) talks to a grid double whose n nodes answer in
+process, ONE AFTER ANOTHER, with the real client mod ``client_app.secagg.secagg_mod``
+around a trainer. No network, no protobuf encoding, no parallel clients: a round's wall
+time is the server's work plus the sum of all clients' work, and the 3 extra round trips
+of SecAgg cost no latency here. Upload sizes are nevertheless the wire sizes (the
+protobuf of each reply's content). Other processes on the machine distort the times
+(torch's two threads most): the load average is printed at the start and the end. Settings are the
+app's defaults (``SecAggSettings()``: clipping range 8, 2²² quantization levels, M = 2³²,
+max weight 1000), the plain (non-DP) encoding: each client sends w·Δ with coordinates
+clipped to ±8, stochastically rounded, and its weight w, as d + 1 integers mod 2³²
+(uint32 on the wire). Clients keep no state between rounds (a fresh ``Context`` each).
+
+Graph (``--shares``; ``rule`` by default): for n < 50 SecAgg, the complete graph
+(``num_shares`` = 1.0, every client is every client's neighbour, k = n, and the app's
+default threshold t = round(0.67 n)); for n >= 50 SecAgg+, a ring of
+k = 2·ceil(log2 n) + 1 neighbours (the client itself included) with t = (k + 1) // 2
+(``num_shares`` = k, ``reconstruction_threshold`` = t < k). ``complete`` / ``ring``
+force one of the two for every n.
+
+Section ``protocol``: for every d in ``--dims`` and n in ``--clients``, the model is one
+flat float32 array of d values (all zeros: the global model); the "training" returns a
+precomputed random update (N(0, 0.05²), one of 4 drawn per cell, cycled over the
+clients) as a fresh ``ArrayRecord`` with num-examples 100, so only the protocol is
+measured. Per cell, ``--repeats`` rounds of each kind, plain then SecAgg alternating
+(only one when the first SecAgg round took more than ``--once-above-s``); medians:
+
+* ``plain s``: one plain round: ``FedAvg.configure_train`` (all n nodes), each client's
+  reply (its float32 update as an ``ArrayRecord``), and Flower's own
+  ``FedAvg().aggregate_train`` (``flwr.serverapp.strategy``: the num-examples-weighted
+  mean of the n ArrayRecords, deserialised).
+* ``secagg s``: one SecAgg round of the app: ``SecureAggregation.configure_train``,
+  ``exchange_train`` (the four stages of ``secure_sum``) and ``aggregate_train``
+  (decode, divide by the summed weight, add to the global model). ``ratio`` = secagg /
+  plain.
+* ``setup`` / ``share`` / ``collect`` / ``unmask``: client seconds per client in each
+  stage (``secagg_mod`` timed around each call, averaged over the n clients); ``collect``
+  excludes the trainer's own time (decrypting the shares, encoding, the k mask
+  expansions, the reply).
+* ``server s``: the SecAgg round's wall time minus the time spent inside client calls
+  (the server's side of all four stages, the unmasking, the decode and the aggregate);
+  ``unmask s`` is its ``server-unmask`` part (summing the n masked vectors and removing
+  the n self masks b_i, plus the pairwise masks of dropped clients: none here);
+  ``plain agg s`` is ``FedAvg().aggregate_train`` in the plain round.
+* ``up MB plain`` / ``up MB secagg``: bytes one client uploads in the round, in 10⁶
+  bytes: the protobuf size of its reply's ``RecordDict`` (``flwr.common.serde.
+  recorddict_to_proto(...).ByteSize()``), summed over the four stages for SecAgg (public
+  keys, encrypted shares, the masked uint32 vector, the shares for unmasking), averaged
+  over the clients. ``trips``: message round trips per round (4 vs 1).
+* ``check``: the largest |difference| between the SecAgg aggregate and the plain one
+  (quantization: at most 10/s = 3.8e-5 here), so every timed round really summed.
+
+Cells whose SecAgg round is estimated above ``--max-round-s`` (default 180 s) or above
+``--max-gb`` (12 GB) are printed as "not run" with the estimate: time ≈ n·(k + 4)·d·τ
+(k mask expansions per client, one self mask per client at the server, ~3 mask-times
+per client of encoding and vector arithmetic; τ the AES-CTR mask cost per value measured
+at start-up), memory ≈ d·(4 n + 16 + 100) bytes. The estimate is rough: at d = 10⁷ it
+fell short by 1.2-1.6x (n = 50 ran 179 s against 145 s estimated), at small d it leaves
+out the fixed Shamir and key-agreement costs. The slope line fits log(secagg s) on
+log(d) by least squares for the smallest n run (slope ≈ 1: linear in d).
+
+Section ``cifar``: the app's CIFAR-10 CNN (``tasks.vision.models.build_model("cnn",
+3, 10, 32)``, d printed), ``--cifar-clients`` (10) clients, each with
+``--cifar-examples`` (500) random 3x32x32 images and random labels (CIFAR-10 cannot be
+downloaded on this machine; the time of an SGD step does not depend on the pixel
+values). A client's training, as the app's: load the received arrays, one local epoch
+of ``tasks.vision.steps.train_batch`` (torch on the CPU, default threads, SGD lr 0.05,
+momentum 0.9, batch 32, shuffled), reply ``ArrayRecord(model.state_dict())`` with
+num-examples. A plain round is that, then ``FedAvg().aggregate_train``; a SecAgg round
+runs the same trainer inside the collect stage and the protocol as above (graph by
+``--shares``: SecAgg, the complete graph, at n = 10). Each client seeds torch with its
+node id before training (same batches and dropout in both kinds of round), so
+``check`` compares the same aggregate. ``plain train s`` / ``secagg train s``: the time
+inside the trainer summed over the clients (the same work twice: their difference is the
+measurement noise); the other columns as in section ``protocol`` (the collect column
+without the training); ``ratio`` = secagg s / plain s, median rounds of ``--repeats``;
+goal (the issue's): ratio <= 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from importlib import metadata
+
+import flwr
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.serde import recorddict_to_proto
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
+
+from client_app.secagg import secagg_mod
+from strategies import keys
+from strategies.messaging import send_and_receive
+from strategies.secagg import SecAggSettings, mask
+from strategies.secure import SecureAggregation
+from tasks.vision.models import build_model
+from tasks.vision.steps import train_batch
+
+STAGES = (
+    ("setup", Stage.SETUP),
+    ("share", Stage.SHARE_KEYS),
+    ("collect", Stage.COLLECT_MASKED_VECTORS),
+    ("unmask", Stage.UNMASK),
+)
+FIRST_NODE = 1001  # node ids 1001.. (1 is the SuperLink's)
+DISTINCT_UPDATES, UPDATE_STD, NUM_EXAMPLES = 4, 0.05, 100
+LR, MOMENTUM, BATCH = 0.05, 0.9, 32
+GOAL_RATIO = 3.0
+
+
+# -- helpers ----------------------------------------------------------------------
+def markdown(rows: list[dict[str, object]]) -> str:
+    """``rows`` as a markdown table (floats to 3 significant digits)."""
+    keys_ = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_cell(r.get(k, "")) for k in keys_] for r in rows]
+    lines = ["| " + " | ".join(keys_) + " |", "|" + " ---: |" * len(keys_)]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+
+
+def _cell(value: object) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def machine_info() -> str:
+    """CPU, library versions and thread counts, as markdown bullets."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return "\n".join(
+        [
+            f"- CPU: {platform.processor() or platform.machine()}, os.cpu_count() = "
+            f"{os.cpu_count()}, usable = {len(os.sched_getaffinity(0))}; GPU: {gpu}",
+            f"- python {platform.python_version()}, numpy {np.__version__}, torch "
+            f"{torch.__version__}, flwr {flwr.__version__}, cryptography "
+            f"{metadata.version('cryptography')}",
+            f"- torch threads {torch.get_num_threads()}; clients run one after another in "
+            "this process",
+            "- load average (1, 5, 15 min) at start: "
+            + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        ]
+    )
+
+
+def graph(n: int, rule: str) -> tuple[SecAggSettings, str]:
+    """The settings for n clients under ``--shares`` and a label "k/t (kind)"."""
+    if rule == "complete" or (rule == "rule" and n < 50):
+        settings = SecAggSettings()  # num_shares 1.0, threshold 0.67 (the app's defaults)
+        kind = "SecAgg"
+    else:
+        k = min(2 * math.ceil(math.log2(n)) + 1, n if n % 2 else n - 1)
+        settings = SecAggSettings(num_shares=k, reconstruction_threshold=(k + 1) // 2)
+        kind = "SecAgg+"
+    k, t = settings.shares_and_threshold(n)
+    return settings, f"{k}/{t} ({kind})"
+
+
+def upload_bytes(replies: list[Message]) -> int:
+    """Wire size of the replies' contents (protobuf)."""
+    return sum(recorddict_to_proto(r.content).ByteSize() for r in replies)
+
+
+class InProcessGrid:
+    """n nodes answering in this process, one after another: with ``secagg_mod`` around
+    ``train`` (SecAgg stages) or ``train`` alone (plain train messages). Every call is
+    timed by stage; the trainer's own time is kept apart."""
+
+    def __init__(self, n: int, train: Callable[[Message], Message]) -> None:
+        self.nodes = list(range(FIRST_NODE, FIRST_NODE + n))
+        self.train = train
+        self.reset()
+
+    def reset(self) -> None:
+        self.contexts = {
+            node: Context(
+                run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}
+            )
+            for node in self.nodes
+        }
+        self.client_s: dict[str, float] = defaultdict(float)
+        self.train_s = 0.0
+        self.replies: dict[str, list[Message]] = defaultdict(list)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        del timeout  # every node answers
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            records = message.content.config_records
+            start = time.perf_counter()
+            if RECORD_KEY_CONFIGS in records:
+                stage = str(records[RECORD_KEY_CONFIGS][Key.STAGE])
+                reply = secagg_mod(message, self.contexts[node], self._train)
+            else:
+                stage = "train"
+                reply = self._train(message, self.contexts[node])
+            self.client_s[stage] += time.perf_counter() - start
+            if reply.has_error():
+                raise RuntimeError(f"node {node}, {stage}: {reply.error.reason}")
+            self.replies[stage].append(reply)
+            replies.append(reply)
+        return replies
+
+    def _train(self, msg: Message, _ctxt: Context) -> Message:
+        start = time.perf_counter()
+        reply = self.train(msg)
+        self.train_s += time.perf_counter() - start
+        return reply
+
+
+def train_reply(msg: Message, arrays: ArrayRecord, examples: int) -> Message:
+    metrics = MetricRecord({keys.NUM_EXAMPLES: examples})
+    return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+
+def fedavg(n: int) -> FedAvg:
+    return FedAvg(fraction_train=1.0, min_train_nodes=n, min_available_nodes=n)
+
+
+def plain_round(grid: InProcessGrid, reference: ArrayRecord) -> tuple[dict, ArrayRecord]:
+    """One round without SecAgg (see the docstring)."""
+    grid.reset()
+    n = len(grid.nodes)
+    start = time.perf_counter()
+    strategy = fedavg(n)
+    messages = list(strategy.configure_train(1, reference, ConfigRecord(), grid))
+    replies = send_and_receive(grid, messages, timeout=None)
+    aggregate_start = time.perf_counter()
+    arrays, _ = strategy.aggregate_train(1, replies)
+    end = time.perf_counter()
+    assert arrays is not None and len(replies) == n
+    return {
+        "round": end - start,
+        "aggregate": end - aggregate_start,
+        "train": grid.train_s,
+        "up": upload_bytes(grid.replies["train"]) / n,
+    }, arrays
+
+
+def secure_round(
+    grid: InProcessGrid, reference: ArrayRecord, settings: SecAggSettings
+) -> tuple[dict, ArrayRecord]:
+    """One round of the app's SecAgg (see the docstring)."""
+    grid.reset()
+    n = len(grid.nodes)
+    start = time.perf_counter()
+    wrapper = SecureAggregation(fedavg(n), settings)
+    messages = wrapper.configure_train(1, reference, ConfigRecord(), grid)
+    replies = wrapper.exchange_train(grid, messages, timeout=None)
+    result = wrapper._result  # aggregate_train consumes it
+    arrays, _ = wrapper.aggregate_train(1, replies)
+    end = time.perf_counter()
+    assert result is not None and arrays is not None and len(result.survivors) == n
+    client = sum(grid.client_s.values())
+    row = {
+        "round": end - start,
+        "server": end - start - client,
+        "server-unmask": result.seconds.get("server-unmask", 0.0),
+        "train": grid.train_s,
+        "up": sum(upload_bytes(grid.replies[stage]) for _, stage in STAGES) / n,
+    }
+    for name, stage in STAGES:
+        row[name] = grid.client_s[stage] / n
+    row["collect"] -= grid.train_s / n
+    return row, arrays
+
+
+def max_difference(a: ArrayRecord, b: ArrayRecord) -> float:
+    return max(float(np.max(np.abs(a[k].numpy() - b[k].numpy()))) for k in a)
+
+
+def timed_rounds(
+    grid: InProcessGrid,
+    reference: ArrayRecord,
+    settings: SecAggSettings,
+    repeats: int,
+    once_above_s: float,
+) -> tuple[dict, dict, float]:
+    """Medians of plain and SecAgg rounds, alternating; the aggregates' difference."""
+    plains, secures, check = [], [], 0.0
+    for repeat in range(repeats):
+        plain, plain_arrays = plain_round(grid, reference)
+        plains.append(plain)
+        secure, secure_arrays = secure_round(grid, reference, settings)
+        secures.append(secure)
+        check = max(check, max_difference(plain_arrays, secure_arrays))
+        del plain_arrays, secure_arrays
+        grid.reset()
+        gc.collect()
+        if repeat == 0 and secure["round"] > once_above_s:
+            break
+    return medians(plains), medians(secures), check
+
+
+def medians(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+# -- section "protocol" ------------------------------------------------------------
+def mask_seconds_per_value() -> float:
+    """τ: seconds per value of one AES-CTR mask expansion (median of 3, 10⁶ values)."""
+    times = []
+    for i in range(4):
+        start = time.perf_counter()
+        mask(bytes([i]) * 32, 10**6, 2**32)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / 1e6
+
+
+def estimate(n: int, d: int, settings: SecAggSettings, tau: float) -> tuple[float, float]:
+    """(seconds, GB) estimated for one SecAgg round (see the docstring)."""
+    k, _ = settings.shares_and_threshold(n)
+    return n * (k + 4) * d * tau, d * (4 * n + 16 + 100) / 1e9
+
+
+def protocol_cell(n: int, d: int, settings: SecAggSettings, args: argparse.Namespace) -> dict:
+    rng = np.random.default_rng(d + n)
+    updates = [
+        rng.normal(0.0, UPDATE_STD, d).astype(np.float32) for _ in range(min(n, DISTINCT_UPDATES))
+    ]
+    reference = ArrayRecord({"w": Array(np.zeros(d, dtype=np.float32))})
+    position = {}
+
+    def train(msg: Message) -> Message:
+        node = msg.metadata.dst_node_id
+        update = updates[position.setdefault(node, len(position)) % len(updates)]
+        return train_reply(msg, ArrayRecord({"w": Array(update)}), NUM_EXAMPLES)
+
+    grid = InProcessGrid(n, train)
+    plain, secure, check = timed_rounds(grid, reference, settings, args.repeats, args.once_above_s)
+    return {
+        "plain s": plain["round"],
+        "secagg s": secure["round"],
+        "ratio": secure["round"] / plain["round"],
+        **{f"{name} s/client": secure[name] for name, _ in STAGES},
+        "server s": secure["server"],
+        "unmask s": secure["server-unmask"],
+        "plain agg s": plain["aggregate"],
+        "up MB plain": plain["up"] / 1e6,
+        "up MB secagg": secure["up"] / 1e6,
+        "trips": "4 vs 1",
+        "check": check,
+    }
+
+
+def section_protocol(args: argparse.Namespace) -> None:
+    tau = mask_seconds_per_value()
+    print(
+        f"\n## Protocol cost (trivial trainer; mask expansion τ = {tau * 1e9:.1f} ns per value, "
+        f"at most {args.repeats} rounds of each kind per cell)\n"
+    )
+    rows, fit = [], defaultdict(list)
+    for n in (int(c) for c in args.clients):
+        settings, label = graph(n, args.shares)
+        for d in (int(x) for x in args.dims):
+            row: dict[str, object] = {"n": n, "d": f"{d:.0e}", "k/t": label}
+            seconds, gb = estimate(n, d, settings, tau)
+            if seconds > args.max_round_s or gb > args.max_gb:
+                reason = f"estimated {seconds:.0f} s, {gb:.1f} GB"
+                limit = f"> {args.max_round_s:g} s" if seconds > args.max_round_s else ""
+                limit += f" > {args.max_gb:g} GB" if gb > args.max_gb else ""
+                rows.append(row | {"plain s": f"not run ({reason} {limit.strip()})"})
+                print(f"  n={n} d={d:.0e}: not run ({reason})", file=sys.stderr, flush=True)
+                continue
+            start = time.perf_counter()
+            row |= protocol_cell(n, d, settings, args)
+            rows.append(row)
+            fit[n].append((d, row["secagg s"]))
+            print(
+                f"  n={n} d={d:.0e}: secagg {row['secagg s']:.2f} s (estimated {seconds:.1f} s), "
+                f"cell {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            gc.collect()
+    print(markdown(rows))
+    if fit:
+        n = min(fit)
+        print("\n" + slope_line(n, fit[n]))
+
+
+def slope_line(n: int, points: list[tuple[int, float]]) -> str:
+    """The log-log least-squares slope of SecAgg round time vs d (all d, and d >= 1e5)."""
+    if len(points) < 2:
+        return f"n = {n}: fewer than two d run, no slope"
+    d, s = (np.log10(np.array(v, dtype=float)) for v in zip(*points, strict=True))
+    text = f"n = {n}: log-log slope of the SecAgg round time vs d = {np.polyfit(d, s, 1)[0]:.2f}"
+    text += f" (d = {10 ** d.min():.0e}..{10 ** d.max():.0e})"
+    large = d >= 5 - 1e-9
+    if large.sum() >= 2 and large.sum() < len(d):
+        text += f", {np.polyfit(d[large], s[large], 1)[0]:.2f} over d >= 1e5"
+    return text
+
+
+# -- section "cifar" ---------------------------------------------------------------
+def section_cifar(args: argparse.Namespace) -> None:
+    n, examples = args.cifar_clients, args.cifar_examples
+    settings, label = graph(n, args.shares)
+    model = build_model("cnn", 3, 10, 32, seed=0)
+    reference = ArrayRecord(model.state_dict())
+    d = sum(v.numel() for v in model.state_dict().values())
+    gen = torch.Generator().manual_seed(0)
+    data = {
+        FIRST_NODE + i: (
+            torch.randn(examples, 3, 32, 32, generator=gen),
+            torch.randint(0, 10, (examples,), generator=gen),
+        )
+        for i in range(n)
+    }
+
+    def train(msg: Message) -> Message:
+        node = msg.metadata.dst_node_id
+        x, y = data[node]
+        torch.manual_seed(node)  # the same batches (and dropout) in both kinds of round
+        model.load_state_dict(msg.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        model.train()
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(node))
+        for start in range(0, len(x), BATCH):
+            batch = order[start : start + BATCH]
+            train_batch(model, x[batch], y[batch], optimizer, [], 0.0)
+        return train_reply(msg, ArrayRecord(model.state_dict()), len(x))
+
+    grid = InProcessGrid(n, train)
+    train(
+        Message(RecordDict({keys.ARRAYS: reference}), dst_node_id=FIRST_NODE, message_type="train")
+    )
+    plain, secure, check = timed_rounds(grid, reference, settings, args.repeats, args.once_above_s)
+    ratio = secure["round"] / plain["round"]
+    print(
+        f"\n## CIFAR-10 CNN (d = {d:,}), {n} clients x {examples} random 3x32x32 examples, one "
+        f"local epoch ({math.ceil(examples / BATCH)} SGD steps of {BATCH}); median of "
+        f"{args.repeats} rounds of each kind\n"
+    )
+    row = {
+        "n": n,
+        "d": d,
+        "k/t": label,
+        "plain s": plain["round"],
+        "plain train s": plain["train"],
+        "secagg s": secure["round"],
+        "secagg train s": secure["train"],
+        "ratio": ratio,
+        **{f"{name} s/client": secure[name] for name, _ in STAGES},
+        "server s": secure["server"],
+        "up MB plain": plain["up"] / 1e6,
+        "up MB secagg": secure["up"] / 1e6,
+        "check": check,
+        f"goal <= {GOAL_RATIO:g}x": "yes" if ratio <= GOAL_RATIO else "NO",
+    }
+    print(markdown([row]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=float, nargs="+", default=[1e4, 1e5, 1e6, 1e7])
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument(
+        "--shares",
+        choices=("rule", "complete", "ring"),
+        default="rule",
+        help="rule: SecAgg (complete graph) for n < 50, SecAgg+ ring k = 2 ceil(log2 n) + 1 above",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each kind per cell")
+    parser.add_argument(
+        "--once-above-s", type=float, default=20.0, help="one round per kind above this many s"
+    )
+    parser.add_argument("--max-round-s", type=float, default=180.0, help="skip cells above")
+    parser.add_argument("--max-gb", type=float, default=12.0, help="skip cells above")
+    parser.add_argument("--cifar-clients", type=int, default=10)
+    parser.add_argument("--cifar-examples", type=int, default=500, help="per client")
+    parser.add_argument(
+        "--sections", nargs="+", choices=("protocol", "cifar"), default=["protocol", "cifar"]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke check: d 1e4 1e5, n 10 50, 64 examples, 1 repeat",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.dims, args.clients, args.cifar_examples, args.repeats = [1e4, 1e5], [10, 50], 64, 1
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # secure_sum's per-round INFO line
+    print("# SecAgg+ benchmark\n\n" + machine_info())
+    if "protocol" in args.sections:
+        section_protocol(args)
+    if "cifar" in args.sections:
+        section_cifar(args)
+    print(
+        "\nload average (1, 5, 15 min) at the end: "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
+
+
+if __name__ == "__main__":
+    main()
