@@ -91,7 +91,7 @@ from strategies.calibrated import CalibratedNoise
 from strategies.private import PrivacyWrapper
 
 if TYPE_CHECKING:
-    from strategies.secure import SecureNoise
+    from strategies.secure_noise import SecureNoise
 
 # z·√d/m above which the noise on the mean update drowns any client's signal.
 NOISE_TO_SIGNAL_WARNING = 20.0
@@ -335,8 +335,12 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         self.after_calibration()
 
     def planned_releases(self, noise_multiplier: float, population: int) -> list[Release]:
-        """The releases of the whole planned run with multiplier z (calibration)."""
-        return self.releases_with(noise_multiplier, 1, population, count=self.planned_rounds)
+        """The releases of the whole planned run with multiplier z (calibration; under
+        distributed DP, the most-participating client's planned sums)."""
+        count = self.planned_rounds
+        if self.secure is not None and self.secure.distributed:
+            count = self.secure.planned_participations(self, population)
+        return self.releases_with(noise_multiplier, 1, population, count=count)
 
     def after_calibration(self) -> None:
         """What depends on z once it is calibrated (adaptive clipping's count noise)."""
@@ -388,7 +392,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
 
     def _refuse_over_budget(self, server_round: int, population: int) -> None:
         """BudgetExhausted, before anything is sent, if the round would exceed the budget
-        in the ledger or (client-side noise) for some client against the server."""
+        in the ledger or (client-side noise) for some client against the server. Under
+        distributed DP the sample is restricted instead (``SecureNoise.eligible``)."""
+        if self.secure is not None and self.secure.distributed:
+            return
         if self.ledger.would_exceed(self.release(server_round, population)):
             raise BudgetExhausted(
                 f"round {server_round} would exceed 'dp.max-epsilon' = "
@@ -413,6 +420,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             server_round, grid, self.num_sampled_clients, self.min_available_nodes
         )
         expected = self.num_sampled_clients
+        if self.secure is not None:
+            all_nodes = self.secure.eligible(self, all_nodes)
         if self.ledger.sampling == "poisson":
             nodes = poisson_sample(all_nodes, expected / len(all_nodes), self.rng)
             grid, expected = GridView(grid, nodes), len(nodes)

@@ -18,14 +18,16 @@ Three uses, by the run's ``privacy``:
 * ``dp-fedavg-fixed`` with ``dp.noise-site = 'client'``: distributed DP. Each client
   adds a Skellam share of variance μ/n_min to its rounded update
   (:mod:`privacy.skellam`); whatever n >= n_min survivors reach the sum, it carries
-  Skellam noise of variance n·μ/n_min >= μ, with μ = (zCs)². The ledger charges, after
-  the round, the Skellam mechanism with the noise that actually made it into the sum
-  (zero-out relation, no amplification: the server knows whom it asked). A round with
-  fewer than n_min survivors is abandoned before unmasking: nothing is released or
-  charged. This ε holds against the honest-but-curious server, up to the protocol's
-  collusion threshold (:mod:`strategies.secagg`), assuming that whether a client drops
-  out does not depend on its data (a lost connection, a crash): a client whose
-  training fails still sends its noised zero update (``client_app.secagg``).
+  Skellam noise of variance n·μ/n_min >= μ, with μ = (zCs)². The ledger charges the
+  Skellam mechanism at that least noise, μ, once for each sum the most-participating
+  client's update reached (every client's ε composes only its own sums: see
+  :class:`SecureNoise`; zero-out relation, no amplification: the server knows whom it
+  asked). A round with fewer than n_min survivors is abandoned before unmasking:
+  nothing is released or charged. This ε holds against the honest-but-curious
+  server, up to the protocol's collusion threshold (:mod:`strategies.secagg`), assuming
+  that whether a client drops out does not depend on its data (a lost connection, a
+  crash): a client whose training fails still sends its noised zero update
+  (``client_app.secagg``).
 
 Clients send no metrics under secure aggregation (the collect reply is the masked
 vector alone); what the server learns besides the sum (who was sampled, who dropped,
@@ -34,26 +36,22 @@ timings) is the same uncovered participation record as without it (``curator/``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from logging import INFO
 from typing import Protocol, runtime_checkable
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from privacy.accounting import Release, l2_sensitivity_factor
-from privacy.skellam import SecureSumEncoding, l1_bound, rounded_l2_bound
+from privacy.skellam import SecureSumEncoding
 from strategies import keys
 from strategies.base import TrainingWrapper, add_to_config, arrays_of, to_record
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.errors import StopTraining
 from strategies.secagg import SecAggSettings, SecureSum, secure_sum
-
-SURVIVORS, DROPPED = "secagg-survivors", "secagg-dropped"
+from strategies.secure_noise import DROPPED, SURVIVORS, SecureNoise, unflatten
 
 
 @runtime_checkable
@@ -62,144 +60,6 @@ class SecureExchange(Protocol):
 
     def exchange_train(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
         """Run the round's exchanges; the replies that stand for the clients' answers."""
-
-
-def _centred(value: np.uint64, modulus: int) -> int:
-    value = int(value)
-    return value - modulus if value >= modulus // 2 else value
-
-
-@dataclass
-class SecureNoise:
-    """What DP-FedAvg does differently when its sum is computed securely: the clients'
-    encoding, the releases it charges, and the aggregate from the decoded sum."""
-
-    settings: SecAggSettings
-    distributed: bool
-    """The clients add the noise (Skellam shares); else the server (Gaussian)."""
-    dim: int = 0
-    """d: the update's size (set before the first round's calibration)."""
-
-    def survivors_needed(self, dp: DPFedAvgFixed) -> int:
-        """n_min: the survivors each client's noise share is calibrated for."""
-        return self.settings.survivors_needed(dp.num_sampled_clients)
-
-    def l2(self, dp: DPFedAvgFixed) -> float:
-        """Δ₂ of one client's rounded update in integer units."""
-        return rounded_l2_bound(dp.clip_norm * self.settings.scale, self.dim)
-
-    def client_variance(self, dp: DPFedAvgFixed, noise_multiplier: float | None = None) -> float:
-        """Each client's Skellam share, (zCs)²/n_min (0 with server-side noise)."""
-        if not self.distributed:
-            return 0.0
-        z = dp.update_noise_multiplier() if noise_multiplier is None else noise_multiplier
-        return (z * dp.clip_norm * self.settings.scale) ** 2 / self.survivors_needed(dp)
-
-    def encoding(self, dp: DPFedAvgFixed) -> SecureSumEncoding:
-        return SecureSumEncoding(
-            clip_norm=dp.clip_norm,
-            scale=self.settings.scale,
-            modulus=self.settings.modulus_range,
-            client_variance=self.client_variance(dp),
-        )
-
-    def client_config(self, dp: DPFedAvgFixed) -> dict:
-        """The collect stage's encoding keys (no Gaussian noise key: see the module)."""
-        return {
-            keys.SECAGG_CLIP_NORM: dp.clip_norm,
-            keys.SECAGG_SCALE: self.settings.scale,
-            keys.SECAGG_MODULUS_BITS: self.settings.modulus_range.bit_length() - 1,
-            keys.SECAGG_VARIANCE: self.client_variance(dp),
-            keys.SECAGG_NORM_BIT: isinstance(dp, DPFedAvgAdaptive),
-        }
-
-    def release(
-        self,
-        dp: DPFedAvgFixed,
-        noise_multiplier: float,
-        server_round: int,
-        population: int,
-        count: int = 1,
-        survivors: int | None = None,
-    ) -> Release:
-        """The round's release: Skellam with ``survivors`` shares (default n_min, the
-        least noise a released round carries), or the server's Gaussian at the
-        sensitivity Δ₂/s of a rounded update."""
-        l2 = self.l2(dp)
-        if self.distributed:
-            shares = survivors or self.survivors_needed(dp)
-            return Release(
-                server_round=server_round,
-                kind="model-update",
-                mechanism="skellam",
-                l2_sensitivity=l2,
-                l1_sensitivity=l1_bound(l2, self.dim),
-                variance=self.client_variance(dp, noise_multiplier) * shares,
-                sampling="none",
-                sample_size=1,
-                population=1,
-                count=count,
-                note=(
-                    f"distributed Skellam: {shares} clients' noise shares in the securely "
-                    "summed, conditionally rounded updates; no amplification (the server "
-                    "knows whom it asked)"
-                ),
-            )
-        factor = l2_sensitivity_factor(dp.ledger.neighboring)
-        scaled = dp.clip_norm * self.settings.scale / l2  # z at the rounded sensitivity
-        return Release(
-            server_round=server_round,
-            kind="model-update",
-            mechanism="gaussian",
-            noise_multiplier=noise_multiplier * scaled / factor,
-            sampling=dp.ledger.sampling,
-            sample_size=dp.num_sampled_clients,
-            population=population,
-            count=count,
-            note=(
-                "securely summed, conditionally rounded updates; Gaussian noise added by "
-                "the server"
-            ),
-        )
-
-    def aggregate(
-        self, dp: DPFedAvgFixed, server_round: int, result: SecureSum
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The private mean from the secure sum, charged (nothing when abandoned)."""
-        assert dp._round_state is not None
-        current, _sent, population = dp._round_state
-        dp._round_state = None
-        extra = {SURVIVORS: float(len(result.survivors)), DROPPED: float(len(result.dropped))}
-        if result.vector is None:
-            extra[keys.DP_EPSILON] = dp.ledger.epsilon()
-            return None, MetricRecord(dp.mark(extra))
-        vector, centred = result.vector, None
-        if isinstance(dp, DPFedAvgAdaptive):
-            bits = _centred(vector[self.dim], self.settings.modulus_range)
-            vector, centred = vector[: self.dim], bits - len(result.survivors) / 2
-        reference = arrays_of(current)
-        flat = self.encoding(dp).decode(vector)
-        total = _unflatten(flat, reference)
-        if not self.distributed:
-            total = dp._mechanism().noise_sum(total, rng=dp.rng)
-        m = dp.num_sampled_clients
-        mean = [(t / m).astype(r.dtype, copy=False) for t, r in zip(total, reference, strict=True)]
-        new = to_record(current, [r + d for r, d in zip(reference, mean, strict=True)])
-        if self.distributed:
-            survivors = len(result.survivors)
-            z = dp.noise_multiplier
-            dp.ledger.charge([self.release(dp, z, server_round, population, survivors=survivors)])
-        else:
-            dp.ledger.charge(dp.release(server_round, population))
-        return new, dp.released_metrics([], result.dropped, centred_bits=centred, **extra)
-
-
-def _unflatten(flat: np.ndarray, reference: list[np.ndarray]) -> list[np.ndarray]:
-    out, start = [], 0
-    for array in reference:
-        out.append(flat[start : start + array.size].reshape(array.shape))
-        start += array.size
-    return out
 
 
 class SecureAggregation(TrainingWrapper):
@@ -213,7 +73,9 @@ class SecureAggregation(TrainingWrapper):
         The protocol's parameters.
     """
 
-    CHECKPOINT = ()  # strategies.checkpoint: nothing outlives a round
+    # strategies.checkpoint: distributed DP's participation counts (by node) and k.
+    CHECKPOINT = ("secure_counts",)
+    CHECKPOINT_BY_NODE = ("participations",)
 
     def __init__(self, strategy: Strategy, settings: SecAggSettings) -> None:
         super().__init__(strategy)
@@ -237,6 +99,34 @@ class SecureAggregation(TrainingWrapper):
         if name == "strategy":
             raise AttributeError(name)
         return getattr(self.strategy, name)
+
+    @property
+    def secure_counts(self) -> dict[str, int]:
+        secure = self.dp.secure if self.dp is not None else None
+        return {"interrupted": secure.interrupted, "charged": secure.charged} if secure else {}
+
+    @secure_counts.setter
+    def secure_counts(self, counts: dict[str, int]) -> None:
+        if self.dp is not None and self.dp.secure is not None and counts:
+            self.dp.secure.interrupted = int(counts["interrupted"])
+            self.dp.secure.charged = int(counts["charged"])
+
+    @property
+    def participations(self) -> dict[int, int]:
+        secure = self.dp.secure if self.dp is not None else None
+        return secure.participations if secure is not None else {}
+
+    @participations.setter
+    def participations(self, counts: dict[int, int]) -> None:
+        if self.dp is not None and self.dp.secure is not None:
+            self.dp.secure.participations = {int(n): int(c) for n, c in counts.items()}
+
+    def on_resume(self) -> None:
+        """What the wrapped strategy charges on resume, and distributed DP's own."""
+        if self.dp is not None and self.dp.secure is not None:
+            self.dp.secure.on_resume(self.dp)
+        if hasattr(self.strategy, "on_resume"):
+            self.strategy.on_resume()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -325,7 +215,7 @@ class SecureAggregation(TrainingWrapper):
         if not weight > 0:
             return None, MetricRecord(extra)
         reference = arrays_of(current)
-        mean = _unflatten(flat[:-1] / weight, reference)
+        mean = unflatten(flat[:-1] / weight, reference)
         new = to_record(current, [r + d for r, d in zip(reference, mean, strict=True)])
         extra[keys.NUM_EXAMPLES] = float(weight * self.settings.max_weight)
         return new, MetricRecord(extra)

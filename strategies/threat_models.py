@@ -109,8 +109,8 @@ _SECAGG_ROWS = (
         (
             Cell(
                 CENTRAL,
-                "client-level epsilon of the ledger: distributed Skellam noise of the clients "
-                "that reached the sum, no amplification claimed",
+                "client-level epsilon of the ledger: the most-participating client's sums, "
+                "each at the least distributed Skellam noise a sum carries; no amplification",
             ),
             Cell(
                 CENTRAL,

@@ -92,23 +92,26 @@ def _ledger(run_dir: Path) -> dict:
     return json.loads((run_dir / "ledger.json").read_text())
 
 
-def test_distributed_dp_charges_the_noise_of_the_clients_that_reached_the_sum(tmp_path):
+def test_distributed_dp_charges_the_busiest_client_at_the_least_noise_of_a_sum(tmp_path):
     run_dir, grid = _run(tmp_path, DroppingGrid, **DISTRIBUTED, **{"secagg.min-survivors": 3})
 
     assert grid.victim is not None
     releases = _ledger(run_dir)["state"]["releases"]
-    assert [r["server_round"] for r in releases] == [1, 2, 3]
+    # 4 of 5 sampled per round (round 2: 3 survivors): some client reached all 3 sums.
+    participation = pd.read_csv(run_dir / "curator" / "participation.csv")
+    reached = participation[participation["replied"]].groupby("node-id").size()
+    assert reached.max() == 3 and sum(r["count"] for r in releases) == 3
     dim = sum(t.numel() for t in _model(run_dir).values())
     scale = 2**22 / 16
     l2 = rounded_l2_bound(0.5 * scale, dim)
     share = (1.0 * 0.5 * scale) ** 2 / 3  # (zCs)^2 / n_min
-    assert [r["mechanism"] for r in releases] == ["skellam"] * 3
-    assert [r["sampling"] for r in releases] == ["none"] * 3
-    for release, survivors in zip(releases, [4, 3, 4], strict=True):
-        assert release["variance"] == pytest.approx(survivors * share, rel=1e-12)
+    assert {r["mechanism"] for r in releases} == {"skellam"}
+    assert {r["sampling"] for r in releases} == {"none"}
+    for release in releases:  # n_min = 3 shares: the least noise a released sum carries
+        assert release["variance"] == pytest.approx(3 * share, rel=1e-12)
         assert release["l2_sensitivity"] == pytest.approx(l2, rel=1e-12)
-    # The ledger's epsilon, recomputed here from the three releases (zero-out: Δ as is).
-    rdp = sum(skellam_rdp(RDP_ORDERS, l2, l1_bound(l2, dim), n * share) for n in (4, 3, 4))
+    # The ledger's epsilon, recomputed here (zero-out: one client's bounds as they are).
+    rdp = 3 * skellam_rdp(RDP_ORDERS, l2, l1_bound(l2, dim), 3 * share)
     epsilon, _ = rdp_privacy_accountant.compute_epsilon(np.array(RDP_ORDERS), rdp, 1e-5)
     report = _ledger(run_dir)
     assert report["summary"]["epsilon"] == pytest.approx(epsilon, rel=1e-9)
@@ -116,6 +119,52 @@ def test_distributed_dp_charges_the_noise_of_the_clients_that_reached_the_sum(tm
     assert models["honest-but-curious-server"]["holds"]
     assert models["honest-but-curious-server"]["epsilon"] == pytest.approx(epsilon, rel=1e-9)
     assert "SecAgg+" in models["local"]["basis"] and "epsilon" not in models["local"]
+
+
+def test_distributed_dp_charges_a_sum_only_when_the_busiest_client_gains_one(tmp_path):
+    # 2 of 5 clients a round: after 5 rounds the busiest client reached at most 5 sums,
+    # typically 2 or 3; the ledger charges exactly that many, not one per round.
+    run_dir, _ = _run(
+        tmp_path,
+        **{**DISTRIBUTED, "dp.num-sampled-clients": 2, "num-server-rounds": 5},
+    )
+
+    releases = _ledger(run_dir)["state"]["releases"]
+    participation = pd.read_csv(run_dir / "curator" / "participation.csv")
+    reached = participation[participation["replied"]].groupby("node-id").size()
+    assert sum(r["count"] for r in releases) == reached.max() <= 5
+    assert len(participation) == 10
+
+
+def test_distributed_dp_samples_only_clients_the_budget_still_covers(tmp_path):
+    # A budget of two sums a client: once the busiest client has two, only clients below
+    # two are sampled, and the run stops when fewer than m = 2 remain.
+    from privacy.skellam import skellam_epsilon
+
+    dim = 21386  # digits' LeNet
+    scale = 2**22 / 16
+    l2 = rounded_l2_bound(0.5 * scale, dim)
+    variance = (1.0 * 0.5 * scale) ** 2  # n_min = m = 2 shares of (zCs)^2 / 2
+    budget = skellam_epsilon(2, l2, l1_bound(l2, dim), variance, 1e-5) * 1.0001
+
+    run_dir, _ = _run(
+        tmp_path,
+        **{
+            **DISTRIBUTED,
+            "dp.num-sampled-clients": 2,
+            "num-server-rounds": 8,
+            "dp.max-epsilon": budget,
+        },
+    )
+
+    participation = pd.read_csv(run_dir / "curator" / "participation.csv")
+    reached = participation[participation["replied"]].groupby("node-id").size()
+    assert reached.max() == 2  # nobody past the budget's two sums
+    assert _ledger(run_dir)["summary"]["epsilon"] <= budget
+    outcome = json.loads((run_dir / "outcome.json").read_text())
+    # 5 clients x 2 sums = 10 participations = 5 rounds of 2, then nobody is left.
+    assert outcome["status"] == "stopped" and "exceeding the budget" in outcome["reason"]
+    assert participation["round"].max() <= 5
 
 
 def test_a_round_below_the_minimum_survivors_releases_and_charges_nothing(tmp_path):
