@@ -124,7 +124,7 @@ class SecureAggregation(TrainingWrapper):
     def on_resume(self) -> None:
         """What the wrapped strategy charges on resume, and distributed DP's own."""
         if self.dp is not None and self.dp.secure is not None:
-            self.dp.secure.on_resume(self.dp)
+            self.dp.secure.on_resume()
         if hasattr(self.strategy, "on_resume"):
             self.strategy.on_resume()
 
@@ -137,6 +137,7 @@ class SecureAggregation(TrainingWrapper):
         if self.dp is not None:
             assert self.dp.secure is not None
             self.dp.secure.dim = dim
+            self.dp.secure.catch_up(self.dp)  # a resumed run's interrupted round
             self._length = dim + (1 if isinstance(self.dp, DPFedAvgAdaptive) else 0)
             messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
             encoding = self.dp.secure.encoding(self.dp)

@@ -8,7 +8,7 @@ accounting of distributed DP in :class:`SecureNoise`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
@@ -28,6 +28,10 @@ from strategies.errors import BudgetExhausted
 from strategies.secagg import SecAggSettings, SecureSum
 
 SURVIVORS, DROPPED = "secagg-survivors", "secagg-dropped"
+INTERRUPTED = (
+    "distributed Skellam: the round under way when the server stopped (resume) may have "
+    "been unmasked: one more sum for every client"
+)
 
 
 def _centred(value: np.uint64, modulus: int) -> int:
@@ -223,16 +227,23 @@ class SecureNoise:
         top = max((self.count(n) for n in self.participations), default=self.interrupted)
         if top > self.charged:
             z = dp.noise_multiplier
-            dp.ledger.charge(self.release(dp, z, server_round, population, top - self.charged))
+            release = self.release(dp, z, server_round, population, top - self.charged)
+            if not survivors:  # on resume: the round that was under way
+                release = replace(release, note=INTERRUPTED)
+            dp.ledger.charge(release)
             self.charged = top
 
-    def on_resume(self, dp: DPFedAvgFixed) -> None:
+    def on_resume(self) -> None:
         """The round under way when the server stopped may have been unmasked (the
-        server saw its sum): every client counts one more sum, charged now."""
-        if not self.distributed or dp.noise_multiplier is None:
-            return
-        self.interrupted += 1
-        self.record(dp, 0, [], 1)
+        server saw its sum): every client counts one more sum, charged by
+        :meth:`catch_up` before the next round is sent."""
+        if self.distributed:
+            self.interrupted += 1
+
+    def catch_up(self, dp: DPFedAvgFixed) -> None:
+        """Charge the sums counted on resume (once d and z are known again)."""
+        if self.distributed and dp.noise_multiplier is not None:
+            self.record(dp, 0, [], 1)
 
 
 def unflatten(flat: np.ndarray, reference: list[np.ndarray]) -> list[np.ndarray]:

@@ -16,8 +16,9 @@ metrics with no gap or duplicate round, and the same per-client tables. DP runs 
 What a client sent in the round that may have been under way when the server stopped
 (the server cannot tell whether the next round had started) is charged on resume: one
 more upload for every client against the server (client-side noise, Laplace), one more
-training per client for DP-SGD's re-derived epsilon, and tau_2 edge aggregations without
-amplification for CP-NP. Those cases end with a larger (sound) epsilon than the
+training per client for DP-SGD's re-derived epsilon, tau_2 edge aggregations without
+amplification for CP-NP, and one more secure sum for every client under distributed DP
+(SecAgg+: the server may have unmasked it). Those cases end with a larger (sound) epsilon than the
 uninterrupted run, from the first round after the commit on; everything else is equal.
 """
 
@@ -55,6 +56,11 @@ CASES = {
         "dp-fedavg-fixed",
         {**DP, "dp.noise-site": "client", "dp.sampling": "fixed"},
     ),
+    "dp-fedavg-secagg-distributed": (
+        "fedavg",
+        "dp-fedavg-fixed",
+        {**DP, "dp.noise-site": "client", "dp.sampling": "fixed", "secagg.enabled": True},
+    ),
     "subspace-dp": ("fedavg", "subspace-dp", {**DP, "subspace.rank": 2, "subspace.sketch-dim": 8}),
     "laplace": ("fedavg", "laplace", {**SEEDED, "dp.num-sampled-clients": 2}),
     "dp-sgd": ("fedavg", "dp-sgd", SEEDED),
@@ -62,13 +68,14 @@ CASES = {
 # Cases killed on both sides of the commit (the others: after it, the moment that
 # checks re-evaluation); "before" re-runs a round and so exercises the resume charges.
 BOTH_SIDES = ("fedavg", "dp-fedavg-fixed", "dp-fedavg-client-noise", "laplace", "dp-sgd",
-              "hierarchical-cp-np")  # fmt: skip
+              "hierarchical-cp-np", "dp-fedavg-secagg-distributed")  # fmt: skip
 # Train-row columns that the resume charge raises (per case), and what else may differ.
 RESUME_CHARGED = {
     "dp-fedavg-client-noise": ("dp-epsilon-local",),
     "laplace": ("dp-epsilon-local",),
     "dp-sgd": ("local-epsilon",),
     "hierarchical-cp-np": ("dp-epsilon", "dp-epsilon-edge-view"),
+    "dp-fedavg-secagg-distributed": ("dp-epsilon",),
 }
 
 
@@ -169,6 +176,14 @@ def test_resumed_run_equals_uninterrupted_run(case, moment, tmp_path, monkeypatc
                 r for r in ledger_cut["state"]["releases"] if "interrupted" in r["note"]
             ]
             assert [r["count"] for r in interrupted] == [2]  # tau_2 edge aggregations
+            rest = [r for r in ledger_cut["state"]["releases"] if r not in interrupted]
+            assert rest == ledger_full["state"]["releases"]
+        elif case == "dp-fedavg-secagg-distributed":
+            # One more sum for every client; the busiest client's later sums are charged
+            # in the same rounds as in the uninterrupted run.
+            interrupted = [r for r in ledger_cut["state"]["releases"] if r["server_round"] == 0]
+            assert [r["count"] for r in interrupted] == [1]
+            assert "resume" in interrupted[0]["note"]
             rest = [r for r in ledger_cut["state"]["releases"] if r not in interrupted]
             assert rest == ledger_full["state"]["releases"]
         elif case == "dp-sgd" and charged:
