@@ -38,6 +38,10 @@ client's neighbours (t = ``secagg.reconstruction-threshold``). With
 from OS entropy (SecAgg+); with all of them, every client is every client's
 neighbour (SecAgg). Below t survivors among a client's neighbours the round cannot be
 unmasked: it is abandoned before step 3 and nothing is released.
+
+**Outside the threat model**: a malicious server. One that lies in step 3 about who
+dropped could collect both of a client's secrets; SecAgg+'s defences against that
+(consistency checks, signed key lists) are not implemented.
 """
 
 from __future__ import annotations
