@@ -830,6 +830,14 @@ def _check_secagg(cfg: RunConfig) -> None:
             f"'secagg.enabled' = true is not available with 'privacy' = {cfg.privacy!r}; "
             "valid values: " + ", ".join(repr(v) for v in SECAGG_PRIVACY)
         )
+    if cfg.privacy != "none" and o["dp.sampling"] != "fixed":
+        raise ConfigError(
+            f"'secagg.enabled' = true with 'privacy' = {cfg.privacy!r} needs 'dp.sampling' = "
+            "'fixed': under Poisson sampling the cohort's size depends on who was sampled, "
+            "and a secure round of fewer than 2 clients (or below the reconstruction "
+            "threshold) is abandoned, a release the subsampled Gaussian's bound does not "
+            "cover; valid value: 'fixed'"
+        )
     if cfg.privacy == "dp-fedavg-adaptive" and o["dp.noise-site"] == "client":
         raise ConfigError(
             "'secagg.enabled' = true with 'dp.noise-site' = 'client' (distributed DP) "

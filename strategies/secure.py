@@ -8,6 +8,11 @@ Three uses, by the run's ``privacy``:
   ``secagg.clipping-range``, and its weight w = min(n, max-weight)/max-weight; the
   server divides the two sums. No ε: secure aggregation hides single updates, it does
   not make the sum private.
+Under DP the sampling must be fixed-size: a Poisson cohort's size depends on who was
+sampled, and a round too small to unmask is abandoned (nothing released), an outcome
+that would then depend on one client's membership beyond what the subsampled
+Gaussian's bound covers.
+
 * ``dp-fedavg-*`` with ``dp.noise-site = 'server'``: clients clip to C and round
   conditionally (the integer vector's norm is at most Δ₂, a hair above C·s); the
   server adds N(0, (zC)²) to the decoded sum and charges a Gaussian release with
@@ -82,6 +87,12 @@ class SecureAggregation(TrainingWrapper):
         self.settings = settings
         self.dp = strategy if isinstance(strategy, DPFedAvgFixed) else None
         if self.dp is not None:
+            if self.dp.ledger.sampling == "poisson":
+                raise ValueError(
+                    "secure aggregation needs fixed-size sampling: a Poisson cohort's size "
+                    "depends on who was sampled, and a round too small to unmask is "
+                    "abandoned, which the subsampled Gaussian's bound does not cover"
+                )
             distributed = self.dp.noise_site == "client"
             if distributed and isinstance(self.dp, DPFedAvgAdaptive):
                 raise ValueError(

@@ -207,7 +207,16 @@ def test_a_round_below_the_minimum_survivors_releases_and_charges_nothing(tmp_pa
         ),
         ({"secagg.modulus-range": 3 * 2**30}, ["'secagg.modulus-range'", "power of two"]),
         (
-            {"privacy": "dp-fedavg-fixed", "dp.noise-multiplier": 1.0, "secagg.min-survivors": 9},
+            {"privacy": "dp-fedavg-fixed", "dp.noise-multiplier": 1.0, "dp.sampling": "poisson"},
+            ["'dp.sampling' = 'fixed'", "abandoned"],
+        ),
+        (
+            {
+                "privacy": "dp-fedavg-fixed",
+                "dp.noise-multiplier": 1.0,
+                "dp.sampling": "fixed",
+                "secagg.min-survivors": 9,
+            },
             ["'secagg.min-survivors' = 9", "'dp.num-sampled-clients'"],
         ),
     ],
