@@ -81,8 +81,6 @@ import argparse
 import json
 import logging
 import math
-import os
-import platform
 import signal
 import statistics
 import sys
@@ -90,13 +88,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import metadata
 
-import flwr
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
-from timing import median_ms  # bench/timing.py (scripts here run with bench/ on sys.path)
+from timing import (  # bench/timing.py (scripts here run with bench/ on sys.path)
+    machine_info,
+    median_ms,
+)
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.mechanisms import (
@@ -130,23 +129,6 @@ def markdown(rows: list[dict[str, object]]) -> str:
     cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + " ---: |" * len(rows[0])]
     return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
-
-
-def machine_info() -> str:
-    """CPU, library versions and thread counts, as markdown bullets."""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return "\n".join(
-        [
-            f"- CPU: {platform.processor() or platform.machine()}, os.cpu_count() = "
-            f"{os.cpu_count()}, usable = {len(os.sched_getaffinity(0))}; GPU: {gpu}",
-            f"- python {platform.python_version()}, numpy {np.__version__}, torch "
-            f"{torch.__version__}, flwr {flwr.__version__}, dp-accounting "
-            f"{metadata.version('dp-accounting')}",
-            f"- torch threads {torch.get_num_threads()} (interop "
-            f"{torch.get_num_interop_threads()}); OMP_NUM_THREADS = "
-            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
-        ]
-    )
 
 
 # -- section "update": clipping and noise against local training -------------------
@@ -546,7 +528,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's order warnings
-    print("# Privacy cost benchmark\n\n" + machine_info())
+    print("# Privacy cost benchmark\n\n" + machine_info("dp-accounting"))
     if "update" in args.sections:
         section_update(args)
     if "models" in args.sections:

@@ -98,15 +98,12 @@ import gc
 import logging
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from importlib import metadata
 
-import flwr
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -114,6 +111,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
+from timing import machine_info  # bench/timing.py (scripts here run with bench/ on sys.path)
 
 from client_app.secagg import secagg_mod
 from strategies import keys
@@ -146,24 +144,6 @@ def markdown(rows: list[dict[str, object]]) -> str:
 
 def _cell(value: object) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
-def machine_info() -> str:
-    """CPU, library versions and thread counts, as markdown bullets."""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return "\n".join(
-        [
-            f"- CPU: {platform.processor() or platform.machine()}, os.cpu_count() = "
-            f"{os.cpu_count()}, usable = {len(os.sched_getaffinity(0))}; GPU: {gpu}",
-            f"- python {platform.python_version()}, numpy {np.__version__}, torch "
-            f"{torch.__version__}, flwr {flwr.__version__}, cryptography "
-            f"{metadata.version('cryptography')}",
-            f"- torch threads {torch.get_num_threads()}; clients run one after another in "
-            "this process",
-            "- load average (1, 5, 15 min) at start: "
-            + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
-        ]
-    )
 
 
 def graph(n: int, rule: str) -> tuple[SecAggSettings, str]:
@@ -509,7 +489,15 @@ def main() -> None:
         args.dims, args.clients, args.cifar_examples, args.repeats = [1e4, 1e5], [10, 50], 64, 1
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     logging.getLogger("flwr").setLevel(logging.WARNING)  # secure_sum's per-round INFO line
-    print("# SecAgg+ benchmark\n\n" + machine_info())
+    print(
+        "# SecAgg+ benchmark\n\n"
+        + machine_info(
+            "cryptography",
+            "clients run one after another in this process",
+            "load average (1, 5, 15 min) at start: "
+            + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        )
+    )
     if "protocol" in args.sections:
         section_protocol(args)
     if "cifar" in args.sections:

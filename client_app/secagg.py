@@ -47,6 +47,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext
 
 from client_app.mods import _generator
 from privacy.skellam import SecureSumEncoding
+from privacy.subspace import flatten
 from strategies import keys
 from strategies.base import InvalidReply, arrays_of
 from strategies.secagg import mask, masked_record, pairwise_seed, reduce
@@ -95,9 +96,7 @@ def _update(msg: Message, reply: Message) -> tuple[np.ndarray, float, float]:
     except InvalidReply as err:
         log(WARNING, "secagg_mod: unusable update (%s); a zero update", err)
         return np.zeros(size), 0.0, 1.0
-    delta = np.concatenate(
-        [(t.astype(np.float64) - r).ravel() for t, r in zip(trained, reference, strict=True)]
-    )
+    delta = flatten(trained) - flatten(reference)
     metrics = reply.content.get(keys.METRICS) or {}
     examples = float(metrics.get(keys.NUM_EXAMPLES, 0.0))
     bit = float(metrics.get(keys.DP_NORM_BIT, 1.0))
@@ -138,12 +137,15 @@ def _collect(
         reply = Message(error, reply_to=msg)
     vector = _vector(msg, reply, _generator(msg, ctxt))
     modulus = 2 ** int(msg.content[keys.CONFIG][keys.SECAGG_MODULUS_BITS])
-    vector = vector + mask(state.rd_seed, vector.size, modulus)
+    vector += mask(state.rd_seed, vector.size, modulus)  # uint64: wraps mod 2^64
     for other in neighbours:
         pairwise = mask(
             pairwise_seed(state.sk1, state.public_keys_dict[other][0]), vector.size, modulus
         )
-        vector = vector + pairwise if state.nid > other else vector - pairwise
+        if state.nid > other:
+            vector += pairwise
+        else:
+            vector -= pairwise
     content = masked_record(reduce(vector, modulus), modulus)
     content[RECORD_KEY_CONFIGS] = ConfigRecord({})
     return content

@@ -18,8 +18,8 @@ has L2 norm ≤ Δ2 whatever the randomness, and L1 norm ≤ ``min(Δ2², √d �
 **Sum of shares.** Independent Poisson variables add (``Poisson(a) + Poisson(b) =
 Poisson(a + b)``), so the sum of the survivors' shares is exactly ``Sk(Σ μ_i)``: one
 Skellam mechanism whose variance is the summed variance. A client that drops out before
-its share is summed only lowers that variance; the release records the variance that
-was actually summed.
+its share is summed only lowers that variance, so a sum is released only when enough
+shares reached it, and charged at no more than the variance they carry.
 
 **Privacy.** For an integer query whose L2/L1 sensitivities are Δ2, Δ1, adding ``Sk(μ)``
 to each coordinate is (α, ε(α))-RDP for integer α > 1 (Agarwal et al. 2021, Thm. 3.5 and
@@ -124,6 +124,15 @@ def skellam_noise(shape, variance: float, rng: np.random.Generator) -> np.ndarra
     return rng.poisson(half, shape).astype(np.int64) - rng.poisson(half, shape).astype(np.int64)
 
 
+def centred_lift(values: np.ndarray, modulus: int) -> np.ndarray:
+    """int64 values in ``[−M/2, M/2)`` congruent mod M (a power of two <= 2**64) to the
+    unsigned ``values``."""
+    values = np.asarray(values).astype(np.uint64)
+    shift = np.uint64(64 - (modulus.bit_length() - 1))
+    # Keep the low log2(M) bits at the top, then shift back with sign extension.
+    return (values << shift).view(np.int64) >> shift.astype(np.int64)
+
+
 @dataclass(frozen=True)
 class SecureSumEncoding:
     """How a client turns its real update into integers mod M for secure aggregation,
@@ -201,11 +210,7 @@ class SecureSumEncoding:
     def decode(self, modular_sum: np.ndarray) -> np.ndarray:
         """The real sum from an integer array congruent to it mod M (e.g. the wrapping
         uint64 sum of the messages): centred lift into ``[−M/2, M/2)``, divided by s."""
-        values = np.asarray(modular_sum).astype(np.uint64)
-        shift = np.uint64(64 - (self.modulus.bit_length() - 1))
-        # Keep the low log2(M) bits at the top, then shift back with sign extension.
-        signed = (values << shift).view(np.int64) >> shift.astype(np.int64)
-        return signed.astype(np.float64) / self.scale
+        return centred_lift(modular_sum, self.modulus).astype(np.float64) / self.scale
 
     def max_error(self, num_clients: int, dim: int) -> float:
         """Worst-case L∞ error of ``decode(sum)`` against the real sum of the clipped

@@ -437,7 +437,10 @@ def secure_sum(
             continue
         for other in partners:  # the masks the survivors shared with it
             pairwise = mask(pairwise_seed(secret, state.keys[other][0]), length, modulus)
-            total = total + pairwise if owner > other else total - pairwise
+            if owner > other:
+                total += pairwise
+            else:
+                total -= pairwise
     state.seconds["server-unmask"] = time.monotonic() - started
     log(
         INFO,

@@ -50,13 +50,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from privacy.skellam import SecureSumEncoding
+from privacy.subspace import unflatten
 from strategies import keys
 from strategies.base import TrainingWrapper, add_to_config, arrays_of, to_record
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.errors import StopTraining
 from strategies.secagg import SecAggSettings, SecureSum, secure_sum
-from strategies.secure_noise import DROPPED, SURVIVORS, SecureNoise, unflatten
+from strategies.secure_noise import DROPPED, SURVIVORS, SecureNoise
 
 
 @runtime_checkable

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 
 from privacy.accounting import (
@@ -19,7 +18,8 @@ from privacy.accounting import (
     Release,
     l2_sensitivity_factor,
 )
-from privacy.skellam import SecureSumEncoding, l1_bound, rounded_l2_bound
+from privacy.skellam import SecureSumEncoding, centred_lift, l1_bound, rounded_l2_bound
+from privacy.subspace import unflatten
 from strategies import keys
 from strategies.base import arrays_of, to_record
 from strategies.dp_fedavg import DPFedAvgFixed
@@ -32,11 +32,6 @@ INTERRUPTED = (
     "distributed Skellam: the round under way when the server stopped (resume) may have "
     "been unmasked: one more sum for every client"
 )
-
-
-def _centred(value: np.uint64, modulus: int) -> int:
-    value = int(value)
-    return value - modulus if value >= modulus // 2 else value
 
 
 @dataclass
@@ -163,7 +158,9 @@ class SecureNoise:
             return None, MetricRecord(dp.mark(extra))
         vector, centred = result.vector, None
         if isinstance(dp, DPFedAvgAdaptive):
-            bits = _centred(vector[self.dim], self.settings.modulus_range)
+            bits = int(
+                centred_lift(vector[self.dim : self.dim + 1], self.settings.modulus_range)[0]
+            )
             vector, centred = vector[: self.dim], bits - len(result.survivors) / 2
         reference = arrays_of(current)
         flat = self.encoding(dp).decode(vector)
@@ -244,11 +241,3 @@ class SecureNoise:
         """Charge the sums counted on resume (once d and z are known again)."""
         if self.distributed and dp.noise_multiplier is not None:
             self.record(dp, 0, [], 1)
-
-
-def unflatten(flat: np.ndarray, reference: list[np.ndarray]) -> list[np.ndarray]:
-    out, start = [], 0
-    for array in reference:
-        out.append(flat[start : start + array.size].reshape(array.shape))
-        start += array.size
-    return out
