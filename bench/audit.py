@@ -225,7 +225,7 @@ def _toml(value) -> str:
 def cost_flwr(seeds: list[int], out: Path) -> pd.DataFrame:
     """The same pair as :func:`cost` through ``flwr run . local-simulation`` (Ray: every
     canary message starts or reuses a ClientApp in a Ray worker, as a real client's)."""
-    from server_app.launcher import LocalSimulation
+    from lab.launcher import LocalSimulation
 
     rows = []
     overrides = WORKLOAD | configurations(8.0)["dp-fedavg-adaptive"] | {"fraction-train": RATE}

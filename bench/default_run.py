@@ -23,7 +23,7 @@ import tempfile
 
 import pandas as pd
 
-from server_app.launcher import LocalSimulation
+from lab.launcher import LocalSimulation
 
 
 def final_value(metrics: pd.DataFrame, scope: str, column: str) -> float:

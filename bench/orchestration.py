@@ -15,7 +15,7 @@ is timed three ways, each median of ``--repeats`` runs:
   and checkpoint files).
 - packaging: ``flwr run .`` first builds the app's FAB; Flower's builder walks every
   file under the app directory, a ``.venv`` inside it included, before it applies
-  ``.gitignore``; ``server_app.launcher`` stages the app's files first. Both are timed
+  ``.gitignore``; ``lab.launcher`` stages the app's files first. Both are timed
   on this checkout (same FAB).
 - ``flwr run``: ``flwr run . local-simulation`` (Ray simulation engine, default client
   resources: one ClientApp process per core). Warm rounds are the rounds after the
@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.inprocess
 
 import tasks
-from server_app.launcher import APP_DIR, LocalSimulation, stage_app, superlink_processes
+from lab.launcher import APP_DIR, LocalSimulation, stage_app, superlink_processes
 from tasks.base import SEED, LocalTraining, local_seed
 from tests.inprocess import run_config as full_config
 
@@ -326,7 +326,7 @@ def flwr_runs(num_nodes: int, rounds: int, repeats: int, overrides: dict, out: P
 
 def fab_build_seconds(repeats: int) -> tuple[float, float]:
     """Median seconds to build the FAB from this checkout: Flower's builder on the
-    checkout itself, and staging (:func:`server_app.launcher.stage_app`) plus the builder
+    checkout itself, and staging (:func:`lab.launcher.stage_app`) plus the builder
     on the staged copy."""
     from flwr.cli.build import build_fab_from_disk
 

@@ -21,7 +21,7 @@ code path as ``flwr run``), and its epsilon is the one its ledger prints.
 
 writes ``results.csv`` / ``results.md`` (mean ± std over seeds per (N, epsilon)) and,
 for the privacy-utility curve (N = 100, epsilon 1, 2, 4, 8, 16), the comparison
-command's analysis of those runs (``server_app.comparison``) with the curve under
+command's analysis of those runs (``lab.comparison``) with the curve under
 ``plots/``.
 """
 
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))  # tests.inprocess
 
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from server_app import comparison  # noqa: E402
+from lab import comparison  # noqa: E402
 from tests.inprocess import InProcessGrid, run_config, run_server  # noqa: E402
 
 COHORT = {100: 10, 1000: 50}

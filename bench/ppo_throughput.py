@@ -40,7 +40,7 @@ import torch
 from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 
-from server_app.launcher import LocalSimulation
+from lab.launcher import LocalSimulation
 from tasks.lunar_lander.clients import client_table, make_env
 
 

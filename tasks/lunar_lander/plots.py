@@ -4,7 +4,7 @@ the policy-weight snapshots, and the final-reward table.
 
 Everything here reads the client logs of :mod:`tasks.lunar_lander.logs` (``<run
 dir>/clients/*.npz``) and the run directory's ``config.json`` / ``metrics.csv``, and
-returns matplotlib Figures or pandas DataFrames; ``server_app.study`` saves them. No
+returns matplotlib Figures or pandas DataFrames; ``lab.study`` saves them. No
 Flower import.
 
 The x axis of every curve is the seed's "local epochs": a client's cumulative env

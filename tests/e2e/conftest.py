@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_app.launcher import LocalSimulation
+from lab.launcher import LocalSimulation
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ register the ``lab`` connection and three of four keys; start three SuperNodes o
 host) run as written, in bash, with ``HOME`` set to the test's folder (so
 ``~/flwr-lab`` is the test's) and only the address and ports replaced by free ones
 (:func:`doc_block`); the guide cannot drift from what works. Certificates and keys come
-from :mod:`server_app.deploy` as §1 says; then ``flwr run . lab``.
+from :mod:`lab.deploy` as §1 says; then ``flwr run . lab``.
 
 The run aggregates with SecAgg+ (``secagg.enabled``: four exchanges per round, the
 server sees only the sum), so it also checks the protocol across real SuperNodes with
@@ -44,8 +44,8 @@ import pandas as pd
 import psutil
 import pytest
 
-from server_app import deploy, launcher
-from server_app.launcher import _RUN_DIR_LINE, _RUN_ID_LINE, APP_DIR, BIN, stop_processes
+from lab import deploy, launcher
+from lab.launcher import _RUN_DIR_LINE, _RUN_ID_LINE, APP_DIR, BIN, stop_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,7 @@ RUN_CONFIG = (
 
 
 def free_port() -> int:
-    """A free loopback TCP port (:func:`server_app.launcher.free_port`), outside
+    """A free loopback TCP port (:func:`lab.launcher.free_port`), outside
     ``RESERVED_PORTS``."""
     while (port := launcher.free_port()) in RESERVED_PORTS:
         pass
@@ -342,7 +342,7 @@ def test_plaintext_connection_to_the_tls_superlink_fails(deployment):
     assert "Exit Code: 303" in deployment.log("plaintext-auth")
     # The flwr CLI through a plaintext connection.
     subprocess.run(
-        [sys.executable, "-m", "server_app.connections", "lab-plaintext",
+        [sys.executable, "-m", "lab.connections", "lab-plaintext",
          "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
         cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
     )  # fmt: skip

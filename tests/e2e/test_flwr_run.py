@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from server_app.launcher import APP_DIR as REPO
+from lab.launcher import APP_DIR as REPO
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tasks
-from server_app import figures
+from lab import figures
 from server_app.failures import (
     FailureWatch,
     Outcome,

@@ -2,7 +2,7 @@
 
 Used by the end-to-end tests, the benchmarks and experiment suites: each
 :class:`LocalSimulation` gets its own ``FLWR_HOME`` (the user's ``~/.flwr`` is never
-touched), registers ``local-simulation`` with :mod:`server_app.connections`, lets
+touched), registers ``local-simulation`` with :mod:`lab.connections`, lets
 ``flwr run`` start the local SuperLink as it does for users, and on exit stops that
 SuperLink and its process group by PID (found by its log-file path, which lies under
 our ``FLWR_HOME`` and so is unique to us).
@@ -156,7 +156,7 @@ class LocalSimulation:
             [
                 sys.executable,
                 "-m",
-                "server_app.connections",
+                "lab.connections",
                 "--num-supernodes",
                 str(num_supernodes),
             ],

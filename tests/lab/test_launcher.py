@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from server_app.launcher import LocalSimulation
+from lab.launcher import LocalSimulation
 
 
 def _simulation(runs):

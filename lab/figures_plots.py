@@ -1,7 +1,7 @@
-"""The figures of :mod:`server_app.figures` (seed 004, Subspace-DP-FL): utility against
+"""The figures of :mod:`lab.figures` (seed 004, Subspace-DP-FL): utility against
 ε, per-group accuracy, the ledger stacked by release kind, SPI(k).
 
-Each function takes the numbers :mod:`server_app.figures` computed (its ``figures.csv``
+Each function takes the numbers :mod:`lab.figures` computed (its ``figures.csv``
 table, ledger stacks, SPI series) and returns a Matplotlib figure, or None when there
 is nothing to draw; the command saves them.
 """
@@ -24,7 +24,7 @@ from matplotlib.transforms import offset_copy
 from server_app.plots import colours, save_figure
 
 if TYPE_CHECKING:
-    from server_app.figures import LedgerStack
+    from lab.figures import LedgerStack
 
 SCOPE = "central-eval"  # the global model on the central test set
 GROUP_PREFIX = "eval-accuracy-"  # eval-accuracy-<group> columns of the SCOPE rows

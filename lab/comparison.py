@@ -3,18 +3,18 @@ compare the experiments as mean ± std over the seeds.
 
 ::
 
-    python -m server_app.comparison experiments/finance-{fedavg,fedprox,smart-fedprox}.toml \\
+    python -m lab.comparison experiments/finance-{fedavg,fedprox,smart-fedprox}.toml \\
         --seeds 0 1 2 --out results/finance-comparison
-    python -m server_app.comparison --runs fedavg:0=runs/A fedavg:1=runs/B ... --out x
-    python -m server_app.comparison --from results/finance-comparison/comparison.json --out x
+    python -m lab.comparison --runs fedavg:0=runs/A fedavg:1=runs/B ... --out x
+    python -m lab.comparison --from results/finance-comparison/comparison.json --out x
 
 Each preset is one experiment, named after its file stem; each seed is one trial: a
 ``flwr run`` of the preset with the run-config key ``seed`` overridden. Presets are
-validated before anything runs and run through :func:`server_app.study.run_presets`
+validated before anything runs and run through :func:`lab.study.run_presets`
 (one :class:`LocalSimulation` per SuperNode count), every preset of the first seed
 first, so an interrupted comparison holds whole seeds. ``comparison.json`` records the
 presets, seeds and run directories (rewritten after each run), so ``--from`` redoes the
-analysis; ``--runs`` analyses finished runs. The figures are :mod:`server_app.comparison_plots`;
+analysis; ``--runs`` analyses finished runs. The figures are :mod:`lab.comparison_plots`;
 the results table (final and best central-evaluation metrics) is built here.
 """
 
@@ -32,11 +32,11 @@ from typing import Any
 import matplotlib
 import pandas as pd
 
-from server_app import comparison_plots as cplots
-from server_app import figures, study
+from lab import comparison_plots as cplots
+from lab import figures, study
+from lab.study import Preset, StudyError
 from server_app.audit import audit_markdown
 from server_app.failures import exit_on_failed
-from server_app.study import Preset, StudyError
 from tasks.base import SEED
 from tasks.options import ConfigError
 
@@ -326,7 +326,7 @@ def _audit_section(runs: Mapping[str, Mapping[int, Path]]) -> str:
 def privacy_figures(runs: Mapping[str, Mapping[int, Path]], out: Path) -> None:
     """When the runs are private (a ``ledger.json``), the privacy-utility curve (final
     utility against the printed ε, mean ± std over seeds, ``utility_vs_epsilon.png``) and
-    the other figures of :mod:`server_app.figures` into ``out``."""
+    the other figures of :mod:`lab.figures` into ``out``."""
     dirs = [path for seeds in runs.values() for path in seeds.values()]
     if not any((Path(d) / "ledger.json").is_file() for d in dirs):
         return
@@ -342,14 +342,14 @@ def one_task(presets: Sequence[Preset]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m server_app.comparison",
+        prog="python -m lab.comparison",
         description=__doc__.split("\n\n")[0],
         epilog=(
             "Writes into --out: comparison_results.png, r2_comparison.png, "
             "mse_comparison.png, curves/<scope>/<metric>.png, results.csv, results.md, "
             "comparison.json (presets, seeds, run directories) and, for private runs, "
             "plots/utility_vs_epsilon.png (the privacy-utility curve) with the figures of "
-            "python -m server_app.figures."
+            "python -m lab.figures."
         ),
     )
     parser.add_argument("presets", nargs="*", metavar="PRESET.toml", help="presets to run")

@@ -7,7 +7,7 @@ and how often each client was selected.
 rows (``round``, ``node-id``, …), each tagged with ``experiment`` and ``seed``; the
 figures draw from those, and :func:`save_figures` writes them all. A panel whose metric
 no run reports says so instead of failing; the experiment names and metric columns are
-whatever the runs have. :mod:`server_app.comparison` is the command.
+whatever the runs have. :mod:`lab.comparison` is the command.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from lab.study import StudyError
 from server_app.plots import colours, save_figure
 from server_app.results import SCOPES, TIMING_COLUMNS, load_metrics, table_path
-from server_app.study import StudyError
 
 SELECTION = "selection"  # Panel.scope of the per-client selection counts (participation.csv:
 # one row per client sent a train message, whatever the strategy)

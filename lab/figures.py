@@ -5,14 +5,14 @@ Seed 004 (Subspace-DP-FL, ``/work/shared/seeds/004_faf96a1cb9f07583.txt``) claim
 utility-privacy trade-offs, group fairness, rigorous client-level accounting and an
 SPI(k) "Subspace Privacy Index"; these figures show each of them for any set of runs::
 
-    python -m server_app.figures PATH [PATH ...] --out DIR [--metric eval-accuracy]
+    python -m lab.figures PATH [PATH ...] --out DIR [--metric eval-accuracy]
 
 A PATH is a run directory (``config.json`` + ``metrics.csv``, see
 :mod:`server_app.results`) or a directory holding some at any depth. Runs whose
 run-configs differ only in ``seed`` (and ``output-dir``) are one configuration: mean ±
 std (ddof 1) over its runs. DIR gets ``utility_vs_epsilon.png``, ``fairness.png``,
 ``ledger.png``, ``spi.png`` (each skipped, with the reason printed, when no run has
-its data; drawn by :mod:`server_app.figures_plots`) and ``figures.csv``.
+its data; drawn by :mod:`lab.figures_plots`) and ``figures.csv``.
 
 ε does not add, so the ledger bands are exact increments: with the kinds ordered
 (most releases first), band j at round r is ε(releases of kinds 1..j up to r) −
@@ -37,10 +37,10 @@ import matplotlib
 import numpy as np
 import pandas as pd
 
+from lab import figures_plots as fplots
+from lab.figures_plots import GAP, GROUP_PREFIX, SCOPE
 from privacy.accounting import PrivacyLedger
-from server_app import figures_plots as fplots
 from server_app.failures import failed_runs
-from server_app.figures_plots import GAP, GROUP_PREFIX, SCOPE
 from server_app.results import TIMING_COLUMNS, load_metrics
 
 DEFAULT_METRICS = ("eval-accuracy", "eval-auc", "eval-r2", "eval-reward")
@@ -406,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command; returns the exit status (2 on bad input, message on stderr)."""
     matplotlib.use("Agg")  # files only, display or not
     parser = argparse.ArgumentParser(
-        prog="python -m server_app.figures", description=__doc__.split("\n\n")[0]
+        prog="python -m lab.figures", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "paths", nargs="+", metavar="PATH", help="run directories, or directories holding them"

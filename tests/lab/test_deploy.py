@@ -1,4 +1,4 @@
-"""The certificates and SuperNode keys `python -m server_app.deploy certs` writes."""
+"""The certificates and SuperNode keys `python -m lab.deploy certs` writes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from server_app import deploy
+from lab import deploy
 
 
 def test_server_certificate_is_signed_by_the_ca_for_every_host(tmp_path):

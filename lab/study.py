@@ -3,8 +3,8 @@ the learning curves, comparisons, t-SNE / UMAP plots and the final-reward table.
 
 ::
 
-    python -m server_app.study experiments/lunar-*.toml --out results/lunar-study
-    python -m server_app.study --runs standard-fl=runs/A single-agent=runs/B --out results/x
+    python -m lab.study experiments/lunar-*.toml --out results/lunar-study
+    python -m lab.study --runs standard-fl=runs/A single-agent=runs/B --out results/x
 
 Each preset (flat run-config keys, as in ``experiments/*.toml``) is one experiment,
 named after its file stem. Presets are validated before anything runs (the app's own
@@ -33,9 +33,9 @@ import pandas as pd
 from flwr.common.config import flatten_dict
 
 import tasks
+from lab.launcher import APP_DIR, LocalSimulation
 from server_app import config
 from server_app.failures import exit_on_failed
-from server_app.launcher import APP_DIR, LocalSimulation
 from server_app.plots import save_figure
 from tasks.lunar_lander import plots
 from tasks.lunar_lander.logs import load_episodes, load_snapshots
@@ -337,7 +337,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m server_app.study",
+        prog="python -m lab.study",
         description=__doc__.split("\n\n")[0],
         epilog=(
             "Writes into --out: learning_curves/<name>.png, comparison_combined.png, "

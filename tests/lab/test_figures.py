@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lab import figures
+from lab import figures_plots as fplots
 from privacy.accounting import PrivacyLedger, Release
-from server_app import figures
-from server_app import figures_plots as fplots
 from server_app.results import RunDirectory
 
 DELTA = 1e-5

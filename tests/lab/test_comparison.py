@@ -14,11 +14,11 @@ import pandas as pd
 import pytest
 from flwr.common.config import parse_config_args
 
-from server_app import comparison, study
-from server_app import comparison_plots as cplots
-from server_app.launcher import RunOutcome
+from lab import comparison, study
+from lab import comparison_plots as cplots
+from lab.launcher import RunOutcome
+from lab.study import Preset, StudyError
 from server_app.results import RunDirectory
-from server_app.study import Preset, StudyError
 from tasks.options import ConfigError
 
 NAN = math.nan

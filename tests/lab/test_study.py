@@ -10,9 +10,9 @@ import pytest
 from flwr.common.config import parse_config_args
 
 import tasks
-from server_app import study
-from server_app.launcher import RunOutcome
-from server_app.study import Preset, StudyError
+from lab import study
+from lab.launcher import RunOutcome
+from lab.study import Preset, StudyError
 from tasks.options import ConfigError
 from tests.tasks.test_lunar_lander_plots import FEDAVG_CLIENTS, SINGLE_CLIENTS, make_run
 

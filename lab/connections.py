@@ -6,8 +6,8 @@ would be migrated there by ``flwr run``, which rewrites the tracked pyproject in
 place. So the app keeps no federations table and this module writes the
 connections instead, through Flower's own config API, touching no other entry::
 
-    python -m server_app.connections                 # adds `local-simulation`
-    python -m server_app.connections lab --address 10.0.0.5:9093 \\
+    python -m lab.connections                 # adds `local-simulation`
+    python -m lab.connections lab --address 10.0.0.5:9093 \\
         --root-certificates certs/ca.crt               # a real SuperLink
 
 ``local-simulation`` is a local SuperLink (started on demand by ``flwr run``) running

@@ -4,7 +4,7 @@ Writes, with the ``cryptography`` package (a Flower dependency), what Flower 1.4
 TLS and SuperNode authentication need (docs/deploy.md walks through using them;
 Flower's guides: "Enable TLS connections" and "Authenticate SuperNodes")::
 
-    python -m server_app.deploy certs --out certs \\
+    python -m lab.deploy certs --out certs \\
         --hosts 127.0.0.1 localhost superlink.lab.example --supernodes 3
 
 * ``ca.crt`` / ``ca.key``: a self-signed certificate authority. ``ca.crt`` is what
@@ -227,7 +227,7 @@ def write_all(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m server_app.deploy certs --out DIR --hosts H [H ...] --supernodes N``."""
+    """``python -m lab.deploy certs --out DIR --hosts H [H ...] --supernodes N``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     certs = commands.add_parser("certs", help="CA, SuperLink certificate, SuperNode keys")
