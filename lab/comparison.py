@@ -34,9 +34,8 @@ import pandas as pd
 
 from lab import comparison_plots as cplots
 from lab import figures, study
+from lab.checks import audit_markdown, exit_on_failed
 from lab.study import Preset, StudyError
-from server_app.audit import audit_markdown
-from server_app.failures import exit_on_failed
 from tasks.base import SEED
 from tasks.options import ConfigError
 

@@ -38,9 +38,9 @@ import numpy as np
 import pandas as pd
 
 from lab import figures_plots as fplots
+from lab.checks import failed_runs
 from lab.figures_plots import GAP, GROUP_PREFIX, SCOPE
 from privacy.accounting import PrivacyLedger
-from server_app.failures import failed_runs
 from server_app.results import TIMING_COLUMNS, load_metrics
 
 DEFAULT_METRICS = ("eval-accuracy", "eval-auc", "eval-r2", "eval-reward")

@@ -33,9 +33,9 @@ import pandas as pd
 from flwr.common.config import flatten_dict
 
 import tasks
+from lab.checks import exit_on_failed
 from lab.launcher import APP_DIR, LocalSimulation
 from server_app import config
-from server_app.failures import exit_on_failed
 from server_app.plots import save_figure
 from tasks.lunar_lander import plots
 from tasks.lunar_lander.logs import load_episodes, load_snapshots

@@ -10,8 +10,6 @@ and the canaries' own synthetic truth (directions and coins from the run seed), 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
@@ -167,48 +165,3 @@ def _plot(result: audit.AuditResult, path: Path) -> None:
     ax.legend(fontsize=8)
     figure.tight_layout()
     save_figure(figure, path)
-
-
-def _read(run_dir: str | Path) -> dict | None:
-    """A run directory's ``audit.json``, or None (not audited)."""
-    try:
-        return json.loads((Path(run_dir) / AUDIT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def failed_audits(run_dirs: Iterable[str | Path]) -> list[str]:
-    """``"<run dir>: <why>"`` for each run whose audit's lower bound exceeds its ε."""
-    return [
-        f"{run_dir}: audit lower bound {doc['epsilon_lower_bound']:.3f} > accountant "
-        f"epsilon {doc['accountant_epsilon']:.3f}"
-        for run_dir in run_dirs
-        if (doc := _read(run_dir)) is not None and doc.get("exceeds_accountant")
-    ]
-
-
-def audit_markdown(runs: Mapping[str, Iterable[str | Path]]) -> str | None:
-    """A table of the experiments' audits (None when no run was audited): per experiment
-    the accountant's epsilon, the estimate (mean ± std over seeds) and the largest lower
-    bound, and whether any seed's audit failed."""
-    lines = [
-        "| experiment | canaries | accountant epsilon | estimate | lower bound (largest) "
-        "| audit |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for name, run_dirs in runs.items():
-        docs = [doc for run_dir in run_dirs if (doc := _read(run_dir)) is not None]
-        if not docs:
-            continue
-        accountant = [d["accountant_epsilon"] for d in docs]
-        accountant = [e for e in accountant if e is not None]
-        estimates = np.array([e for d in docs if (e := d["epsilon_estimate"]) is not None])
-        spread = float(np.std(estimates, ddof=1)) if len(estimates) > 1 else 0.0
-        lines.append(
-            f"| {name} | {docs[0]['canaries']} | "
-            f"{f'{max(accountant):.3f}' if accountant else '-'} | "
-            f"{f'{estimates.mean():.3f} ± {spread:.3f}' if len(estimates) else '-'} | "
-            f"{max(d['epsilon_lower_bound'] for d in docs):.3f} | "
-            f"{'**FAILED**' if any(d['exceeds_accountant'] for d in docs) else 'passed'} |"
-        )
-    return "\n".join(lines) if len(lines) > 2 else None

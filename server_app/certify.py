@@ -1,13 +1,67 @@
-"""``certificates.json`` and the summary's certificate lines (privacy/certificates.py)."""
+"""The privacy report of a finished run: ``ledger.json``'s statements of who each ε
+holds against, the summary's privacy lines, and ``certificates.json``
+(privacy/certificates.py)."""
 
 from __future__ import annotations
 
 from logging import INFO
 
 from flwr.common.logger import log
+from flwr.serverapp.strategy import Strategy
 
+from privacy.accounting import PrivacyLedger
+from privacy.audit import AuditResult
 from privacy.certificates import run_certificates
+from server_app.config import RunConfig
 from server_app.results import RunDirectory
+from strategies import threat_models
+
+AUDIT_KEYS = ("epsilon_estimate", "epsilon_lower_bound", "confidence", "canaries",
+              "exceeds_accountant")  # fmt: skip
+
+
+def ledger_report(cfg: RunConfig, strategy: Strategy) -> dict:
+    """``ledger.json``'s record of who each epsilon holds against, and of the noise
+    calibrated to ``dp.target-epsilon`` (None when the noise was given)."""
+    return {
+        "threat-models": threat_models.run_report(cfg.privacy, cfg.options, strategy),
+        "calibration": getattr(strategy, "calibration", None),
+    }
+
+
+def finish(
+    run_dir: RunDirectory,
+    ledger: PrivacyLedger,
+    cfg: RunConfig,
+    strategy: Strategy,
+    audited: AuditResult | None,
+) -> None:
+    """Write the final ledger (with the audit's estimate when one ran), log the privacy
+    summary, and write the certificates."""
+    doc = ledger_report(cfg, strategy)
+    if audited is not None:
+        audit = audited.to_json()
+        doc["audit"] = {key: audit[key] for key in AUDIT_KEYS}
+    run_dir.write_ledger(ledger, doc)
+    _log_summary(ledger, cfg, doc)
+    report(run_dir, ledger, strategy)
+
+
+def _log_summary(ledger: PrivacyLedger, cfg: RunConfig, doc: dict) -> None:
+    summary = ledger.summary()
+    log(INFO, "Privacy (%s):", cfg.privacy)
+    if ledger.releases:  # else the statements say plainly that no client-level epsilon exists
+        log(INFO, "\t├── (epsilon, delta) = (%.4f, %g) over %d releases",
+            ledger.epsilon(), ledger.target_delta, len(ledger.releases))  # fmt: skip
+        log(INFO, "\t├── accountant %s, sampling %s, neighbouring relation %s",
+            ledger.accountant, ledger.sampling, ledger.neighboring)  # fmt: skip
+    if cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"):
+        log(INFO, "\t├── noise added by the %s", cfg.options["dp.noise-site"])
+    for line in threat_models.summary_lines(doc["threat-models"]):
+        log(INFO, "\t├── %s", line)
+    for line in summary.get("statements", []):
+        log(INFO, "\t├── %s", line)
+    log(INFO, "\t└── full record: ledger.json in the run directory")
 
 
 def report(run_dir: RunDirectory, ledger, strategy) -> dict:

@@ -35,13 +35,14 @@ clients' error texts; ``run.max-failed-rounds = 0`` never stops on failed rounds
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from logging import ERROR, INFO
 from typing import Any
+
+from flwr.common.logger import log
 
 STATUSES = ("completed", "stopped", "failed")
 OUTCOME_FILE = "outcome.json"
@@ -108,6 +109,15 @@ class FailureWatch:
     reference: dict[tuple[str, str], float] = field(default_factory=dict)
     stopped_on_failed_rounds: bool = False
 
+    @classmethod
+    def for_run(cls, options: Mapping[str, Any], *, private: bool) -> FailureWatch:
+        """The policy of the run-config's ``run.*`` keys."""
+        return cls(
+            max_failed_rounds=int(options["run.max-failed-rounds"]),
+            divergence_factor=float(options["run.divergence-factor"]),
+            private=private,
+        )
+
     def after_train(self, server_round: int, rows: list[dict], *, first: bool) -> str | None:
         """The reason to stop after this round's training, or None."""
         if not rows or any(contributed(row) for row in rows):
@@ -161,38 +171,23 @@ def _causes(private: bool) -> str:
     return f"likely {causes}"
 
 
-def failed_runs(run_dirs: Iterable[str | Path]) -> list[str]:
-    """``"<run dir>: <reason>"`` for each run whose ``outcome.json`` says ``failed`` (the
-    analysis commands exit non-zero on them; runs written before the file existed have
-    none and are not counted)."""
-    failed = []
-    for run_dir in run_dirs:
-        path = Path(run_dir) / OUTCOME_FILE
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if doc.get("status") == "failed":
-            failed.append(f"{run_dir}: {doc.get('reason', '')}")
-    return failed
-
-
-def exit_on_failed(command: str, run_dirs: Iterable[str | Path]) -> None:
-    """``SystemExit`` naming the failed runs among ``run_dirs`` and the runs whose privacy
-    audit's lower bound exceeds their epsilon, if any (after the command wrote its
-    output, so what could be analysed is there)."""
-    from server_app.audit import failed_audits
-
-    run_dirs = list(run_dirs)
-    messages = []
-    if failed := failed_runs(run_dirs):
-        listed = "\n  ".join(failed)
-        messages.append(f"{command}: {len(failed)} run(s) failed (outcome.json):\n  {listed}")
-    if audits := failed_audits(run_dirs):
-        listed = "\n  ".join(audits)
-        messages.append(
-            f"{command}: AUDIT FAILED in {len(audits)} run(s) (audit.json; the run is not as "
-            f"private as its ledger says, or an assumption is broken):\n  {listed}"
+def write_outcome(run_dir, outcome: Outcome, watch: FailureWatch, ledger) -> None:
+    """``outcome.json`` and the log's last line: how the run ended."""
+    if outcome.last_round > 0:
+        outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
+    log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
+    if ledger is not None and watch.stopped_on_failed_rounds:
+        # The clients' error texts stay with what no epsilon covers (curator/); the top
+        # level says only that the run stopped, and that no epsilon covers that event.
+        run_dir.write_json(run_dir.table(OUTCOME_FILE), outcome.to_json())
+        outcome.reason = (
+            f"no sampled client contributed; the clients' reasons are in "
+            f"{run_dir.table(OUTCOME_FILE)}"
         )
-    if messages:
-        raise SystemExit("\n".join(messages))
+        outcome.undisclosed = (
+            "the run stopped because no sampled client contributed (every client of its "
+            "first round failed alike, or no client of its last 'run.max-failed-rounds' "
+            "rounds contributed); that event depends on the clients' data and no epsilon "
+            "covers it"
+        )
+    run_dir.write_outcome(outcome)

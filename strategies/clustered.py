@@ -173,6 +173,7 @@ class ClusteredFedAvg(Strategy):
         Seconds to wait for query replies, and for enough nodes to connect.
     """
 
+    MODEL_LABEL = "cluster"  # its models are written and evaluated as cluster-<k>
     CHECKPOINT = ("rng", "models", "history", "_sizes", "_round")  # strategies.checkpoint
     CHECKPOINT_BY_NODE = ("_uploads", "_clusters")
     AGGREGATES_UPLOADS = True  # privacy wrappers hand it the checked uploads

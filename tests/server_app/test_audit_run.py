@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from client_app import canary
+from lab.checks import audit_markdown, exit_on_failed
 from privacy import audit
 from privacy.mechanisms import LaplaceMechanism
 from server_app import config as app_config
-from server_app.audit import audit_markdown
-from server_app.failures import RunFailed, exit_on_failed
+from server_app.failures import RunFailed
 from strategies import keys
 from tasks.options import ConfigError
 from tests.fakes import record

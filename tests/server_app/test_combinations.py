@@ -3,7 +3,7 @@
 import pytest
 
 from server_app import config
-from server_app.app import best_of_clusters
+from server_app.evaluation import best_of_clusters
 from tasks.options import ConfigError
 from tests.inprocess import with_test_noise
 from tests.server_app.test_config import _pyproject_defaults

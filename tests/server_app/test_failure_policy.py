@@ -16,11 +16,11 @@ import torch
 
 import tasks
 from lab import figures
+from lab.checks import exit_on_failed
 from server_app.failures import (
     FailureWatch,
     Outcome,
     RunFailed,
-    exit_on_failed,
     grouped_reasons,
 )
 from tests.inprocess import InProcessGrid, run_config, run_server

@@ -1,0 +1,95 @@
+"""What the round loop hands back to the run directory: each round's record, each
+round's checkpoint, and the state a resumed run continues from."""
+
+from __future__ import annotations
+
+from flwr.app import MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from server_app import certify
+from server_app.audit import RunAudit
+from server_app.config import RunConfig
+from server_app.results import RunDirectory
+from server_app.rounds import RoundResult
+from strategies import partitions
+from strategies.base import wait_for_nodes
+from strategies.capabilities import MultiModel, Resumable, WritesTables, innermost, ledger_of
+from strategies.checkpoint import (
+    decode,
+    encode,
+    global_rng_state,
+    load_strategy_state,
+    set_global_rng_state,
+    strategy_state,
+)
+
+
+class RoundRecorder:
+    """``on_round`` and ``on_commit`` of :func:`server_app.rounds.run_rounds`."""
+
+    def __init__(
+        self, run_dir: RunDirectory, cfg: RunConfig, strategy: Strategy, auditor: RunAudit
+    ) -> None:
+        self.run_dir, self.cfg, self.strategy, self.auditor = run_dir, cfg, strategy, auditor
+        self.base = innermost(strategy)
+        self.ledger = ledger_of(strategy)
+        self.last_recorded = 0  # the last round whose model was recorded
+
+    def commit(self, result: RoundResult) -> None:
+        """Checkpoint the round right after its aggregate (before anything is released)."""
+        self.run_dir.commit(
+            result.server_round,
+            {
+                "arrays": encode(result.arrays),
+                "strategy": strategy_state(self.strategy),
+                "rng": global_rng_state(),
+                "result": {
+                    "train": dict(result.train) if result.train is not None else None,
+                    "clients": result.clients,
+                    "seconds": result.seconds,
+                },
+            },
+        )
+
+    def record(self, result: RoundResult) -> None:
+        """Write the evaluated round: metrics, models, the strategy's tables, the ledger."""
+        if not result.diverged:
+            self.last_recorded = result.server_round
+            self.auditor.interim(result.server_round, result.arrays)
+        models = None
+        if isinstance(self.base, MultiModel) and self.base.models:
+            label = self.base.MODEL_LABEL
+            models = {
+                f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(self.base.models)
+            }
+        if isinstance(self.base, WritesTables):
+            for name, rows in self.base.tables().items():
+                self.run_dir.write_rows(self.run_dir.table(name), rows)
+        self.run_dir.record_round(result, None, models)
+        if self.ledger is not None and result.server_round > 0:
+            self.run_dir.write_ledger(self.ledger, certify.ledger_report(self.cfg, self.strategy))
+
+
+def restore(saved: dict, strategy: Strategy, grid: Grid, cfg: RunConfig) -> RoundResult:
+    """Load a checkpoint's strategy state (ledger included) and generators; return the
+    committed round (its global arrays, train metrics and participation), which the run
+    evaluates again before going on. State kept per client is handed to the nodes that
+    report the same partition ids now (node ids change from run to run). A privacy
+    wrapper then charges what the interrupted round may have released (``on_resume``)."""
+    nodes = wait_for_nodes(grid, cfg.min_available_nodes, timeout=cfg.round_timeout)
+    node_of = {partitions.partition_of(n): n for n in nodes}
+    node_of.pop(None, None)
+    load_strategy_state(strategy, saved["strategy"], node_of)
+    set_global_rng_state(saved["rng"])
+    if isinstance(strategy, Resumable):
+        strategy.on_resume()
+    result = saved["result"]
+    train = MetricRecord(result["train"]) if result["train"] is not None else None
+    return RoundResult(
+        int(saved["round"]),
+        decode(saved["arrays"]),
+        train=train,
+        clients=list(result["clients"]),
+        seconds=result["seconds"],
+    )

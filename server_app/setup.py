@@ -1,0 +1,92 @@
+"""Everything a run needs before round 1: the validated config, the task, the strategy,
+the run directory and the initial model (with the steps some experiments add to it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from logging import ERROR, INFO
+from typing import Any
+
+import torch
+from flwr.common.logger import log
+
+import strategies
+import tasks
+from server_app import config, subspace_setup
+from server_app.results import RunDirectory, resolve_output_dir
+from strategies.capabilities import Accounted
+from tasks.base import Task
+from tasks.options import ConfigError
+
+
+@dataclass
+class Setup:
+    """A run ready to start (``saved``: the checkpoint it resumes, else None)."""
+
+    cfg: config.RunConfig
+    task: Task
+    strategy: Any
+    test_set: Any
+    run_dir: RunDirectory
+    saved: dict | None
+
+
+def load(run_config: dict) -> Setup:
+    """Validate the run-config, build task and strategy, open the run directory.
+
+    A ``ConfigError`` is logged (naming the key and the valid values) and raised before
+    anything is written or trained."""
+    try:
+        cfg = config.load(run_config)
+        # The task checks what depends on it (e.g. a CUDA device that is not there).
+        task = tasks.get(cfg.task)(run_config)
+        if hasattr(task, "data_source"):
+            log(INFO, "Data: %s", task.data_source)
+        # Loaded before anything else happens: a missing file, a wrong CSV schema or an
+        # unreachable dataset fails here, with the key to fix, not inside a client.
+        test_set = task.load_central_test()
+        settings = cfg.strategy_settings()
+        if _head_only(cfg):  # DP wrappers release (and update) only the head's arrays
+            settings = replace(settings, released_keys=task.head_keys())
+        strategy = strategies.build(cfg.privacy, settings)
+        subspace_setup.check(cfg, task)
+        # Under a privacy mechanism the run directory keeps apart what no epsilon covers.
+        released = strategy.releases_metric if isinstance(strategy, Accounted) else None
+        saved = None
+        if cfg.resume_from:
+            path = resolve_output_dir(cfg.resume_from)
+            run_dir, saved = RunDirectory.resume(path, cfg.to_dict(), released)
+    except ConfigError as err:
+        log(ERROR, "Invalid run-config: %s", err)
+        raise
+    if saved is None:
+        path = resolve_output_dir(cfg.output_dir)
+        run_dir = RunDirectory.create(path, cfg.task, cfg.strategy, cfg.privacy, released)
+        run_dir.write_config(cfg.to_dict())
+    else:
+        log(INFO, "Resuming after round %d of %d", saved["round"], cfg.num_server_rounds)
+    log(INFO, "Run directory: %s", run_dir.path)
+    return Setup(cfg, task, strategy, test_set, run_dir, saved)
+
+
+def _head_only(cfg: config.RunConfig) -> bool:
+    return bool(cfg.options.get("subspace.head-only", False))
+
+
+def initial_model(run: Setup) -> torch.nn.Module:
+    """The model of round 0: the task's, seeded, after the experiment's public-data
+    steps (a warm start; subspace-dp's public basis and allocation samples), which
+    touch no client."""
+    cfg, task = run.cfg, run.task
+    model = task.build_model(cfg.seed)
+    if int(cfg.options.get("subspace.warm-start", 0)) > 0:
+        warm = task.warm_start(model)  # public data only: no client is touched
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in warm.items())
+        log(INFO, "Warm start on public data: %s", shown)
+        run.run_dir.write_json("warm-start.json", warm)
+        run.run_dir.write_model("warm-start.pt", model.state_dict())
+    if _head_only(cfg):
+        log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
+    released = task.head_keys() if _head_only(cfg) else tuple(model.state_dict())
+    subspace_setup.prepare(cfg, task, model, run.strategy, released)
+    return model
