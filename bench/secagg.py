@@ -14,7 +14,7 @@ separately, each started when the machine's 1-min load average was below 0.35)::
 Everything runs in ONE process on this machine: the server driver
 (``strategies.secure.SecureAggregation`` around Flower's ``FedAvg``, which calls
 ``strategies.secagg.secure_sum``) talks to a grid double whose n nodes answer in
-process, ONE AFTER ANOTHER, with the real client mod ``client_app.secagg.secagg_mod``
+process, ONE AFTER ANOTHER, with the real client mod ``client_app.secagg_mod.secagg_mod``
 around a trainer. No network, no protobuf encoding, no parallel clients: a round's wall
 time is the server's work plus the sum of all clients' work, and the 3 extra round trips
 of SecAgg cost no latency here. Upload sizes are nevertheless the wire sizes (the
@@ -113,10 +113,11 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from timing import machine_info  # bench/timing.py (scripts here run with bench/ on sys.path)
 
-from client_app.secagg import secagg_mod
-from strategies import keys
+from client_app.secagg_mod import secagg_mod
+from protocol import keys
+from protocol.masking import mask
 from strategies.messaging import send_and_receive
-from strategies.secagg import SecAggSettings, mask
+from strategies.secagg import SecAggSettings
 from strategies.secure import SecureAggregation
 from tasks.vision.models import build_model
 from tasks.vision.steps import train_batch

@@ -25,13 +25,12 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 import tasks
-from client_app import canary, hierarchy, proximal, state
+from client_app import canary, hierarchy, proximal_client, state
 from client_app.mods import privacy_mod
-from client_app.secagg import secagg_mod
+from client_app.secagg_mod import secagg_mod
 from privacy.mechanisms import secret_seed
-from strategies import keys
-from strategies.base import to_record
-from strategies.clustered import model_key, score_key
+from protocol import keys
+from protocol.records import to_record
 from tasks.base import DPSGD, EVAL_LOSS, EVAL_REWARD, SEED, LocalTraining, Task, local_seed
 
 app = ClientApp(mods=[secagg_mod, privacy_mod])  # secagg_mod answers SecAgg+ stages
@@ -100,7 +99,7 @@ def _prepare(msg: Message, context: Context) -> tuple[Task, torch.nn.Module, Any
     if config.get(keys.LOCAL_ONLY) and keys.LOCAL_MODEL in context.state:
         arrays = context.state[keys.LOCAL_MODEL]
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
-    proximal.restore_local_layers(model, task.local_state_keys(), context.state)
+    proximal_client.restore_local_layers(model, task.local_state_keys(), context.state)
     return task, model, partition, pid
 
 
@@ -152,7 +151,8 @@ def train(msg: Message, context: Context) -> Message:
         return _canary_reply(msg, context, index, {keys.NUM_EXAMPLES: 1})
     task, model, partition, pid = _prepare(msg, context)
     server_round = int(config[keys.SERVER_ROUND])
-    received, mu = proximal.parameters(model), proximal.effective_mu(config, context.state)
+    received = proximal_client.parameters(model)
+    mu = proximal_client.effective_mu(config, context.state)
     seed = local_seed(
         int(context.run_config.get(SEED.key, SEED.default)),
         server_round,
@@ -172,8 +172,8 @@ def train(msg: Message, context: Context) -> Message:
         front_loaded=hierarchy.front_loaded(config),
     )
     metrics = task.train(model, partition, local)
-    metrics |= proximal.divergence_metrics(model, received, mu, config, context.state)
-    proximal.keep_local_layers(model, task.local_state_keys(), context.state)
+    metrics |= proximal_client.divergence_metrics(model, received, mu, config, context.state)
+    proximal_client.keep_local_layers(model, task.local_state_keys(), context.state)
     context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
     if config.get(keys.LOCAL_ONLY):
         context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
@@ -220,10 +220,11 @@ def cluster_scores(msg: Message, context: Context) -> Message:
     task, model, partition, _ = _setup(context)
     scores = {}
     for k in range(int(msg.content[keys.CONFIG][keys.CLUSTER_K])):
-        model.load_state_dict(msg.content[model_key(k)].to_torch_state_dict(), strict=True)
+        arrays = msg.content[keys.cluster_model_key(k)]
+        model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
         metrics = task.evaluate(model, partition)
         score = metrics[EVAL_LOSS] if EVAL_LOSS in metrics else -metrics[EVAL_REWARD]
-        scores[score_key(k)] = float(score)
+        scores[keys.cluster_score_key(k)] = float(score)
     return Message(content=RecordDict({keys.METRICS: MetricRecord(scores)}), reply_to=msg)
 
 

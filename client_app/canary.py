@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from privacy import audit
-from strategies import keys
-from strategies.base import arrays_of
+from protocol import keys
+from protocol.records import arrays_of
 
 CANARIES = "audit.canaries"
 RATE = "audit.canary-rate"

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from strategies import keys
+from protocol import keys
 from tasks.frontloaded import FrontLoadedDP, clip_and_noise_delta
 from tasks.topology import edge_of
 

@@ -54,8 +54,8 @@ from privacy.mechanisms import (
     gaussian_noise_like,
     noise_generator,
 )
-from strategies import keys
-from strategies.base import InvalidReply, arrays_of, to_record
+from protocol import keys
+from protocol.records import InvalidReply, arrays_of, to_record
 
 _NOISE_STREAM = 0xD9  # separates client noise from other streams of the same seed
 

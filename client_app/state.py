@@ -34,14 +34,15 @@ from flwr.common.logger import log
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-STATE_DIR = "client-state"
+from protocol import keys
+
 KEEP = 2  # files per partition: the round in progress and the last finished one
 _FILE = re.compile(r"round-(\d+)\.bin")
 
 
 def directory(artifacts_dir: str, partition_id: int) -> Path:
     """Where partition ``partition_id`` keeps its state files."""
-    return Path(artifacts_dir) / STATE_DIR / f"partition-{partition_id}"
+    return Path(artifacts_dir) / keys.STATE_DIR / f"partition-{partition_id}"
 
 
 def _saved_rounds(path: Path) -> list[int]:

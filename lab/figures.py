@@ -39,7 +39,7 @@ import pandas as pd
 
 from lab import figures_plots as fplots
 from lab.checks import failed_runs
-from lab.figures_plots import GAP, GROUP_PREFIX, SCOPE
+from lab.figures_plots import GAP, GROUP_PREFIX, SCOPE, LedgerStack
 from privacy.accounting import PrivacyLedger
 from server_app.results import TIMING_COLUMNS, load_metrics
 
@@ -68,25 +68,6 @@ class Run:
     """``ledger.json`` (``summary`` and ``state``), or None."""
     certificates: dict | None
     """``certificates.json``, or None."""
-
-
-@dataclass(frozen=True)
-class LedgerStack:
-    """A run's ε over rounds, stacked by release kind (see the module docstring)."""
-
-    rounds: np.ndarray
-    kinds: tuple[str, ...]
-    """Release kinds, bottom band first."""
-    cumulative: np.ndarray
-    """``[j, i]``: ε of the releases of ``kinds[:j + 1]`` up to ``rounds[i]``."""
-    epsilon: float
-    """The ledger's own ε over all its releases."""
-    delta: float
-
-    @property
-    def bands(self) -> np.ndarray:
-        """``[j, i]``: the ε that kind j adds on top of the kinds below it."""
-        return np.diff(self.cumulative, axis=0, prepend=np.zeros((1, self.rounds.size)))
 
 
 def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -22,9 +23,6 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 from matplotlib.transforms import offset_copy
 
 from server_app.plots import colours, save_figure
-
-if TYPE_CHECKING:
-    from lab.figures import LedgerStack
 
 SCOPE = "central-eval"  # the global model on the central test set
 GROUP_PREFIX = "eval-accuracy-"  # eval-accuracy-<group> columns of the SCOPE rows
@@ -41,6 +39,25 @@ SPI_TITLE = (
     "client's update from one release (mean ± std over seeds); an index, not a DP guarantee"
 )
 SpiSeries = tuple[np.ndarray, np.ndarray, np.ndarray]  # k, mean, std
+
+
+@dataclass(frozen=True)
+class LedgerStack:
+    """A run's ε over rounds, stacked by release kind (see the module docstring)."""
+
+    rounds: np.ndarray
+    kinds: tuple[str, ...]
+    """Release kinds, bottom band first."""
+    cumulative: np.ndarray
+    """``[j, i]``: ε of the releases of ``kinds[:j + 1]`` up to ``rounds[i]``."""
+    epsilon: float
+    """The ledger's own ε over all its releases."""
+    delta: float
+
+    @property
+    def bands(self) -> np.ndarray:
+        """``[j, i]``: the ε that kind j adds on top of the kinds below it."""
+        return np.diff(self.cumulative, axis=0, prepend=np.zeros((1, self.rounds.size)))
 
 
 def save_or_skip(

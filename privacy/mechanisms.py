@@ -42,6 +42,11 @@ import numpy as np
 
 ArrayList = list[np.ndarray]
 
+# Front-loaded DP for hierarchical FL (seed 003): the client modes, i.e. the ``privacy``
+# values that run under ``strategy = hierarchical`` (tasks.frontloaded trains them,
+# strategies.frontloaded_clients asks for them and keeps their ledger).
+FRONT_LOADED_MODES = ("cg-ng", "cg-np", "cp-np")
+
 # Relative slack applied when scaling an update down: float64 summation error of a
 # norm is far below 1e-12 for any realistic model size, so every reasonable way of
 # computing the clipped norm stays <= C. Casting to a narrower dtype is checked after.

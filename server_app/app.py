@@ -10,6 +10,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
+from protocol import keys
 from server_app import certify, setup
 from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
@@ -18,7 +19,7 @@ from server_app.recorder import RoundRecorder, restore
 from server_app.results import CLIENTS_DIR
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
-from strategies import StopTraining, keys
+from strategies import StopTraining
 from strategies.capabilities import innermost, ledger_of
 
 app = ServerApp()
@@ -40,12 +41,7 @@ def _run(grid: Grid, context: Context) -> None:
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
-    try:
-        check_federation(grid, cfg, task, strategy)
-    except StopTraining as err:
-        last = int(run.saved["round"]) if run.saved else 0
-        write_outcome(run_dir, Outcome("failed", f"start-up check: {err}", last), watch, None)
-        raise RunFailed(f"start-up check: {err}") from None
+    _check_federation(grid, run, watch)
     initial = ArrayRecord(model.state_dict())
     resumed = restore(run.saved, strategy, grid, cfg) if run.saved is not None else None
     central = None
@@ -90,3 +86,14 @@ def _run(grid: Grid, context: Context) -> None:
     write_outcome(run_dir, outcome, watch, ledger)
     if failed:  # Flower's run status says so too (`flwr list`)
         raise RunFailed(outcome.reason)
+
+
+def _check_federation(grid: Grid, run: setup.Setup, watch: FailureWatch) -> None:
+    """The start-up checks against the connected nodes; a failure ends the run."""
+    try:
+        check_federation(grid, run.cfg, run.task, run.strategy)
+    except StopTraining as err:
+        last = int(run.saved["round"]) if run.saved else 0
+        outcome = Outcome("failed", f"start-up check: {err}", last)
+        write_outcome(run.run_dir, outcome, watch, None)
+        raise RunFailed(outcome.reason) from None

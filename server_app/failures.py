@@ -40,9 +40,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from logging import ERROR, INFO
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.common.logger import log
+
+from strategies.settings import Settings, setting
 
 STATUSES = ("completed", "stopped", "failed")
 OUTCOME_FILE = "outcome.json"
@@ -191,3 +193,23 @@ def write_outcome(run_dir, outcome: Outcome, watch: FailureWatch, ledger) -> Non
             "covers it"
         )
     run_dir.write_outcome(outcome)
+
+
+@dataclass(frozen=True)
+class FailurePolicy(Settings):
+    """The failure policy's run-config keys (``run.*``)."""
+
+    PREFIX: ClassVar[str] = "run"
+    max_failed_rounds: int = setting(
+        3,
+        "Stop the run (outcome 'failed') after this many consecutive rounds in which "
+        "no client contributed; 0: never.",
+        low=0,
+    )
+    divergence_factor: float = setting(
+        1000.0,
+        "Stop the run (outcome 'failed') when an evaluation loss exceeds this many "
+        "times its first value (non-finite metrics always stop it); 0: no ratio "
+        "check.",
+        low=0.0,
+    )

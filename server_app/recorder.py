@@ -12,8 +12,6 @@ from server_app.audit import RunAudit
 from server_app.config import RunConfig
 from server_app.results import RunDirectory
 from server_app.rounds import RoundResult
-from strategies import partitions
-from strategies.base import wait_for_nodes
 from strategies.capabilities import MultiModel, Resumable, WritesTables, innermost, ledger_of
 from strategies.checkpoint import (
     decode,
@@ -23,6 +21,8 @@ from strategies.checkpoint import (
     set_global_rng_state,
     strategy_state,
 )
+from strategies.nodes import wait_for_nodes
+from strategies.partitions import partition_map
 
 
 class RoundRecorder:
@@ -77,7 +77,8 @@ def restore(saved: dict, strategy: Strategy, grid: Grid, cfg: RunConfig) -> Roun
     evaluates again before going on. State kept per client is handed to the nodes that
     report the same partition ids now (node ids change from run to run). A privacy
     wrapper then charges what the interrupted round may have released (``on_resume``)."""
-    nodes = wait_for_nodes(grid, cfg.min_available_nodes, timeout=cfg.round_timeout)
+    partitions = partition_map(strategy)  # the run's node -> partition map
+    nodes = wait_for_nodes(grid, cfg.min_available_nodes, partitions, timeout=cfg.round_timeout)
     node_of = {partitions.partition_of(n): n for n in nodes}
     node_of.pop(None, None)
     load_strategy_state(strategy, saved["strategy"], node_of)

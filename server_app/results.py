@@ -56,7 +56,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from client_app.state import STATE_DIR
+from protocol.keys import STATE_DIR
 from server_app.failures import OUTCOME_FILE
 from tasks.options import ConfigError
 

@@ -25,11 +25,14 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from protocol import keys
+from protocol.records import non_finite_array
+from protocol.replies import unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
-from strategies import StopTraining, keys, partitions
-from strategies.base import non_finite_array, unusable_reason
+from strategies import StopTraining
 from strategies.errors import BudgetExhausted
 from strategies.messaging import send_and_receive
+from strategies.partitions import PartitionMap, partition_map
 from strategies.secure import SecureExchange
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -93,11 +96,17 @@ def _replies_to(sent: list[Message], replies: list[Message]) -> dict[int, Messag
     return matched
 
 
-def participation(server_round: int, sent: list[Message], replies: list[Message]) -> list[dict]:
+def participation(
+    server_round: int,
+    sent: list[Message],
+    replies: list[Message],
+    partitions: PartitionMap | None = None,
+) -> list[dict]:
     """The ``clients`` rows of a round from the train messages and their replies, in
     partition order (the order Flower's FedAvg sends in is random)."""
     rows = []
     answers = _replies_to(sent, replies)
+    partitions = partitions if partitions is not None else PartitionMap()  # none: node ids
     for message in sorted(sent, key=lambda m: partitions.sort_key(m.metadata.dst_node_id)):
         node = message.metadata.dst_node_id
         row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
@@ -208,6 +217,51 @@ def evaluate_round(
     return result
 
 
+def _train(
+    strategy: Strategy,
+    grid: Grid,
+    server_round: int,
+    arrays: ArrayRecord,
+    messages: list[Message],
+    timeout: float,
+    watch: FailureWatch,
+    *,
+    first: bool,
+) -> tuple[RoundResult, str | None]:
+    """Send the round's train messages, aggregate the replies; the round's result (not
+    yet evaluated) and the failure policy's verdict on it."""
+    if first:
+        log(
+            INFO,
+            "Round %d: training on %d clients; the first round also starts the "
+            "ClientApps (in a simulation: Ray and its workers), so it takes longer",
+            server_round,
+            len(messages),
+        )
+    if isinstance(strategy, SecureExchange):  # SecAgg+: several exchanges
+        replies = strategy.exchange_train(grid, messages, timeout)
+    else:
+        replies = _exchange(grid, messages, timeout, f"round {server_round} train")
+    clients = participation(server_round, messages, replies, partition_map(strategy))
+    new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+    if new_arrays is not None:
+        bad = non_finite_array(new_arrays)
+        if bad is not None:  # never committed, evaluated or released
+            raise RunFailed(
+                f"round {server_round}: the aggregate's array '{bad}' is not finite; "
+                "the global model diverged (likely a learning rate too large, "
+                "'train.lr' or 'server.lr')"
+            )
+    failure = watch.after_train(server_round, clients, first=first)
+    result = RoundResult(
+        server_round,
+        new_arrays if new_arrays is not None else arrays,
+        train=train_metrics,
+        clients=clients,
+    )
+    return result, failure
+
+
 def run_rounds(
     strategy: Strategy,
     grid: Grid,
@@ -263,34 +317,9 @@ def run_rounds(
                 log(WARNING if status == "stopped" else ERROR,
                     "Stopping before round %d: %s", server_round, stop)  # fmt: skip
                 return arrays, Outcome(status, str(stop), last_round)
-            if server_round == start:
-                log(
-                    INFO,
-                    "Round %d: training on %d clients; the first round also starts the "
-                    "ClientApps (in a simulation: Ray and its workers), so it takes longer",
-                    server_round,
-                    len(messages),
-                )
-            if isinstance(strategy, SecureExchange):  # SecAgg+: several exchanges
-                replies = strategy.exchange_train(grid, messages, timeout)
-            else:
-                replies = _exchange(grid, messages, timeout, f"round {server_round} train")
-            clients = participation(server_round, messages, replies)
-            new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
-            if new_arrays is not None:
-                bad = non_finite_array(new_arrays)
-                if bad is not None:  # never committed, evaluated or released
-                    raise RunFailed(
-                        f"round {server_round}: the aggregate's array '{bad}' is not finite; "
-                        "the global model diverged (likely a learning rate too large, "
-                        "'train.lr' or 'server.lr')"
-                    )
-            failure = watch.after_train(server_round, clients, first=server_round == start)
-            result = RoundResult(
-                server_round,
-                new_arrays if new_arrays is not None else arrays,
-                train=train_metrics,
-                clients=clients,
+            first = server_round == start
+            result, failure = _train(
+                strategy, grid, server_round, arrays, messages, timeout, watch, first=first
             )
             result.seconds = time.monotonic() - started
             on_commit(result)

@@ -28,7 +28,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from server_app.config import RunConfig
-from strategies import StopTraining, partitions
+from strategies import StopTraining
+from strategies.partitions import partition_map
 from tasks.base import Task
 
 SETTLE_S = 1.0  # simulation: virtual SuperNodes register within this of the first one
@@ -94,6 +95,7 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
     StopTraining
         A check failed; the message names the key, the value and the fix.
     """
+    partitions = partition_map(strategy)  # the run's node -> partition map
     need = needs(cfg, strategy)
     nodes = wait_for_federation(grid, need, cfg.round_timeout)
     short = {k: v for k, v in need.items() if v > len(nodes)}

@@ -1,6 +1,6 @@
 """Flower Message-API strategies and privacy wrappers, built by name."""
 
-from strategies.base import StopTraining
+from strategies.errors import StopTraining
 from strategies.registry import PRIVACY, STRATEGIES, StrategySettings, build
 
 __all__ = ["PRIVACY", "STRATEGIES", "StopTraining", "StrategySettings", "build"]

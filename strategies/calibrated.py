@@ -19,15 +19,18 @@ from flwr.common.logger import log
 
 from privacy.accounting import AccountingError, PrivacyLedger, Release
 from privacy.calibration import calibrate_parameter
-from strategies.base import wait_for_nodes
 from strategies.errors import StopTraining
+from strategies.nodes import wait_for_nodes
+from strategies.partitions import PartitionMap
 
 
 class CalibratedNoise:
     """Mixin of a privacy wrapper with ``ledger``, ``target_epsilon`` (None: the noise
-    was given), ``planned_rounds`` and ``connect_timeout`` (see the module docstring)."""
+    was given), ``planned_rounds``, ``connect_timeout`` and the run's ``partitions``
+    (see the module docstring)."""
 
     ledger: PrivacyLedger
+    partitions: PartitionMap
     target_epsilon: float | None
     planned_rounds: int
     connect_timeout: float
@@ -54,7 +57,7 @@ class CalibratedNoise:
             Too few nodes within ``connect_timeout``, or the round would exceed the budget.
         """
         needed = max(expected_clients, min_available_nodes)
-        nodes = wait_for_nodes(grid, needed, timeout=self.connect_timeout)
+        nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.connect_timeout)
         if len(nodes) < expected_clients:
             raise StopTraining(
                 f"'dp.num-sampled-clients' = {expected_clients} but only {len(nodes)} "

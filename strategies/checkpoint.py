@@ -3,8 +3,9 @@
 Each strategy class names what it carries between rounds in ``CHECKPOINT``
 (attribute names); attributes keyed by node id are listed in ``CHECKPOINT_BY_NODE``
 instead, because Flower draws fresh node ids in every run (and a SuperNode gets a new
-one when it reconnects): they are saved by partition id (:mod:`strategies.partitions`)
-and mapped back onto whichever node reports that partition when the run resumes.
+one when it reconnects): they are saved by partition id (the strategy's
+:class:`~strategies.partitions.PartitionMap`) and mapped back onto whichever node
+reports that partition when the run resumes.
 Per-round scratch (what ``configure_train`` hands to ``aggregate_train``) is not
 state: a checkpoint is taken between rounds.
 
@@ -32,10 +33,12 @@ from flwr.common.logger import log
 from flwr.serverapp.strategy import Strategy
 
 from privacy.subspace import SubspaceMetric
-from strategies import partitions
-from strategies.base import to_numpy
+from protocol.records import to_numpy
+from strategies.partitions import PartitionMap, partition_map
 
 _TAG = "__checkpoint__"  # marks an encoded object in the plain-data tree
+# Classes renamed since checkpoints were first written: old name -> current name.
+_RENAMED = {"LocalTraining": "LocalOnly", "FrontLoadedDP": "FrontLoadedDPClients"}
 
 
 class CheckpointError(ValueError):
@@ -117,7 +120,9 @@ def _restore(obj: object, name: str, saved: Any) -> None:
         setattr(obj, name, decode(saved))
 
 
-def _by_partition(by_node: Mapping[int, Any], where: str) -> dict[int, Any]:
+def _by_partition(
+    by_node: Mapping[int, Any], where: str, partitions: PartitionMap
+) -> dict[int, Any]:
     kept, lost = {}, 0
     for node, value in by_node.items():
         partition = partitions.partition_of(node)
@@ -132,13 +137,16 @@ def _by_partition(by_node: Mapping[int, Any], where: str) -> dict[int, Any]:
 
 def strategy_state(strategy: Strategy) -> list[dict[str, Any]]:
     """One entry per layer of the chain: its class and its carried attributes."""
+    partitions = partition_map(strategy)
     state = []
     for layer in chain(strategy):
         entry: dict[str, Any] = {
             "class": type(layer).__name__,
             "attributes": {n: encode(getattr(layer, n)) for n in _names(layer, "CHECKPOINT")},
             "by-partition": {
-                n: encode(_by_partition(getattr(layer, n), f"{type(layer).__name__}.{n}"))
+                n: encode(
+                    _by_partition(getattr(layer, n), f"{type(layer).__name__}.{n}", partitions)
+                )
                 for n in _names(layer, "CHECKPOINT_BY_NODE")
             },
         }
@@ -153,7 +161,7 @@ def load_strategy_state(
     classes); partition-keyed state goes to ``node_of[partition]`` (partitions whose
     node is not connected now are dropped, with a warning)."""
     layers = chain(strategy)
-    saved = [entry["class"] for entry in state]
+    saved = [_RENAMED.get(entry["class"], entry["class"]) for entry in state]
     built = [type(layer).__name__ for layer in layers]
     if saved != built:
         raise CheckpointError(f"the checkpoint holds strategies {saved}, this run builds {built}")

@@ -23,7 +23,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
+from typing import ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -34,19 +36,16 @@ from scipy.optimize import linear_sum_assignment
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 
-from strategies import keys, partitions
-from strategies.base import (
-    InvalidReply,
-    arrays_of,
-    checked_metrics,
-    copy_record,
-    metrics_of,
-    nodes_for_round,
-    sample_uniform,
-    to_record,
-    weighted_metrics,
-)
+from protocol import keys
+from protocol.keys import cluster_model_key, cluster_score_key
+from protocol.records import InvalidReply, arrays_of, copy_record, to_record
+from protocol.replies import checked_metrics, metrics_of
+from strategies.aggregation import weighted_metrics
 from strategies.messaging import send_and_receive
+from strategies.nodes import nodes_for_round
+from strategies.partitions import PartitionMap
+from strategies.sampling import seeded_sample
+from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
 _KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round
@@ -57,16 +56,6 @@ QUERY_TYPE = f"{MessageType.EVALUATE}.{keys.CLUSTER_QUERY}"  # "evaluate.cluster
 # cluster its upload fell into (-1: invalid reply), how it was assigned and the
 # distance or score that decided it (NaN when drawn at random).
 HISTORY_COLUMNS = ("round", "node-id", "assigned", "cluster", "how", "score")
-
-
-def model_key(k: int) -> str:
-    """The query's ArrayRecord key of global model ``k``: ``cluster-model-<k>``."""
-    return f"{keys.CLUSTER_MODEL}-{k}"
-
-
-def score_key(k: int) -> str:
-    """The query reply's metric key of global model ``k``: ``cluster-score-<k>``."""
-    return f"{keys.CLUSTER_SCORE}-{k}"
 
 
 def flatten(arrays: list[np.ndarray]) -> np.ndarray:
@@ -94,11 +83,11 @@ def query_scores(reply: Message | None, k: int) -> np.ndarray:
     metrics = metrics_of(reply)
     scores = []
     for i in range(k):
-        value = metrics.get(score_key(i))
+        value = metrics.get(cluster_score_key(i))
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidReply(f"'{score_key(i)}' missing or not a number")
+            raise InvalidReply(f"'{cluster_score_key(i)}' missing or not a number")
         if not math.isfinite(value):
-            raise InvalidReply(f"'{score_key(i)}' = {value} is not finite")
+            raise InvalidReply(f"'{cluster_score_key(i)}' = {value} is not finite")
         scores.append(float(value))
     return np.asarray(scores)
 
@@ -171,6 +160,8 @@ class ClusteredFedAvg(Strategy):
         Seeds sampling, random assignment and k-means.
     query_timeout : float
         Seconds to wait for query replies, and for enough nodes to connect.
+    partitions : PartitionMap, optional
+        The run's node -> partition map (default: a new one, owned by this strategy).
     """
 
     MODEL_LABEL = "cluster"  # its models are written and evaluated as cluster-<k>
@@ -190,6 +181,7 @@ class ClusteredFedAvg(Strategy):
         min_available_nodes: int,
         seed: int,
         query_timeout: float,
+        partitions: PartitionMap | None = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"k = {k} must be at least 1")
@@ -200,6 +192,7 @@ class ClusteredFedAvg(Strategy):
         self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
         self.query_timeout = query_timeout
+        self.partitions = partitions if partitions is not None else PartitionMap()
         self.rng = np.random.default_rng([seed, _STREAM])
         self.models: list[ArrayRecord] | None = None
         self.history: list[dict] = []
@@ -353,7 +346,7 @@ class ClusteredFedAvg(Strategy):
     ) -> MetricRecord | None:
         """num-examples-weighted mean of the valid replies' metrics."""
         records = []
-        for message in partitions.sort_replies(replies):
+        for message in self.partitions.sort_replies(replies):
             try:
                 records.append(checked_metrics(message))
             except InvalidReply as err:
@@ -365,12 +358,12 @@ class ClusteredFedAvg(Strategy):
     def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
         nodes = nodes_for_round(
             grid,
+            self.partitions,
             min_available=self.min_available_nodes,
             min_sample=minimum,
             timeout=self.query_timeout,
         )
-        size = min(len(nodes), max(int(len(nodes) * fraction), minimum))
-        return sample_uniform(nodes, size, self.rng)
+        return seeded_sample(nodes, fraction, minimum, self.rng, self.partitions)
 
     def _random(self) -> tuple[int, str, float]:
         return int(self.rng.integers(self.k)), "random", math.nan
@@ -398,7 +391,7 @@ class ClusteredFedAvg(Strategy):
             Message(
                 content=RecordDict(
                     {keys.CONFIG: ConfigRecord(config)}
-                    | {model_key(k): m for k, m in enumerate(self.models)}
+                    | {cluster_model_key(k): m for k, m in enumerate(self.models)}
                 ),
                 dst_node_id=node,
                 message_type=QUERY_TYPE,
@@ -442,7 +435,7 @@ class ClusteredFedAvg(Strategy):
         self, replies: Iterable[Message], pending: dict[int, tuple[int, str, float]]
     ) -> dict[int, tuple[list[np.ndarray], MetricRecord]]:
         valid = {}
-        for message in partitions.sort_replies(replies):
+        for message in self.partitions.sort_replies(replies):
             node = message.metadata.src_node_id
             try:
                 if node not in pending or node in valid:
@@ -472,3 +465,57 @@ class ClusteredFedAvg(Strategy):
     def _kmeans_seed(self, server_round: int) -> int:
         sequence = np.random.SeedSequence([self.seed, _KMEANS_STREAM, server_round])
         return int(sequence.generate_state(1)[0])
+
+
+# Privacy under which clustered FedAvg stays sound: under local noise every client's
+# upload is itself private, so k-means over uploads is post-processing; under DP-FedAvg
+# there is no k-means: each client's update enters the private mean of the model it
+# was assigned by its own data (strategies.clustered_dp), one Gaussian per round.
+CLUSTERED_PRIVACY = ("none", "laplace", "dp-sgd", "dp-fedavg-fixed", "dp-fedavg-adaptive")
+CENTRAL_CLUSTERED = ("dp-fedavg-fixed", "dp-fedavg-adaptive")
+
+
+@dataclass(frozen=True)
+class ClusterSettings(Settings):
+    """Clustered FedAvg's run-config keys (``cluster.*``)."""
+
+    PREFIX: ClassVar[str] = "cluster"
+    k: int = setting(
+        3,
+        "Clustered FedAvg: number K of global models.",
+        low=1,
+    )
+    assign: str = setting(
+        "l2",
+        "Clustered FedAvg: how a client picks its model: `l2` (closest weights to its"
+        " last upload, the seed's rule) or `loss` (best local evaluation, IFCA).",
+        choices=(
+            "l2",
+            "loss",
+        ),
+    )
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """The privacy settings under which clustering stays sound."""
+        if choice.strategy != "clustered":
+            return
+        if choice.privacy not in CLUSTERED_PRIVACY:
+            raise SettingsError(
+                f"'privacy' = {choice.privacy!r} cannot protect 'strategy' = 'clustered': "
+                "valid values with clustered: " + listed(CLUSTERED_PRIVACY)
+            )
+        if choice.privacy in CENTRAL_CLUSTERED:
+            if choice.options["dp.noise-site"] != "server":
+                raise SettingsError(
+                    f"'strategy' = 'clustered' with 'privacy' = {choice.privacy!r} needs "
+                    "'dp.noise-site' = 'server': the server assigns each client a model from "
+                    "its raw scores or upload, so no guarantee could hold against it"
+                )
+            return
+        if choice.privacy != "none" and choice.options["cluster.assign"] == "loss":
+            raise SettingsError(
+                "'cluster.assign' = 'loss' lets each client release which model fits its data "
+                f"best, which no mechanism protects; with 'privacy' = {choice.privacy!r} use "
+                "'cluster.assign' = 'l2' (assignment from the already private uploads)"
+            )

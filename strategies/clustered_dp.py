@@ -43,8 +43,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from strategies import keys
-from strategies.base import arrays_of, to_record
+from protocol import keys
+from protocol.records import arrays_of, to_record
 from strategies.clustered import ClusteredFedAvg
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive

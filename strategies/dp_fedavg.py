@@ -73,22 +73,16 @@ from privacy.mechanisms import (
     NonFiniteUpdateError,
     clip_by_l2_norm,
 )
-from strategies import keys, partitions
-from strategies.base import (
-    BudgetExhausted,
-    GridView,
-    InvalidReply,
-    StopTraining,
-    add_to_config,
-    arrays_of,
-    check_reply,
-    poisson_sample,
-    sample_uniform,
-    to_record,
-    weighted_metrics,
-)
+from protocol import keys
+from protocol.records import InvalidReply, arrays_of, to_record
+from protocol.replies import check_reply
+from strategies.aggregation import weighted_metrics
+from strategies.base import add_to_config
 from strategies.calibrated import CalibratedNoise
+from strategies.errors import BudgetExhausted, StopTraining
+from strategies.nodes import GridView
 from strategies.private import PrivacyWrapper
+from strategies.sampling import poisson_sample, sample_uniform
 
 if TYPE_CHECKING:
     from strategies.secure_noise import SecureNoise
@@ -423,10 +417,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         if self.secure is not None:
             all_nodes = self.secure.eligible(self, all_nodes)
         if self.ledger.sampling == "poisson":
-            nodes = poisson_sample(all_nodes, expected / len(all_nodes), self.rng)
+            nodes = poisson_sample(all_nodes, expected / len(all_nodes), self.rng, self.partitions)
             grid, expected = GridView(grid, nodes), len(nodes)
         elif self.uniform_sampling:
-            grid = GridView(grid, sample_uniform(all_nodes, expected, self.rng))
+            grid = GridView(grid, sample_uniform(all_nodes, expected, self.rng, self.partitions))
         messages = (
             list(self.strategy.configure_train(server_round, arrays, config, grid))
             if expected
@@ -439,9 +433,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             )
         self._fix_released(arrays)
         messages = add_to_config(messages, self.client_config())
-        sent = partitions.order(m.metadata.dst_node_id for m in messages)
+        sent = self.partitions.order(m.metadata.dst_node_id for m in messages)
         if self.local_view is not None:  # the server will see each of them on its own
-            clients = [partitions.client_name(n) for n in sent]
+            clients = [self.partitions.client_name(n) for n in sent]
             for release in self.local_releases(server_round):
                 self.local_view.charge(clients, release)
         self._round_state = (arrays, sent, len(all_nodes))

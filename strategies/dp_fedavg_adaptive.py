@@ -15,9 +15,10 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import Release
-from strategies import keys
-from strategies.base import InvalidReply, StopTraining
+from protocol import keys
+from protocol.records import InvalidReply
 from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.errors import StopTraining
 
 
 class DPFedAvgAdaptive(DPFedAvgFixed):

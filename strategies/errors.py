@@ -1,4 +1,5 @@
-"""The exceptions strategies raise (a module of their own: partitions and base share them)."""
+"""The exceptions strategies raise to end a run (``InvalidReply``, about a message's
+content, is the contract's: :mod:`protocol.records`)."""
 
 
 class StopTraining(Exception):
@@ -15,7 +16,3 @@ class BudgetExhausted(StopTraining):
 class DuplicatePartitionError(StopTraining):
     """Two connected nodes report the same partition id: one unit of privacy (and one
     client's data) would be sampled, and counted, twice. The run stops before the round."""
-
-
-class InvalidReply(ValueError):
-    """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""

@@ -10,7 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from strategies.base import sample_uniform
+from strategies.partitions import PartitionMap
+from strategies.sampling import sample_uniform
 
 GROUPS = ("high", "middle", "low")
 
@@ -68,14 +69,19 @@ def split_by_divergence(
 
 
 def sample_hybrid_groups(
-    node_ids: Iterable[int], smoothed: dict[int, float], n: int, rng: np.random.Generator
+    node_ids: Iterable[int],
+    smoothed: dict[int, float],
+    n: int,
+    rng: np.random.Generator,
+    partitions: PartitionMap | None = None,
 ) -> dict[int, str]:
     """The seed's hybrid selection (section 1.4): chosen node -> its group.
 
     Unknown nodes get the mean divergence (:func:`fill_unknown`); the ranked nodes are
     split in three groups (:func:`split_by_divergence`); :func:`hybrid_counts` nodes
     are drawn uniformly from each; a group too small gives all it has and the gap is
-    filled uniformly from the nodes not chosen (group ``"fill"``).
+    filled uniformly from the nodes not chosen (group ``"fill"``). Uniform draws are
+    over partition order (``partitions``; None: ascending node ids).
 
     Raises
     ------
@@ -88,16 +94,20 @@ def sample_hybrid_groups(
     chosen: dict[int, str] = {}
     groups = split_by_divergence(values, rng)
     for name, members, count in zip(GROUPS, groups, hybrid_counts(n), strict=True):
-        for node in sample_uniform(members, min(count, len(members)), rng):
+        for node in sample_uniform(members, min(count, len(members)), rng, partitions):
             chosen[node] = name
     rest = [node for node in values if node not in chosen]
-    for node in sample_uniform(rest, n - len(chosen), rng):
+    for node in sample_uniform(rest, n - len(chosen), rng, partitions):
         chosen[node] = "fill"
     return dict(sorted(chosen.items()))
 
 
 def sample_hybrid(
-    node_ids: Iterable[int], smoothed: dict[int, float], n: int, rng: np.random.Generator
+    node_ids: Iterable[int],
+    smoothed: dict[int, float],
+    n: int,
+    rng: np.random.Generator,
+    partitions: PartitionMap | None = None,
 ) -> list[int]:
     """The ``n`` nodes of :func:`sample_hybrid_groups`, sorted."""
-    return list(sample_hybrid_groups(node_ids, smoothed, n, rng))
+    return list(sample_hybrid_groups(node_ids, smoothed, n, rng, partitions))

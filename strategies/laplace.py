@@ -63,20 +63,16 @@ from flwr.serverapp.strategy import Strategy
 from privacy.accounting import PrivacyLedger, Release
 from privacy.local_view import LocalViewLedger
 from privacy.mechanisms import LaplaceMechanism
-from strategies import keys, partitions
-from strategies.base import (
-    BudgetExhausted,
-    GridView,
-    InvalidReply,
-    add_to_config,
-    arrays_of,
-    check_reply,
-    poisson_sample,
-    to_record,
-    weighted_metrics,
-)
+from protocol import keys
+from protocol.records import InvalidReply, arrays_of, to_record
+from protocol.replies import check_reply
+from strategies.aggregation import weighted_metrics
+from strategies.base import add_to_config
 from strategies.calibrated import CalibratedNoise
+from strategies.errors import BudgetExhausted
+from strategies.nodes import GridView
 from strategies.private import PrivacyWrapper
+from strategies.sampling import poisson_sample
 
 
 class LaplaceDP(CalibratedNoise, PrivacyWrapper):
@@ -221,7 +217,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         nodes = self.nodes_for_round(
             server_round, grid, self.expected_clients, self.min_available_nodes
         )
-        chosen = poisson_sample(nodes, self.expected_clients / len(nodes), self.rng)
+        rate = self.expected_clients / len(nodes)
+        chosen = poisson_sample(nodes, rate, self.rng, self.partitions)
         if not chosen:  # an empty cohort: the round releases the noise alone
             return [], len(nodes)
         view = GridView(grid, chosen)
@@ -249,8 +246,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             **self.report_config(),
         }
         messages = add_to_config(messages, extra)
-        sent = partitions.order(m.metadata.dst_node_id for m in messages)
-        clients = [partitions.client_name(n) for n in sent]
+        sent = self.partitions.order(m.metadata.dst_node_id for m in messages)
+        clients = [self.partitions.client_name(n) for n in sent]
         self.local_view.charge(clients, self.local_release(server_round))
         self._round_state = (arrays, sent, population)
         return messages

@@ -16,10 +16,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import keys
+from protocol import keys
 
 
-class LocalTraining(FedAvg):
+class LocalOnly(FedAvg):
     """FedAvg's sampling and metric aggregation, without model averaging.
 
     Contract with the client: when the train or evaluate config carries

@@ -9,26 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
-from privacy.mechanisms import noise_generator
+from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
 from strategies.clustered import ClusteredFedAvg
 from strategies.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
-from strategies.dpsgd import DPSGDClients
-from strategies.frontloaded import MODES as FRONT_LOADED
-from strategies.frontloaded import FrontLoadedDP
-from strategies.hierarchical import HierarchicalFedAvg
+from strategies.dpsgd_clients import DPSGDClients
+from strategies.frontloaded_clients import FrontLoadedDPClients
+from strategies.hierarchical_fedavg import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
-from strategies.local import LocalTraining
+from strategies.local import LocalOnly
 from strategies.secagg import SecAggSettings
 from strategies.secure import SecureAggregation
 from strategies.seeded import SeededSampling
 from strategies.server_optimizer import ServerOptimizer, server_optimizer_settings
+from strategies.settings import Settings, setting
 from strategies.smart_fedprox import SmartFedProx
 from strategies.subspace_dp import SubspaceDP
 
@@ -91,7 +91,7 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
     "fedprox": lambda s: _seeded(
         FedProx(**_TAKE_ALL, proximal_mu=float(s.options["fedprox.mu"])), s
     ),
-    "local": lambda s: _seeded(LocalTraining(**_TAKE_ALL), s),
+    "local": lambda s: _seeded(LocalOnly(**_TAKE_ALL), s),
     "clustered": lambda s: ClusteredFedAvg(
         **_sampling(s),
         k=int(s.options["cluster.k"]),
@@ -134,15 +134,7 @@ def secagg_settings(options: Mapping[str, Any]) -> SecAggSettings | None:
     """The ``secagg.*`` options, or None when ``secagg.enabled`` is false."""
     if not bool(options.get("secagg.enabled", False)):
         return None
-    return SecAggSettings(
-        num_shares=float(options["secagg.num-shares"]),
-        reconstruction_threshold=float(options["secagg.reconstruction-threshold"]),
-        clipping_range=float(options["secagg.clipping-range"]),
-        quantization_range=int(options["secagg.quantization-range"]),
-        modulus_range=int(options["secagg.modulus-range"]),
-        max_weight=float(options["secagg.max-weight"]),
-        min_survivors=int(options["secagg.min-survivors"]),
-    )
+    return SecAggSettings.from_options(options)
 
 
 def distributed_dp(options: Mapping[str, Any]) -> bool:
@@ -345,7 +337,7 @@ def _front_loaded(mode: str) -> Callable[[Strategy, StrategySettings], Strategy]
     def build(base: Strategy, s: StrategySettings) -> Strategy:
         o = s.options
         cp_np = mode == "cp-np"
-        return FrontLoadedDP(
+        return FrontLoadedDPClients(
             base,
             mode=mode,
             clip=float(o["dp.clip-norm"]),
@@ -355,7 +347,7 @@ def _front_loaded(mode: str) -> Callable[[Strategy, StrategySettings], Strategy]
                 s, "without-replacement" if cp_np else "none", ("gaussian",) if cp_np else ()
             ),
             # An edge sees its clients' noisy deltas and who sent them: no
-            # amplification (FrontLoadedDP charges it with the run ledger's
+            # amplification (FrontLoadedDPClients charges it with the run ledger's
             # sensitivity, so both count the same neighbours); the budget holds for it.
             edge_view=make_ledger(s, "none"),
             rng=dp_generator(s),
@@ -372,7 +364,7 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "subspace-dp": _subspace_dp,
     "laplace": _laplace,
     "dp-sgd": _dp_sgd,
-    **{mode: _front_loaded(mode) for mode in FRONT_LOADED},
+    **{mode: _front_loaded(mode) for mode in FRONT_LOADED_MODES},
 }
 
 # Wrappers that sample clients themselves (Laplace: under Poisson sampling): the base
@@ -407,3 +399,15 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
     if optimizer.is_identity:
         return strategy
     return ServerOptimizer(strategy, optimizer)
+
+
+@dataclass(frozen=True)
+class FedProxSettings(Settings):
+    """FedProx's run-config key (``fedprox.mu``; also SmartFedProx's base mu)."""
+
+    PREFIX: ClassVar[str] = "fedprox"
+    mu: float = setting(
+        0.1,
+        "FedProx proximal weight mu (strategy=fedprox).",
+        low=0.0,
+    )

@@ -8,14 +8,11 @@ graph). Flower 1.41 ships the protocol only for its legacy workflow API
 ``ClientProxy`` objects). Reused from Flower here: key agreement (ECDH on P-384 +
 HKDF, ``generate_shared_key``), authenticated encryption of the shares (Fernet),
 Shamir secret sharing (``combine_shares``), and on the client its setup, share-keys
-and unmask stages with their state (``client_app.secagg``). Written by hand: this
+and unmask stages with their state (``client_app.secagg_mod``). Written by hand: this
 server driver on a ``Grid``, and the masking generator.
 
-**Masks.** Flower's ``pseudo_rand_gen`` folds its 32-byte seed into 32 bits by XOR and
-draws from NumPy's MT19937: 2³² possible masks per seed, a search an honest-but-curious
-server can run, from a generator that is not cryptographic. :func:`mask` is the
-AES-256-CTR keystream under SHA-256(seed) (``cryptography``, which Flower already
-depends on): uniform on Z_M for every power of two M <= 2⁶⁴.
+**Masks** (:mod:`protocol.masking`, shared with the clients): the AES-256-CTR keystream
+under SHA-256(seed), not Flower's 32-bit-seeded MT19937.
 
 **Rounds** (one TRAIN message per node per stage, ``group_id`` = the round):
 
@@ -46,58 +43,28 @@ dropped could collect both of a client's secrets; SecAgg+'s defences against tha
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import time
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from typing import ClassVar
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
+from protocol.masking import MASKED, mask, pairwise_seed, reduce, transport_dtype
 from strategies.messaging import send_and_receive
+from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
-MASKED = "secagg-masked"  # the collect reply's ArrayRecord (one flat array) and its key
 ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding parameters
 
 
-def mask(seed: bytes, length: int, modulus: int) -> np.ndarray:
-    """``length`` values uniform on Z_modulus (a power of two <= 2⁶⁴) as uint64: the
-    AES-256-CTR keystream under key SHA-256(``seed``), nonce 0 (each seed masks one
-    vector: keys and seeds are fresh every round)."""
-    key = hashlib.sha256(seed).digest()
-    encryptor = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-    stream = encryptor.update(bytes(8 * length)) + encryptor.finalize()
-    values = np.frombuffer(stream, dtype="<u8").astype(np.uint64, copy=True)
-    if modulus < 2**64:
-        values &= np.uint64(modulus - 1)
-    return values
-
-
-def pairwise_seed(private_key: bytes, public_key: bytes) -> bytes:
-    """The seed two clients share: ECDH of one's sk1 with the other's pk1 (Flower's)."""
-    return generate_shared_key(bytes_to_private_key(private_key), bytes_to_public_key(public_key))
-
-
-def reduce(vector: np.ndarray, modulus: int) -> np.ndarray:
-    """``vector`` (uint64, any value) reduced mod ``modulus`` (uint64 wraps mod 2⁶⁴)."""
-    return vector if modulus == 2**64 else vector & np.uint64(modulus - 1)
-
-
-def transport_dtype(modulus: int) -> np.dtype:
-    """The narrowest unsigned dtype holding Z_modulus: a masked vector's wire format."""
-    return np.dtype(np.uint32) if modulus <= 2**32 else np.dtype(np.uint64)
-
-
 @dataclass(frozen=True)
-class SecAggSettings:
+class SecAggSettings(Settings):
     """The protocol's parameters, named after Flower's ``SecAggPlusWorkflow``.
 
     Attributes
@@ -124,13 +91,115 @@ class SecAggSettings:
         reconstruction threshold.
     """
 
-    num_shares: float = 1.0
-    reconstruction_threshold: float = 0.67
-    clipping_range: float = 8.0
-    quantization_range: int = 2**22
-    modulus_range: int = 2**32
-    max_weight: float = 1000.0
-    min_survivors: int = 0
+    PREFIX: ClassVar[str] = "secagg"
+    enabled: bool = setting(
+        False,
+        "Run each train round as SecAgg+ (strategies/secagg.py): the server obtains "
+        "only the sum of the sampled clients' encoded updates. With dp.noise-site = "
+        "'client': distributed DP (Skellam), an epsilon against the server itself.",
+    )
+    num_shares: float = setting(
+        1.0,
+        "Shares of each client's secrets: a fraction (0, 1] of the cohort (1: every "
+        "client is every client's neighbour) or an integer > 2 (Flower's num_shares).",
+        low=0.0,
+        low_open=True,
+    )
+    reconstruction_threshold: float = setting(
+        0.67,
+        "t: shares that reconstruct a secret, a fraction (0, 1] of the shares or an "
+        "integer >= 2. A client's update stays hidden unless the server colludes with"
+        " t of its neighbours; fewer than t survivors abandon the round.",
+        low=0.0,
+        low_open=True,
+    )
+    clipping_range: float = setting(
+        8.0,
+        "Update coordinates are encoded over [-range, range] (without DP each is "
+        "clipped to it); with quantization-range it sets the scale.",
+        low=0.0,
+        low_open=True,
+    )
+    quantization_range: int = setting(
+        2**22,
+        "Integer levels over [-clipping-range, clipping-range] (scale = levels / 2 range).",
+        low=2,
+    )
+    modulus_range: int = setting(
+        2**32,
+        "M, a power of two up to 2^62: the sum is taken modulo M (Flower's default "
+        "2^32); a round whose sum could wrap around is refused before anything is "
+        "sent.",
+        low=4,
+    )
+    max_weight: float = setting(
+        1000.0,
+        "Without DP: a client's weight is min(num-examples, max-weight) / max-weight.",
+        low=0.0,
+        low_open=True,
+    )
+    min_survivors: int = setting(
+        0,
+        "The fewest vectors a round's sum needs to be unmasked (distributed DP "
+        "calibrates each client's noise share for this many); 0: the reconstruction "
+        "threshold.",
+        low=0,
+    )
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """What secure aggregation can run with."""
+        o = choice.options
+        if not bool(o["secagg.enabled"]):
+            return
+        if choice.strategy not in SECAGG_STRATEGIES:
+            raise SettingsError(
+                f"'secagg.enabled' = true gives the server only the sum of the updates; "
+                f"'strategy' = {choice.strategy!r} needs each client's own update or report "
+                "(cluster assignments, divergences, edge sums, local models); valid values "
+                "with secure aggregation: " + listed(SECAGG_STRATEGIES)
+            )
+        if choice.privacy not in SECAGG_PRIVACY:
+            raise SettingsError(
+                f"'secagg.enabled' = true is not available with 'privacy' = {choice.privacy!r}; "
+                "valid values: " + listed(SECAGG_PRIVACY)
+            )
+        if choice.privacy != "none" and o["dp.sampling"] != "fixed":
+            raise SettingsError(
+                f"'secagg.enabled' = true with 'privacy' = {choice.privacy!r} needs 'dp.sampling' "
+                "= 'fixed': under Poisson sampling the cohort's size depends on who was sampled, "
+                "and a secure round of fewer than 2 clients (or below the reconstruction "
+                "threshold) is abandoned, a release the subsampled Gaussian's bound does not "
+                "cover; valid value: 'fixed'"
+            )
+        if choice.privacy == "dp-fedavg-adaptive" and o["dp.noise-site"] == "client":
+            raise SettingsError(
+                "'secagg.enabled' = true with 'dp.noise-site' = 'client' (distributed DP) "
+                "supports 'privacy' = 'dp-fedavg-fixed' only: adaptive clipping's count of norm "
+                "bits has no distributed mechanism here; use 'dp.noise-site' = 'server' (the "
+                "bits are summed securely and the server noises their count)"
+            )
+        if bool(o.get("subspace.head-only", False)):
+            raise SettingsError(
+                "'subspace.head-only' = true is not available with 'secagg.enabled' = true"
+            )
+        if int(o["audit.canaries"]):
+            raise SettingsError(
+                "'audit.canaries' > 0 is not available with 'secagg.enabled' = true (the "
+                "audit's canaries upload crafted updates the secure sum would hide)"
+            )
+        settings = SecAggSettings.from_options(o)  # its own ranges: ValueError, a SettingsError
+        cohort = int(o["dp.num-sampled-clients"]) if choice.privacy != "none" else 0
+        if choice.privacy != "none" and cohort < 2:
+            raise SettingsError(
+                f"'dp.num-sampled-clients' = {cohort} with 'secagg.enabled' = true: secure "
+                "aggregation needs at least 2 clients per round"
+            )
+        if cohort and settings.survivors_needed(cohort) > cohort:
+            raise SettingsError(
+                f"'secagg.min-survivors' = {settings.min_survivors} exceeds the "
+                f"{cohort} clients sampled per round ('dp.num-sampled-clients')"
+            )
 
     def __post_init__(self) -> None:
         n, t = self.num_shares, self.reconstruction_threshold
@@ -462,7 +531,5 @@ def secure_sum(
     )
 
 
-def masked_record(vector: np.ndarray, modulus: int) -> RecordDict:
-    """The collect reply's content: only the masked vector, in its wire dtype."""
-    array = Array(reduce(vector, modulus).astype(transport_dtype(modulus)))
-    return RecordDict({MASKED: ArrayRecord({MASKED: array})})
+SECAGG_STRATEGIES = ("fedavg", "fedprox")
+SECAGG_PRIVACY = ("none", "dp-fedavg-fixed", "dp-fedavg-adaptive")

@@ -32,7 +32,7 @@ Gaussian's bound covers.
   server, up to the protocol's collusion threshold (:mod:`strategies.secagg`), assuming
   that whether a client drops out does not depend on its data (a lost connection, a
   crash): a client whose training fails still sends its noised zero update
-  (``client_app.secagg``).
+  (``client_app.secagg_mod``).
 
 Clients send no metrics under secure aggregation (the collect reply is the masked
 vector alone); what the server learns besides the sum (who was sampled, who dropped,
@@ -51,8 +51,9 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.skellam import SecureSumEncoding
 from privacy.subspace import unflatten
-from strategies import keys
-from strategies.base import TrainingWrapper, add_to_config, arrays_of, to_record
+from protocol import keys
+from protocol.records import arrays_of, to_record
+from strategies.base import TrainingWrapper, add_to_config
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.errors import StopTraining

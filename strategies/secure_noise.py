@@ -20,8 +20,8 @@ from privacy.accounting import (
 )
 from privacy.skellam import SecureSumEncoding, centred_lift, l1_bound, rounded_l2_bound
 from privacy.subspace import unflatten
-from strategies import keys
-from strategies.base import arrays_of, to_record
+from protocol import keys
+from protocol.records import arrays_of, to_record
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.errors import BudgetExhausted

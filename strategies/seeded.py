@@ -20,14 +20,11 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from strategies import partitions
-from strategies.base import (
-    GridView,
-    nodes_for_round,
-    sample_uniform,
-    screen_replies,
-    to_record,
-)
+from protocol.records import to_record
+from strategies.aggregation import screen_replies
+from strategies.nodes import GridView, nodes_for_round
+from strategies.partitions import PartitionMap
+from strategies.sampling import seeded_sample
 
 _STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
 
@@ -49,6 +46,8 @@ class SeededSampling(Strategy):
     timeout : float
         Seconds to wait for nodes (and for their partition ids) before sampling
         from those connected.
+    partitions : PartitionMap, optional
+        The run's node -> partition map (default: a new one, owned by this strategy).
     """
 
     CHECKPOINT = ("rng_train", "rng_evaluate")  # strategies.checkpoint
@@ -64,8 +63,10 @@ class SeededSampling(Strategy):
         min_available_nodes: int,
         seed: int,
         timeout: float,
+        partitions: PartitionMap | None = None,
     ) -> None:
         self.strategy = strategy
+        self.partitions = partitions if partitions is not None else PartitionMap()
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
@@ -76,10 +77,13 @@ class SeededSampling(Strategy):
 
     def _sample(self, grid: Grid, fraction: float, minimum: int, rng) -> list[int]:
         nodes = nodes_for_round(
-            grid, min_available=self.min_available_nodes, min_sample=minimum, timeout=self.timeout
+            grid,
+            self.partitions,
+            min_available=self.min_available_nodes,
+            min_sample=minimum,
+            timeout=self.timeout,
         )
-        size = min(len(nodes), max(int(len(nodes) * fraction), minimum))
-        return sample_uniform(nodes, size, rng)
+        return seeded_sample(nodes, fraction, minimum, rng, self.partitions)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -96,7 +100,7 @@ class SeededSampling(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The wrapped strategy's aggregate of the valid replies (:func:`screen_replies`)
         in partition order; nothing when none is valid."""
-        replies = partitions.sort_replies(replies)
+        replies = self.partitions.sort_replies(replies)
         if self._reference is not None:
             replies = screen_replies(replies, self._reference, who=type(self.strategy).__name__)
         if not replies:
@@ -132,7 +136,8 @@ class SeededSampling(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """The wrapped strategy's evaluation metrics, in partition order."""
-        return self.strategy.aggregate_evaluate(server_round, partitions.sort_replies(replies))
+        replies = self.partitions.sort_replies(replies)
+        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
         """Log the sampling, then the wrapped strategy's summary."""

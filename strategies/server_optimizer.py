@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -29,8 +29,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi, Strategy
 
-from strategies import keys
-from strategies.base import TrainingWrapper, arrays_of, to_record
+from protocol import keys
+from protocol.records import arrays_of, to_record
+from strategies.base import TrainingWrapper
+from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "yogi", "adagrad")
 # Strategies that keep one global model, which a server optimizer can move.
@@ -38,15 +40,68 @@ ONE_GLOBAL_MODEL = ("fedavg", "fedprox", "smart-fedprox", "hierarchical")
 
 
 @dataclass(frozen=True)
-class ServerOptimizerSettings:
-    """The ``server.*`` options."""
+class ServerOptimizerSettings(Settings):
+    """The server optimizer's run-config keys (``server.*``)."""
 
-    name: str
-    lr: float
-    momentum: float
-    beta1: float
-    beta2: float
-    tau: float
+    PREFIX: ClassVar[str] = "server"
+    optimizer: str = setting(
+        "sgd",
+        "Server optimizer on the round's aggregate (strategies with one global model;"
+        " under DP post-processing of the released aggregate): `sgd` and `momentum` "
+        "(Flower's FedAvgM), `adam`, `yogi`, `adagrad` (FedAdam, FedYogi, FedAdagrad;"
+        " Reddi et al. 2021).",
+        choices=OPTIMIZERS,
+    )
+    lr: float = setting(
+        1.0,
+        "Server learning rate (sgd/momentum) or eta (adam/yogi/adagrad); sgd with 1.0"
+        " is plain FedAvg.",
+        low=0.0,
+        low_open=True,
+    )
+    momentum: float = setting(
+        0.9,
+        "Server momentum of `server.optimizer = momentum`.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    beta1: float = setting(
+        0.9,
+        "First-moment decay of adam and yogi.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    beta2: float = setting(
+        0.99,
+        "Second-moment decay of adam and yogi.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    tau: float = setting(
+        0.001,
+        "Adaptivity tau of adam, yogi and adagrad (added to the root of the second moment).",
+        low=0.0,
+        low_open=True,
+    )
+
+    @property
+    def name(self) -> str:
+        """The optimizer's name (``server.optimizer``)."""
+        return self.optimizer
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """A server optimizer moves one global model."""
+        optimizer = ServerOptimizerSettings.from_options(choice.options)
+        if not optimizer.is_identity and choice.strategy not in ONE_GLOBAL_MODEL:
+            raise SettingsError(
+                f"'server.optimizer' = {optimizer.name!r} (lr {optimizer.lr:g}) needs a "
+                f"strategy with one global model, not 'strategy' = {choice.strategy!r}; "
+                "valid strategies: " + listed(ONE_GLOBAL_MODEL)
+            )
 
     @property
     def is_identity(self) -> bool:
@@ -66,14 +121,7 @@ class ServerOptimizerSettings:
 
 def server_optimizer_settings(options: Mapping[str, Any]) -> ServerOptimizerSettings:
     """The ``server.*`` options of a run-config's namespaced options."""
-    return ServerOptimizerSettings(
-        name=str(options["server.optimizer"]),
-        lr=float(options["server.lr"]),
-        momentum=float(options["server.momentum"]),
-        beta1=float(options["server.beta1"]),
-        beta2=float(options["server.beta2"]),
-        tau=float(options["server.tau"]),
-    )
+    return ServerOptimizerSettings.from_options(options)
 
 
 # The state each Flower rule carries between rounds (restored on resume).

@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
+from typing import ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -30,21 +32,18 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedProx
 
-from strategies import keys, partitions
-from strategies.base import (
-    InvalidReply,
-    arrays_of,
-    checked_metrics,
-    is_number,
-    nodes_for_round,
-    sample_uniform,
-    to_record,
-)
+from protocol import keys
+from protocol.records import InvalidReply, arrays_of, to_record
+from protocol.replies import checked_metrics, is_number
 from strategies.hybrid_selection import (
     fill_unknown,
     sample_hybrid_groups,
     smoothed_divergence,
 )
+from strategies.nodes import nodes_for_round
+from strategies.partitions import PartitionMap
+from strategies.sampling import fedavg_sample_size, sample_uniform, seeded_sample
+from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0x5F  # the strategy's one generator: sampling, exploration coin, ties, fills
 
@@ -125,6 +124,8 @@ class SmartFedProx(FedProx):
         divides the sum of the clipped updates by m.
     connect_timeout : float
         Seconds to wait for enough nodes before ending the run (StopTraining).
+    partitions : PartitionMap, optional
+        The run's node -> partition map (default: a new one, owned by this strategy).
     """
 
     CHECKPOINT = ("rng", "history")  # strategies.checkpoint
@@ -153,6 +154,7 @@ class SmartFedProx(FedProx):
         seed: int,
         sample_size: int | None = None,
         connect_timeout: float = 600.0,
+        partitions: PartitionMap | None = None,
     ) -> None:
         settings = dict(selection=selection, cold_start_rounds=cold_start_rounds)
         settings |= dict(exploration_rate=exploration_rate, proximal_mu=proximal_mu)
@@ -167,6 +169,7 @@ class SmartFedProx(FedProx):
         if sample_size is not None and sample_size < 1:
             raise ValueError(f"sample_size = {sample_size!r}; valid values: >= 1 or None")
         self.sample_size = sample_size
+        self.partitions = partitions if partitions is not None else PartitionMap()
         self.rng = np.random.default_rng([seed, _STREAM])
         self.history: list[dict] = []
         self.divergences: dict[int, list[float]] = {}  # node -> its valid reports, oldest first
@@ -214,15 +217,16 @@ class SmartFedProx(FedProx):
         self._pending, self._current = None, None
         if self.fraction_train == 0.0:
             return []
-        nodes, n = self._population(grid, self.fraction_train, self.min_train_nodes)
+        nodes = self._connected(grid, self.min_train_nodes)
+        n = fedavg_sample_size(len(nodes), self.fraction_train, self.min_train_nodes)
         if self.sample_size is not None:
             n = min(len(nodes), self.sample_size)
         mode, values = self._mode(server_round), {}
         if mode == "hybrid":
             values = fill_unknown(nodes, self.smoothed())
-            groups = sample_hybrid_groups(nodes, values, n, self.rng)
+            groups = sample_hybrid_groups(nodes, values, n, self.rng, self.partitions)
         else:
-            groups = dict.fromkeys(sample_uniform(nodes, n, self.rng), "")
+            groups = dict.fromkeys(sample_uniform(nodes, n, self.rng, self.partitions), "")
         rows = {
             node: _row(server_round, node, mode, group, values.get(node, math.nan))
             for node, group in groups.items()
@@ -277,7 +281,7 @@ class SmartFedProx(FedProx):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """FedAvg's weighted evaluation metrics, summed in partition order."""
-        return super().aggregate_evaluate(server_round, partitions.sort_replies(replies))
+        return super().aggregate_evaluate(server_round, self.partitions.sort_replies(replies))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -285,22 +289,25 @@ class SmartFedProx(FedProx):
         """FedAvg's evaluation round, sampled with the run's generator."""
         if self.fraction_evaluate == 0.0:
             return []
-        nodes, n = self._population(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        nodes = self._connected(grid, self.min_evaluate_nodes)
+        picked = seeded_sample(
+            nodes, self.fraction_evaluate, self.min_evaluate_nodes, self.rng, self.partitions
+        )
         return [
             _message(node, arrays, config, server_round, MessageType.EVALUATE, {})
-            for node in sample_uniform(nodes, n, self.rng)
+            for node in picked
         ]
 
     # -- internals ------------------------------------------------------------------
-    def _population(self, grid: Grid, fraction: float, minimum: int) -> tuple[list[int], int]:
-        """(connected nodes, sample size); StopTraining if too few connected in time."""
-        nodes = nodes_for_round(
+    def _connected(self, grid: Grid, minimum: int) -> list[int]:
+        """The connected nodes; StopTraining if fewer than ``minimum`` connected in time."""
+        return nodes_for_round(
             grid,
+            self.partitions,
             min_available=self.min_available_nodes,
             min_sample=minimum,
             timeout=self.connect_timeout,
         )
-        return nodes, min(len(nodes), max(int(len(nodes) * fraction), minimum))
 
     def _mode(self, server_round: int) -> str:
         if self.selection == "random":
@@ -347,7 +354,7 @@ class SmartFedProx(FedProx):
         """node -> (reply, metrics) of the valid replies; the others are marked faulty."""
         valid: dict[int, tuple[Message, MetricRecord]] = {}
         seen: set[int] = set()
-        for message in partitions.sort_replies(replies):
+        for message in self.partitions.sort_replies(replies):
             node = message.metadata.src_node_id
             if node not in pending or node in seen:
                 self._fault(node, None, "not selected this round, or a second reply")
@@ -426,3 +433,97 @@ def _fill(row: dict, metrics: MetricRecord) -> None:
     for key in (keys.DIVERGENCE, keys.EFFECTIVE_MU, keys.TRAIN_LOSS):
         value = metrics.get(key)
         row[key] = float(value) if isinstance(value, int | float) else math.nan
+
+
+# SmartFedProx selects clients by the divergence each one reports. Under DP-SGD that
+# report is post-processing of an already private model; under DP-FedAvg each client
+# releases it clipped and noised, and the ledger charges it (strategies.dp_fedavg).
+# Laplace and subspace-dp have no divergence release, hierarchical modes no selection.
+SMART_PRIVACY = ("none", "dp-sgd", "dp-fedavg-fixed", "dp-fedavg-adaptive")
+
+
+@dataclass(frozen=True)
+class SmartSettings(Settings):
+    """SmartFedProx's run-config keys (``smart.*``; its base mu is ``fedprox.mu``)."""
+
+    PREFIX: ClassVar[str] = "smart"
+    selection: str = setting(
+        "hybrid",
+        "SmartFedProx client selection: `hybrid` (30/50/20 % from the high/middle/low"
+        " smoothed-divergence thirds) or `random`.",
+        choices=(
+            "hybrid",
+            "random",
+        ),
+    )
+    adaptive_mu: bool = setting(
+        True,
+        "SmartFedProx: clients scale `fedprox.mu` by their divergence history and epochs.",
+    )
+    cold_start_rounds: int = setting(
+        3,
+        "SmartFedProx: first rounds sampled at random.",
+        low=0,
+    )
+    exploration_rate: float = setting(
+        0.15,
+        "SmartFedProx: probability that a round after the cold start samples at random.",
+        low=0.0,
+        high=1.0,
+    )
+    mu_min: float = setting(
+        0.0,
+        "SmartFedProx: lower clamp of the adaptive mu.",
+        low=0.0,
+    )
+    mu_max: float = setting(
+        1.0,
+        "SmartFedProx: upper clamp of the adaptive mu.",
+        low=0.0,
+    )
+    ema_alpha: float = setting(
+        0.3,
+        "SmartFedProx: weight of the newest divergence in the clients' EMA.",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    )
+    divergence_clip: float = setting(
+        0.0,
+        "SmartFedProx under DP-FedAvg: public bound D each client clips its reported "
+        "divergence to; 0: the round's clip norm C.",
+        low=0.0,
+    )
+    divergence_noise: float = setting(
+        0.0,
+        "SmartFedProx under DP-FedAvg: noise multiplier of the divergence report (std"
+        " / D), charged every round; 0: the run's `dp.noise-multiplier` z.",
+        low=0.0,
+    )
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """The privacy settings that make the divergence reports private."""
+        if choice.strategy != "smart-fedprox":
+            return
+        o = choice.options
+        if choice.privacy not in SMART_PRIVACY:
+            raise SettingsError(
+                f"'privacy' = {choice.privacy!r} cannot protect 'strategy' = 'smart-fedprox': "
+                "it selects clients by the divergence ||w_local - w_global|| each reports, "
+                "which only DP-SGD and the DP-FedAvg family make private; valid values with "
+                "smart-fedprox: " + listed(SMART_PRIVACY)
+            )
+        reports = [k for k in ("smart.divergence-clip", "smart.divergence-noise") if o[k]]
+        if reports and choice.privacy not in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
+            key = reports[0]
+            raise SettingsError(
+                f"{key!r} = {o[key]:g} sets the divergence release of DP-FedAvg; with "
+                f"'privacy' = {choice.privacy!r} nothing is released that way; valid privacy "
+                "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'"
+            )
+        low, high = float(o["smart.mu-min"]), float(o["smart.mu-max"])
+        if low > high:
+            raise SettingsError(
+                f"'smart.mu-min' = {low:g} must not exceed 'smart.mu-max' = {high:g}"
+            )

@@ -39,7 +39,9 @@ Part 2 of the seed:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from logging import INFO, WARNING
+from typing import ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
@@ -65,8 +67,10 @@ from privacy.subspace import (
     unflatten,
     uniform_allocation,
 )
-from strategies.base import InvalidReply, StopTraining
+from protocol.records import InvalidReply
 from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.errors import StopTraining
+from strategies.settings import Choice, Settings, SettingsError, setting
 
 _SKETCH_STREAM = 0x5C  # the public JL matrix of each PMU round
 _DITHER_STREAM = 0xD7  # the shared dither of each (round, client) quantization
@@ -481,3 +485,135 @@ class SubspaceDP(DPFedAvgFixed):
             else "off",
         )
         super().summary()
+
+
+@dataclass(frozen=True)
+class SubspaceSettings(Settings):
+    """Geometry-aligned subspace DP's run-config keys (``subspace.*``; the task's
+    ``subspace.warm-start`` and ``subspace.head-only`` are the task's own)."""
+
+    PREFIX: ClassVar[str] = "subspace"
+    rank: int = setting(
+        32,
+        "Subspace-DP: k, directions of the metric P = U diag(lambda) U^T + tau I.",
+        low=1,
+    )
+    tau: float = setting(
+        0.8,
+        "Subspace-DP: tau, the metric's floor (its eigenvalue off U).",
+        low=0.0,
+        low_open=True,
+    )
+    trace_budget: float = setting(
+        25.0,
+        "Subspace-DP: B = Tr(diag(lambda)), split evenly over the k directions.",
+        low=0.0,
+    )
+    sketch_dim: int = setting(
+        256,
+        "Subspace-DP: s > k, JL sketch dimension of Private Metric Updates (the "
+        "server holds a d x s sketch).",
+        low=2,
+    )
+    pmu_every: int = setting(
+        40,
+        "Subspace-DP: rounds between Private Metric Updates (rounds 1, 1 + every, ...).",
+        low=1,
+    )
+    lambda_ptr: float = setting(
+        1.0,
+        "Subspace-DP: PTR gate factor; a new subspace is adopted when its eigengap "
+        "and k-th eigenvalue exceed this many noise spectral norms.",
+        low=0.0,
+    )
+    init: str = setting(
+        "isotropic",
+        "Subspace-DP: the metric before the first adopted PMU: `isotropic` (P = tau "
+        "I) or `public` (top-k subspace of per-example gradients on the public warm-"
+        "start split; no privacy cost).",
+        choices=(
+            "isotropic",
+            "public",
+        ),
+    )
+    pmu_budget_reserve: float = setting(
+        0.15,
+        "Subspace-DP: share of the noise budget (zCDP rho) spent on PMU sketches (0: "
+        "no PMU, P = tau I).",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    allocation: str = setting(
+        "uniform",
+        "Subspace-DP: how the trace budget is split over U's directions: `uniform` "
+        "(B/k), `water-filling` (Theorem 5, from the public split's gradient "
+        "energies) or `fairness` (Theorem 9: minimise the largest group distortion; "
+        "needs `data.groups`).",
+        choices=(
+            "uniform",
+            "water-filling",
+            "fairness",
+        ),
+    )
+    quantize_bits: int = setting(
+        0,
+        "Subspace-DP: quantize each clipped update to this many bits per coordinate "
+        "in the metric's whitened coordinates, with a Gaussian top-up (0: off; "
+        "2..16).",
+        low=0,
+        high=16,
+    )
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """What subspace-dp needs: s > k, public data for a public basis or allocation,
+        codes of at least 2 bits that a top-up can make Gaussian, server-side noise."""
+        if choice.privacy != "subspace-dp":
+            return
+        o = choice.options
+        rank, sketch = int(o["subspace.rank"]), int(o["subspace.sketch-dim"])
+        if rank >= sketch:
+            raise SettingsError(
+                f"'subspace.rank' = {rank} must be below 'subspace.sketch-dim' = {sketch} "
+                "(PMU takes the top-k eigenpairs of an s x s sketch and tests the gap to the "
+                "next)"
+            )
+        for key, default in (("subspace.init", "isotropic"), ("subspace.allocation", "uniform")):
+            if o[key] != default and int(o.get("subspace.warm-start", 0)) == 0:
+                raise SettingsError(
+                    f"{key!r} = {o[key]!r} needs public data: set 'subspace.warm-start' > 0 "
+                    "(a vision task's public split of the held-out set), or "
+                    f"{key!r} = {default!r}"
+                )
+        bits = int(o["subspace.quantize-bits"])
+        if bits == 1:
+            raise SettingsError(
+                "'subspace.quantize-bits' = 1 cannot code a coordinate of a clipped update "
+                "(the dithered codes take at least three values); valid values: 0 (off) or "
+                "2..16"
+            )
+        if bits and float(o["dp.noise-multiplier"]):  # calibrated z: checked when calibrated
+            rounds, every = choice.num_rounds, int(o["subspace.pmu-every"])
+            z_train, _ = pmu_noise_multiplier(
+                float(o["dp.noise-multiplier"]),
+                float(o["subspace.pmu-budget-reserve"]),
+                rounds,
+                pmu_rounds(rounds, every),
+            )
+            clip = float(o["dp.clip-norm"])
+            try:
+                topup_noise_multiplier(
+                    z_train,
+                    clip_norm=clip,
+                    step=step_for_bits(clip, bits),
+                    num_clients=int(o["dp.num-sampled-clients"]),
+                )
+            except ValueError as err:
+                raise SettingsError(f"'subspace.quantize-bits' = {bits}: {err}") from None
+        if str(o["dp.noise-site"]) != "server":
+            raise SettingsError(
+                "'privacy' = 'subspace-dp' clips in the P-norm and adds elliptical noise on "
+                "the server (clients would need U, d x k, every round); set 'dp.noise-site' "
+                "= 'server'"
+            )

@@ -87,7 +87,7 @@ def opacus_names() -> SimpleNamespace:
 HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
 CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in LocalTraining.state
 ROUNDS_KEY = "dpsgd-rounds"  # in LocalTraining.state: trainings the history covers
-# What a DP-SGD client reports besides local-epsilon (strategies/keys.py has the same
+# What a DP-SGD client reports besides local-epsilon (protocol/keys.py has the same
 # names; a test checks they agree): trainings its accountant covers, and this round's
 # steps, from which the server re-derives the client's epsilon.
 ROUNDS = "dpsgd-rounds"

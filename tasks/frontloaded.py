@@ -13,7 +13,7 @@ with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloa
 * **CP-NP** (:func:`clip_and_noise_delta`): after ordinary local training the update
   ``dw = w_after - w_before`` is clipped to global L2 norm ``C`` and ``N(0, sigma^2)``
   is added to every coordinate; only the noisy ``dw`` is sent. The edge applies
-  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (``strategies.hierarchical.apply_deltas``).
+  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (``strategies.hierarchical_fedavg.apply_deltas``).
 
 All noise comes from an explicit ``torch.Generator``, one draw per trainable parameter
 in ``model.parameters()`` order; the global RNG is never used.
@@ -73,6 +73,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from privacy.mechanisms import FRONT_LOADED_MODES as MODES
 from tasks.base import LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS
 from tasks.dpsgd import (
     HISTORY_KEY,
@@ -90,7 +91,6 @@ from tasks.options import ConfigError
 if TYPE_CHECKING:
     from opacus.grad_sample import GradSampleHooks
 
-MODES = ("cg-ng", "cg-np", "cp-np")
 CLIP_EPSILON = 1e-6  # the seed's min(1, C / (||g|| + 1e-6))
 
 # Metric keys (kebab-case) besides num-examples, train-loss and local-epsilon.

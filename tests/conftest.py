@@ -37,13 +37,3 @@ def task_identity():
     pretend to be task 1 of run 1 on node 0."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
-
-
-@pytest.fixture(autouse=True)
-def fresh_partition_map():
-    """The node -> partition map lives for a ServerApp process; each test starts empty."""
-    from strategies import partitions
-
-    partitions.reset()
-    yield
-    partitions.reset()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from strategies import keys
+from protocol import keys
 
 
 class FakeGrid:

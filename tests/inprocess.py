@@ -18,8 +18,7 @@ from flwr.common.constant import ErrorCode
 
 from client_app.app import app as client_app
 from server_app import app as server_app
-from server_app.config import NOISE_PARAMETER
-from strategies import partitions
+from strategies.private import NOISE_PARAMETER
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -110,8 +109,7 @@ class InProcessGrid:
 
 
 def run_server(config: dict, grid: InProcessGrid) -> None:
-    """The ServerApp's run (as ``flwr run`` would start it) in a fresh server process:
-    the partition map of a previous run is forgotten."""
-    partitions.reset()
+    """The ServerApp's run (as ``flwr run`` would start it): it builds its own strategy,
+    whose partition map knows nothing of a previous run's nodes."""
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     server_app._run(grid, context)

@@ -7,7 +7,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from client_app import hierarchy
-from strategies import keys
+from protocol import keys
 
 
 def test_edge_comes_from_node_config_or_the_partition_block():

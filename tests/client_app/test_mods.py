@@ -7,7 +7,7 @@ import pytest
 from flwr.app import Context, Message, MetricRecord, RecordDict
 
 from client_app.mods import privacy_mod
-from strategies import keys
+from protocol import keys
 from tests.fakes import instruction, record
 
 RECEIVED = {"w": [1.0, 1.0, 1.0], "b": [0.0]}

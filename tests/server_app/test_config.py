@@ -76,8 +76,8 @@ def test_unknown_key_is_named_with_suggestion():
 
 
 def test_conflicting_declarations_are_rejected(monkeypatch):
-    clash = (config.Option("seed", 7, "clash"),)
-    monkeypatch.setattr(config, "STRATEGY_OPTIONS", clash)
+    clash = (*config.TOP_LEVEL, config.Option("seed", 7, "clash"))
+    monkeypatch.setattr(config, "TOP_LEVEL", clash)
     with pytest.raises(ConfigError, match="'seed' is declared twice"):
         config.all_options()
 

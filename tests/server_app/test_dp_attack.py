@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from privacy.mechanisms import clip_by_l2_norm, make_generator
-from strategies import keys
-from strategies.base import sample_uniform
+from protocol import keys
 from strategies.registry import _SERVER_STREAM
+from strategies.sampling import sample_uniform
 from tasks.vision import DigitsTask
 from tests.inprocess import InProcessGrid, run_config, run_server
 

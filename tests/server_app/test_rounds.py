@@ -71,7 +71,7 @@ def test_regroup_weights_group_accuracy_by_the_group_count():
 
 
 def test_group_metric_keys_mirror_the_tasks():
-    from strategies import keys
+    from protocol import keys
     from tasks.vision import data
 
     assert keys.GROUP_ACCURACY == data.GROUP_ACCURACY

@@ -7,9 +7,10 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 import strategies
-from server_app.config import STRATEGY_OPTIONS
-from strategies import keys
-from strategies.base import to_numpy, to_record, weighted_metrics
+from protocol import keys
+from protocol.records import to_numpy, to_record
+from server_app.config import PARTS, part_options
+from strategies.aggregation import weighted_metrics
 from tests.fakes import FakeGrid, reply_from
 
 SETTINGS = strategies.StrategySettings(
@@ -21,7 +22,7 @@ SETTINGS = strategies.StrategySettings(
     min_available_nodes=2,
     seed=0,
     # The server optimizer's defaults (plain FedAvg), as config.load fills them in.
-    options={**{o.key: o.default for o in STRATEGY_OPTIONS}, "fedprox.mu": 0.25},
+    options={**{o.key: o.default for p in PARTS for o in part_options(p)}, "fedprox.mu": 0.25},
 )
 
 

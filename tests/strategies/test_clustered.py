@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from strategies import StopTraining, keys, partitions
+from protocol import keys
+from strategies import StopTraining
 from strategies.clustered import ClusteredFedAvg
+from strategies.partitions import QUERY_TYPE as PARTITION_QUERY
 from tests.fakes import FakeGrid, error_from, partition_reply, record, reply_from
 
 # Three groups of uploads: w near (0, 0), (10, 10), (-10, 5); b = the node id.
@@ -47,7 +49,7 @@ class QueryGrid(FakeGrid):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        if messages and messages[0].metadata.message_type == partitions.QUERY_TYPE:
+        if messages and messages[0].metadata.message_type == PARTITION_QUERY:
             return [partition_reply(m, m.metadata.dst_node_id) for m in messages]
         self.sent.extend(messages)
         replies = [self.answers.get(m.metadata.dst_node_id) for m in messages]

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ConfigRecord
 
 from privacy.accounting import PrivacyLedger
-from strategies import keys
+from protocol import keys
 from strategies.clustered import ClusteredFedAvg
 from strategies.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.dp_fedavg import DPFedAvgFixed

@@ -14,7 +14,8 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from privacy.accounting import PrivacyLedger
-from strategies import StopTraining, keys
+from protocol import keys
+from strategies import StopTraining
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from tests.fakes import FakeGrid, error_from, record, reply_from

@@ -11,8 +11,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from privacy.accounting import PrivacyLedger
 from privacy.calibration import sampled_gaussian_epsilon
-from strategies import StopTraining, keys, partitions
-from strategies.dpsgd import DPSGDClients
+from protocol import keys
+from strategies import StopTraining
+from strategies.dpsgd_clients import DPSGDClients
 from tests.fakes import FakeGrid, error_from, record, reply_from
 
 GLOBAL = {"w": [0.0, 1.0]}
@@ -68,9 +69,9 @@ def _recorded(strategy, server_round):
 
 
 def test_an_honest_client_is_recorded_as_it_reports():
-    partitions.record(1, 0)
-    partitions.record(2, 1)
     strategy = _wrapper()
+    strategy.partitions.record(1, 0)
+    strategy.partitions.record(2, 1)
     messages, (_, metrics) = _round(strategy, 1, {1: 1, 2: 1})
     config = messages[0].content[keys.CONFIG]
     assert config[keys.REPORT_METRICS] == sorted(DPSGDClients.CLIENT_REPORTS)
@@ -84,9 +85,9 @@ def test_an_honest_client_is_recorded_as_it_reports():
 
 
 def test_a_restarted_accountant_is_caught_and_its_lost_history_composed(caplog):
-    partitions.record(1, 0)
-    partitions.record(2, 1)
     strategy = _wrapper()
+    strategy.partitions.record(1, 0)
+    strategy.partitions.record(2, 1)
     _round(strategy, 1, {1: 1, 2: 1})
     _round(strategy, 2, {1: 2, 2: 2})
     # Partition 1 lost its state file: its accountant restarted and it reports 1 round.
@@ -98,8 +99,8 @@ def test_a_restarted_accountant_is_caught_and_its_lost_history_composed(caplog):
 
 
 def test_a_client_reporting_less_than_its_steps_compose_to_is_overruled(caplog):
-    partitions.record(1, 0)
     strategy = _wrapper()
+    strategy.partitions.record(1, 0)
     _round(strategy, 1, {1: 1}, nodes=(1,))
     messages = list(strategy.configure_train(2, record(GLOBAL), ConfigRecord(), FakeGrid([1])))
     metrics = {
@@ -116,9 +117,9 @@ def test_a_client_reporting_less_than_its_steps_compose_to_is_overruled(caplog):
 
 
 def test_a_resume_counts_the_interrupted_round_for_every_client():
-    partitions.record(1, 0)
-    partitions.record(2, 1)
     strategy = _wrapper()
+    strategy.partitions.record(1, 0)
+    strategy.partitions.record(2, 1)
     _round(strategy, 1, {1: 1, 2: 1})
     strategy.on_resume()  # the server stopped while round 2 may have been training
     _round(strategy, 2, {1: 2, 2: 2})
@@ -126,9 +127,9 @@ def test_a_resume_counts_the_interrupted_round_for_every_client():
 
 
 def test_budget_refuses_a_round_a_client_would_exceed_and_a_client_refusal_stops_the_run():
-    partitions.record(1, 0)
     budget = (_epsilon(2) + _epsilon(3)) / 2
     strategy = _wrapper(max_epsilon=budget)
+    strategy.partitions.record(1, 0)
     messages, _ = _round(strategy, 1, {1: 1}, nodes=(1,))
     assert messages[0].content[keys.CONFIG][keys.DPSGD_MAX_EPSILON] == budget
     _round(strategy, 2, {1: 2}, nodes=(1,))

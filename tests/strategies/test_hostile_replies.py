@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import strategies
-from strategies import keys
-from strategies.base import MAX_NUM_EXAMPLES
+from protocol import keys
+from protocol.replies import MAX_NUM_EXAMPLES
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from tests.fakes import FakeGrid, error_from, record, reply_from

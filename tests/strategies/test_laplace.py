@@ -9,7 +9,7 @@ from flwr.app import ConfigRecord, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from privacy.accounting import PrivacyLedger
-from strategies import keys
+from protocol import keys
 from strategies.laplace import LaplaceDP
 from tests.fakes import FakeGrid, error_from, record, reply_from
 

@@ -15,7 +15,8 @@ from flwr.serverapp.strategy import FedAvg
 from scipy import stats
 
 from privacy.accounting import PrivacyLedger
-from strategies import StopTraining, keys
+from protocol import keys
+from strategies import StopTraining
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.laplace import LaplaceDP

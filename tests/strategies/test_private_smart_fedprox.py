@@ -16,8 +16,9 @@ from scipy.stats import norm
 from client_app.mods import privacy_mod
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import BoundedScalarRelease, NonFiniteUpdateError
+from protocol import keys
 from server_app import config as app_config
-from strategies import keys, registry
+from strategies import registry
 from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.smart_fedprox import SmartFedProx

@@ -7,9 +7,11 @@ import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import keys, partitions
-from strategies.base import StopTraining, sample_uniform, wait_for_nodes
-from strategies.errors import DuplicatePartitionError
+from protocol import keys
+from strategies.errors import DuplicatePartitionError, StopTraining
+from strategies.nodes import wait_for_nodes
+from strategies.partitions import QUERY_TYPE, PartitionMap
+from strategies.sampling import sample_uniform
 from strategies.seeded import SeededSampling
 from tests.fakes import FakeGrid, record, reply_from
 
@@ -25,7 +27,7 @@ class PartitionGrid(FakeGrid):
     def send_and_receive(self, messages, timeout=None):
         out = []
         for message in messages:
-            assert message.metadata.message_type == partitions.QUERY_TYPE
+            assert message.metadata.message_type == QUERY_TYPE
             self.queries += 1
             node, pid = (
                 message.metadata.dst_node_id,
@@ -58,11 +60,11 @@ def _seeded(fraction_train, fraction_evaluate, *, min_available_nodes, seed):
 def test_same_seed_same_partitions_whatever_the_node_ids():
     picks = []
     for ids_seed in (1, 2):
-        partitions.reset()
+        partitions = PartitionMap()  # a new run: its own map
         ids = np.random.default_rng(ids_seed).choice(10**9, size=20, replace=False).tolist()
         grid = _grid(ids, ids_seed)
-        nodes = wait_for_nodes(grid, 20, timeout=1.0)
-        sample = sample_uniform(nodes, 5, np.random.default_rng(7))
+        nodes = wait_for_nodes(grid, 20, partitions, timeout=1.0)
+        sample = sample_uniform(nodes, 5, np.random.default_rng(7), partitions)
         picks.append([partitions.partition_of(n) for n in sample])
     assert picks[0] == picks[1]
     assert picks[0] == sorted(picks[0])  # returned in partition order
@@ -70,12 +72,14 @@ def test_same_seed_same_partitions_whatever_the_node_ids():
 
 def test_nodes_are_asked_once_and_silent_nodes_go_last():
     grid = PartitionGrid({30: 2, 10: None, 20: 0, 40: 1})
-    assert wait_for_nodes(grid, 4, timeout=1.0) == [20, 40, 30, 10]
-    wait_for_nodes(grid, 4, timeout=1.0)
+    partitions = PartitionMap()
+    assert wait_for_nodes(grid, 4, partitions, timeout=1.0) == [20, 40, 30, 10]
+    wait_for_nodes(grid, 4, partitions, timeout=1.0)
     assert grid.queries == 4
 
 
 def test_replies_are_summed_in_partition_order():
+    partitions = PartitionMap()
     partitions.record(7, 1)
     partitions.record(3, 0)
     replies = [reply_from(7, {"w": [1.0]}, {}), reply_from(3, {"w": [2.0]}, {})]
@@ -85,9 +89,9 @@ def test_replies_are_summed_in_partition_order():
 def test_seeded_fedavg_samples_the_same_partitions_and_aggregates_identically():
     results = []
     for ids in ([101, 205, 309, 412, 515, 618], [9, 8, 7, 6, 5, 4]):
-        partitions.reset()
         grid = _grid(ids, 0)
-        strategy = _seeded(0.5, 0.0, min_available_nodes=6, seed=3)
+        strategy = _seeded(0.5, 0.0, min_available_nodes=6, seed=3)  # a new run, a new map
+        partitions = strategy.partitions
         messages = list(strategy.configure_train(1, record({"w": [0.0]}), ConfigRecord(), grid))
         sampled = sorted(partitions.partition_of(m.metadata.dst_node_id) for m in messages)
         # Float sums depend on order: (1e16 + 1) - 1e16 = 0 but (1e16 - 1e16) + 1 = 1.
@@ -126,10 +130,10 @@ def test_two_nodes_with_one_partition_stop_the_run_naming_them():
     # counted) twice, which no sampling probability or per-client ledger allows for.
     grid = PartitionGrid({30: 2, 10: 1, 20: 2, 40: 0})
     with pytest.raises(DuplicatePartitionError, match="nodes 20, 30 all report partition-id 2"):
-        wait_for_nodes(grid, 4, timeout=1.0)
+        wait_for_nodes(grid, 4, PartitionMap(), timeout=1.0)
     assert issubclass(DuplicatePartitionError, StopTraining)  # the run ends cleanly
     # A node that is gone (a SuperNode that reconnected under a new id) does not count.
-    partitions.reset()
+    partitions = PartitionMap()
     partitions.record(30, 2)
     partitions.check_unique([20, 10, 40])
     partitions.record(20, 2)
@@ -138,6 +142,30 @@ def test_two_nodes_with_one_partition_stop_the_run_naming_them():
 
 
 def test_client_names_are_partitions():
+    partitions = PartitionMap()
     partitions.record(77, 5)
     assert partitions.client_name(77) == "partition-5"
     assert partitions.client_name(78) == "node-78"
+
+
+def test_every_run_has_its_own_map_shared_by_its_wrappers():
+    from strategies.base import TrainingWrapper
+    from strategies.partitions import partition_map
+
+    class Wrapper(TrainingWrapper):
+        def configure_train(self, *args):
+            return self.strategy.configure_train(*args)
+
+        def aggregate_train(self, *args):
+            return self.strategy.aggregate_train(*args)
+
+        def summary(self):
+            self.strategy.summary()
+
+    first = _seeded(0.5, 0.0, min_available_nodes=2, seed=0)
+    second = _seeded(0.5, 0.0, min_available_nodes=2, seed=0)
+    first.partitions.record(5, 0)
+    assert second.partitions.partition_of(5) is None  # nothing shared between runs
+    wrapped = Wrapper(Wrapper(first))
+    assert wrapped.partitions is first.partitions is partition_map(wrapped)
+    assert partition_map(FedAvg()).partition_of(5) is None  # a bare strategy: empty map

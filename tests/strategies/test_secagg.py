@@ -1,6 +1,6 @@
 """SecAgg+ on the Message API: the server's view, the sum, and dropouts.
 
-The clients are the real client mod (``client_app.secagg.secagg_mod``, Flower's setup,
+The clients are the real client mod (``client_app.secagg_mod.secagg_mod``, Flower's setup,
 share-keys and unmask stages plus our collect stage) around a trainer that returns a
 known update; the server is :func:`strategies.secagg.secure_sum` on a grid that records
 every reply the server receives.
@@ -13,10 +13,11 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-from client_app.secagg import encoding_of, secagg_mod
+from client_app.secagg_mod import encoding_of, secagg_mod
 from privacy.skellam import SecureSumEncoding
-from strategies import keys
-from strategies.secagg import MASKED, SecAggSettings, mask, ring_neighbours, secure_sum
+from protocol import keys
+from protocol.masking import MASKED, mask
+from strategies.secagg import SecAggSettings, ring_neighbours, secure_sum
 
 DIM = 600
 SETTINGS = SecAggSettings()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from strategies import StopTraining, keys
+from protocol import keys
+from strategies import StopTraining
 from strategies.hybrid_selection import (
     fill_unknown,
     hybrid_counts,

@@ -10,7 +10,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from privacy.accounting import PrivacyLedger
 from privacy.subspace import combined_noise_multiplier, orthonormalize, principal_angle
-from strategies import StopTraining, keys
+from protocol import keys
+from strategies import StopTraining
 from strategies.dp_fedavg import DPFedAvgFixed
 from strategies.subspace_dp import SubspaceDP, pmu_rounds
 from tests.fakes import FakeGrid, record, reply_from

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from strategies import StopTraining, keys
-from strategies.hierarchical import (
+from protocol import keys
+from strategies import StopTraining
+from strategies.hierarchical_fedavg import (
     QUERY_TYPE,
     TABLE_COLUMNS,
     HierarchicalFedAvg,

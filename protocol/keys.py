@@ -1,4 +1,8 @@
-"""Message keys shared by strategies and client code (one place, no string drift)."""
+"""The names both sides of a message agree on: record and config keys, metric keys, and
+the client-state directory (one place, no string drift).
+
+The ServerApp's strategies write and read them, the ClientApp reads and writes them;
+neither side owns this module (:mod:`protocol`)."""
 
 # Records inside a message's RecordDict.
 ARRAYS = "arrays"
@@ -56,6 +60,9 @@ TASK_STATE = "task-state"  # ConfigRecord {"json": ...}: the task's persistent s
 # Where clients write their own diagnostics (e.g. PPO episode logs), sent by the
 # ServerApp in every train config; a SuperNode's node_config "artifacts-dir" wins.
 ARTIFACTS_DIR = "artifacts-dir"
+# Inside it, each client keeps its context.state per round (client_app.state); a
+# resumed server deletes the files of rounds it did not commit (server_app.results).
+STATE_DIR = "client-state"
 
 # Clustered FedAvg (seed 000 section 5; IFCA for cluster.assign = "loss").
 CLUSTER_ID = "cluster-id"  # train/evaluate config: index k of the global model sent
@@ -63,6 +70,17 @@ CLUSTER_K = "cluster-k"  # query config: the number K of global models
 CLUSTER_QUERY = "cluster"  # query action: message_type "evaluate.cluster"
 CLUSTER_MODEL = "cluster-model"  # query ArrayRecords "cluster-model-<k>", k = 0..K-1
 CLUSTER_SCORE = "cluster-score"  # query reply metrics "cluster-score-<k>" (lower is better)
+
+
+def cluster_model_key(k: int) -> str:
+    """The query's ArrayRecord key of global model ``k``: ``cluster-model-<k>``."""
+    return f"{CLUSTER_MODEL}-{k}"
+
+
+def cluster_score_key(k: int) -> str:
+    """The query reply's metric key of global model ``k``: ``cluster-score-<k>``."""
+    return f"{CLUSTER_SCORE}-{k}"
+
 
 # SmartFedProx (seed 001): the adaptive-mu inputs the server sends each client (one
 # ConfigRecord per node) and the metrics every SmartFedProx train reply carries.
@@ -104,7 +122,8 @@ FRONT_LOADED_CLIP = "fl-clip"  # C: per-batch (per-example) gradient clip, or de
 FRONT_LOADED_SIGMA = "fl-sigma"  # sigma: std of the Gaussian noise
 FRONT_LOADED_PER_EXAMPLE = "fl-per-example"  # CG-NG: clip per example, noise every step
 
-# Secure aggregation (SecAgg+, strategies/secagg.py): train config of the collect stage.
+# Secure aggregation (SecAgg+: strategies/secagg.py, protocol/masking.py): train config of
+# the collect stage.
 SECAGG_CLIP_NORM = "secagg-clip-norm"  # C (L2, DP) or 0: coordinates clipped to the range
 SECAGG_COORDINATE_RANGE = "secagg-coordinate-range"  # without DP: each coordinate in ±range
 SECAGG_SCALE = "secagg-scale"  # integers per unit of an update coordinate

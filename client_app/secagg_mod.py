@@ -5,7 +5,7 @@ Setup, share-keys and unmask are Flower's own (``flwr.client.mod.secure_aggregat
 secaggplus_mod``: fresh key pairs each round, Shamir shares of the mask seed b_i and of
 sk1_i, each encrypted to its neighbour; shares of b_j or sk1_j, as the server asks).
 The collect stage is ours: Flower's expects a legacy ``FitRes`` and masks with a
-32-bit-seeded MT19937 (see :mod:`strategies.secagg`). Here the client
+32-bit-seeded MT19937 (see :mod:`protocol.masking`). Here the client
 
 1. decrypts the shares forwarded to it and checks their sender and addressee;
 2. trains through the rest of the mod chain (``privacy_mod`` clips the update under
@@ -48,9 +48,9 @@ from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext
 from client_app.mods import _generator
 from privacy.skellam import SecureSumEncoding
 from privacy.subspace import flatten
-from strategies import keys
-from strategies.base import InvalidReply, arrays_of
-from strategies.secagg import mask, masked_record, pairwise_seed, reduce
+from protocol import keys
+from protocol.masking import mask, masked_record, pairwise_seed, reduce
+from protocol.records import InvalidReply, arrays_of
 
 
 def encoding_of(config) -> SecureSumEncoding:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from strategies import keys
+from protocol import keys
 from tasks.adaptive_mu import adaptive_mu, ema, model_divergence
 
 SMART_STATE = "smart-fedprox"  # context.state ConfigRecord: {"historical-divergence": h}

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -23,21 +23,16 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import keys, partitions
-from strategies.base import (
-    InvalidReply,
-    arrays_of,
-    checked_metrics,
-    copy_record,
-    is_number,
-    metrics_of,
-    nodes_for_round,
-    sample_uniform,
-    to_record,
-    wait_for_nodes,
-    weighted_metrics,
-)
+from privacy.mechanisms import FRONT_LOADED_MODES
+from protocol import keys
+from protocol.records import InvalidReply, arrays_of, copy_record, to_record
+from protocol.replies import checked_metrics, is_number, metrics_of
+from strategies.aggregation import weighted_metrics
 from strategies.messaging import send_and_receive
+from strategies.nodes import nodes_for_round, wait_for_nodes
+from strategies.partitions import PartitionMap
+from strategies.sampling import sample_uniform, seeded_sample
+from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0x4E  # edge and client sampling
 _EVAL_STREAM = 0x4F  # federated evaluation sampling (independent of training's)
@@ -91,7 +86,8 @@ def sample_size(population: int, fraction: float) -> int:
 
 
 def sample_edges(edges: list[int], fraction: float, rng: np.random.Generator) -> list[int]:
-    """``fraction`` of ``edges`` (at least one), uniform without replacement, sorted."""
+    """``fraction`` of ``edges`` (at least one), uniform without replacement, sorted
+    (edge ids are not node ids: drawn over ascending ids)."""
     return sample_uniform(edges, sample_size(len(edges), fraction), rng) if edges else []
 
 
@@ -226,6 +222,7 @@ class HierarchicalFedAvg(FedAvg):
         on_edge_aggregation: EdgeHook | None = None,
         before_edge_aggregation: EdgeHook | None = None,
         min_available_nodes: int = 2,
+        partitions: PartitionMap | None = None,
     ) -> None:
         _validate(num_edges, edge_rounds, local_updates, client_fraction, edge_fraction, eta)
         super().__init__(
@@ -243,11 +240,13 @@ class HierarchicalFedAvg(FedAvg):
         self.on_edge_aggregation = on_edge_aggregation
         self.before_edge_aggregation = before_edge_aggregation
         self.on_replies: Callable[[int, list[Message]], None] | None = None
-        # CP-NP under DP (set by strategies.frontloaded): what a sampled client that
+        # CP-NP under DP (set by strategies.frontloaded_clients): what a sampled client that
         # failed counts as (a noised zero delta drawn by the server); every sampled
         # client then weighs 1, and an edge averages over all it sampled.
         self.failed_upload: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None
         self.query_config: dict = {}  # extra entries of the edge query's config
+        # The run's node -> partition map; the edge query fills it (no partition query).
+        self.partitions = partitions if partitions is not None else PartitionMap()
         self.rng = np.random.default_rng([seed, _STREAM])
         self.eval_rng = np.random.default_rng([seed, _EVAL_STREAM])
         self.registrations: dict[int, Registration] = {}  # node -> its query answer
@@ -297,6 +296,7 @@ class HierarchicalFedAvg(FedAvg):
         # The edge query (below) reports each node's partition id: no separate query.
         nodes = nodes_for_round(
             grid,
+            self.partitions,
             min_available=self.min_available_nodes,
             min_sample=1,
             timeout=self.timeout,
@@ -344,7 +344,7 @@ class HierarchicalFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """FedAvg's weighted evaluation metrics, summed in partition order."""
-        return super().aggregate_evaluate(server_round, partitions.sort_replies(replies))
+        return super().aggregate_evaluate(server_round, self.partitions.sort_replies(replies))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -353,14 +353,15 @@ class HierarchicalFedAvg(FedAvg):
         if self.fraction_evaluate == 0.0:
             return []
         needed = max(self.min_available_nodes, self.min_evaluate_nodes)
-        nodes = wait_for_nodes(grid, needed, timeout=self.timeout, discover=False)
+        nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.timeout, discover=False)
         if len(nodes) < needed:
             log(WARNING, "configure_evaluate: too few nodes connected, evaluation skipped")
             return []
-        size = max(int(len(nodes) * self.fraction_evaluate), self.min_evaluate_nodes)
         own = ConfigRecord({**config, keys.SERVER_ROUND: server_round})
         content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: own})
-        picked = sample_uniform(nodes, min(len(nodes), size), self.eval_rng)
+        picked = seeded_sample(
+            nodes, self.fraction_evaluate, self.min_evaluate_nodes, self.eval_rng, self.partitions
+        )
         return [_message(n, content, MessageType.EVALUATE, server_round) for n in picked]
 
     # -- internals ------------------------------------------------------------------------
@@ -381,11 +382,11 @@ class HierarchicalFedAvg(FedAvg):
         for node in unknown:
             try:
                 self.registrations[node] = registration_of(replies.get(node), self.num_edges)
-                partitions.record(node, self.registrations[node].partition)
+                self.partitions.record(node, self.registrations[node].partition)
             except InvalidReply as err:
                 failed += 1
                 log(WARNING, "Hierarchical: node %d not registered (asked again): %s", node, err)
-        partitions.check_unique(nodes)
+        self.partitions.check_unique(nodes)
         sizes = {e: len(m) for e, m in self.membership().items()}
         log(INFO, "Hierarchical: %d nodes registered, per edge %s", len(self.registrations), sizes)
         return failed
@@ -396,7 +397,7 @@ class HierarchicalFedAvg(FedAvg):
         for edge in state.edges:
             members = [n for n in membership[edge] if n in state.connected]
             size = sample_size(len(members), self.client_fraction)
-            sample[edge] = (sample_uniform(members, size, self.rng), len(members))
+            sample[edge] = (sample_uniform(members, size, self.rng, self.partitions), len(members))
         return sample
 
     def _train(self, state: _CloudRound, k: int, sample: Sample) -> list[Message]:
@@ -516,3 +517,78 @@ def _validate(*values: float) -> None:
     for key, (value, ok, valid) in checks.items():
         if not ok:
             raise ValueError(f"{key} = {value!r}; valid values: {valid}")
+
+
+@dataclass(frozen=True)
+class HierSettings(Settings):
+    """Hierarchical FL's run-config keys (``hier.*``)."""
+
+    PREFIX: ClassVar[str] = "hier"
+    num_edges: int = setting(
+        2,
+        "Hierarchical: edges (groups of SuperNodes).",
+        low=1,
+    )
+    edge_rounds: int = setting(
+        2,
+        "Hierarchical: edge aggregations per cloud round (tau_2).",
+        low=1,
+    )
+    local_updates: int = setting(
+        6,
+        "Hierarchical: local iterations per edge aggregation (tau_1; CG modes: epochs"
+        " of one step each).",
+        low=1,
+    )
+    client_fraction: float = setting(
+        0.2,
+        "Hierarchical: share of an edge's clients in each edge aggregation (cfrac).",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    )
+    edge_fraction: float = setting(
+        1.0,
+        "Hierarchical: share of the edges in each cloud round (efrac).",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    )
+    eta: float = setting(
+        1.0,
+        "Hierarchical CP-NP: edge learning rate on the averaged deltas (1: FedAvg).",
+        low=0.0,
+        low_open=True,
+    )
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """Front-loaded modes only in the hierarchy, and a task that counts iterations."""
+        if choice.strategy != "hierarchical" and choice.privacy not in FRONT_LOADED_MODES:
+            return
+        if choice.strategy != "hierarchical":
+            raise SettingsError(
+                f"'privacy' = {choice.privacy!r} is a client mode of hierarchical FL (seed "
+                "003); use it with 'strategy' = 'hierarchical'"
+            )
+        if choice.privacy not in HIERARCHICAL_PRIVACY:
+            raise SettingsError(
+                f"'privacy' = {choice.privacy!r} is not available with 'strategy' = "
+                "'hierarchical'; valid values: " + listed(HIERARCHICAL_PRIVACY)
+            )
+        if "hierarchical" not in choice.traits:
+            raise SettingsError(
+                "'strategy' = 'hierarchical' needs a task that trains for a number of local "
+                f"iterations; 'task' = {choice.task!r} does not; valid tasks: "
+                + listed(choice.tasks_with.get("hierarchical", ()))
+            )
+        if bool(choice.options["dp.per-example"]) and choice.privacy != "cg-ng":
+            raise SettingsError(
+                f"'dp.per-example' = true applies to 'privacy' = 'cg-ng' only (got "
+                f"{choice.privacy!r}): noise added once to the final parameters (cg-np) has "
+                "no sound per-example bound, and cp-np is already client-level"
+            )
+
+
+# The hierarchical strategy takes no other privacy (DP-FedAvg samples clients itself).
+HIERARCHICAL_PRIVACY = ("none", *FRONT_LOADED_MODES)

@@ -32,8 +32,12 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import PrivacyLedger
 from privacy.calibration import sampled_gaussian_epsilon
-from strategies import keys, partitions
-from strategies.base import BudgetExhausted, InvalidReply, add_to_config, metrics_of
+from protocol import keys
+from protocol.records import InvalidReply
+from protocol.replies import metrics_of
+from strategies.base import add_to_config
+from strategies.errors import BudgetExhausted
+from strategies.partitions import PartitionMap
 from strategies.private import PrivacyWrapper
 
 Corrector = Callable[[Message, float], float]
@@ -44,6 +48,7 @@ def record_local_epsilons(
     server_round: int,
     replies: Iterable[Message],
     label: str,
+    partitions: PartitionMap,
     correct: Corrector | None = None,
 ) -> list[float]:
     """Ledger every reply's sample-level ``local-epsilon`` (kept apart from the
@@ -155,7 +160,7 @@ class DPSGDClients(PrivacyWrapper):
         if self._refused:
             raise BudgetExhausted(self._refused)
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        clients = [partitions.client_name(m.metadata.dst_node_id) for m in messages]
+        clients = [self.partitions.client_name(m.metadata.dst_node_id) for m in messages]
         budget = self.ledger.max_epsilon
         if budget is not None:
             for client in clients:
@@ -184,7 +189,7 @@ class DPSGDClients(PrivacyWrapper):
         (1 %: Opacus' RDP orders and conversion against dp-accounting's); else the
         client's own (Opacus, the accountant its noise was calibrated with). Either is
         an upper bound for the steps it took."""
-        client = partitions.client_name(message.metadata.src_node_id)
+        client = self.partitions.client_name(message.metadata.src_node_id)
         metrics = metrics_of(message)
         steps = _round_steps(metrics)
         if steps is None:
@@ -230,7 +235,7 @@ class DPSGDClients(PrivacyWrapper):
             if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in message.error.reason:
                 self._refused = f"a client refused to train: {message.error.reason}"
         recorded = record_local_epsilons(
-            self.ledger, server_round, replies, "DP-SGD", correct=self._verified
+            self.ledger, server_round, replies, "DP-SGD", self.partitions, correct=self._verified
         )
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if metrics is not None:

@@ -39,15 +39,14 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
-from strategies import keys
-from strategies.base import BudgetExhausted
-from strategies.dpsgd import record_local_epsilons
+from privacy.mechanisms import FRONT_LOADED_MODES
+from protocol import keys
+from strategies.dpsgd_clients import record_local_epsilons
+from strategies.errors import BudgetExhausted
 from strategies.private import PrivacyWrapper
 
-MODES = ("cg-ng", "cg-np", "cp-np")
 
-
-class FrontLoadedDP(PrivacyWrapper):
+class FrontLoadedDPClients(PrivacyWrapper):
     """Run one of the seed's client modes under a hierarchical strategy; keep the ledger.
 
     Parameters
@@ -91,8 +90,8 @@ class FrontLoadedDP(PrivacyWrapper):
         rng: np.random.Generator,
         **kwargs,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"'privacy' = {mode!r} is not one of {MODES}")
+        if mode not in FRONT_LOADED_MODES:
+            raise ValueError(f"'privacy' = {mode!r} is not one of {FRONT_LOADED_MODES}")
         super().__init__(strategy, **kwargs)
         self.mode, self.clip, self.sigma, self.per_example = mode, clip, sigma, per_example
         self.ledger, self.edge_view = ledger, edge_view
@@ -232,7 +231,7 @@ class FrontLoadedDP(PrivacyWrapper):
         for message in replies:
             if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in message.error.reason:
                 self._refused = f"a client refused to train: {message.error.reason}"
-        record_local_epsilons(self.ledger, server_round, replies, "CG-NG")
+        record_local_epsilons(self.ledger, server_round, replies, "CG-NG", self.partitions)
 
     def summary(self) -> None:
         """Log the mode and its guarantee, then the wrapped strategy's summary."""

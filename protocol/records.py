@@ -1,0 +1,101 @@
+"""ArrayRecords to numpy arrays and back, as both sides of a message build and read them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+from protocol import keys
+
+
+class InvalidReply(ValueError):
+    """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""
+
+
+_NPY_V1 = b"\x93NUMPY\x01\x00"  # .npy magic and format version 1.0 (what np.save writes)
+
+
+def to_numpy(array: Array, *, copy: bool = True) -> np.ndarray:
+    """``array.numpy()``, without ``np.load``'s parsing of the ``.npy`` header.
+
+    Flower's ``Array.numpy()`` reads the header with ``ast.literal_eval``, most of the
+    cost of decoding a small array (the server decodes every array of every reply;
+    bench/orchestration.py). A C-order version-1.0 payload whose header states exactly
+    the ``dtype`` and ``shape`` the Array declares is read directly from the bytes,
+    into a new writable array as ``np.load`` returns (``copy=False``: a read-only
+    view of the bytes, for a check that keeps nothing); anything else goes to
+    ``array.numpy()``.
+    """
+    data = array.data
+    if array.stype == "numpy.ndarray" and data[:8] == _NPY_V1:
+        offset = 10 + int.from_bytes(data[8:10], "little")
+        dtype, shape = np.dtype(array.dtype), tuple(array.shape)
+        expected = f"{{'descr': '{dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
+        count = math.prod(shape)
+        if (
+            not dtype.hasobject
+            and data[10:offset].decode("latin1").rstrip() == expected
+            and len(data) - offset == count * dtype.itemsize
+        ):
+            view = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+            return view.copy() if copy else view
+    return array.numpy()
+
+
+def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.ndarray]:
+    """The arrays of ``record`` in key order, checked against ``reference``.
+
+    Raises
+    ------
+    InvalidReply
+        If ``record`` is not an ArrayRecord, its keys, shapes or dtypes differ from
+        ``reference``, or any value is NaN or infinite.
+    """
+    if not isinstance(record, ArrayRecord):
+        raise InvalidReply(f"expected an ArrayRecord '{keys.ARRAYS}', got {type(record).__name__}")
+    if reference is not None and list(record.keys()) != list(reference.keys()):
+        raise InvalidReply("array keys differ from the global model's")
+    arrays = [to_numpy(record[k]) for k in record]
+    if reference is not None:
+        for key, got in zip(reference.keys(), arrays, strict=True):
+            want = reference[key]
+            if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != want.dtype:
+                raise InvalidReply(
+                    f"array '{key}' has shape {got.shape}/{got.dtype}, "
+                    f"expected {tuple(want.shape)}/{want.dtype}"
+                )
+    for key, value in zip(record.keys(), arrays, strict=True):
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            raise InvalidReply(f"array '{key}' contains NaN or Inf")
+    return arrays
+
+
+def non_finite_array(record: ArrayRecord) -> str | None:
+    """The key of the first floating array of ``record`` holding a NaN or an infinity,
+    or None; read in place (no copy), for checks on every reply and aggregate."""
+    for key in record:
+        value = to_numpy(record[key], copy=False)
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return key
+    return None
+
+
+def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord with ``reference``'s keys and dtypes holding ``arrays``.
+
+    Averages of integer arrays (e.g. BatchNorm's ``num_batches_tracked``) are rounded,
+    not truncated, so every aggregate keeps the dtypes the next replies validate against.
+    """
+    out = {}
+    for key, value in zip(reference.keys(), arrays, strict=True):
+        dtype = np.dtype(reference[key].dtype)
+        value = np.rint(value) if np.issubdtype(dtype, np.integer) else value
+        out[key] = Array(np.asarray(value, dtype=dtype))
+    return ArrayRecord(out)
+
+
+def copy_record(record: ArrayRecord) -> ArrayRecord:
+    """A copy of ``record`` that shares no buffer with it."""
+    return to_record(record, [record[key].numpy() for key in record])

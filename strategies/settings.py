@@ -1,0 +1,88 @@
+"""Settings a part of the app owns: one frozen dataclass per strategy or mechanism.
+
+Each field is one run-config key (``PREFIX.field-name``) declared once with
+:func:`setting` (default, help, range or choices); the ServerApp derives from these
+classes the option list it validates, the ``pyproject.toml`` defaults check and the
+docs' run-config table (:mod:`server_app.config`). ``check`` refuses, with the key and
+the valid values, combinations the part cannot run or cannot account for.
+
+This module imports nothing of the app or of Flower (``strategies/`` never imports
+``tasks/``, where :class:`tasks.options.Option` lives, so the metadata is plain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self
+
+Scalar = bool | int | float | str
+
+
+class SettingsError(ValueError):
+    """A combination of valid values a part cannot run (the message names the keys)."""
+
+
+def setting(
+    default: Scalar,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> Any:
+    """A dataclass field that is one run-config key (see the module docstring)."""
+    spec = {"help": help, "choices": choices, "low": low, "high": high}
+    spec |= {"low_open": low_open, "high_open": high_open}
+    return field(default=default, metadata={"option": spec})
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the parts' checks see of a run: the choices, the options and the task's
+    traits (``traits``: what the chosen task supports; ``tasks_with``: the tasks with
+    each trait, for the error message)."""
+
+    strategy: str
+    privacy: str
+    task: str
+    num_rounds: int
+    options: Mapping[str, Scalar]
+    traits: frozenset[str] = frozenset()
+    tasks_with: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+class Settings:
+    """Base of the parts' frozen settings dataclasses."""
+
+    PREFIX: ClassVar[str]
+
+    @classmethod
+    def key(cls, name: str) -> str:
+        """The run-config key of field ``name``."""
+        return f"{cls.PREFIX}.{name.replace('_', '-')}"
+
+    @classmethod
+    def specs(cls) -> list[tuple[str, Scalar, dict]]:
+        """``(key, default, metadata)`` of every field, in declaration order."""
+        return [
+            (cls.key(f.name), f.default, f.metadata["option"])
+            for f in fields(cls)  # type: ignore[arg-type]
+            if "option" in f.metadata
+        ]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        """The settings of a run-config's parsed options."""
+        return cls(**{f.name: options[cls.key(f.name)] for f in fields(cls)})  # type: ignore[arg-type]
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """Refuse what this part cannot run with the other choices (default: nothing)."""
+
+
+def listed(values: tuple[str, ...] | list[str]) -> str:
+    """``'a', 'b', 'c'``: valid values as the error messages list them."""
+    return ", ".join(repr(v) for v in values)
