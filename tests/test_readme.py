@@ -1,4 +1,6 @@
-"""The README is the interface: its commands are what CI runs, its table is the code's."""
+"""The README is the interface: its commands are what CI runs, its presets are valid.
+
+The generated tables now live in the docs pages: tests/test_docs.py."""
 
 import re
 import tomllib
@@ -27,19 +29,9 @@ def test_ci_runs_the_readme_commands_verbatim(heading):
     assert _section_command(heading) in ci
 
 
-def test_readme_table_is_generated_from_the_code():
-    assert config.markdown_table() in README
-
-
 @pytest.mark.parametrize("preset", sorted((REPO / "experiments").glob("*.toml")), ids=str)
 def test_presets_are_valid_run_configs(preset):
     defaults = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     # What Flower does with `--run-config preset.toml`: flatten, then fuse with defaults.
     overrides = flatten_dict(tomllib.loads(preset.read_text()))
     config.load(fuse_dicts(defaults["config"], overrides))
-
-
-def test_readme_threat_model_table_is_generated_from_the_code():
-    from strategies import threat_models
-
-    assert threat_models.markdown_table() in README
