@@ -66,7 +66,7 @@ ROUND_SECONDS = "round-seconds"  # train row: the round's wall time, messages to
 # Columns that differ between identical runs by design (wall-clock time).
 TIMING_COLUMNS = ("elapsed-s", ROUND_SECONDS)
 SERVER_CHECKPOINT = "server.pt"
-CHECKPOINT_FORMAT = 2  # 2: committed after the aggregate, with the round's train result
+CHECKPOINT_FORMAT = 3  # 3: each strategy layer's own state_dict(); 2: attribute lists
 CURATOR_DIR = "curator"  # under a privacy mechanism: what no epsilon covers
 CLIENTS_DIR = "clients"  # what the clients write (logs, their state): shared in simulation
 # Keys a resumed run may set differently from the run it continues.
@@ -339,30 +339,7 @@ class RunDirectory:
             If ``path`` holds no checkpoint, or its run-config differs from
             ``run_config`` in any key but ``resume-from`` and ``output-dir``.
         """
-        key = "'resume-from'"
-        file = path / "checkpoint" / SERVER_CHECKPOINT
-        if not (path / "config.json").is_file() or not file.is_file():
-            raise ConfigError(
-                f"{key} = {str(path)!r} is not a run directory with a checkpoint "
-                f"(config.json and checkpoint/{SERVER_CHECKPOINT}, written after every round)"
-            )
-        saved = json.loads((path / "config.json").read_text())["run-config"]
-        differ = sorted(
-            k
-            for k in set(saved) | set(run_config)
-            if k not in RESUME_FREE_KEYS and saved.get(k) != run_config.get(k)
-        )
-        if differ:
-            shown = "; ".join(
-                f"{k!r}: {saved.get(k)!r} then, {run_config.get(k)!r} now" for k in differ
-            )
-            raise ConfigError(f"{key} = {str(path)!r} ran with another run-config ({shown})")
-        state = torch.load(file, weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ConfigError(
-                f"{key}: checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT} "
-                "(written by another version of this app)"
-            )
+        state = _load_checkpoint(path, run_config)
         done = int(state["round"])
         run_dir = cls(path, released)
         run_dir.rows = _rows_before(path / "metrics.csv", done)
@@ -438,6 +415,36 @@ class RunDirectory:
             figure = plot_learning_curve(pd.DataFrame(self.rows), title=title)
             figure.savefig(self.path / "plots" / "learning_curve.png", dpi=120)
             plt.close(figure)
+
+
+def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
+    """``path``'s server checkpoint, if ``path`` is a run of ``run_config`` that this
+    version of the app can continue (else ConfigError naming 'resume-from')."""
+    key = "'resume-from'"
+    file = path / "checkpoint" / SERVER_CHECKPOINT
+    if not (path / "config.json").is_file() or not file.is_file():
+        raise ConfigError(
+            f"{key} = {str(path)!r} is not a run directory with a checkpoint "
+            f"(config.json and checkpoint/{SERVER_CHECKPOINT}, written after every round)"
+        )
+    saved = json.loads((path / "config.json").read_text())["run-config"]
+    differ = sorted(
+        k
+        for k in set(saved) | set(run_config)
+        if k not in RESUME_FREE_KEYS and saved.get(k) != run_config.get(k)
+    )
+    if differ:
+        shown = "; ".join(
+            f"{k!r}: {saved.get(k)!r} then, {run_config.get(k)!r} now" for k in differ
+        )
+        raise ConfigError(f"{key} = {str(path)!r} ran with another run-config ({shown})")
+    state = torch.load(file, weights_only=True)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(
+            f"{key}: checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT} "
+            "(written by another version of this app)"
+        )
+    return state
 
 
 def _rows_before(csv: Path, first_dropped: int) -> list[dict[str, Any]]:

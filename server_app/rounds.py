@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -262,6 +263,26 @@ def _train(
     return result, failure
 
 
+def _evaluate(
+    strategy: Strategy,
+    grid: Grid,
+    result: RoundResult,
+    watch: FailureWatch,
+    evaluation: Mapping[str, Any],
+    started: float,
+) -> str | None:
+    """Evaluate the committed round and apply the divergence guard to its metrics: why
+    its model diverged, or None."""
+    evaluate_round(strategy, grid, result, **evaluation)
+    result.seconds = time.monotonic() - started
+    reason = watch.diverged(
+        result.server_round,
+        {"central-eval": result.central_eval, "federated-eval": result.federated_eval},
+    )
+    result.diverged = reason is not None
+    return reason
+
+
 def run_rounds(
     strategy: Strategy,
     grid: Grid,
@@ -323,13 +344,7 @@ def run_rounds(
             )
             result.seconds = time.monotonic() - started
             on_commit(result)
-            evaluate_round(strategy, grid, result, **evaluation)
-            result.seconds = time.monotonic() - started
-            diverged = watch.diverged(
-                server_round,
-                {"central-eval": result.central_eval, "federated-eval": result.federated_eval},
-            )
-            result.diverged = diverged is not None
+            diverged = _evaluate(strategy, grid, result, watch, evaluation, started)
             on_round(result)
             log(INFO, progress.line(result, time.monotonic() - started))
             if diverged is not None:

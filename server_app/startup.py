@@ -124,33 +124,36 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
             "SuperNode the same 'num-partitions=<n>'"
         )
     canaries = int(cfg.options["audit.canaries"])
-    if canaries and sizes:
+    if sizes:
         (size,) = sizes
-        if size <= canaries:
-            raise StopTraining(
-                f"'audit.canaries' = {canaries} needs num-partitions = N + {canaries} with N "
-                f">= 1 real clients, but the federation has num-partitions = {size} "
-                f'(simulation: --federation-config "num-supernodes={size + canaries}")'
-            )
-    defined = task.num_partitions()
-    if defined is not None and sizes:
-        (size,) = sizes
-        size -= canaries  # the last partition ids are the audit's canaries
-        if size != defined:
-            try:
-                task.load_partition(0, size)  # the task's own message names the fix
-            except ValueError as err:
-                raise StopTraining(str(err)) from None
-            raise StopTraining(
-                f"task '{cfg.task}' defines {defined} clients but the federation has "
-                f"num-partitions={size + canaries}"
-                + (f" ({canaries} of them 'audit.canaries')" if canaries else "")
-            )
+        _check_size(size, canaries, cfg.task, task)
     described = _describe(sizes)
     if canaries:  # say which nodes are not real clients: a federation not sized N + k
         described += f" ({canaries} of them the audit's canaries, the last partition ids)"
     log(INFO, "Federation: %d nodes, %s", len(nodes), described)
     return partitions.order(nodes)
+
+
+def _check_size(size: int, canaries: int, name: str, task: Task) -> None:
+    """num-partitions against the audit's canaries and a task that fixes its clients."""
+    if canaries and size <= canaries:
+        raise StopTraining(
+            f"'audit.canaries' = {canaries} needs num-partitions = N + {canaries} with N "
+            f">= 1 real clients, but the federation has num-partitions = {size} "
+            f'(simulation: --federation-config "num-supernodes={size + canaries}")'
+        )
+    defined = task.num_partitions()
+    clients = size - canaries  # the last partition ids are the audit's canaries
+    if defined is None or clients == defined:
+        return
+    try:
+        task.load_partition(0, clients)  # the task's own message names the fix
+    except ValueError as err:
+        raise StopTraining(str(err)) from None
+    raise StopTraining(
+        f"task '{name}' defines {defined} clients but the federation has "
+        f"num-partitions={size}" + (f" ({canaries} of them 'audit.canaries')" if canaries else "")
+    )
 
 
 def _describe(sizes: Counter) -> str:

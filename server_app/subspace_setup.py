@@ -15,7 +15,7 @@ from flwr.common.logger import log
 
 from privacy.subspace import top_subspace
 from server_app.config import RunConfig
-from strategies.checkpoint import chain
+from strategies.capabilities import layers
 from strategies.subspace_dp import POOLED, SubspaceDP
 from tasks.base import Task
 from tasks.options import ConfigError
@@ -37,7 +37,7 @@ def check(cfg: RunConfig, task: Task) -> None:
 def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, released) -> None:
     """Give ``strategy``'s subspace-dp layer (when it has one: it may sit inside a server
     optimizer) its public basis and samples."""
-    strategy = next((layer for layer in chain(strategy) if isinstance(layer, SubspaceDP)), None)
+    strategy = next((layer for layer in layers(strategy) if isinstance(layer, SubspaceDP)), None)
     if strategy is None:
         return
     o = cfg.options

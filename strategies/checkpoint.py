@@ -1,22 +1,25 @@
 """The state a strategy carries from round to round, saved and restored for resume.
 
-Each strategy class names what it carries between rounds in ``CHECKPOINT``
-(attribute names); attributes keyed by node id are listed in ``CHECKPOINT_BY_NODE``
-instead, because Flower draws fresh node ids in every run (and a SuperNode gets a new
-one when it reconnects): they are saved by partition id (the strategy's
-:class:`~strategies.partitions.PartitionMap`) and mapped back onto whichever node
-reports that partition when the run resumes.
-Per-round scratch (what ``configure_train`` hands to ``aggregate_train``) is not
-state: a checkpoint is taken between rounds.
+Each strategy layer owns its state as torch modules and Opacus' accountants do:
+``state_dict()`` returns what it carries between rounds and ``load_state_dict(state)``
+restores it (generators and ledgers in place: the app and the wrappers share them).
+State kept per client is keyed by node id, which Flower draws afresh in every run (and
+a SuperNode gets a new one when it reconnects): a layer returns it from
+``client_state_dict()`` and the checkpoint stores it by partition id
+(:mod:`strategies.partitions`), mapped back onto whichever node reports that partition
+when the run resumes (``load_client_state_dict``). Per-round scratch (what
+``configure_train`` hands to ``aggregate_train``) is not state: a checkpoint is taken
+between rounds.
 
 :func:`strategy_state` walks the chain of wrappers (``.strategy``) and returns one
 entry per layer; :func:`load_strategy_state` checks that the chain has the same
-classes and restores every attribute. Generators and ledgers are restored *in place*
-(the app and the wrappers share them); everything else is replaced.
+classes and hands every layer its entry. A layer's methods are looked up on its class,
+so a wrapper that forwards unknown attributes to the strategy it wraps (server
+optimizer, secure aggregation) never answers for it.
 
 The state is plain data (dicts, lists, numbers, strings, torch tensors, generator
-state dicts), so ``torch.load(..., weights_only=True)`` reads it without unpickling
-arbitrary objects.
+states) once :func:`encode` has turned arrays, records and metrics into tensors, so
+``torch.load(..., weights_only=True)`` reads it without unpickling arbitrary objects.
 """
 
 from __future__ import annotations
@@ -34,34 +37,33 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.subspace import SubspaceMetric
 from protocol.records import to_numpy
+from strategies.capabilities import layers
 from strategies.partitions import PartitionMap, partition_map
 
 _TAG = "__checkpoint__"  # marks an encoded object in the plain-data tree
-# Classes renamed since checkpoints were first written: old name -> current name.
-_RENAMED = {"LocalTraining": "LocalOnly", "FrontLoadedDP": "FrontLoadedDPClients"}
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the strategy being resumed."""
 
 
-def _names(obj: object, attribute: str) -> tuple[str, ...]:
-    skipped = set(getattr(obj, "checkpoint_exclude", ()))
-    return tuple(n for n in getattr(type(obj), attribute, ()) if n not in skipped)
+def ledger_state(ledger: Any) -> dict[str, Any] | None:
+    """A ledger's (or view's) ``state_dict()``; None for none."""
+    return None if ledger is None else ledger.state_dict()
 
 
-def chain(strategy: Strategy) -> list[Strategy]:
-    """``strategy`` and the strategies it wraps (``.strategy``), outermost first."""
-    layers = [strategy]
-    while isinstance(getattr(layers[-1], "strategy", None), Strategy):
-        layers.append(layers[-1].strategy)
-    return layers
+def load_ledger(ledger: Any, state: Mapping[str, Any] | None) -> None:
+    """Restore :func:`ledger_state` into ``ledger`` in place."""
+    if state is not None:
+        ledger.load_state_dict(state)
+
+
+def _owns(layer: object, method: str) -> bool:
+    return callable(getattr(type(layer), method, None))
 
 
 def encode(value: Any) -> Any:
     """``value`` as plain data (see the module docstring)."""
-    if isinstance(value, np.random.Generator):
-        return {_TAG: "generator", "state": value.bit_generator.state}
     if isinstance(value, ArrayRecord):
         return {
             _TAG: "arrays",
@@ -70,8 +72,6 @@ def encode(value: Any) -> Any:
         }
     if isinstance(value, SubspaceMetric):
         return {_TAG: "subspace-metric", "state": encode(value.state_dict())}
-    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):  # ledgers
-        return {_TAG: "state-dict", "state": value.state_dict()}
     if isinstance(value, np.ndarray):
         return {_TAG: "ndarray", "value": torch.from_numpy(np.array(value))}
     if isinstance(value, np.generic):
@@ -86,7 +86,7 @@ def encode(value: Any) -> Any:
 
 
 def decode(value: Any) -> Any:
-    """The inverse of :func:`encode` (generators and ledgers: see :func:`_restore`)."""
+    """The inverse of :func:`encode`."""
     if isinstance(value, dict) and _TAG in value:
         kind = value[_TAG]
         if kind == "arrays":
@@ -96,28 +96,12 @@ def decode(value: Any) -> Any:
             return value["value"].numpy()
         if kind == "subspace-metric":
             return SubspaceMetric(**decode(value["state"]))
-        if kind == "generator":
-            generator = np.random.default_rng()
-            generator.bit_generator.state = value["state"]
-            return generator
-        raise CheckpointError(f"a {kind!r} is restored in place, not decoded")
+        raise CheckpointError(f"unknown checkpoint entry {kind!r}")
     if isinstance(value, dict):
         return {k: decode(v) for k, v in value.items()}
     if isinstance(value, list):
         return [decode(v) for v in value]
     return value
-
-
-def _restore(obj: object, name: str, saved: Any) -> None:
-    """Set ``obj.name`` from ``saved``: in place for generators and ledgers."""
-    current = getattr(obj, name)
-    kind = saved.get(_TAG) if isinstance(saved, dict) else None
-    if kind == "generator" and isinstance(current, np.random.Generator):
-        current.bit_generator.state = saved["state"]
-    elif kind == "state-dict":
-        current.load_state_dict(saved["state"])
-    else:
-        setattr(obj, name, decode(saved))
 
 
 def _by_partition(
@@ -136,21 +120,23 @@ def _by_partition(
 
 
 def strategy_state(strategy: Strategy) -> list[dict[str, Any]]:
-    """One entry per layer of the chain: its class and its carried attributes."""
+    """One entry per layer of the chain: its class, its state and its clients' state
+    (by partition id)."""
     partitions = partition_map(strategy)
     state = []
-    for layer in chain(strategy):
-        entry: dict[str, Any] = {
-            "class": type(layer).__name__,
-            "attributes": {n: encode(getattr(layer, n)) for n in _names(layer, "CHECKPOINT")},
-            "by-partition": {
-                n: encode(
-                    _by_partition(getattr(layer, n), f"{type(layer).__name__}.{n}", partitions)
-                )
-                for n in _names(layer, "CHECKPOINT_BY_NODE")
-            },
-        }
-        state.append(entry)
+    for layer in layers(strategy):
+        name = type(layer).__name__
+        clients = layer.client_state_dict() if _owns(layer, "client_state_dict") else {}
+        state.append(
+            {
+                "class": name,
+                "state": encode(layer.state_dict()) if _owns(layer, "state_dict") else {},
+                "clients": {
+                    key: encode(_by_partition(by_node, f"{name}.{key}", partitions))
+                    for key, by_node in clients.items()
+                },
+            }
+        )
     return state
 
 
@@ -160,15 +146,16 @@ def load_strategy_state(
     """Restore :func:`strategy_state` ``state`` into ``strategy`` (same chain of
     classes); partition-keyed state goes to ``node_of[partition]`` (partitions whose
     node is not connected now are dropped, with a warning)."""
-    layers = chain(strategy)
-    saved = [_RENAMED.get(entry["class"], entry["class"]) for entry in state]
-    built = [type(layer).__name__ for layer in layers]
+    chain = layers(strategy)
+    saved = [entry["class"] for entry in state]
+    built = [type(layer).__name__ for layer in chain]
     if saved != built:
         raise CheckpointError(f"the checkpoint holds strategies {saved}, this run builds {built}")
-    for layer, entry in zip(layers, state, strict=True):
-        for name, value in entry["attributes"].items():
-            _restore(layer, name, value)
-        for name, by_partition in entry["by-partition"].items():
+    for layer, entry in zip(chain, state, strict=True):
+        if _owns(layer, "load_state_dict"):
+            layer.load_state_dict(decode(entry["state"]))
+        clients = {}
+        for key, by_partition in entry["clients"].items():
             values = decode(by_partition)
             missing = sorted(p for p in values if p not in node_of)
             if missing:
@@ -176,10 +163,12 @@ def load_strategy_state(
                     WARNING,
                     "resume: %s.%s of partition(s) %s dropped: no connected node reports them",
                     type(layer).__name__,
-                    name,
+                    key,
                     missing,
                 )
-            setattr(layer, name, {node_of[p]: v for p, v in values.items() if p in node_of})
+            clients[key] = {node_of[p]: v for p, v in values.items() if p in node_of}
+        if clients:
+            layer.load_client_state_dict(clients)
 
 
 def global_rng_state() -> dict[str, Any]:

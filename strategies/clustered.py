@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -165,8 +165,6 @@ class ClusteredFedAvg(Strategy):
     """
 
     MODEL_LABEL = "cluster"  # its models are written and evaluated as cluster-<k>
-    CHECKPOINT = ("rng", "models", "history", "_sizes", "_round")  # strategies.checkpoint
-    CHECKPOINT_BY_NODE = ("_uploads", "_clusters")
     AGGREGATES_UPLOADS = True  # privacy wrappers hand it the checked uploads
 
     def __init__(
@@ -228,6 +226,31 @@ class ClusteredFedAvg(Strategy):
             "history": history,
             "rng": self.rng.bit_generator.state,
         }
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The generator, the K models, their history and the last round's sizes."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "models": self.models,
+            "history": self.history,
+            "sizes": self._sizes,
+            "round": self._round,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the generator in place)."""
+        self.rng.bit_generator.state = state["rng"]
+        self.models, self.history = state["models"], state["history"]
+        self._sizes, self._round = state["sizes"], state["round"]
+
+    def client_state_dict(self) -> dict[str, dict[int, Any]]:
+        """Each client's last upload and cluster, by node id."""
+        return {"uploads": self._uploads, "clusters": self._clusters}
+
+    def load_client_state_dict(self, state: Mapping[str, dict[int, Any]]) -> None:
+        """Restore :meth:`client_state_dict` (keyed by this run's node ids)."""
+        self._uploads, self._clusters = state["uploads"], state["clusters"]
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""

@@ -53,10 +53,10 @@ Contract with the client (``client_app.mods.privacy_mod`` implements it)::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -79,6 +79,7 @@ from protocol.replies import check_reply
 from strategies.aggregation import weighted_metrics
 from strategies.base import add_to_config
 from strategies.calibrated import CalibratedNoise
+from strategies.checkpoint import ledger_state, load_ledger
 from strategies.errors import BudgetExhausted, StopTraining
 from strategies.nodes import GridView
 from strategies.private import PrivacyWrapper
@@ -161,15 +162,6 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
-    # The generator's state is secret: it lives only in the owner-only checkpoint.
-    CHECKPOINT = (
-        "rng",
-        "clip_norm",
-        "noise_multiplier",
-        "calibration",
-        "ledger",
-        "local_view",
-    )  # strategies.checkpoint
     RELEASED_METRICS = (
         *PrivacyWrapper.RELEASED_METRICS,
         keys.DP_EPSILON_LOCAL,
@@ -665,6 +657,27 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             )
 
     # -- evaluation and summary: the wrapped strategy's ---------------------------
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The secret generator (it lives only in the owner-only checkpoint), C, z, the
+        calibration record and the ledgers."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "clip-norm": self.clip_norm,
+            "noise-multiplier": self.noise_multiplier,
+            "calibration": self.calibration,
+            "ledger": ledger_state(self.ledger),
+            "local-view": ledger_state(self.local_view),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the generator and the ledgers in place)."""
+        self.rng.bit_generator.state = state["rng"]
+        self.clip_norm, self.noise_multiplier = state["clip-norm"], state["noise-multiplier"]
+        self.calibration = state["calibration"]
+        load_ledger(self.ledger, state["ledger"])
+        load_ledger(self.local_view, state["local-view"])
+
     def summary(self) -> None:
         """Log the DP settings, then the wrapped strategy's summary."""
         log(INFO, "\t├──> DP-FedAvg (%s):", type(self).__name__)

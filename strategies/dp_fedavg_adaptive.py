@@ -10,6 +10,8 @@ with the run's multiplier z (their Theorem 1), which the ledger charges.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import Strategy
@@ -37,7 +39,6 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
 
     RELEASED_METRICS = (*DPFedAvgFixed.RELEASED_METRICS, "dp-noisy-unclipped-fraction")
     CLIENT_REPORTS = (keys.DP_NORM_BIT,)
-    CHECKPOINT = (*DPFedAvgFixed.CHECKPOINT, "count_stddev")
     LOCAL_VIEW = False
 
     def __init__(
@@ -60,6 +61,16 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
                 self.after_calibration()
             except StopTraining as err:
                 raise ValueError(str(err)) from None
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """DP-FedAvg's state and the count's noise sigma_b."""
+        return {**super().state_dict(), "count-stddev": self.count_stddev}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self.count_stddev = state["count-stddev"]
 
     def after_calibration(self) -> None:
         """σ_b: given, or max(m/20, z) (Andrew et al.'s m/20, at least z); it must exceed

@@ -22,8 +22,9 @@ epsilon``): the run then stops before its next round.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -36,6 +37,7 @@ from protocol import keys
 from protocol.records import InvalidReply
 from protocol.replies import metrics_of
 from strategies.base import add_to_config
+from strategies.checkpoint import ledger_state, load_ledger
 from strategies.errors import BudgetExhausted
 from strategies.partitions import PartitionMap
 from strategies.private import PrivacyWrapper
@@ -109,9 +111,6 @@ class DPSGDClients(PrivacyWrapper):
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
-    # Rounds each client was asked to train and its last reported steps, by client name
-    # (partition): kept across resume, as its accountant must be.
-    CHECKPOINT = ("ledger", "participations", "interrupted", "steps")  # strategies.checkpoint
     RELEASED_METRICS = (*PrivacyWrapper.RELEASED_METRICS, keys.LOCAL_EPSILON)
     CLIENT_REPORTS = (
         keys.NUM_EXAMPLES,  # the wrapped FedAvg weights by it: treated as public
@@ -252,6 +251,23 @@ class DPSGDClients(PrivacyWrapper):
     def on_resume(self) -> None:
         """Every client may have trained in the round under way when the server stopped."""
         self.interrupted += 1
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger, and each client's rounds and last steps by client name (partition):
+        kept across resume, as its accountant must be."""
+        return {
+            "ledger": ledger_state(self.ledger),
+            "participations": self.participations,
+            "interrupted": self.interrupted,
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the ledger in place)."""
+        load_ledger(self.ledger, state["ledger"])
+        self.participations, self.steps = state["participations"], state["steps"]
+        self.interrupted = state["interrupted"]
 
     def summary(self) -> None:
         """Log the DP-SGD settings, then the wrapped strategy's summary."""

@@ -30,8 +30,9 @@ client sampling, and keeps the run's privacy ledger honest:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from logging import INFO
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -41,6 +42,7 @@ from flwr.serverapp import Grid
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
+from strategies.checkpoint import ledger_state, load_ledger
 from strategies.dpsgd_clients import record_local_epsilons
 from strategies.errors import BudgetExhausted
 from strategies.private import PrivacyWrapper
@@ -70,7 +72,6 @@ class FrontLoadedDPClients(PrivacyWrapper):
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
-    CHECKPOINT = ("ledger", "edge_view")  # strategies.checkpoint (rng: the strategy's)
     RELEASED_METRICS = (
         *PrivacyWrapper.RELEASED_METRICS,
         "dp-epsilon-edge-view",
@@ -232,6 +233,16 @@ class FrontLoadedDPClients(PrivacyWrapper):
             if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in message.error.reason:
                 self._refused = f"a client refused to train: {message.error.reason}"
         record_local_epsilons(self.ledger, server_round, replies, "CG-NG", self.partitions)
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The ledgers (the generator is the wrapped strategy's)."""
+        return {"ledger": ledger_state(self.ledger), "edge-view": ledger_state(self.edge_view)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the ledgers in place)."""
+        load_ledger(self.ledger, state["ledger"])
+        load_ledger(self.edge_view, state["edge-view"])
 
     def summary(self) -> None:
         """Log the mode and its guarantee, then the wrapped strategy's summary."""

@@ -12,10 +12,10 @@ adds their weighted mean, scaled by the edge learning rate ``eta``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -202,7 +202,6 @@ class HierarchicalFedAvg(FedAvg):
     # Registrations are not carried: nodes are asked again (their ids change). Edge
     # models restart from the cloud model every round, but the committed round's are
     # evaluated again when a run resumes.
-    CHECKPOINT = ("rng", "eval_rng", "rows", "models")  # strategies.checkpoint
 
     def __init__(
         self,
@@ -272,6 +271,22 @@ class HierarchicalFedAvg(FedAvg):
             for node, r in sorted(self.registrations.items())
         ]  # fmt: skip
         return {"edges.csv": self.rows, "edge-membership.csv": members}
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The generators, the edges table and the committed round's edge models."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "eval-rng": self.eval_rng.bit_generator.state,
+            "rows": self.rows,
+            "models": self.models,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the generators in place)."""
+        self.rng.bit_generator.state = state["rng"]
+        self.eval_rng.bit_generator.state = state["eval-rng"]
+        self.rows, self.models = state["rows"], state["models"]
 
     def summary(self) -> None:
         """Log the hierarchical settings as a tree, then FedAvg's summary."""

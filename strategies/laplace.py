@@ -51,8 +51,9 @@ Contract with the client (``client_app.mods.privacy_mod``)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -69,6 +70,7 @@ from protocol.replies import check_reply
 from strategies.aggregation import weighted_metrics
 from strategies.base import add_to_config
 from strategies.calibrated import CalibratedNoise
+from strategies.checkpoint import ledger_state, load_ledger
 from strategies.errors import BudgetExhausted
 from strategies.nodes import GridView
 from strategies.private import PrivacyWrapper
@@ -100,7 +102,6 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
 
-    CHECKPOINT = ("rng", "epsilon", "calibration", "ledger", "local_view")
     RELEASED_METRICS = (*PrivacyWrapper.RELEASED_METRICS, keys.DP_EPSILON_LOCAL)
 
     def __init__(
@@ -317,6 +318,24 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         if self.epsilon is not None:
             self.local_view.charge_all(self.local_release(0))
             log(INFO, "resume: one noisy upload charged to every client against the server")
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The secret generator, the per-round epsilon, the calibration and the ledgers."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "epsilon": self.epsilon,
+            "calibration": self.calibration,
+            "ledger": ledger_state(self.ledger),
+            "local-view": ledger_state(self.local_view),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the generator and the ledgers in place)."""
+        self.rng.bit_generator.state = state["rng"]
+        self.epsilon, self.calibration = state["epsilon"], state["calibration"]
+        load_ledger(self.ledger, state["ledger"])
+        load_ledger(self.local_view, state["local-view"])
 
     def summary(self) -> None:
         """Log the mechanism, then the wrapped strategy's summary."""

@@ -41,8 +41,9 @@ timings) is the same uncovered participation record as without it (``curator/``)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import INFO
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -79,10 +80,6 @@ class SecureAggregation(TrainingWrapper):
     settings : SecAggSettings
         The protocol's parameters.
     """
-
-    # strategies.checkpoint: distributed DP's participation counts (by node) and k.
-    CHECKPOINT = ("secure_counts",)
-    CHECKPOINT_BY_NODE = ("participations",)
 
     def __init__(self, strategy: Strategy, settings: SecAggSettings) -> None:
         super().__init__(strategy)
@@ -233,6 +230,23 @@ class SecureAggregation(TrainingWrapper):
         new = to_record(current, [r + d for r, d in zip(reference, mean, strict=True)])
         extra[keys.NUM_EXAMPLES] = float(weight * self.settings.max_weight)
         return new, MetricRecord(extra)
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Distributed DP's count of released sums."""
+        return {"secure-counts": self.secure_counts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.secure_counts = state["secure-counts"]
+
+    def client_state_dict(self) -> dict[str, dict[int, Any]]:
+        """Distributed DP's participation counts, by node id."""
+        return {"participations": self.participations}
+
+    def load_client_state_dict(self, state: Mapping[str, dict[int, Any]]) -> None:
+        """Restore :meth:`client_state_dict` (keyed by this run's node ids)."""
+        self.participations = state["participations"]
 
     def summary(self) -> None:
         """Log the protocol's parameters, then the wrapped strategy's summary."""

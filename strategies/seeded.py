@@ -11,8 +11,9 @@ sampled nodes; replies reach it sorted by partition id.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -49,8 +50,6 @@ class SeededSampling(Strategy):
     partitions : PartitionMap, optional
         The run's node -> partition map (default: a new one, owned by this strategy).
     """
-
-    CHECKPOINT = ("rng_train", "rng_evaluate")  # strategies.checkpoint
 
     def __init__(
         self,
@@ -138,6 +137,19 @@ class SeededSampling(Strategy):
         """The wrapped strategy's evaluation metrics, in partition order."""
         replies = self.partitions.sort_replies(replies)
         return self.strategy.aggregate_evaluate(server_round, replies)
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling generators' states."""
+        return {
+            "rng-train": self.rng_train.bit_generator.state,
+            "rng-evaluate": self.rng_evaluate.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the generators in place)."""
+        self.rng_train.bit_generator.state = state["rng-train"]
+        self.rng_evaluate.bit_generator.state = state["rng-evaluate"]
 
     def summary(self) -> None:
         """Log the sampling, then the wrapped strategy's summary."""

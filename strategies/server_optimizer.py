@@ -140,8 +140,6 @@ class ServerOptimizer(TrainingWrapper):
     are read through this wrapper.
     """
 
-    CHECKPOINT = ("rule_state",)  # strategies.checkpoint
-
     def __init__(self, strategy: Strategy, settings: ServerOptimizerSettings) -> None:
         super().__init__(strategy)
         self.settings = settings
@@ -201,6 +199,15 @@ class ServerOptimizer(TrainingWrapper):
         if arrays is None or current is None:
             return arrays, metrics
         return self.step(server_round, current, arrays), metrics
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's moments."""
+        return {"rule": self.rule_state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.rule_state = state["rule"]
 
     def summary(self) -> None:
         """Log the optimizer, then the wrapped strategy's summary."""

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -128,8 +128,6 @@ class SmartFedProx(FedProx):
         The run's node -> partition map (default: a new one, owned by this strategy).
     """
 
-    CHECKPOINT = ("rng", "history")  # strategies.checkpoint
-    CHECKPOINT_BY_NODE = ("divergences", "historical", "faults")
     # What a client must report under a privacy mechanism (strategies.private): the
     # divergence drives selection and mu, the example count the weighted average.
     REPORTED_METRICS = (keys.NUM_EXAMPLES, keys.DIVERGENCE)
@@ -194,6 +192,29 @@ class SmartFedProx(FedProx):
     def tables(self) -> dict[str, list[dict]]:
         """Tables for the run directory: one selection row per round and node."""
         return {"selection.csv": self.history}
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The generator and the selection history."""
+        return {"rng": self.rng.bit_generator.state, "history": self.history}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the generator in place)."""
+        self.rng.bit_generator.state = state["rng"]
+        self.history = state["history"]
+
+    def client_state_dict(self) -> dict[str, dict[int, Any]]:
+        """Each client's smoothed and historical divergence and its faults, by node id."""
+        return {
+            "divergences": self.divergences,
+            "historical": self.historical,
+            "faults": self.faults,
+        }
+
+    def load_client_state_dict(self, state: Mapping[str, dict[int, Any]]) -> None:
+        """Restore :meth:`client_state_dict` (keyed by this run's node ids)."""
+        self.divergences, self.historical = state["divergences"], state["historical"]
+        self.faults = state["faults"]
 
     def summary(self) -> None:
         """Log the SmartFedProx settings, then FedProx's summary."""

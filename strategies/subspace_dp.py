@@ -39,9 +39,10 @@ Part 2 of the seed:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
@@ -128,9 +129,6 @@ class SubspaceDP(DPFedAvgFixed):
         budget split) as for :class:`DPFedAvgFixed`.
     """
 
-    # The metric in use and the spectra of every metric used (SPI); public samples are
-    # rebuilt by the app.
-    CHECKPOINT = (*DPFedAvgFixed.CHECKPOINT, "z_train", "z_pmu", "z_noise", "metric", "_spectra")
     # The gate reads only the noised sketch, and the rank and code length are public;
     # the P-norm clipping statistics and quantization error come from raw updates.
     RELEASED_METRICS = (
@@ -462,6 +460,25 @@ class SubspaceDP(DPFedAvgFixed):
         """The clip norm, P-norm statistics and, in PMU rounds, the gate's numbers."""
         stats, self._stats = self._stats, {}
         return {"dp-clip-norm": self.clip_norm, **stats}
+
+    # -- checkpoint (strategies.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """DP-FedAvg's state, the split of z, the metric in use and the spectra of every
+        metric used (SPI); the public samples are rebuilt by the app."""
+        return {
+            **super().state_dict(),
+            "z-train": self.z_train,
+            "z-pmu": self.z_pmu,
+            "z-noise": self.z_noise,
+            "metric": self.metric,
+            "spectra": self._spectra,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self.z_train, self.z_pmu, self.z_noise = state["z-train"], state["z-pmu"], state["z-noise"]
+        self.metric, self._spectra = state["metric"], state["spectra"]
 
     def summary(self) -> None:
         """Log the subspace settings, then DP-FedAvg's summary."""
