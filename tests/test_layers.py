@@ -1,0 +1,116 @@
+"""The layering of docs/architecture.md, read from the sources' module-level imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("server_app", "client_app", "strategies", "protocol", "privacy", "tasks", "lab")
+FAB = ("server_app", "client_app", "strategies", "protocol", "privacy", "tasks")
+
+# package -> packages of ours it may not import
+FORBIDDEN = {
+    "privacy": {"tasks", "strategies", "protocol", "client_app", "server_app", "lab"},
+    "tasks": {"strategies", "protocol", "client_app", "server_app", "lab"},
+    "protocol": {"strategies", "client_app", "server_app", "lab", "tasks"},
+    "strategies": {"tasks", "client_app", "server_app", "lab"},
+    "client_app": {"strategies", "server_app", "lab"},
+    "server_app": {"client_app", "lab"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it is imported (``TYPE_CHECKING`` blocks and
+    imports inside functions excluded; a package's ``__init__`` is not counted as a
+    dependency of the modules inside it)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for inner in ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node]:
+            if isinstance(inner, ast.ImportFrom) and inner.module and not inner.level:
+                for alias in inner.names:  # ``from pkg import submodule`` needs the submodule
+                    submodule = f"{inner.module}.{alias.name}"
+                    names.add(submodule if submodule in MODULES else inner.module)
+            elif isinstance(inner, ast.Import):
+                names |= {a.name for a in inner.names}
+    return names
+
+
+MODULES = _modules()
+GRAPH = {m: {d for d in _imports(p) if d in MODULES and d != m} for m, p in MODULES.items()}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_package_imports_a_layer_it_may_not(package):
+    wrong = sorted(
+        f"{module} imports {dep}"
+        for module, deps in GRAPH.items()
+        if module.split(".")[0] == package
+        for dep in deps
+        if dep.split(".")[0] in FORBIDDEN[package]
+    )
+    assert wrong == []
+
+
+@pytest.mark.parametrize("package", ["privacy", "tasks"])
+def test_privacy_and_tasks_import_no_flower(package):
+    wrong = sorted(
+        f"{module} imports {name}"
+        for module, path in MODULES.items()
+        if module.split(".")[0] == package
+        for name in _imports(path)
+        if name.split(".")[0] == "flwr"
+    )
+    assert wrong == []
+
+
+def test_there_is_no_import_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(GRAPH[module]):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_fab_ships_the_app_and_not_the_offline_tools():
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "fab-include"
+    ]
+    assert {entry.split("/")[0] for entry in include if entry.endswith(".py")} == set(FAB)
+
+
+def test_a_cycle_is_found_when_there_is_one():
+    global GRAPH
+    saved = GRAPH
+    GRAPH = {**saved, "lab.checks": {"lab.study"}, "lab.study": {"lab.checks"}}
+    try:
+        with pytest.raises(AssertionError):
+            test_there_is_no_import_cycle()
+    finally:
+        GRAPH = saved
