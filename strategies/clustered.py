@@ -512,10 +512,7 @@ class ClusterSettings(Settings):
         "l2",
         "Clustered FedAvg: how a client picks its model: `l2` (closest weights to its"
         " last upload, the seed's rule) or `loss` (best local evaluation, IFCA).",
-        choices=(
-            "l2",
-            "loss",
-        ),
+        choices=("l2", "loss"),
     )
 
     @staticmethod

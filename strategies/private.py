@@ -137,9 +137,9 @@ class DPSettings(Settings):
     )
     noise_multiplier: float = setting(
         0.0,
-        "z: noise std / C (DP-FedAvg, subspace-dp: on the sum of the round's updates;"
-        " DP-SGD: on each batch's gradient sum). 0: calibrated from dp.target-"
-        "epsilon; give one of the two.",
+        "z: noise std / C (DP-FedAvg, subspace-dp: on the sum of the round's updates; "
+        "DP-SGD: on each batch's gradient sum). 0: calibrated from dp.target-epsilon; "
+        "give one of the two.",
         low=0.0,
     )
     num_sampled_clients: int = setting(
@@ -156,28 +156,18 @@ class DPSettings(Settings):
         " m without replacement, replace-one, RDP; seed 002's DP-FedAvg). Laplace: "
         "`poisson` samples q = m/N, `fixed` is the strategy's `fraction-train`; "
         "neither is charged as amplified (local noise).",
-        choices=(
-            "poisson",
-            "fixed",
-        ),
+        choices=("poisson", "fixed"),
     )
     noise_site: str = setting(
         "server",
         "Who adds the Gaussian noise.",
-        choices=(
-            "server",
-            "client",
-        ),
+        choices=("server", "client"),
     )
     accountant: str = setting(
         "auto",
         "Privacy accountant (dp-accounting): `auto` is pld for Poisson sampling and "
         "rdp otherwise (dp-accounting's PLD has no sampling without replacement).",
-        choices=(
-            "auto",
-            "rdp",
-            "pld",
-        ),
+        choices=("auto", "rdp", "pld"),
     )
     target_delta: float = setting(
         1e-05,

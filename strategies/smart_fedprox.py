@@ -472,10 +472,7 @@ class SmartSettings(Settings):
         "hybrid",
         "SmartFedProx client selection: `hybrid` (30/50/20 % from the high/middle/low"
         " smoothed-divergence thirds) or `random`.",
-        choices=(
-            "hybrid",
-            "random",
-        ),
+        choices=("hybrid", "random"),
     )
     adaptive_mu: bool = setting(
         True,

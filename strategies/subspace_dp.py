@@ -545,13 +545,10 @@ class SubspaceSettings(Settings):
     )
     init: str = setting(
         "isotropic",
-        "Subspace-DP: the metric before the first adopted PMU: `isotropic` (P = tau "
-        "I) or `public` (top-k subspace of per-example gradients on the public warm-"
-        "start split; no privacy cost).",
-        choices=(
-            "isotropic",
-            "public",
-        ),
+        "Subspace-DP: the metric before the first adopted PMU: `isotropic` (P = tau I) "
+        "or `public` (top-k subspace of per-example gradients on the public warm-start "
+        "split; no privacy cost).",
+        choices=("isotropic", "public"),
     )
     pmu_budget_reserve: float = setting(
         0.15,
@@ -567,11 +564,7 @@ class SubspaceSettings(Settings):
         "(B/k), `water-filling` (Theorem 5, from the public split's gradient "
         "energies) or `fairness` (Theorem 9: minimise the largest group distortion; "
         "needs `data.groups`).",
-        choices=(
-            "uniform",
-            "water-filling",
-            "fairness",
-        ),
+        choices=("uniform", "water-filling", "fairness"),
     )
     quantize_bits: int = setting(
         0,
