@@ -25,7 +25,7 @@ from server_app.failures import FailurePolicy
 from strategies import registry
 from strategies.clustered import ClusterSettings
 from strategies.hierarchical_fedavg import HierSettings
-from strategies.private import DPSettings
+from strategies.private import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
 from strategies.secagg import SecAggSettings
 from strategies.server_optimizer import ServerOptimizerSettings
 from strategies.settings import Choice, Settings, listed
@@ -93,13 +93,6 @@ PARTS: tuple[type[Settings], ...] = (
     SecAggSettings,
     AuditSettings,
 )
-
-# ``dp.clip-norm = 0``: adaptive clipping starts at 0.1, as Andrew et al. (2021), TFF's
-# and Flower's adaptive-clipping aggregators do (a model's first updates are often far
-# above the quantile it converges to, and the noise scales with C until it gets there);
-# a fixed clip, DP-SGD's per-example clip and the hierarchical modes start at 1.
-ADAPTIVE_INITIAL_CLIP = 0.1
-DEFAULT_CLIP = 1.0
 
 # Keys of earlier versions, with what replaces them.
 REMOVED_KEYS = {

@@ -113,10 +113,11 @@ class FailureWatch:
 
     @classmethod
     def for_run(cls, options: Mapping[str, Any], *, private: bool) -> FailureWatch:
-        """The policy of the run-config's ``run.*`` keys."""
+        """The policy of the run-config's ``run.*`` keys (:class:`FailurePolicy`)."""
+        policy = FailurePolicy.from_options(options)
         return cls(
-            max_failed_rounds=int(options["run.max-failed-rounds"]),
-            divergence_factor=float(options["run.divergence-factor"]),
+            max_failed_rounds=policy.max_failed_rounds,
+            divergence_factor=policy.divergence_factor,
             private=private,
         )
 

@@ -113,6 +113,17 @@ class PrivacyWrapper(TrainingWrapper):
         view. Called once when a run resumes, before its first round."""
 
 
+# Strategies that pick clients from what the clients report (no uniform sampling,
+# so DP wrappers claim no amplification by subsampling for them).
+DATA_DEPENDENT_SELECTION: frozenset[str] = frozenset({"smart-fedprox"})
+
+# ``dp.clip-norm = 0``: adaptive clipping starts at 0.1, as Andrew et al. (2021), TFF's
+# and Flower's adaptive-clipping aggregators do (a model's first updates are often far
+# above the quantile it converges to, and the noise scales with C until it gets there);
+# a fixed clip, DP-SGD's per-example clip and the hierarchical modes start at 1.
+ADAPTIVE_INITIAL_CLIP = 0.1
+DEFAULT_CLIP = 1.0
+
 # Each mechanism's noise parameter: give it, or dp.target-epsilon to calibrate it.
 NOISE_PARAMETER = {
     "dp-fedavg-fixed": "dp.noise-multiplier",
@@ -132,7 +143,8 @@ class DPSettings(Settings):
         0.0,
         "L2 clip norm C: of each client update (DP-FedAvg; the initial C when "
         "adaptive), of each example's gradient (DP-SGD). 0: the mechanism's default, "
-        "0.1 for dp-fedavg-adaptive (Andrew et al. 2021), 1 otherwise.",
+        f"{ADAPTIVE_INITIAL_CLIP:g} for dp-fedavg-adaptive (Andrew et al. 2021), "
+        f"{DEFAULT_CLIP:g} otherwise.",
         low=0.0,
     )
     noise_multiplier: float = setting(
@@ -275,7 +287,7 @@ class DPSettings(Settings):
             choice.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive")
             and o["dp.noise-site"] == "client"
             and o["dp.sampling"] == "poisson"
-            and choice.strategy != "smart-fedprox"  # selects by reports: samples nothing
+            and choice.strategy not in DATA_DEPENDENT_SELECTION  # it samples nothing
         ):
             raise SettingsError(
                 "'dp.noise-site' = 'client' needs 'dp.sampling' = 'fixed': with Poisson "

@@ -24,10 +24,11 @@ from strategies.frontloaded_clients import FrontLoadedDPClients
 from strategies.hierarchical_fedavg import HierarchicalFedAvg
 from strategies.laplace import LaplaceDP
 from strategies.local import LocalOnly
+from strategies.private import DATA_DEPENDENT_SELECTION
 from strategies.secagg import SecAggSettings
 from strategies.secure import SecureAggregation
 from strategies.seeded import SeededSampling
-from strategies.server_optimizer import ServerOptimizer, server_optimizer_settings
+from strategies.server_optimizer import ServerOptimizer, ServerOptimizerSettings
 from strategies.settings import Settings, setting
 from strategies.smart_fedprox import SmartFedProx
 from strategies.subspace_dp import SubspaceDP
@@ -37,10 +38,6 @@ _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noi
 # Local noise: a client that takes part always sends its noise, so only its data may
 # differ between neighbouring runs (its update replaced by zero), not its presence.
 LAPLACE_NEIGHBORING = "zero-out"
-
-# Strategies that pick clients from what the clients report (no uniform sampling,
-# so DP wrappers claim no amplification by subsampling for them).
-DATA_DEPENDENT_SELECTION: frozenset[str] = frozenset({"smart-fedprox"})
 
 
 @dataclass(frozen=True)
@@ -395,7 +392,7 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
     secagg = secagg_settings(settings.options)
     if secagg is not None:
         strategy = SecureAggregation(strategy, secagg)
-    optimizer = server_optimizer_settings(settings.options)
+    optimizer = ServerOptimizerSettings.from_options(settings.options)
     if optimizer.is_identity:
         return strategy
     return ServerOptimizer(strategy, optimizer)

@@ -119,11 +119,6 @@ class ServerOptimizerSettings(Settings):
         return cls(eta=self.lr, tau=self.tau, beta_1=self.beta1, beta_2=self.beta2)
 
 
-def server_optimizer_settings(options: Mapping[str, Any]) -> ServerOptimizerSettings:
-    """The ``server.*`` options of a run-config's namespaced options."""
-    return ServerOptimizerSettings.from_options(options)
-
-
 # The state each Flower rule carries between rounds (restored on resume).
 _RULE_STATE = {FedAvgM: ("momentum_vector",), FedAdam: ("m_t", "v_t")}
 _RULE_STATE |= {FedYogi: ("m_t", "v_t"), FedAdagrad: ("m_t", "v_t")}
