@@ -42,6 +42,7 @@ from tasks.base import (
     LocalTraining,
     Task,
     resolve_device,
+    seed_torch,
 )
 from tasks.dpsgd import train_private
 from tasks.finance.data import (
@@ -387,7 +388,7 @@ class FinanceTask(Task):
         rng_devices = [device] if device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=rng_devices):
-                torch.manual_seed(local.seed)
+                seed_torch(local.seed, device)
                 if local.dp_sgd is not None:
                     metrics = self._run_private_epochs(model, partition.train, local)
                 else:

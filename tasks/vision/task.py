@@ -54,6 +54,7 @@ from tasks.base import (
     Task,
     local_seed,
     resolve_device,
+    seed_torch,
 )
 from tasks.dpsgd import calibrated_settings, train_private
 from tasks.options import ConfigError, Option
@@ -78,7 +79,6 @@ from tasks.vision.data import (
 )
 from tasks.vision.gradients import per_example_gradients
 from tasks.vision.hierarchical import train_local_updates
-from tasks.vision.hub import hub_central_fraction, load_hub_central_test, load_hub_partition
 from tasks.vision.models import (
     build_model,
     head_parameter_names,
@@ -278,8 +278,10 @@ class ImageClassificationTask(Task):
             return load_digits_partition(
                 cfg.partition_settings, cfg.central_test_fraction, partition_id, num_partitions
             )
-        central = hub_central_fraction(self.SPEC, cfg.central_test_fraction)
-        return load_hub_partition(
+        from tasks.vision import hub  # Hugging Face datasets: only for Hub datasets
+
+        central = hub.hub_central_fraction(self.SPEC, cfg.central_test_fraction)
+        return hub.load_hub_partition(
             self.SPEC, cfg.partition_settings, central, partition_id, num_partitions
         )
 
@@ -320,8 +322,10 @@ class ImageClassificationTask(Task):
             return load_digits_central_test(
                 cfg.central_split_seed, cfg.central_test_fraction, cfg.normalize
             )
-        central = hub_central_fraction(self.SPEC, cfg.central_test_fraction)
-        return load_hub_central_test(self.SPEC, cfg.seed, central)
+        from tasks.vision import hub
+
+        central = hub.hub_central_fraction(self.SPEC, cfg.central_test_fraction)
+        return hub.load_hub_central_test(self.SPEC, cfg.seed, central)
 
     def _split_held_out(self) -> tuple[TensorSplit, TensorSplit]:
         """(public, central test) parts of the held-out set, split once per task."""
@@ -405,7 +409,7 @@ class ImageClassificationTask(Task):
                 torch.random.fork_rng(devices=rng_devices),
                 deterministic_torch(cfg.deterministic),
             ):
-                torch.manual_seed(seed)
+                seed_torch(seed, device)
                 yield
         except RuntimeError as err:
             if cfg.deterministic and "deterministic" in str(err):
