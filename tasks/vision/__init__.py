@@ -4,9 +4,16 @@
 flwr-datasets and raise :class:`DatasetUnavailableError` at once when offline.
 """
 
-from tasks.vision import data, hub
-from tasks.vision.data import CentralTestSet, ClientPartition, DatasetSpec, TensorSplit
-from tasks.vision.hub import DatasetUnavailableError
+import sys
+
+from tasks.vision import data
+from tasks.vision.data import (
+    CentralTestSet,
+    ClientPartition,
+    DatasetSpec,
+    DatasetUnavailableError,
+    TensorSplit,
+)
 from tasks.vision.models import build_model
 from tasks.vision.partitioning import PartitionSettings
 from tasks.vision.settings import VisionConfig
@@ -22,17 +29,18 @@ from tasks.vision.task import (
 
 def clear_caches() -> None:
     """Forget every cached dataset, partitioner and partition of this process."""
-    for cached in (
+    cached = [
         data.digits_tensors,
         data.digits_central_split,
         data.digits_partitioner,
         data.load_digits_partition,
         data.load_digits_central_test,
-        hub.federated_dataset,
-        hub.load_hub_partition,
-        hub.load_hub_central_test,
-    ):
-        cached.cache_clear()
+    ]
+    hub = sys.modules.get("tasks.vision.hub")  # imported by the first Hub dataset only
+    if hub is not None:
+        cached += [hub.federated_dataset, hub.load_hub_partition, hub.load_hub_central_test]
+    for function in cached:
+        function.cache_clear()
 
 
 __all__ = [

@@ -26,11 +26,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
-from flwr_datasets.partitioner.partitioner import Partitioner
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
@@ -44,6 +43,13 @@ from tasks.vision.partitioning import (
     local_split_rng,
     split_local,
 )
+
+if TYPE_CHECKING:
+    from flwr_datasets.partitioner import Partitioner
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A Hugging Face dataset is neither reachable on the Hub nor in the local cache."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,8 @@ def digits_partitioner(
         pool, _ = digits_central_split(settings.seed, central_test_fraction)
         pool = np.random.default_rng(settings.seed).permutation(pool)
     labels = digits_tensors().labels.numpy()[pool]
+    import datasets  # with flwr-datasets, only where partitions are built
+
     partitioner = build_partitioner(settings, num_partitions, DIGITS.label_column)
     partitioner.dataset = datasets.Dataset.from_dict({"id": pool, "label": labels})
     return partitioner

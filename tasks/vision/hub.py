@@ -30,6 +30,7 @@ from tasks.vision.data import (
     CentralTestSet,
     ClientPartition,
     DatasetSpec,
+    DatasetUnavailableError,
     TensorSplit,
     images_to_tensor,
     split_partition,
@@ -43,10 +44,6 @@ from tasks.vision.partitioning import (
 
 HUB_PROBE_TIMEOUT_S = 3.0
 T = TypeVar("T")
-
-
-class DatasetUnavailableError(RuntimeError):
-    """A Hugging Face dataset is neither reachable on the Hub nor in the local cache."""
 
 
 def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:

@@ -53,21 +53,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    ExponentialPartitioner,
-    IidPartitioner,
-    LinearPartitioner,
-    PathologicalPartitioner,
-    SquarePartitioner,
-)
-from flwr_datasets.partitioner.partitioner import Partitioner
 
 from tasks.options import ConfigError
 from tasks.topology import edge_members, edge_start
+
+if TYPE_CHECKING:
+    from flwr_datasets.partitioner import Partitioner
 
 PARTITIONERS = (
     "iid", "dirichlet", "pathological", "linear", "square", "exponential", "one-class",
@@ -77,10 +71,10 @@ PARTITIONERS = (
 # test set of scikit-learn's train_test_split(random_state=0), and the training rows in
 # that split's order permuted by numpy's default_rng(0) and cut by np.array_split.
 ARRAY_SPLIT_SEED = 0
-QUANTITY_SKEW = {
-    "linear": LinearPartitioner,
-    "square": SquarePartitioner,
-    "exponential": ExponentialPartitioner,
+QUANTITY_SKEW = {  # flwr_datasets.partitioner class names
+    "linear": "LinearPartitioner",
+    "square": "SquarePartitioner",
+    "exponential": "ExponentialPartitioner",
 }
 
 # Smallest Dirichlet partition accepted: one local train and one local test example.
@@ -143,11 +137,18 @@ def build_partitioner(
     """
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    # flwr-datasets (with Hugging Face datasets, and matplotlib for its plots) is
+    # imported here, not with the module: a ServerApp that builds no partition never
+    # loads it (about 0.9 s and 100 MiB per process, bench/BENCHMARKS.md).
+    from flwr_datasets import partitioner as fds
+
+    from tasks.vision.one_class import OneClassPartitioner
+
     mode = settings.partitioner
     if mode in ("iid", "array-split"):  # contiguous shards of the pool's order
-        return IidPartitioner(num_partitions=num_partitions)
+        return fds.IidPartitioner(num_partitions=num_partitions)
     if mode == "dirichlet":
-        return DirichletPartitioner(
+        return fds.DirichletPartitioner(
             num_partitions=num_partitions,
             partition_by=label_column,
             alpha=float(settings.alpha),
@@ -158,7 +159,7 @@ def build_partitioner(
             seed=settings.seed,
         )
     if mode == "pathological":
-        return PathologicalPartitioner(
+        return fds.PathologicalPartitioner(
             num_partitions=num_partitions,
             partition_by=label_column,
             num_classes_per_partition=settings.classes_per_client,
@@ -166,7 +167,7 @@ def build_partitioner(
             seed=settings.seed,
         )
     if mode in QUANTITY_SKEW:
-        return QUANTITY_SKEW[mode](num_partitions=num_partitions)
+        return getattr(fds, QUANTITY_SKEW[mode])(num_partitions=num_partitions)
     if mode == "one-class":
         return OneClassPartitioner(
             num_partitions=num_partitions,
@@ -287,57 +288,6 @@ def one_class_partition(
             stacklevel=2,
         )
     return parts
-
-
-class OneClassPartitioner(Partitioner):
-    """flwr-datasets wrapper of :func:`one_class_partition` (one class per client).
-
-    Parameters
-    ----------
-    num_partitions : int
-        Number of clients.
-    partition_by : str
-        Label column.
-    num_edges : int
-        Number of edges (``hier.num-edges``).
-    edge_iid : bool
-        ``data.edge-iid``.
-    seed : int
-        Seed of the class order and the per-class splits.
-    """
-
-    def __init__(
-        self, num_partitions: int, partition_by: str, num_edges: int, edge_iid: bool, seed: int
-    ) -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
-        self._partition_by = partition_by
-        self._num_edges = num_edges
-        self._edge_iid = edge_iid
-        self._seed = seed
-        self._indices: list[np.ndarray] | None = None
-
-    @property
-    def num_partitions(self) -> int:
-        """Total number of partitions."""
-        return self._num_partitions
-
-    def partition_indices(self) -> list[np.ndarray]:
-        """Row indices of every partition (computed once)."""
-        if self._indices is None:
-            labels = np.asarray(self.dataset[self._partition_by])
-            self._indices = one_class_partition(
-                labels,
-                self._num_partitions,
-                self._num_edges,
-                self._edge_iid,
-                np.random.default_rng(self._seed),
-            )
-        return self._indices
-
-    def load_partition(self, partition_id: int) -> datasets.Dataset:
-        """Partition ``partition_id``: the rows of its single class."""
-        return self.dataset.select(self.partition_indices()[partition_id])
 
 
 def check_partition_id(partition_id: int, num_partitions: int) -> None:

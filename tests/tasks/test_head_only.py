@@ -14,8 +14,7 @@ from torch import nn
 
 from tasks.base import DPSGD, EVAL_ACCURACY, LocalTraining, Task
 from tasks.options import ConfigError
-from tasks.vision import CentralTestSet, DigitsTask, MNISTTask, TensorSplit
-from tasks.vision import task as vtask
+from tasks.vision import CentralTestSet, DigitsTask, MNISTTask, TensorSplit, hub
 from tasks.vision.data import digits_central_split
 from tasks.vision.models import MODEL_NAMES, build_model, head_parameter_names, train_head_only
 from tasks.vision.task import WARM_START_ACCURACY, WARM_START_LOSS
@@ -139,7 +138,7 @@ def test_hub_task_splits_its_test_split(monkeypatch):
     # Prepare: a fake MNIST test split of 40 images, 4 per class, image i filled with i.
     images = torch.arange(40, dtype=torch.float32).view(40, 1, 1, 1).expand(40, 1, 28, 28)
     fake = CentralTestSet(TensorSplit(images, torch.arange(40) % 10))
-    monkeypatch.setattr(vtask, "load_hub_central_test", lambda spec, seed, central: fake)
+    monkeypatch.setattr(hub, "load_hub_central_test", lambda spec, seed, central: fake)
     task = MNISTTask({"subspace.warm-start": 1})
 
     # Execute

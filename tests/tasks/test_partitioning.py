@@ -10,8 +10,8 @@ from tasks.options import ConfigError
 from tasks.topology import edge_members
 from tasks.vision import data as vdata
 from tasks.vision.data import load_digits_central_test, load_digits_partition
+from tasks.vision.one_class import OneClassPartitioner
 from tasks.vision.partitioning import (
-    OneClassPartitioner,
     PartitionSettings,
     one_class_partition,
     split_local,
