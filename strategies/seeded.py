@@ -19,10 +19,10 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import FedAvg, Strategy
 
 from protocol.records import to_record
-from strategies.aggregation import screen_replies
+from strategies.aggregation import fedavg_arrays, screen_replies
 from strategies.nodes import GridView, nodes_for_round
 from strategies.partitions import PartitionMap
 from strategies.sampling import seeded_sample
@@ -100,8 +100,11 @@ class SeededSampling(Strategy):
         """The wrapped strategy's aggregate of the valid replies (:func:`screen_replies`)
         in partition order; nothing when none is valid."""
         replies = self.partitions.sort_replies(replies)
-        if self._reference is not None:
-            replies = screen_replies(replies, self._reference, who=type(self.strategy).__name__)
+        reference = self._reference
+        screened = None
+        if reference is not None:
+            screened = screen_replies(replies, reference, who=type(self.strategy).__name__)
+            replies = [message for message, _ in screened]
         if not replies:
             log(
                 WARNING,
@@ -109,8 +112,14 @@ class SeededSampling(Strategy):
                 server_round,
             )
             return None, None
-        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
-        reference = self._reference
+        strategy = self.strategy
+        if screened is not None and len(reference) and _plain_fedavg(strategy):
+            # Flower's FedAvg/FedProx aggregate, from the arrays the screening decoded
+            log(INFO, "aggregate_train: Received %d results and 0 failures", len(replies))
+            arrays = fedavg_arrays(screened, strategy.weighted_by_key, reference)
+            contents = [message.content for message in replies]
+            return arrays, strategy.train_metrics_aggr_fn(contents, strategy.weighted_by_key)
+        arrays, metrics = strategy.aggregate_train(server_round, replies)
         if arrays is not None and reference is not None and len(reference):
             # Flower's FedAvg returns float64 averages of integer arrays (BatchNorm's
             # num_batches_tracked): keep the global model's dtypes, which the next
@@ -163,3 +172,11 @@ class SeededSampling(Strategy):
             self.min_evaluate_nodes,
         )
         self.strategy.summary()
+
+
+def _plain_fedavg(strategy: Strategy) -> bool:
+    """Whether ``strategy`` aggregates training as Flower's FedAvg does (FedAvg, and
+    FedProx, which changes only what it sends)."""
+    return (
+        isinstance(strategy, FedAvg) and type(strategy).aggregate_train is FedAvg.aggregate_train
+    )

@@ -142,3 +142,61 @@ def test_to_numpy_leaves_malformed_bytes_to_array_numpy():
         truncated.numpy()
     with pytest.raises(ValueError):
         to_numpy(truncated)
+
+
+def test_fedavg_aggregate_is_bit_for_bit_flowers():
+    """The seeded FedAvg aggregates from the arrays its screening decoded
+    (strategies.aggregation.fedavg_arrays); the result is exactly Flower's
+    aggregate_arrayrecords (then cast to the global model's dtypes)."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    rng = np.random.default_rng(7)
+    shapes = {"conv.weight": (4, 3, 3), "fc.bias": (10,), "count": ()}
+    reference = ArrayRecord(
+        {
+            k: Array(np.zeros(s, dtype=np.int64 if k == "count" else np.float32))
+            for k, s in shapes.items()
+        }
+    )
+    replies = []
+    for node in range(1, 8):
+        arrays = {
+            k: rng.integers(0, 50, s) if k == "count" else rng.normal(size=s).astype(np.float32)
+            for k, s in shapes.items()
+        }
+        message = reply_from(node, None, {"num-examples": int(rng.integers(1, 400))})
+        message.content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        replies.append(message)
+    strategy = _build("fedavg")
+    list(strategy.configure_train(1, reference, ConfigRecord(), FakeGrid(range(1, 8))))
+
+    arrays, _ = strategy.aggregate_train(1, replies)
+
+    ordered = strategy.partitions.sort_replies(replies)
+    flower = aggregate_arrayrecords([m.content for m in ordered], "num-examples")
+    expected = to_record(reference, [flower[k].numpy() for k in reference])
+    for key in reference:
+        assert arrays[key].dtype == reference[key].dtype
+        np.testing.assert_array_equal(arrays[key].numpy(), expected[key].numpy())
+        assert arrays[key].numpy().tobytes() == expected[key].numpy().tobytes()
+
+
+def test_a_strategy_with_its_own_aggregate_keeps_it():
+    """Only Flower's own FedAvg aggregate is replaced by the decode-once one."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from strategies.seeded import SeededSampling, _plain_fedavg
+
+    class Median(FedAvg):
+        def aggregate_train(self, server_round, replies):
+            return ArrayRecord({"w": Array(np.array([42.0]))}), MetricRecord({})
+
+    assert _plain_fedavg(FedAvg()) and not _plain_fedavg(Median())
+    one = {"min_train_nodes": 1, "min_evaluate_nodes": 1, "min_available_nodes": 1}
+    strategy = SeededSampling(
+        Median(**one), fraction_train=1.0, fraction_evaluate=0.0, seed=0, timeout=5.0, **one
+    )
+    reference = ArrayRecord({"w": Array(np.zeros(1))})
+    list(strategy.configure_train(1, reference, ConfigRecord(), FakeGrid([1])))
+    arrays, _ = strategy.aggregate_train(1, [_reply({"w": [1.0]}, {"num-examples": 3})])
+    assert arrays["w"].numpy().tolist() == [42.0]
