@@ -24,7 +24,7 @@ from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 
 FIRST_POLL = 0.002  # seconds before the first pull
-MAX_POLL = 0.5  # the longest wait between two pulls
+MAX_POLL = 0.05  # the longest wait between two pulls
 BACKOFF = 1.5  # each wait is this much longer than the previous one
 
 
