@@ -9,29 +9,59 @@ connections instead, through Flower's own config API, touching no other entry::
     python -m lab.connections                 # adds `local-simulation`
     python -m lab.connections lab --address 10.0.0.5:9093 \\
         --root-certificates certs/ca.crt               # a real SuperLink
+    python -m lab.connections ray-lab --ray-address 10.0.0.5:6379 \\
+        --num-supernodes 100                           # simulation on a Ray cluster
 
-``local-simulation`` is a local SuperLink (started on demand by ``flwr run``) running
-the simulation runtime with 10 virtual SuperNodes of 1 CPU each. Its simulation
+``local-simulation`` is a local SuperLink running the simulation runtime with 10
+virtual SuperNodes of 1 CPU each. Unless ``--no-start`` is given, this command also
+starts that SuperLink (:func:`start_local_superlink`), with runtime dependency
+installation off, so that ``flwr run`` runs the app in this environment instead of
+``uv sync``-ing its dependencies into a new one for every run; otherwise ``flwr run``
+starts it on demand, with its shell's environment. Its simulation
 options are per-connection ``options.*``, which Flower 1.41 still honours but flags
 as deprecated; per run they can be overridden with
 ``flwr run . local-simulation --federation-config "num-supernodes=20"``.
+
+A Ray-cluster connection (``--ray-address``) is the same local-SuperLink simulation,
+whose Ray backend joins a cluster started with ``ray start``. Flower 1.41 cannot store a
+Ray address in a connection: its ``init-args`` are only ``num-cpus``, ``num-gpus``,
+``logging-level`` and ``log-to-driver`` (an ``address`` key in ``config.toml`` is
+dropped, ``--federation-config "init-args-address=..."`` is refused as an unknown
+field), and its Ray backend calls ``ray.init()`` without an address. Ray then reads
+``RAY_ADDRESS`` from the environment, which the simulation inherits from the local
+SuperLink, which inherits it from the ``flwr run`` that started it. So the connection
+carries the simulation size and client resources, and never ``init-args.num-cpus``/
+``num-gpus``: ``ray.init`` refuses them when it joins a cluster. This module starts the
+local SuperLink with that ``RAY_ADDRESS``; with ``--no-start``, or when a local SuperLink
+is already running, it prints the ``export RAY_ADDRESS=...`` to run ``flwr run`` with,
+and warns when the running one has another (or no) ``RAY_ADDRESS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
 from pathlib import Path
 
+import psutil
 from flwr.cli.flower_config import read_flower_config, write_superlink_connection
+from flwr.cli.local_superlink import _is_local_superlink_started, _start_local_superlink
 from flwr.cli.typing import (
     SimulationBackendConfig,
     SimulationClientResources,
     SuperLinkConnection,
     SuperLinkSimulationOptions,
 )
+from flwr.supercore.utils import get_flwr_home
 
 LOCAL_SIMULATION = "local-simulation"
+RAY_LAB = "ray-lab"  # default name of a Ray-cluster connection
 LOCAL_ADDRESS = ":local:"  # Flower's magic value: start a local SuperLink on demand
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # what ray.init() reads when given no address
+RUNTIME_INSTALL_ENV = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"  # "1": run in this env
+_HOST_PORT = re.compile(r"^[^\s:/]+:\d{1,5}$|^\[[0-9A-Fa-f:.]+\]:\d{1,5}$")
 
 
 def local_simulation(
@@ -51,6 +81,126 @@ def local_simulation(
     )
 
 
+def ray_cluster(
+    ray_address: str,
+    name: str = RAY_LAB,
+    num_supernodes: int = 10,
+    num_cpus: int = 1,
+    num_gpus: float = 0.0,
+) -> SuperLinkConnection:
+    """A local-SuperLink simulation connection for a Ray cluster at ``ray_address``.
+
+    The address is checked, not stored (Flower 1.41 has no place for it, see the
+    module's docstring): Ray reads it from ``RAY_ADDRESS``. ``num_cpus``/``num_gpus``
+    are each ClientApp's resources (Ray places as many ClientApps at once as the
+    cluster's CPUs and GPUs allow), never ``init-args``.
+    """
+    check_ray_address(ray_address)
+    conn = local_simulation(num_supernodes, num_cpus, num_gpus)
+    conn.name = name
+    return conn
+
+
+def check_ray_address(ray_address: str) -> None:
+    """Refuse anything but the head's GCS address ``HOST:PORT`` (``ray start --head
+    --port``): not Ray Client (``ray://``), which Flower's backend does not use, and not
+    ``auto``, with which Ray may join any Ray it finds running on the machine."""
+    if "://" in ray_address:
+        raise SystemExit(
+            f"--ray-address {ray_address}: give the head's GCS address HOST:PORT "
+            "(`ray start --head --port 6379`). Ray Client (ray://) is not supported: "
+            "run `flwr run` on a machine of the cluster (e.g. the head)."
+        )
+    if not _HOST_PORT.match(ray_address):
+        raise SystemExit(f"--ray-address {ray_address}: expected the head's HOST:PORT")
+
+
+def local_superlink_environments() -> dict[int, dict[str, str]]:
+    """PID -> environment of each local SuperLink of this Flower home that is running
+    now (found by its log file, under this home): the environment a simulation gets."""
+    marker = str(get_flwr_home() / "local-superlink")
+    found: dict[int, dict[str, str]] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(marker in part for part in proc.info["cmdline"] or []):
+                found[proc.pid] = proc.environ()
+    return found
+
+
+def local_superlink_ray_addresses() -> dict[int, str | None]:
+    """PID -> ``RAY_ADDRESS`` (``None``: unset) of each local SuperLink of this Flower
+    home that is running now."""
+    return {pid: env.get(RAY_ADDRESS_ENV) for pid, env in local_superlink_environments().items()}
+
+
+def start_local_superlink(ray_address: str | None = None) -> str:
+    """Start this Flower home's local SuperLink as ``flwr run`` would (Flower's own
+    launcher), with runtime dependency installation off and, for a Ray cluster,
+    ``RAY_ADDRESS``; return what was done, to print.
+
+    ``flwr run`` starts the local SuperLink with its shell's environment, and unless
+    that environment sets ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` the
+    SuperLink ``uv sync``s the app's dependencies into a fresh environment for every run
+    (24 s of a newcomer's 75 s first run, and another PyTorch than the one installed).
+    Flower 1.41 has no per-app or per-connection switch for it, so the install command
+    starts the SuperLink itself. A SuperLink already running is left alone; if it
+    installs dependencies per run, the message says how to replace it.
+    """
+    running = local_superlink_environments()
+    if running:
+        lines = []
+        for pid, env in running.items():
+            if env.get(RUNTIME_INSTALL_ENV) == "1":
+                lines.append(
+                    f"Local SuperLink already running (PID {pid}), runs use this environment."
+                )
+            else:
+                lines.append(
+                    f"Warning: the local SuperLink already running (PID {pid}) installs the "
+                    "app's dependencies into a fresh environment for every run. To run in "
+                    f"this environment instead: kill {pid}, then run this command again."
+                )
+        return "\n".join(lines)
+    if _is_local_superlink_started():
+        return (
+            "Warning: a SuperLink of another Flower home answers on the local SuperLink's "
+            "port; `flwr run` will use it (and its way of installing dependencies)."
+        )
+    os.environ[RUNTIME_INSTALL_ENV] = "1"  # _start_local_superlink passes os.environ on
+    if ray_address is not None:
+        os.environ[RAY_ADDRESS_ENV] = ray_address
+    _start_local_superlink()
+    pids = ", ".join(str(pid) for pid in local_superlink_environments()) or "?"
+    joined = f", joining the Ray cluster at {ray_address}" if ray_address else ""
+    return (
+        f"Local SuperLink started (PID {pids}) with runtime dependency installation off"
+        f"{joined}: `flwr run` runs the app in this environment. It keeps running; after a "
+        "reboot, run this command again before `flwr run`."
+    )
+
+
+def ray_instructions(conn: SuperLinkConnection, ray_address: str) -> str:
+    """What to run so that ``flwr run . <conn>`` joins the cluster at ``ray_address``."""
+    lines = [
+        "Flower cannot store the Ray address in the connection; Ray reads it from the "
+        "environment of the local SuperLink, which `flwr run` starts. On a machine of "
+        "the cluster, run:",
+        "",
+        f"  export {RAY_ADDRESS_ENV}={ray_address}",
+        f"  flwr run . {conn.name} --stream",
+    ]
+    for pid, running in local_superlink_ray_addresses().items():
+        if running != ray_address:
+            lines += [
+                "",
+                f"Warning: a local SuperLink is already running (PID {pid}) with "
+                f"{RAY_ADDRESS_ENV}={running or '(unset: a Ray of its own)'}, and `flwr "
+                f"run` sends runs to it. Stop it (kill {pid}); the next `flwr run` starts "
+                "one with its shell's environment.",
+            ]
+    return "\n".join(lines)
+
+
 def remote(
     name: str, address: str, root_certificates: str | None, insecure: bool
 ) -> SuperLinkConnection:
@@ -66,10 +216,25 @@ def remote(
 def main(argv: list[str] | None = None) -> None:
     """Write a connection (``local-simulation`` unless a name is given)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", nargs="?", default=LOCAL_SIMULATION)
+    parser.add_argument(
+        "name",
+        nargs="?",
+        help=f"connection name (default: {LOCAL_SIMULATION}, {RAY_LAB} with --ray-address)",
+    )
     parser.add_argument("--address", help="SuperLink Control API address, host:port")
     parser.add_argument("--root-certificates", help="CA certificate (PEM) for TLS")
     parser.add_argument("--insecure", action="store_true", help="no TLS (testing only)")
+    parser.add_argument(
+        "--ray-address",
+        help="a local simulation whose Ray joins this cluster: the head's GCS address "
+        "HOST:PORT (`ray start --head --port PORT`); used through RAY_ADDRESS",
+    )
+    parser.add_argument(
+        "--no-start",
+        action="store_true",
+        help="only write the connection; the next `flwr run` starts the local SuperLink "
+        "with its shell's environment",
+    )
     parser.add_argument("--num-supernodes", type=int, default=10)
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per ClientApp")
     parser.add_argument(
@@ -79,15 +244,31 @@ def main(argv: list[str] | None = None) -> None:
         help="GPU fraction per ClientApp (0.25: 4 clients share a GPU)",
     )
     args = parser.parse_args(argv)
-    if args.address is None:
+    if args.address is not None and args.ray_address is not None:
+        parser.error("--address (a real SuperLink) and --ray-address exclude each other")
+    if args.ray_address is not None:
+        conn = ray_cluster(
+            args.ray_address,
+            args.name or RAY_LAB,
+            args.num_supernodes,
+            args.num_cpus,
+            args.num_gpus,
+        )
+    elif args.address is None:
         conn = local_simulation(args.num_supernodes, args.num_cpus, args.num_gpus)
+        conn.name = args.name or LOCAL_SIMULATION
     else:
-        conn = remote(args.name, args.address, args.root_certificates, args.insecure)
-    if args.address is None and args.name != LOCAL_SIMULATION:
-        conn.name = args.name
+        conn = remote(
+            args.name or LOCAL_SIMULATION, args.address, args.root_certificates, args.insecure
+        )
     write_superlink_connection(conn)
     _, path = read_flower_config()
     print(f"SuperLink connection '{conn.name}' written to {path}")
+    already = bool(local_superlink_environments())
+    if args.address is None and not args.no_start:
+        print(start_local_superlink(args.ray_address))
+    if args.ray_address is not None and (args.no_start or already):
+        print(ray_instructions(conn, args.ray_address))
 
 
 if __name__ == "__main__":

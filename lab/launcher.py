@@ -136,9 +136,19 @@ class LocalSimulation:
         Virtual SuperNodes of the connection.
     flwr_home : Path, optional
         Flower home to use; a temporary one (removed on exit) by default.
+    ray_address : str, optional
+        A Ray cluster (the head's GCS address ``HOST:PORT``) for the ClientApps to run
+        on instead of a Ray of the simulation's own: the connection is registered with
+        ``lab.connections --ray-address`` and ``RAY_ADDRESS`` is set for the local
+        SuperLink that ``flwr run`` starts (Flower 1.41 cannot carry it otherwise).
     """
 
-    def __init__(self, num_supernodes: int = 10, flwr_home: Path | None = None) -> None:
+    def __init__(
+        self,
+        num_supernodes: int = 10,
+        flwr_home: Path | None = None,
+        ray_address: str | None = None,
+    ) -> None:
         self._own_home = flwr_home is None
         self.home = Path(tempfile.mkdtemp(prefix="flwr-home-")) if flwr_home is None else flwr_home
         self.env = {
@@ -152,11 +162,17 @@ class LocalSimulation:
             "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
             "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         }
+        ray_args = []
+        if ray_address is not None:  # the connection keeps its name `local-simulation`
+            self.env["RAY_ADDRESS"] = ray_address
+            ray_args = ["local-simulation", "--ray-address", ray_address]
         subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "lab.connections",
+                *ray_args,
+                "--no-start",  # `flwr run` starts it, as for a user, with self.env
                 "--num-supernodes",
                 str(num_supernodes),
             ],
@@ -167,15 +183,20 @@ class LocalSimulation:
         )
 
     def run(
-        self, run_config: str = "", timeout: float = 900, federation_config: str = ""
+        self,
+        run_config: str = "",
+        timeout: float = 900,
+        federation_config: str = "",
+        app: Path = APP_DIR,
     ) -> RunOutcome:
         """``flwr run . local-simulation --stream [--run-config run_config]
         [--federation-config federation_config]`` (e.g. ``"num-supernodes=9"``), on a
-        copy of the app staged now (:func:`stage_app`)."""
+        copy of the app staged now (:func:`stage_app`); ``app``: another Flower app's
+        directory (a benchmark's peer) instead of this one."""
         started = time.monotonic()
         stage = Path(tempfile.mkdtemp(prefix="app-", dir=self.home))
         try:
-            stage_app(APP_DIR, stage)
+            stage_app(app, stage)
             cmd = [str(BIN / "flwr"), "run", str(stage), "local-simulation", "--stream"]
             if run_config:
                 cmd += ["--run-config", run_config]

@@ -1,0 +1,125 @@
+"""`python -m lab.connections ray-lab --ray-address HOST:PORT`: the connection it writes,
+read back the way `flwr run` and the simulation runtime read it (no Ray, no SuperLink).
+
+The end-to-end check on a two-node Ray cluster is ``tests/e2e/test_ray_cluster.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+from flwr.cli.flower_config import read_superlink_connection
+from flwr.cli.run.run import _parse_deprecated_options
+from flwr.simulation.app import _run_simulation_settings
+
+from lab import connections
+from lab.connections import LOCAL_SIMULATION, RAY_LAB, main
+
+
+@pytest.fixture
+def flwr_home(tmp_path, monkeypatch):
+    """A private Flower home: the user's ~/.flwr is never written."""
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _superlinks(home) -> dict:
+    return tomllib.loads((home / "config.toml").read_text())["superlink"]
+
+
+def test_ray_connection_is_a_local_simulation_without_init_args(flwr_home, capsys):
+    main(
+        [
+            "--ray-address",
+            "10.0.0.5:6379",
+            "--num-supernodes",
+            "7",
+            "--num-cpus",
+            "2",
+            "--no-start",
+        ]
+    )
+    entry = _superlinks(flwr_home)[RAY_LAB]  # the default name with --ray-address
+    assert entry["address"] == ":local:"
+    assert entry["options"]["num-supernodes"] == 7
+    backend = entry["options"]["backend"]
+    assert backend["name"] == "ray"
+    assert backend["client-resources"] == {"num-cpus": 2, "num-gpus": 0.0}
+    # ray.init refuses num_cpus/num_gpus when it joins a cluster: never written.
+    assert "init-args" not in backend
+    # Flower has no field for the address: it is nowhere in the file.
+    assert "10.0.0.5" not in (flwr_home / "config.toml").read_text()
+    out = capsys.readouterr().out
+    assert "export RAY_ADDRESS=10.0.0.5:6379" in out
+    assert f"flwr run . {RAY_LAB} --stream" in out
+
+
+def test_what_flwr_run_sends_gives_ray_init_no_resources(flwr_home, capsys):
+    """The connection as `flwr run` turns it into the run's federation config, and that
+    as the simulation runtime turns it into the Ray backend config: the client
+    resources arrive, and ray.init gets no num_cpus/num_gpus."""
+    main(["lab-ray", "--ray-address", "head:6379", "--num-supernodes", "5", "--num-gpus", "0.5",
+          "--no-start"])  # fmt: skip
+    sim_cfg = _parse_deprecated_options(read_superlink_connection("lab-ray"))
+    assert not sim_cfg.HasField("init_args_num_cpus")
+    assert not sim_cfg.HasField("init_args_num_gpus")
+    num_supernodes, backend, config, _, _ = _run_simulation_settings(sim_cfg)
+    assert (num_supernodes, backend) == (5, "ray")
+    assert config["client_resources"] == {"num_cpus": 1, "num_gpus": 0.5}
+    assert config["init_args"] == {}
+
+
+def test_other_connections_are_kept(flwr_home, capsys):
+    main(["--no-start"])
+    main(["--ray-address", "[fd00::5]:6379", "--no-start"])
+    superlinks = _superlinks(flwr_home)
+    assert {LOCAL_SIMULATION, RAY_LAB} <= set(superlinks)
+    assert superlinks[LOCAL_SIMULATION]["options"]["num-supernodes"] == 10
+    assert "export RAY_ADDRESS=[fd00::5]:6379" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "address", ["ray://10.0.0.5:10001", "10.0.0.5", "10.0.0.5:port", "http://h:6379", "auto"]
+)
+def test_refuses_what_ray_init_would_not_join(flwr_home, address):
+    with pytest.raises(SystemExit, match="--ray-address"):
+        main(["--ray-address", address])
+    assert not (flwr_home / "config.toml").exists()
+
+
+def test_ray_address_and_a_real_superlink_exclude_each_other(flwr_home, capsys):
+    with pytest.raises(SystemExit):
+        main(["--ray-address", "head:6379", "--address", "superlink:9093", "--insecure"])
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_warns_about_a_running_local_superlink_with_another_ray(flwr_home, monkeypatch):
+    conn = connections.ray_cluster("head:6379")
+    monkeypatch.setattr(connections, "local_superlink_ray_addresses", lambda: {4321: None})
+    text = connections.ray_instructions(conn, "head:6379")
+    assert "PID 4321" in text and "kill 4321" in text and "unset" in text
+    monkeypatch.setattr(connections, "local_superlink_ray_addresses", lambda: {4321: "head:6379"})
+    assert "Warning" not in connections.ray_instructions(conn, "head:6379")
+
+
+def test_finds_the_local_superlink_of_this_home_and_its_ray_address(flwr_home):
+    """A stand-in process whose command line names this home's local-superlink
+    directory, like the SuperLink's --log-file, and whose environment has RAY_ADDRESS."""
+    log_file = str(flwr_home / "local-superlink" / "superlink.log")
+    env = {**os.environ, "RAY_ADDRESS": "head:6379"}
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", log_file]
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while (found := connections.local_superlink_ray_addresses()) == {}:
+            assert time.monotonic() < deadline, "the stand-in process was not found"
+            time.sleep(0.05)
+        assert found == {proc.pid: "head:6379"}
+    finally:
+        proc.kill()
+        proc.wait()
