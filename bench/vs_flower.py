@@ -1,0 +1,242 @@
+"""This app against bare Flower on the peer workload, on one SuperLink, interleaved.
+
+The peer is ``shared/peers/flower_digits`` (Flower 1.41's FedAvg, Message API, no
+extras). Both apps run the workload of ``shared/peers/README.md``: digits, the MLP
+64-64-10, IID ``array_split`` partitions, local SGD lr 0.1 / batch 16 / one epoch, 30
+rounds, no federated or central evaluation; N = 100 with 10 clients per round and
+N = 1000 with 50. Our app keeps its default per-round outputs on (checkpoint,
+``metrics.csv`` and participation rows, TensorBoard).
+
+One private Flower home and one local SuperLink (runtime dependency installation off,
+as for every benchmark here) serve every run. For each N, ``--pairs`` pairs run back to
+back, the order alternating (peer first in even pairs), after one warm-up run of each
+app that is not counted. Per run:
+
+- warm round: median of rounds 2–30, each round timed end to end (the peer stamps
+  each round from its ``evaluate_fn``; ours is the difference of consecutive
+  ``elapsed-s`` in ``metrics.csv``, which is written after the round's outputs);
+- round 1: its own time (Ray starts the ClientApp processes during it);
+- whole run: the ``flwr run --stream`` command's wall time, start-up included;
+- peak RSS of the ServerApp's process (``flwr-simulation``, which also hosts Ray's
+  driver) and of the largest ClientApp process (Ray actor), sampled every 0.1 s.
+
+Ratios are ours / peer per pair; the table gives their median and range.
+
+    python bench/vs_flower.py --clients 100 1000 --pairs 3 --out bench/results/vs-flower
+
+The scale sweep (one run each, fewer rounds, the peer where it runs)::
+
+    python bench/vs_flower.py --clients 10 100 1000 10000 --pairs 1 --rounds 5 \\
+        --out bench/results/scale
+
+Run it from a clean checkout on an idle machine (bench/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+from orchestration import PeakRSS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lab.launcher import LocalSimulation, RunOutcome
+
+PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "flower_digits"
+peer_app = [PEER]  # --peer
+COHORT = {100: 10, 1000: 50}
+_PEER_RESULT = re.compile(r"BENCH_RESULT (\{.*\})")
+WORKLOAD = {
+    "task": "digits",
+    "model.name": "mlp",
+    "data.partitioner": "array-split",
+    "data.normalize": False,
+    "data.test-fraction": 0.0,
+    "data.batch-size": 16,
+    "train.lr": 0.1,
+    "train.momentum": 0.0,
+    "train.local-epochs": 1,
+    "fraction-evaluate": 0.0,
+    "central-eval": False,
+}
+
+
+def cohort(num_nodes: int) -> int:
+    """Clients per round: the peer README's 10 of 100 and 50 of 1000, else 10 %."""
+    return COHORT.get(num_nodes, max(2, num_nodes // 10))
+
+
+def _flat(config: dict) -> str:
+    return " ".join(
+        f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}" for k, v in config.items()
+    )
+
+
+def ours_config(num_nodes: int, rounds: int, out: Path) -> str:
+    m = cohort(num_nodes)
+    return _flat(
+        {
+            **WORKLOAD,
+            "num-server-rounds": rounds,
+            "fraction-train": m / num_nodes,
+            "min-train-nodes": m,
+            "min-available-nodes": num_nodes,
+            "output-dir": str(out),
+        }
+    )
+
+
+def peer_config(num_nodes: int, rounds: int) -> str:
+    return _flat(
+        {
+            "num-supernodes": num_nodes,
+            "fraction-train": cohort(num_nodes) / num_nodes,
+            "num-server-rounds": rounds,
+        }
+    )
+
+
+def _check(result: RunOutcome, what: str) -> None:
+    if result.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{result.output[-4000:]}")
+
+
+def run_peer(sim: LocalSimulation, num_nodes: int, rounds: int) -> dict:
+    with PeakRSS(sim.home) as memory:
+        result = sim.run(
+            peer_config(num_nodes, rounds),
+            federation_config=f"num-supernodes={num_nodes}",
+            app=peer_app[0],
+            timeout=3600,
+        )
+    _check(result, "bare Flower")
+    found = _PEER_RESULT.findall(result.output)
+    if not found:
+        raise SystemExit(f"bare Flower printed no BENCH_RESULT:\n{result.output[-4000:]}")
+    summary = json.loads(found[-1])
+    return {
+        "warm round (s)": summary["warm_round_median_s"],
+        "round 1 (s)": summary["round1_s"],
+        "whole run (s)": result.seconds,
+        "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),
+        "peak RSS ClientApp (MiB)": memory.max_mib("clientapp"),
+        "accuracy": summary.get("accuracy"),
+    }
+
+
+def run_ours(sim: LocalSimulation, num_nodes: int, rounds: int, out: Path) -> dict:
+    with PeakRSS(sim.home) as memory:
+        result = sim.run(
+            ours_config(num_nodes, rounds, out),
+            federation_config=f"num-supernodes={num_nodes}",
+            timeout=3600,
+        )
+    _check(result, "this app")
+    if result.run_dir is None:
+        raise SystemExit(f"this app printed no run directory:\n{result.output[-4000:]}")
+    train = pd.read_csv(result.run_dir / "metrics.csv").query("scope == 'train'")
+    elapsed = train["elapsed-s"].to_numpy()
+    return {
+        "warm round (s)": float(pd.Series(elapsed).diff().iloc[1:].median()),
+        "round 1 (s)": float(train["round-seconds"].iloc[0]),
+        "whole run (s)": result.seconds,
+        "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),
+        "peak RSS ClientApp (MiB)": memory.max_mib("clientapp"),
+        "accuracy": None,
+    }
+
+
+def compare(num_nodes: int, pairs: int, rounds: int, out: Path, peer_too: bool) -> list[dict]:
+    """``pairs`` interleaved pairs at ``num_nodes``: one row per run."""
+    rows = []
+    with LocalSimulation(num_nodes) as sim:
+        # warm-up, not counted: the SuperLink starts, each app's FAB is installed once
+        _check(sim.run(ours_config(num_nodes, 1, out / "warmup")), "warm-up")
+        if peer_too:
+            run_peer(sim, num_nodes, 1)
+        for pair in range(pairs):
+            order = ["peer", "ours"] if pair % 2 == 0 else ["ours", "peer"]
+            for who in order if peer_too else ["ours"]:
+                started = time.monotonic()
+                if who == "peer":
+                    row = run_peer(sim, num_nodes, rounds)
+                else:
+                    row = run_ours(sim, num_nodes, rounds, out / f"n{num_nodes}-{pair}")
+                rows.append({"N": num_nodes, "pair": pair, "app": who, **row})
+                print(
+                    f"N={num_nodes} pair {pair} {who:4s}: warm round "
+                    f"{row['warm round (s)'] * 1e3:.0f} ms, "
+                    f"whole run {row['whole run (s)']:.1f} s "
+                    f"({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
+    return rows
+
+
+def table(rows: pd.DataFrame) -> str:
+    """Markdown: per N, each metric's per-run values for both apps and the ratios."""
+    lines = [
+        "| N / per round | metric | bare Flower | this app | ours / Flower |",
+        "|---|---|---|---|---|",
+    ]
+    metrics = [c for c in rows.columns if c not in ("N", "pair", "app", "accuracy")]
+    for n, group in rows.groupby("N"):
+        ours = group[group.app == "ours"].set_index("pair")
+        peer = group[group.app == "peer"].set_index("pair")
+        for metric in metrics:
+            o = ours[metric]
+            p = peer[metric] if not peer.empty else None
+            fmt = (lambda v: f"{v:.3f}") if "round" in metric else (lambda v: f"{v:.1f}")
+            cells = [" / ".join(fmt(v) for v in p) if p is not None else "–"]
+            cells.append(" / ".join(fmt(v) for v in o))
+            if p is not None:
+                ratio = (o / p).dropna()
+                cells.append(
+                    f"{statistics.median(ratio):.2f} ({ratio.min():.2f}–{ratio.max():.2f})"
+                    if len(ratio)
+                    else "–"
+                )
+            else:
+                cells.append("–")
+            lines.append(f"| {n} / {cohort(n)} | {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument(
+        "--peer-up-to",
+        type=int,
+        default=10_000,
+        help="run bare Flower only at N up to this (it is the slower part of a sweep)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/vs-flower"))
+    parser.add_argument(
+        "--peer", type=Path, default=PEER, help="the bare-Flower app (shared/peers/flower_digits)"
+    )
+    args = parser.parse_args()
+    peer_app[0] = args.peer
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+    rows = []
+    for n in args.clients:
+        rows += compare(n, args.pairs, args.rounds, out, peer_too=n <= args.peer_up_to)
+        frame = pd.DataFrame(rows)
+        frame.to_csv(out / "results.csv", index=False)
+    text = table(frame)
+    (out / "results.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
