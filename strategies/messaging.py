@@ -6,8 +6,10 @@ on a deployed SuperLink (``GrpcGrid``). A round whose clients need 20 ms then st
 takes up to one whole interval longer; on digits with 10 clients per round that was
 most of the round (``bench/orchestration.py``). :func:`send_and_receive` uses the same
 two public calls, ``push_messages`` and ``pull_messages``, polling first after
-``first_poll`` seconds and backing off to ``max_poll``, so short rounds return soon
-and long ones cost the SuperLink a pull every ``max_poll`` seconds.
+``first_poll`` seconds and backing off by 10 % per pull up to ``max_poll``: a reply is
+seen at most about a tenth of the time waited so far after it arrived (a 0.15 s round
+waits ~15 ms more, not up to 0.1 s), and a long round costs the SuperLink a pull every
+``max_poll`` seconds.
 
 The SuperLink answers a message to a node that went offline itself, with an error
 reply whose sender is the SuperLink (``SUPERLINK_NODE_ID`` = 1). Such a reply is
@@ -24,8 +26,8 @@ from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 
 FIRST_POLL = 0.002  # seconds before the first pull
-MAX_POLL = 0.05  # the longest wait between two pulls
-BACKOFF = 1.5  # each wait is this much longer than the previous one
+MAX_POLL = 0.5  # the longest wait between two pulls
+BACKOFF = 1.1  # each wait is this much longer than the previous one
 
 
 def send_and_receive(
