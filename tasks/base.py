@@ -8,7 +8,8 @@ methods the ClientApp and ServerApp call. Models are ``torch.nn.Module``s, so th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -56,6 +57,21 @@ def seed_torch(seed: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(seed)
+
+
+@contextmanager
+def on_device(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """``model`` on ``device`` inside the block and back on the CPU after; nothing to
+    do on the CPU (``Module.to`` walks every module even then: ~0.3 ms per client
+    message for a small model)."""
+    if device.type == "cpu":
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
 
 
 def resolve_device(choice: str, key: str) -> str:

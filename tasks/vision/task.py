@@ -53,6 +53,7 @@ from tasks.base import (
     LocalTraining,
     Task,
     local_seed,
+    on_device,
     resolve_device,
     seed_torch,
 )
@@ -441,13 +442,9 @@ class ImageClassificationTask(Task):
         is back on the CPU on return.
         """
         cfg = self.config
-        model.to(self.device)
         loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
-        try:
-            with self._seeded(local.seed), self._head_only(model):
-                metrics = self._train_epochs(model, loader, local)
-        finally:
-            model.to("cpu")
+        with on_device(model, self.device), self._seeded(local.seed), self._head_only(model):
+            metrics = self._train_epochs(model, loader, local)
         return {NUM_EXAMPLES: len(partition.train), **metrics}
 
     def _train_epochs(
@@ -544,13 +541,10 @@ class ImageClassificationTask(Task):
         metrics are 0.0 on an empty split.
         """
         cfg, split = self.config, evaluation_split(data)
-        model.to(self.device)
-        try:
+        with on_device(model, self.device):
             total_loss, correct, counts = tally_split(
                 model, split, cfg.batch_size, self.device, self.SPEC.num_classes
             )
-        finally:
-            model.to("cpu")
         n = len(split)
         metrics: dict[str, float] = {
             NUM_EXAMPLES: n,
