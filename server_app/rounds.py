@@ -234,8 +234,8 @@ def _train(
     if first:
         log(
             INFO,
-            "Round %d: training on %d clients; the first round also starts the "
-            "ClientApps (in a simulation: Ray and its workers), so it takes longer",
+            "Round %d: training on %d clients; a ClientApp's first training also loads "
+            "its data and what PyTorch imports on first use, so this round takes longer",
             server_round,
             len(messages),
         )

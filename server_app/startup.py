@@ -111,7 +111,18 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
             'Start more SuperNodes (simulation: --federation-config "num-supernodes=<n>") '
             "or lower the key"
         )
+    started = time.monotonic()
+    log(
+        INFO,
+        "Asking %d nodes for their partition ids (one small message each)%s",
+        len(nodes),
+        ": this starts the ClientApps (Ray workers import PyTorch and the app), so the "
+        "first answers take seconds"
+        if _is_simulation(grid)
+        else "",
+    )
     partitions.discover(grid, nodes, timeout=cfg.round_timeout)  # duplicates raise here
+    log(INFO, "Partition ids known after %.1f s", time.monotonic() - started)
     errors = Counter(partitions.query_error(n) for n in nodes if partitions.query_error(n))
     if errors and sum(errors.values()) == len(nodes):
         grouped = "; ".join(f"{c} of {len(nodes)} nodes: {r}" for r, c in errors.most_common())
