@@ -32,6 +32,7 @@ def clear_caches() -> None:
     cached = [
         data.digits_tensors,
         data.digits_central_split,
+        data.digits_pool,
         data.digits_partitioner,
         data.load_digits_partition,
         data.load_digits_central_test,

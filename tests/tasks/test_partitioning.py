@@ -39,6 +39,7 @@ def _labels(partition) -> np.ndarray:
 
 def _clear_caches() -> None:
     vdata.load_digits_partition.cache_clear()
+    vdata.digits_pool.cache_clear()
     vdata.digits_partitioner.cache_clear()
     vdata.digits_central_split.cache_clear()
 
@@ -154,6 +155,22 @@ def test_repeated_loads_are_cached():
     assert load_digits_partition(settings, CENTRAL, 2, 4) is load_digits_partition(
         settings, CENTRAL, 2, 4
     )
+
+
+@pytest.mark.parametrize("mode", vdata.CONTIGUOUS)
+@pytest.mark.parametrize("num_partitions", [1, 2, 7, 100, 1000, 1437])
+def test_contiguous_shards_are_flwr_datasets_iid_partitions(mode, num_partitions):
+    """iid and array-split cut the pool with np.array_split, without building each
+    partition through Hugging Face datasets: the same ids as flwr-datasets'
+    IidPartitioner gives, for every partition (N = 1437: one example each)."""
+    settings = PartitionSettings(partitioner=mode, seed=5)
+    partitioner = vdata.digits_partitioner(settings, CENTRAL, num_partitions)
+    for pid in {0, min(1, num_partitions - 1), num_partitions // 2, num_partitions - 1}:
+        expected = np.asarray(partitioner.load_partition(pid)["id"], dtype=np.int64)
+        pool = vdata.digits_pool(settings, CENTRAL)
+        np.testing.assert_array_equal(np.array_split(pool, num_partitions)[pid], expected)
+        got = load_digits_partition(settings, CENTRAL, pid, num_partitions)
+        assert sorted(_ids(got)) == sorted(expected)
 
 
 def test_infeasible_partitioning_raises_config_error():
