@@ -236,8 +236,9 @@ def in_process(num_nodes: int, rounds: int, run_config: dict, out: Path) -> dict
 
 
 class PeakRSS:
-    """Peak resident memory of the ServerApp's process and of each ClientApp process
-    under a local SuperLink, sampled every ``interval`` seconds in a thread."""
+    """Peak resident memory of the local SuperLink's process, of the ServerApp's process
+    and of each ClientApp process under it, sampled every ``interval`` seconds in a
+    thread."""
 
     def __init__(self, home: Path, interval: float = 0.1) -> None:
         self.home, self.interval = home, interval
@@ -250,8 +251,11 @@ class PeakRSS:
             for link in superlink_processes(self.home):
                 try:
                     children = link.children(recursive=True)
-                except psutil.NoSuchProcess:
+                    rss = link.memory_info().rss
+                except psutil.Error:
                     continue
+                key = (link.pid, "superlink")
+                self.peak[key] = max(self.peak.get(key, 0), rss)
                 for proc in children:
                     try:
                         cmd = " ".join(proc.cmdline())

@@ -15,7 +15,9 @@ app that is not counted. Per run:
 - warm round: median of rounds 2–30, each round timed end to end (the peer stamps
   each round from its ``evaluate_fn``; ours is the difference of consecutive
   ``elapsed-s`` in ``metrics.csv``, which is written after the round's outputs);
-- round 1: its own time (Ray starts the ClientApp processes during it);
+- round 1: its own time (the peer's includes Ray starting the ClientApp processes;
+  ours does not: they start while the ServerApp asks the nodes for their partition
+  ids, which ours counts in its start-up to round 1);
 - whole run: the ``flwr run --stream`` command's wall time, start-up included;
 - peak RSS of the ServerApp's process (``flwr-simulation``, which also hosts Ray's
   driver) and of the largest ClientApp process (Ray actor), sampled every 0.1 s.
@@ -40,6 +42,7 @@ import re
 import statistics
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
@@ -50,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.launcher import LocalSimulation, RunOutcome
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "flower_digits"
-peer_app = [PEER]  # --peer
 COHORT = {100: 10, 1000: 50}
 _PEER_RESULT = re.compile(r"BENCH_RESULT (\{.*\})")
 WORKLOAD = {
@@ -108,12 +110,12 @@ def _check(result: RunOutcome, what: str) -> None:
         raise SystemExit(f"{what} failed:\n{result.output[-4000:]}")
 
 
-def run_peer(sim: LocalSimulation, num_nodes: int, rounds: int) -> dict:
+def run_peer(sim: LocalSimulation, peer: Path, num_nodes: int, rounds: int) -> dict:
     with PeakRSS(sim.home) as memory:
         result = sim.run(
             peer_config(num_nodes, rounds),
             federation_config=f"num-supernodes={num_nodes}",
-            app=peer_app[0],
+            app=peer,
             timeout=3600,
         )
     _check(result, "bare Flower")
@@ -127,11 +129,13 @@ def run_peer(sim: LocalSimulation, num_nodes: int, rounds: int) -> dict:
         "whole run (s)": result.seconds,
         "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),
         "peak RSS ClientApp (MiB)": memory.max_mib("clientapp"),
+        "peak RSS SuperLink (MiB)": memory.max_mib("superlink"),
         "accuracy": summary.get("accuracy"),
     }
 
 
 def run_ours(sim: LocalSimulation, num_nodes: int, rounds: int, out: Path) -> dict:
+    launched = time.time()
     with PeakRSS(sim.home) as memory:
         result = sim.run(
             ours_config(num_nodes, rounds, out),
@@ -143,30 +147,36 @@ def run_ours(sim: LocalSimulation, num_nodes: int, rounds: int, out: Path) -> di
         raise SystemExit(f"this app printed no run directory:\n{result.output[-4000:]}")
     train = pd.read_csv(result.run_dir / "metrics.csv").query("scope == 'train'")
     elapsed = train["elapsed-s"].to_numpy()
+    doc = json.loads((result.run_dir / "config.json").read_text())
+    started = datetime.fromisoformat(doc["started-at"]).timestamp()  # the run directory
+    round1_start = started + elapsed[0] - float(train["round-seconds"].iloc[0])
     return {
+        "start-up to round 1 (s)": round1_start - launched,
         "warm round (s)": float(pd.Series(elapsed).diff().iloc[1:].median()),
         "round 1 (s)": float(train["round-seconds"].iloc[0]),
         "whole run (s)": result.seconds,
         "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),
         "peak RSS ClientApp (MiB)": memory.max_mib("clientapp"),
+        "peak RSS SuperLink (MiB)": memory.max_mib("superlink"),
         "accuracy": None,
     }
 
 
-def compare(num_nodes: int, pairs: int, rounds: int, out: Path, peer_too: bool) -> list[dict]:
-    """``pairs`` interleaved pairs at ``num_nodes``: one row per run."""
+def compare(num_nodes: int, pairs: int, rounds: int, out: Path, peer: Path | None) -> list[dict]:
+    """``pairs`` interleaved pairs at ``num_nodes``: one row per run (``peer`` None:
+    this app only)."""
     rows = []
     with LocalSimulation(num_nodes) as sim:
         # warm-up, not counted: the SuperLink starts, each app's FAB is installed once
         _check(sim.run(ours_config(num_nodes, 1, out / "warmup")), "warm-up")
-        if peer_too:
-            run_peer(sim, num_nodes, 1)
+        if peer is not None:
+            run_peer(sim, peer, num_nodes, 1)
         for pair in range(pairs):
             order = ["peer", "ours"] if pair % 2 == 0 else ["ours", "peer"]
-            for who in order if peer_too else ["ours"]:
+            for who in order if peer is not None else ["ours"]:
                 started = time.monotonic()
                 if who == "peer":
-                    row = run_peer(sim, num_nodes, rounds)
+                    row = run_peer(sim, peer, num_nodes, rounds)
                 else:
                     row = run_ours(sim, num_nodes, rounds, out / f"n{num_nodes}-{pair}")
                 rows.append({"N": num_nodes, "pair": pair, "app": who, **row})
@@ -225,12 +235,12 @@ def main() -> None:
         "--peer", type=Path, default=PEER, help="the bare-Flower app (shared/peers/flower_digits)"
     )
     args = parser.parse_args()
-    peer_app[0] = args.peer
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     rows = []
     for n in args.clients:
-        rows += compare(n, args.pairs, args.rounds, out, peer_too=n <= args.peer_up_to)
+        peer = args.peer if n <= args.peer_up_to else None
+        rows += compare(n, args.pairs, args.rounds, out, peer)
         frame = pd.DataFrame(rows)
         frame.to_csv(out / "results.csv", index=False)
     text = table(frame)
