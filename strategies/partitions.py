@@ -8,7 +8,9 @@ client reports (``node_config["partition-id"]``, what its data is), and only the
 samples or sums:
 
 * :meth:`PartitionMap.discover` asks each node it has not seen yet, once, with a
-  ``query.partition`` message (the ClientApp answers with ``partition-id``);
+  ``query.partition`` message (the ClientApp answers with ``partition-id``); in a
+  Flower simulation it reads them from the order the simulation registered its nodes
+  in, and asks only a few nodes to confirm it;
 * :meth:`PartitionMap.order` sorts node ids by (partition id, node id); nodes that did
   not answer come last, by node id (such a run is reproducible only as far as node ids
   are);
@@ -24,7 +26,7 @@ reads it as ``strategy.partitions``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import WARNING
+from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
@@ -34,6 +36,7 @@ from strategies.errors import DuplicatePartitionError
 from strategies.messaging import send_and_receive
 
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
+SPOT_CHECKS = 8  # simulation: nodes asked to confirm the registration order
 
 
 class PartitionMap:
@@ -63,35 +66,19 @@ class PartitionMap:
         self._asked.add(int(node_id))
 
     def discover(self, grid, node_ids: Iterable[int], *, timeout: float) -> None:
-        """Ask every node not asked before for its partition id (one message each, once).
+        """Learn the partition id of every node not asked before (once per node).
 
-        A node that fails, does not answer within ``timeout`` or sends no valid
-        ``partition-id`` is ordered by its node id; a warning names how many.
+        In a simulation the ids come from the order Flower registered its virtual
+        SuperNodes in, spot-checked on a few nodes (:meth:`_from_registration`); otherwise
+        every such node is asked, one message each. A node that fails, does not answer
+        within ``timeout`` or sends no valid ``partition-id`` is ordered by its node id;
+        a warning names how many.
         """
         unknown = sorted(int(n) for n in node_ids if int(n) not in self._asked)
         if not unknown or not hasattr(grid, "send_and_receive"):
             return
-        queries = [
-            Message(
-                content=RecordDict({keys.CONFIG: ConfigRecord({})}),
-                dst_node_id=node,
-                message_type=QUERY_TYPE,
-            )
-            for node in unknown
-        ]
-        self._asked.update(unknown)
-        for reply in send_and_receive(grid, queries, timeout=timeout):
-            node = int(reply.metadata.src_node_id)
-            if reply.has_error():
-                self._errors[node] = reply.error.reason
-                continue
-            metrics = reply.content.get(keys.METRICS)
-            value = None if metrics is None else metrics.get(keys.PARTITION_ID)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
-                self._partition[node] = int(value)
-            num = None if metrics is None else metrics.get(keys.NUM_PARTITIONS)
-            if isinstance(num, int | float) and not isinstance(num, bool):
-                self._num_partitions[node] = int(num)
+        if not self._from_registration(grid, unknown, timeout):
+            self._query(grid, unknown, timeout)
         missing = [n for n in unknown if n not in self._partition]
         if missing:
             log(
@@ -101,6 +88,79 @@ class PartitionMap:
                 len(missing),
             )
         self.check_unique(node_ids)
+
+    def _query(self, grid, nodes: list[int], timeout: float) -> dict[int, int]:
+        """Ask ``nodes`` for their partition ids (one ``query.partition`` message each);
+        return what each answered."""
+        queries = [
+            Message(
+                content=RecordDict({keys.CONFIG: ConfigRecord({})}),
+                dst_node_id=node,
+                message_type=QUERY_TYPE,
+            )
+            for node in nodes
+        ]
+        self._asked.update(nodes)
+        answered = {}
+        for reply in send_and_receive(grid, queries, timeout=timeout):
+            node = int(reply.metadata.src_node_id)
+            if reply.has_error():
+                self._errors[node] = reply.error.reason
+                continue
+            metrics = reply.content.get(keys.METRICS)
+            value = None if metrics is None else metrics.get(keys.PARTITION_ID)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+                self._partition[node] = answered[node] = int(value)
+            num = None if metrics is None else metrics.get(keys.NUM_PARTITIONS)
+            if isinstance(num, int | float) and not isinstance(num, bool):
+                self._num_partitions[node] = int(num)
+        return answered
+
+    def _from_registration(self, grid, unknown: list[int], timeout: float) -> bool:
+        """In a Flower simulation, take each node's partition id from the order the
+        simulation registered its virtual SuperNodes in, and check it on a few of them;
+        return whether it held (else nothing is kept and every node is asked).
+
+        Flower 1.41's simulation registers its N nodes one after the other and gives the
+        i-th ``partition-id = i`` and ``num-partitions = N``
+        (``flwr/server/superlink/fleet/vce/vce_api.py``, ``_register_nodes``); its
+        in-memory LinkState lists nodes in that order. Reading it replaces N query
+        messages, which Flower's simulation engine delivers at a cost that grows as N²
+        (8 s of a 1 000-node run's start-up, and most of its ServerApp's extra memory;
+        ``bench/vs_flower.py``). :data:`SPOT_CHECKS` nodes spread over the order are
+        still asked: an engine that numbers its nodes otherwise fails the check, and then
+        every node is asked as on a deployment. In a simulation no two nodes share a
+        partition, so nothing :meth:`check_unique` would catch is skipped.
+        """
+        order = _registration_order(grid)
+        if order is None or not set(unknown) <= set(order):
+            return False
+        assumed = {node: index for index, node in enumerate(order) if node in set(unknown)}
+        step = max(1, len(unknown) // SPOT_CHECKS)
+        checked = unknown[::step][:SPOT_CHECKS]
+        answered = self._query(grid, checked, timeout)
+        sizes = {self._num_partitions.get(node) for node in answered}
+        if any(answered.get(n) != assumed[n] for n in checked) or sizes != {len(order)}:
+            log(
+                WARNING,
+                "the simulation's node order does not give the partition ids (%d of %d "
+                "spot-checked nodes differ); asking every node",
+                sum(answered.get(n) != assumed[n] for n in checked),
+                len(checked),
+            )
+            self._asked.difference_update(checked)
+            return False
+        self._asked.update(unknown)
+        self._partition.update(assumed)
+        self._num_partitions.update(dict.fromkeys(assumed, len(order)))
+        log(
+            INFO,
+            "Partition ids of %d nodes from the simulation's registration order (%d asked, "
+            "all as registered)",
+            len(assumed),
+            len(checked),
+        )
+        return True
 
     def check_unique(self, node_ids: Iterable[int]) -> None:
         """Raise :class:`DuplicatePartitionError` if two of ``node_ids`` report one partition.
@@ -142,6 +202,17 @@ class PartitionMap:
     def sort_replies(self, replies: Iterable[Message]) -> list[Message]:
         """Replies in partition order of their senders: sums no longer depend on arrival."""
         return sorted(replies, key=lambda m: self.sort_key(m.metadata.src_node_id))
+
+
+def _registration_order(grid) -> list[int] | None:
+    """The node ids of a Flower simulation in the order it registered them, or None
+    (not a simulation, or a LinkState that does not tell)."""
+    if type(grid).__name__ != "InMemoryGrid":  # Flower's simulation grid
+        return None
+    try:
+        return [int(info.node_id) for info in grid.state.get_node_info()]
+    except (AttributeError, TypeError):
+        return None
 
 
 def partition_map(strategy: object) -> PartitionMap:

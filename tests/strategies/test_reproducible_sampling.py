@@ -169,3 +169,64 @@ def test_every_run_has_its_own_map_shared_by_its_wrappers():
     wrapped = Wrapper(Wrapper(first))
     assert wrapped.partitions is first.partitions is partition_map(wrapped)
     assert partition_map(FedAvg()).partition_of(5) is None  # a bare strategy: empty map
+
+
+class _NodeInfo:
+    def __init__(self, node_id):
+        self.node_id = node_id
+
+
+class _LinkState:
+    def __init__(self, registered):
+        self.registered = registered
+
+    def get_node_info(self):
+        return [_NodeInfo(n) for n in self.registered]
+
+
+class InMemoryGrid(PartitionGrid):
+    """Flower's simulation grid as the ServerApp sees it: a LinkState that lists the
+    nodes in the order they were registered (named like Flower's, which is how
+    strategies.partitions recognises a simulation)."""
+
+    def __init__(self, partition_of, registered, num_partitions):
+        super().__init__(partition_of)
+        self.state = _LinkState(registered)
+        self.num_partitions = num_partitions
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = super().send_and_receive(messages, timeout)
+        for reply in replies:
+            reply.content[keys.METRICS][keys.NUM_PARTITIONS] = self.num_partitions
+        return replies
+
+
+def test_a_simulation_is_read_from_its_registration_order_and_spot_checked():
+    # Prepare: 100 nodes with random ids, registered as partitions 0..99 (Flower's order)
+    ids = np.random.default_rng(3).choice(10**9, size=100, replace=False).tolist()
+    grid = InMemoryGrid(dict(zip(ids, range(100), strict=True)), ids, 100)
+    partitions = PartitionMap()
+
+    # Execute
+    nodes = wait_for_nodes(grid, 100, partitions, timeout=1.0)
+
+    # Assert: 8 nodes asked, not 100, and every node's partition is its registration index
+    assert grid.queries == 8
+    assert [partitions.partition_of(n) for n in nodes] == list(range(100))
+    assert {partitions.num_partitions_of(n) for n in ids} == {100}
+    wait_for_nodes(grid, 100, partitions, timeout=1.0)
+    assert grid.queries == 8  # once per run
+
+
+@pytest.mark.parametrize("wrong", ["shuffled", "num-partitions"])
+def test_a_simulation_numbered_otherwise_is_asked_node_by_node(wrong):
+    ids = np.random.default_rng(4).choice(10**9, size=40, replace=False).tolist()
+    partition_of = dict(zip(ids, range(40), strict=True))
+    registered = ids[::-1] if wrong == "shuffled" else ids
+    grid = InMemoryGrid(partition_of, registered, 40 if wrong == "shuffled" else 41)
+    partitions = PartitionMap()
+
+    nodes = wait_for_nodes(grid, 40, partitions, timeout=1.0)
+
+    assert grid.queries == 8 + 40  # the spot check failed: every node was asked
+    assert [partitions.partition_of(n) for n in nodes] == list(range(40))
