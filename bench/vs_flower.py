@@ -40,6 +40,7 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -110,13 +111,15 @@ def _check(result: RunOutcome, what: str) -> None:
         raise SystemExit(f"{what} failed:\n{result.output[-4000:]}")
 
 
-def run_peer(sim: LocalSimulation, peer: Path, num_nodes: int, rounds: int) -> dict:
+def run_peer(
+    sim: LocalSimulation, peer: Path, num_nodes: int, rounds: int, timeout: float = 3600
+) -> dict:
     with PeakRSS(sim.home) as memory:
         result = sim.run(
             peer_config(num_nodes, rounds),
             federation_config=f"num-supernodes={num_nodes}",
             app=peer,
-            timeout=3600,
+            timeout=timeout,
         )
     _check(result, "bare Flower")
     found = _PEER_RESULT.findall(result.output)
@@ -134,13 +137,15 @@ def run_peer(sim: LocalSimulation, peer: Path, num_nodes: int, rounds: int) -> d
     }
 
 
-def run_ours(sim: LocalSimulation, num_nodes: int, rounds: int, out: Path) -> dict:
+def run_ours(
+    sim: LocalSimulation, num_nodes: int, rounds: int, out: Path, timeout: float = 3600
+) -> dict:
     launched = time.time()
     with PeakRSS(sim.home) as memory:
         result = sim.run(
             ours_config(num_nodes, rounds, out),
             federation_config=f"num-supernodes={num_nodes}",
-            timeout=3600,
+            timeout=timeout,
         )
     _check(result, "this app")
     if result.run_dir is None:
@@ -162,23 +167,34 @@ def run_ours(sim: LocalSimulation, num_nodes: int, rounds: int, out: Path) -> di
     }
 
 
-def compare(num_nodes: int, pairs: int, rounds: int, out: Path, peer: Path | None) -> list[dict]:
+def compare(
+    num_nodes: int, pairs: int, rounds: int, out: Path, peer: Path | None, timeout: float
+) -> list[dict]:
     """``pairs`` interleaved pairs at ``num_nodes``: one row per run (``peer`` None:
     this app only)."""
     rows = []
     with LocalSimulation(num_nodes) as sim:
-        # warm-up, not counted: the SuperLink starts, each app's FAB is installed once
-        _check(sim.run(ours_config(num_nodes, 1, out / "warmup")), "warm-up")
+        # warm-up, not counted (10 nodes): the SuperLink starts, the FABs are installed
+        small = "num-supernodes=10"
+        _check(sim.run(ours_config(10, 1, out / "warmup"), federation_config=small), "warm-up")
         if peer is not None:
-            run_peer(sim, peer, num_nodes, 1)
+            _check(sim.run(peer_config(10, 1), federation_config=small, app=peer), "warm-up")
         for pair in range(pairs):
             order = ["peer", "ours"] if pair % 2 == 0 else ["ours", "peer"]
             for who in order if peer is not None else ["ours"]:
                 started = time.monotonic()
-                if who == "peer":
-                    row = run_peer(sim, peer, num_nodes, rounds)
-                else:
-                    row = run_ours(sim, num_nodes, rounds, out / f"n{num_nodes}-{pair}")
+                try:
+                    if who == "peer":
+                        row = run_peer(sim, peer, num_nodes, rounds, timeout)
+                    else:
+                        path = out / f"n{num_nodes}-{pair}"
+                        row = run_ours(sim, num_nodes, rounds, path, timeout)
+                except subprocess.TimeoutExpired:
+                    print(
+                        f"N={num_nodes} pair {pair} {who}: no result in {timeout:g} s", flush=True
+                    )
+                    rows.append({"N": num_nodes, "pair": pair, "app": who, "timed out": True})
+                    continue
                 rows.append({"N": num_nodes, "pair": pair, "app": who, **row})
                 print(
                     f"N={num_nodes} pair {pair} {who:4s}: warm round "
@@ -196,7 +212,7 @@ def table(rows: pd.DataFrame) -> str:
         "| N / per round | metric | bare Flower | this app | ours / Flower |",
         "|---|---|---|---|---|",
     ]
-    metrics = [c for c in rows.columns if c not in ("N", "pair", "app", "accuracy")]
+    metrics = [c for c in rows.columns if c not in ("N", "pair", "app", "accuracy", "timed out")]
     for n, group in rows.groupby("N"):
         ours = group[group.app == "ours"].set_index("pair")
         peer = group[group.app == "peer"].set_index("pair")
@@ -232,6 +248,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/vs-flower"))
     parser.add_argument(
+        "--run-timeout", type=float, default=3600, help="seconds one flwr run may take"
+    )
+    parser.add_argument(
         "--peer", type=Path, default=PEER, help="the bare-Flower app (shared/peers/flower_digits)"
     )
     args = parser.parse_args()
@@ -240,7 +259,7 @@ def main() -> None:
     rows = []
     for n in args.clients:
         peer = args.peer if n <= args.peer_up_to else None
-        rows += compare(n, args.pairs, args.rounds, out, peer)
+        rows += compare(n, args.pairs, args.rounds, out, peer, args.run_timeout)
         frame = pd.DataFrame(rows)
         frame.to_csv(out / "results.csv", index=False)
     text = table(frame)
