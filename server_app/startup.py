@@ -114,12 +114,12 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
     started = time.monotonic()
     log(
         INFO,
-        "Asking %d nodes for their partition ids (one small message each)%s",
+        "Learning the partition ids of %d nodes (%s)",
         len(nodes),
-        ": this starts the ClientApps (Ray workers import PyTorch and the app), so the "
-        "first answers take seconds"
+        "from the simulation's node order, confirmed by a few nodes; their answers wait "
+        "for Ray to start the ClientApps, which import PyTorch and the app: seconds"
         if _is_simulation(grid)
-        else "",
+        else "one query message each",
     )
     partitions.discover(grid, nodes, timeout=cfg.round_timeout)  # duplicates raise here
     log(INFO, "Partition ids known after %.1f s", time.monotonic() - started)
