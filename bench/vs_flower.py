@@ -48,25 +48,19 @@ from pathlib import Path
 
 import pandas as pd
 from orchestration import PeakRSS
+from peer_digits import COHORT
+from peer_digits import WORKLOAD as PEER_WORKLOAD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.launcher import LocalSimulation, RunOutcome
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "flower_digits"
-COHORT = {100: 10, 1000: 50}
 _PEER_RESULT = re.compile(r"BENCH_RESULT (\{.*\})")
+# The peer workload as bench/peer_digits.py runs it, without central evaluation (the
+# peer evaluates only after the last round, outside its round timing).
 WORKLOAD = {
-    "task": "digits",
-    "model.name": "mlp",
-    "data.partitioner": "array-split",
-    "data.normalize": False,
-    "data.test-fraction": 0.0,
-    "data.batch-size": 16,
-    "train.lr": 0.1,
-    "train.momentum": 0.0,
-    "train.local-epochs": 1,
-    "fraction-evaluate": 0.0,
+    **{k: v for k, v in PEER_WORKLOAD.items() if k not in ("num-server-rounds", "round-timeout")},
     "central-eval": False,
 }
 
