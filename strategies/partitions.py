@@ -126,9 +126,10 @@ class PartitionMap:
         (``flwr/server/superlink/fleet/vce/vce_api.py``, ``_register_nodes``); its
         in-memory LinkState lists nodes in that order. Reading it replaces N query
         messages, which Flower's simulation engine delivers at a cost that grows as N²
-        (8 s of a 1 000-node run's start-up; ``bench/vs_flower.py``). :data:`SPOT_CHECKS` nodes spread over the order are
-        still asked: an engine that numbers its nodes otherwise fails the check, and then
-        every node is asked as on a deployment. In a simulation no two nodes share a
+        (8 s of a 1 000-node run's start-up; ``bench/vs_flower.py``).
+        :data:`SPOT_CHECKS` nodes spread over the order are still asked: an engine that
+        numbers its nodes otherwise fails the check, and then every node is asked as on
+        a deployment. In a simulation no two nodes share a
         partition, so nothing :meth:`check_unique` would catch is skipped.
         """
         order = _registration_order(grid)
