@@ -45,6 +45,7 @@ import os
 import re
 from pathlib import Path
 
+import click
 import psutil
 from flwr.cli.flower_config import read_flower_config, write_superlink_connection
 from flwr.cli.local_superlink import _is_local_superlink_started, _start_local_superlink
@@ -169,7 +170,14 @@ def start_local_superlink(ray_address: str | None = None) -> str:
     os.environ[RUNTIME_INSTALL_ENV] = "1"  # _start_local_superlink passes os.environ on
     if ray_address is not None:
         os.environ[RAY_ADDRESS_ENV] = ray_address
-    _start_local_superlink()
+    try:
+        _start_local_superlink()
+    except click.ClickException as err:  # e.g. flower-superlink not on PATH
+        raise SystemExit(
+            f"The connection is written, but the local SuperLink did not start: "
+            f"{err.format_message()} Without it, `flwr run` starts one with its shell's "
+            f"environment: export {RUNTIME_INSTALL_ENV}=1 before it."
+        ) from err
     pids = ", ".join(str(pid) for pid in local_superlink_environments()) or "?"
     joined = f", joining the Ray cluster at {ray_address}" if ray_address else ""
     return (

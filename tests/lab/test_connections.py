@@ -13,6 +13,7 @@ import sys
 import time
 import tomllib
 
+import click
 import pytest
 
 from lab import connections
@@ -93,3 +94,14 @@ def test_a_running_superlink_is_left_alone_and_named(flwr_home, launches, capsys
     assert launches == []
     assert f"PID {proc.pid}" in out and says in out
     assert ("Warning" in out) == (installs != "1")
+
+
+def test_a_superlink_that_cannot_start_is_a_clear_error(flwr_home, monkeypatch):
+    def fail():
+        raise click.ClickException("Unable to launch `flower-superlink`")
+
+    monkeypatch.setattr(connections, "_start_local_superlink", fail)
+    with pytest.raises(SystemExit, match="did not start: Unable to launch") as info:
+        main([])
+    assert RUNTIME_INSTALL_ENV in str(info.value)
+    assert (flwr_home / "config.toml").is_file()  # the connection is written first
