@@ -524,8 +524,15 @@ def test_a_run_completes_on_the_warm_executor(deployment):
     while set((nodes := deployment.nodes()).values()) != {"online"}:
         assert time.monotonic() < deadline, f"{nodes}\n{deployment.log('superexec-0')}"
         time.sleep(0.5)
-    # The run starts now: its ServerApp starts while the executors import (their tasks
-    # wait at the SuperNodes until then).
+    # The run starts once every executor has imported what it preloads: on CI, with the
+    # other core running other tests, that took longer than 'round-timeout', the partition
+    # queries that waited for it timed out, and the run stopped before round 1.
+    deadline = time.monotonic() + 180
+    while not all(
+        "Warm executor ready" in deployment.log(f"superexec-{k}") for k in range(NUM_NODES)
+    ):
+        assert time.monotonic() < deadline, [deployment.log(f"superexec-{k}") for k in range(3)]
+        time.sleep(0.5)
     ready = time.monotonic()
     out = deployment.root / "warm-runs"
     flwr = deployment.start(
@@ -537,6 +544,7 @@ def test_a_run_completes_on_the_warm_executor(deployment):
     run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
     assert flwr.returncode == 0 and run_id and run_dir, output
     assert deployment.run_status(run_id.group(1)) == "finished:completed", output
+    assert (Path(run_dir.group(1)) / "metrics.csv").is_file(), output  # rounds were run
     metrics = pd.read_csv(Path(run_dir.group(1)) / "metrics.csv")
     train = metrics[metrics["scope"] == "train"]
     assert list(train["round"]) == list(range(1, WARM_ROUNDS + 1)), metrics
