@@ -469,24 +469,3 @@ def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment
     print(f"killed SuperNode listed offline {run.offline_after_s:.0f} s after SIGKILL")
     print("\n".join(line for line in run.output.splitlines() if "round " in line))
     print(run.participation[["round", "node-id", "replied", "error"]].to_string())
-
-
-WARM_ROUNDS = 2
-WARM_CONFIG = (
-    f"num-server-rounds={WARM_ROUNDS} fraction-train=1.0 fraction-evaluate=0.0 "
-    f"central-eval=false train.local-epochs=1 min-available-nodes={NUM_NODES} "
-    f"min-train-nodes={NUM_NODES} round-timeout={ROUND_TIMEOUT}"
-)
-WARM_DONE = re.compile(r"Warm executor: task \d+ done")
-
-
-def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
-    """The live process of the guide's ``~/flwr-lab/<name>.pid``, if it is still ours
-    (a killed one's PID may be another process's by now)."""
-    try:
-        proc = psutil.Process(deployment.pid(name))
-        if _alive(proc) and proc.environ().get("FLWR_HOME") == str(deployment.home):
-            return proc
-    except (psutil.Error, FileNotFoundError):
-        pass
-    return None
