@@ -143,6 +143,19 @@ def _task_state(context: Context) -> dict[str, Any]:
     return json.loads(str(record["json"])) if record is not None else {}
 
 
+def _task_tensors(context: Context) -> dict[str, torch.Tensor]:
+    record = context.state.get(keys.TASK_TENSORS)
+    return _state_dict(record) if record is not None else {}
+
+
+def _keep_task_state(context: Context, local: LocalTraining) -> None:
+    context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
+    if local.state_tensors:
+        context.state[keys.TASK_TENSORS] = ArrayRecord(local.state_tensors)
+    elif keys.TASK_TENSORS in context.state:
+        del context.state[keys.TASK_TENSORS]
+
+
 def _artifacts_dir(config, node_config: Mapping[str, Any]) -> str | None:
     """The SuperNode's own ``artifacts-dir`` if it sets one, else the server's."""
     chosen = node_config.get(keys.ARTIFACTS_DIR, config.get(keys.ARTIFACTS_DIR))
@@ -173,6 +186,7 @@ def train(msg: Message, context: Context) -> Message:
         proximal_mu=mu,
         dp_sgd=_dp_sgd(config, context.run_config),
         state=_task_state(context),
+        state_tensors=_task_tensors(context),
         partition_id=pid,
         artifacts_dir=_artifacts_dir(config, context.node_config),
         local_updates=int(config[keys.LOCAL_UPDATES]) if keys.LOCAL_UPDATES in config else None,
@@ -181,7 +195,7 @@ def train(msg: Message, context: Context) -> Message:
     metrics = task.train(model, partition, local)
     metrics |= proximal_client.divergence_metrics(model, received, mu, config, context.state)
     proximal_client.keep_local_layers(model, task.local_state_keys(), context.state)
-    context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
+    _keep_task_state(context, local)
     if config.get(keys.LOCAL_ONLY):
         context.state[keys.LOCAL_MODEL] = ArrayRecord(model.state_dict())
     state.save(context, local.artifacts_dir, pid, server_round)

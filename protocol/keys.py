@@ -56,6 +56,7 @@ NUM_EXAMPLES = "num-examples"
 # Keys in a client's context.state.
 LOCAL_MODEL = "local-model"
 TASK_STATE = "task-state"  # ConfigRecord {"json": ...}: the task's persistent state
+TASK_TENSORS = "task-tensors"  # ArrayRecord: the task's persistent tensors (e.g. Adam moments)
 
 # Where clients write their own diagnostics (e.g. PPO episode logs), sent by the
 # ServerApp in every train config; a SuperNode's node_config "artifacts-dir" wins.

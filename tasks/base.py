@@ -137,6 +137,9 @@ class LocalTraining:
         This client's persistent state (JSON-serialisable), kept by the ClientApp
         between rounds; tasks read and update it in place (e.g. the DP-SGD
         accountant's history).
+    state_tensors : dict
+        This client's persistent tensors (e.g. PPO's Adam moments), kept like
+        ``state``; tasks read and replace entries in place. Never sent anywhere.
     partition_id : int
         The client's partition id (names its files).
     artifacts_dir : str, optional
@@ -160,6 +163,7 @@ class LocalTraining:
     proximal_mu: float = 0.0
     dp_sgd: DPSGD | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    state_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     partition_id: int = 0
     artifacts_dir: str | None = None
     local_updates: int | None = None

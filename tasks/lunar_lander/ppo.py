@@ -5,17 +5,18 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 * :func:`build_policy`: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy,
   default ``net_arch``) for LunarLander's spaces. Only its ``state_dict()`` (the
   policy and value networks) travels; PPO's Adam state never does.
-* :func:`train_ppo`: one round of local PPO from the received weights.
+* :func:`train_ppo`: one round of local PPO from the received weights, optionally
+  resuming the client's own Adam state (:func:`optimizer_tensors`).
 * :func:`proximal_gradient_hooks`: the FedProx term (Li et al., 2020) inside SB3's
   own update.
 * :class:`WeightStorageCallback`: seed 000's callback (episodes and weight snapshots).
-* :func:`evaluate_episodes`: deterministic evaluation episodes.
+* :func:`evaluate_episodes`: deterministic evaluation episodes, one seed each.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -26,9 +27,7 @@ import torch
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
-from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.logger import Logger
-from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
@@ -73,6 +72,8 @@ class PPOConfig:
     """``ppo.check-freq``: env steps between weight snapshots."""
     device: str
     """``ppo.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
+    keep_optimizer: bool = False
+    """``ppo.keep-optimizer``: resume the client's Adam moments from its last round."""
 
     @property
     def rollout_size(self) -> int:
@@ -122,6 +123,21 @@ def flatten_state_dict(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
     return np.concatenate(
         [t.detach().cpu().reshape(-1).to(torch.float32).numpy() for t in state_dict.values()]
     )
+
+
+def unflatten_state_dict(
+    flat: np.ndarray, reference: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`flatten_state_dict`: ``flat`` cut into ``reference``'s
+    keys, shapes and dtypes (e.g. a logged weight snapshot back into a policy)."""
+    sizes = [t.numel() for t in reference.values()]
+    if flat.ndim != 1 or flat.size != sum(sizes):
+        raise ValueError(f"{flat.size} weights do not fill a state dict of {sum(sizes)}")
+    pieces = np.split(flat, np.cumsum(sizes)[:-1])
+    return {
+        key: torch.from_numpy(np.ascontiguousarray(piece)).reshape(t.shape).to(t.dtype)
+        for (key, t), piece in zip(reference.items(), pieces, strict=True)
+    }
 
 
 def _add_proximal_gradient(
@@ -203,6 +219,45 @@ class WeightStorageCallback(BaseCallback):
         self.weights.append(flatten_state_dict(self.model.policy.state_dict()))
 
 
+OPTIMIZER_PREFIX = "adam"
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")  # torch.optim.Adam's per-parameter state
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Adam's per-parameter state as ``adam.<parameter index>.<name>`` tensors (on CPU).
+
+    The hyperparameters (``param_groups``) are left out: SB3 sets the learning rate
+    before every update and fixes the rest when it builds the optimizer.
+    """
+    return {
+        f"{OPTIMIZER_PREFIX}.{index}.{name}": tensor.detach().cpu().clone()
+        for index, entries in optimizer.state_dict()["state"].items()
+        for name, tensor in entries.items()
+    }
+
+
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> bool:
+    """Load :func:`optimizer_tensors`' output into ``optimizer``; returns False, loading
+    nothing, when they do not fit its parameters (another count, name or shape)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    expected = {
+        f"{OPTIMIZER_PREFIX}.{index}.{name}" for index in range(len(params)) for name in ADAM_STATE
+    }
+    if set(tensors) != expected:
+        return False
+    state = {}
+    for index, param in enumerate(params):
+        entries = {name: tensors[f"{OPTIMIZER_PREFIX}.{index}.{name}"] for name in ADAM_STATE}
+        if any(entries[name].shape != param.shape for name in ("exp_avg", "exp_avg_sq")):
+            return False
+        state[index] = entries
+    groups = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return True
+
+
 @dataclass
 class LocalPPOResult:
     """What one round of local PPO produced (the policy itself is updated in place)."""
@@ -213,6 +268,11 @@ class LocalPPOResult:
     """SB3's ``train/*`` values of the last PPO update (``train/loss``, ...)."""
     log: WeightStorageCallback = field(repr=False)
     """Episodes and weight snapshots of the round."""
+    optimizer_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """Adam's state after the round (:func:`optimizer_tensors`); empty unless
+    ``cfg.keep_optimizer``."""
+    optimizer_resumed: bool = False
+    """Whether the round started from the given Adam state (else from zero moments)."""
 
 
 @contextmanager
@@ -236,13 +296,15 @@ def train_ppo(
     seed: int,
     proximal_mu: float = 0.0,
     start_step: int = 0,
+    optimizer_state: dict[str, torch.Tensor] | None = None,
 ) -> LocalPPOResult:
     """Train ``policy`` (in place) with ``cfg.local_steps`` env steps of PPO on ``client``.
 
     A fresh SB3 ``PPO`` (seeded with ``seed``; env copy ``i`` seeded ``seed + i``)
-    loads the received weights, so Adam's moments start from zero every round:
-    optimizer state is neither federated nor kept between rounds. The environments
-    are closed whatever happens; global RNGs are restored on return.
+    loads the received weights. Its Adam optimizer starts from zero moments, or,
+    with ``cfg.keep_optimizer`` and a fitting ``optimizer_state`` (the client's own
+    from its previous round), from that state. Optimizer state is never federated.
+    The environments are closed whatever happens; global RNGs are restored on return.
     """
     vec_env = make_vec_env(
         partial(make_env, client), n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env]
@@ -254,6 +316,11 @@ def train_ppo(
             # name_to_value because SB3 dumps the logs before each update, not after.
             ppo.set_logger(Logger(folder=None, output_formats=[]))
             ppo.policy.load_state_dict(policy.state_dict(), strict=True)
+            resumed = bool(
+                cfg.keep_optimizer
+                and optimizer_state
+                and load_optimizer_tensors(ppo.policy.optimizer, optimizer_state)
+            )
             log = WeightStorageCallback(cfg.check_freq, start_step)
             with proximal_gradient_hooks(ppo.policy, proximal_mu):
                 ppo.learn(total_timesteps=cfg.local_steps, callback=log)
@@ -265,25 +332,44 @@ def train_ppo(
         for key, value in ppo.logger.name_to_value.items()
         if key.startswith("train/")
     }
-    return LocalPPOResult(timesteps=int(ppo.num_timesteps), train_values=values, log=log)
-
-
-def _monitored_env(client: ClientEnv) -> gym.Env:
-    return Monitor(make_env(client))
+    kept = optimizer_tensors(ppo.policy.optimizer) if cfg.keep_optimizer else {}
+    return LocalPPOResult(
+        timesteps=int(ppo.num_timesteps), train_values=values, log=log,
+        optimizer_state=kept, optimizer_resumed=resumed,
+    )  # fmt: skip
 
 
 def evaluate_episodes(
-    policy: ActorCriticPolicy, client: ClientEnv, episodes: int, seed: int
+    policy: ActorCriticPolicy, client: ClientEnv, seeds: Sequence[int]
 ) -> tuple[list[float], list[int]]:
-    """Returns and lengths of ``episodes`` deterministic episodes of ``policy`` on
-    ``client``'s environment, reset with ``seed`` (reproducible)."""
-    env = DummyVecEnv([partial(_monitored_env, client)])
-    env.seed(seed)
+    """Returns and lengths of one deterministic episode of ``policy`` per seed in
+    ``seeds``, on ``client``'s environment.
+
+    Episode ``k`` starts from ``reset(seed=seeds[k])``: its terrain, initial push and
+    wind, and every random draw of its engines, follow from that seed and the
+    policy's actions alone, so a policy evaluated twice plays the same episodes, and
+    two policies evaluated with the same seeds face the same starts. (SB3's
+    ``evaluate_policy`` seeds only the first reset: later episodes then depend on how
+    many engine draws the earlier ones made, i.e. on the policy.) The episodes run in
+    lockstep, one batched forward pass per step; each ends at termination or at
+    the environment's time limit (1000 steps).
+    """
+    envs = [make_env(client) for _ in seeds]
     try:
-        rewards, lengths = evaluate_policy(
-            policy, env, n_eval_episodes=episodes, deterministic=True,
-            return_episode_rewards=True,
-        )  # fmt: skip
+        starts = [env.reset(seed=int(seed))[0] for env, seed in zip(envs, seeds, strict=True)]
+        obs = np.stack(starts)
+        returns = np.zeros(len(envs))
+        lengths = np.zeros(len(envs), dtype=np.int64)
+        running = np.ones(len(envs), dtype=bool)
+        while running.any():
+            playing = np.flatnonzero(running)
+            actions, _ = policy.predict(obs[playing], deterministic=True)
+            for index, action in zip(playing, actions, strict=True):
+                obs[index], reward, terminated, truncated, _ = envs[index].step(int(action))
+                returns[index] += float(reward)
+                lengths[index] += 1
+                running[index] = not (terminated or truncated)
     finally:
-        env.close()
-    return [float(r) for r in rewards], [int(n) for n in lengths]
+        for env in envs:
+            env.close()
+    return [float(r) for r in returns], [int(n) for n in lengths]

@@ -47,11 +47,14 @@ from tasks.lunar_lander.ppo import (
 from tasks.options import ConfigError, Option
 
 TIMESTEPS_KEY = "ppo-timesteps"  # the client's cumulative env steps, in its persistent state
+# The parameter names and shapes the kept Adam state belongs to (persistent state).
+OPTIMIZER_PARAMS_KEY = "ppo-optimizer-parameters"
 EVAL_STREAM = 0xE7A1  # seed stream of the evaluation episodes
 TRAIN_EPISODES = "train-episodes"
 TRAIN_ENTROPY_LOSS = "train-entropy-loss"
 TRAIN_APPROX_KL = "train-approx-kl"
 EVAL_REWARD_STD = "eval-reward-std"
+EVAL_REWARD_SE = "eval-reward-se"
 EVAL_LENGTH = "eval-length"
 
 WIND_LOW, WIND_HIGH = WIND_POWER_RANGE
@@ -76,8 +79,9 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            low=0.0, low_open=True),
     Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
            low=1),
-    Option("ppo.eval-episodes", 10, "Deterministic evaluation episodes per environment.",
-           low=1),
+    Option("ppo.eval-episodes", 20,
+           "Deterministic evaluation episodes per environment (the same seeded episodes "
+           "every round; standard error needs 2 or more).", low=1),
     Option("ppo.derived-per-base", 10,
            "Derived clients per planet (random wind); the run has 3 + 3 x this many clients.",
            low=0),
@@ -87,19 +91,34 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            low=WIND_LOW, high=WIND_HIGH),
     Option("ppo.turbulence-power", 1.5, "Rotational turbulence of every windy environment.",
            low=TURBULENCE_LOW, high=TURBULENCE_HIGH),
+    Option("ppo.keep-optimizer", False,
+           "Keep each client's PPO Adam moments across its rounds (in its persistent "
+           "state, never sent; reset when the policy's architecture changes)."),
     Option("ppo.device", "cpu", "Device of local PPO; `auto`: cuda when available.",
            choices=("cpu", "cuda", "auto")),
 )  # fmt: skip
 
 
 def episode_stats(rewards: Sequence[float], lengths: Sequence[int]) -> dict[str, float]:
-    """``num-examples`` (episodes), mean and std of the returns, mean length."""
-    return {
-        NUM_EXAMPLES: len(rewards),
-        EVAL_REWARD: float(np.mean(rewards)),
-        EVAL_REWARD_STD: float(np.std(rewards)),
+    """``num-examples`` (episodes), the returns' mean and standard deviation, mean
+    length and, from two episodes on, the mean's standard error ``eval-reward-se``
+    (sample std / sqrt(n); one episode has none, and a NaN would read as divergence)."""
+    returns = np.asarray(rewards, dtype=float)
+    n = len(returns)
+    stats = {
+        NUM_EXAMPLES: n,
+        EVAL_REWARD: float(returns.mean()),
+        EVAL_REWARD_STD: float(returns.std()),
         EVAL_LENGTH: float(np.mean(lengths)),
     }
+    if n > 1:
+        stats[EVAL_REWARD_SE] = float(returns.std(ddof=1) / np.sqrt(n))
+    return stats
+
+
+def parameter_shapes(model: torch.nn.Module) -> list[list[Any]]:
+    """``[name, shape]`` of every parameter of ``model``, in order (JSON-serialisable)."""
+    return [[name, list(param.shape)] for name, param in model.named_parameters()]
 
 
 class LunarLanderTask(Task):
@@ -144,6 +163,7 @@ class LunarLanderTask(Task):
             max_grad_norm=float(opts["ppo.max-grad-norm"]),
             check_freq=int(opts["ppo.check-freq"]),
             device=resolve_device(str(opts["ppo.device"]), "ppo.device"),
+            keep_optimizer=bool(opts["ppo.keep-optimizer"]),
         )
         self.eval_episodes = int(opts["ppo.eval-episodes"])
         self.clients = client_table(
@@ -195,11 +215,14 @@ class LunarLanderTask(Task):
     ) -> dict[str, float]:
         """``ppo.local-steps`` env steps of PPO on the client's environment, in place.
 
-        PPO, its Adam optimizer and the environments are fresh every round (optimizer
-        state is not federated and not kept); the received weights are the FedProx
-        anchor. ``local.state["ppo-timesteps"]`` accumulates the client's env steps;
-        with ``local.artifacts_dir`` the round's episodes and weight snapshots are
-        written there (:class:`~tasks.lunar_lander.logs.ClientRoundLog`).
+        PPO and the environments are fresh every round; the received weights are the
+        FedProx anchor. Adam starts from zero moments, or with ``ppo.keep-optimizer``
+        from this client's own state of its previous round, kept in
+        ``local.state_tensors`` (never sent) together with the names and shapes of the
+        policy's parameters it belongs to: a policy whose architecture differs gets
+        fresh moments. ``local.state["ppo-timesteps"]`` accumulates the client's env
+        steps; with ``local.artifacts_dir`` the round's episodes and weight snapshots
+        are written there (:class:`~tasks.lunar_lander.logs.ClientRoundLog`).
         """
         if local.dp_sgd is not None:
             raise ValueError(
@@ -209,11 +232,19 @@ class LunarLanderTask(Task):
                 "'dp-fedavg-fixed'"
             )
         start_step = int(local.state.get(TIMESTEPS_KEY, 0))
+        architecture = parameter_shapes(model)
+        kept = local.state.get(OPTIMIZER_PARAMS_KEY) == architecture
         result = train_ppo(
             model, partition, self.config, seed=local.seed,
             proximal_mu=local.proximal_mu, start_step=start_step,
+            optimizer_state=local.state_tensors if kept else None,
         )  # fmt: skip
         local.state[TIMESTEPS_KEY] = start_step + result.timesteps
+        local.state_tensors.clear()
+        local.state.pop(OPTIMIZER_PARAMS_KEY, None)
+        if result.optimizer_state:
+            local.state_tensors.update(result.optimizer_state)
+            local.state[OPTIMIZER_PARAMS_KEY] = architecture
         if local.artifacts_dir is not None:
             self._round_log(partition, local, result).save(local.artifacts_dir)
         rewards = result.log.episode_rewards
@@ -246,10 +277,12 @@ class LunarLanderTask(Task):
             weights=log.weights,
         )
 
-    def _eval_seed(self, index: int) -> int:
-        """Seed of the evaluation episodes on environment ``index`` (run seed derived)."""
-        state = np.random.SeedSequence([self.seed, EVAL_STREAM, index]).generate_state(1)
-        return int(state[0])
+    def eval_seeds(self, index: int) -> list[int]:
+        """Seeds of the ``ppo.eval-episodes`` evaluation episodes on the environment at
+        table position ``index``: drawn from the run seed and ``index`` only, so every
+        round (and every strategy run with the same seed) plays the same episodes."""
+        stream = np.random.SeedSequence([self.seed, EVAL_STREAM, index])
+        return [int(s) for s in stream.generate_state(self.eval_episodes)]
 
     def evaluate(
         self, model: torch.nn.Module, data: ClientEnv | Sequence[ClientEnv]
@@ -257,10 +290,11 @@ class LunarLanderTask(Task):
         """``ppo.eval-episodes`` deterministic episodes per environment.
 
         ``data`` is a client's environment (federated evaluation) or several
-        (central evaluation: the metrics over all episodes plus
-        ``eval-reward-<planet>`` and ``eval-reward-std-<planet>``). Episodes of the
-        environment at table position ``i`` (position in ``data`` for a sequence)
-        are seeded from the run seed and ``i``: results are reproducible.
+        (central evaluation: the metrics over all episodes plus, per planet,
+        ``eval-reward-<planet>``, ``eval-reward-std-<planet>`` and the mean's standard
+        error ``eval-reward-se-<planet>``). The environment at table position ``i``
+        (position in ``data`` for a sequence) plays the episodes of
+        :meth:`eval_seeds` ``(i)``: results are reproducible and rounds comparable.
         """
         if isinstance(data, ClientEnv):
             index = self.clients.index(data) if data in self.clients else 0
@@ -268,19 +302,22 @@ class LunarLanderTask(Task):
         if not data or not all(isinstance(env, ClientEnv) for env in data):
             raise TypeError("evaluate() takes a ClientEnv or a non-empty sequence of them")
         rewards, lengths = [], []
-        by_planet: dict[str, list[float]] = defaultdict(list)
+        by_planet: dict[str, tuple[list[float], list[int]]] = defaultdict(lambda: ([], []))
         for index, env in enumerate(data):
             env_rewards, env_lengths = self._episodes(model, env, index)
             rewards += env_rewards
             lengths += env_lengths
-            by_planet[env.planet] += env_rewards
+            by_planet[env.planet][0].extend(env_rewards)
+            by_planet[env.planet][1].extend(env_lengths)
         metrics = episode_stats(rewards, lengths)
-        for planet, planet_rewards in by_planet.items():
-            metrics[f"{EVAL_REWARD}-{planet}"] = float(np.mean(planet_rewards))
-            metrics[f"{EVAL_REWARD_STD}-{planet}"] = float(np.std(planet_rewards))
+        for planet, (planet_rewards, planet_lengths) in by_planet.items():
+            stats = episode_stats(planet_rewards, planet_lengths)
+            for key in (EVAL_REWARD, EVAL_REWARD_STD, EVAL_REWARD_SE):
+                if key in stats:
+                    metrics[f"{key}-{planet}"] = stats[key]
         return metrics
 
     def _episodes(
         self, model: torch.nn.Module, env: ClientEnv, index: int
     ) -> tuple[list[float], list[int]]:
-        return evaluate_episodes(model, env, self.eval_episodes, self._eval_seed(index))
+        return evaluate_episodes(model, env, self.eval_seeds(index))

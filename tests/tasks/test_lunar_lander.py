@@ -19,7 +19,16 @@ from tasks.base import DPSGD, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.lunar_lander import ClientEnv, LunarLanderTask, client_from_node_config, client_table
 from tasks.lunar_lander.clients import PLANETS
 from tasks.lunar_lander.logs import ClientRoundLog, load_episodes, load_snapshots
-from tasks.lunar_lander.ppo import build_policy, flatten_state_dict, proximal_gradient_hooks
+from tasks.lunar_lander.ppo import (
+    build_policy,
+    evaluate_episodes,
+    flatten_state_dict,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    proximal_gradient_hooks,
+    unflatten_state_dict,
+)
+from tasks.lunar_lander.task import OPTIMIZER_PARAMS_KEY, episode_stats
 from tasks.options import ConfigError
 from tasks.proximal import proximal_term
 
@@ -31,7 +40,7 @@ TRAIN_KEYS = {
     "train-entropy-loss",
     "train-approx-kl",
 }
-EVAL_KEYS = {NUM_EXAMPLES, "eval-reward", "eval-reward-std", "eval-length"}
+EVAL_KEYS = {NUM_EXAMPLES, "eval-reward", "eval-reward-std", "eval-reward-se", "eval-length"}
 # Rollouts of 2 envs x 64 steps = 128 env steps; 256 local steps = 2 rollouts, 2 updates.
 TINY = {
     "seed": 3,
@@ -196,6 +205,20 @@ def test_build_model_is_deterministic_for_a_seed_and_leaves_the_global_rng(task)
     assert not _same_weights(_weights(first), _weights(other))
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert sum(t.numel() for t in first.state_dict().values()) == 9797  # 8-64-64-{4,1} x2
+
+
+def test_flattened_weights_unflatten_into_the_same_policy(task):
+    # Prepare
+    reference = task.build_model(0).state_dict()
+    flat = flatten_state_dict(task.build_model(1).state_dict())
+
+    # Execute
+    restored = unflatten_state_dict(flat, reference)
+
+    # Assert
+    assert _same_weights(restored, task.build_model(1).state_dict())
+    with pytest.raises(ValueError, match="do not fill"):
+        unflatten_state_dict(flat[:-1], reference)
 
 
 def test_policy_weights_round_trip_through_array_record_bit_exactly(task):
@@ -425,15 +448,60 @@ def test_evaluate_on_a_client_environment(task, earth):
     metrics = task.evaluate(model, earth)
 
     # Assert
-    assert set(metrics) == EVAL_KEYS
+    assert set(metrics) == EVAL_KEYS - {"eval-reward-se"}  # none from one episode
     assert metrics[NUM_EXAMPLES] == 1
-    assert metrics["eval-reward-std"] == 0.0  # one episode
+    assert metrics["eval-reward-std"] == 0.0
     assert 1 <= metrics["eval-length"] <= 1000
     assert task.evaluate(model, earth) == metrics
 
 
-def test_central_evaluation_reports_every_planet_reproducibly(task):
+def test_episode_stats_reports_the_standard_error_of_the_mean():
+    # Execute
+    stats = episode_stats([100.0, 200.0, 150.0, 250.0], [10, 20, 30, 40])
+
+    # Assert: sample std of (100, 200, 150, 250) = sqrt(12500/3) = 64.55; / sqrt(4)
+    assert stats[NUM_EXAMPLES] == 4
+    assert stats["eval-reward"] == 175.0
+    assert stats["eval-reward-std"] == pytest.approx(np.sqrt(3125.0))  # population std
+    assert stats["eval-reward-se"] == pytest.approx(np.sqrt(12500.0 / 3.0) / 2.0)
+    assert stats["eval-length"] == 25.0
+
+
+def test_seeded_episodes_are_the_same_when_evaluated_twice(task, earth):
     # Prepare
+    model = task.build_model(0)
+    seeds = [11, 12, 13, 11]
+
+    # Execute
+    first = evaluate_episodes(model, earth, seeds)
+    second = evaluate_episodes(model, earth, seeds)
+
+    # Assert: each episode follows from its seed alone, whatever ran before it
+    assert first == second
+    rewards, lengths = first
+    assert rewards[0] == rewards[3] and lengths[0] == lengths[3]
+    assert len(set(rewards[:3])) == 3
+    alone = evaluate_episodes(model, earth, [13])
+    assert alone == ([rewards[2]], [lengths[2]])
+
+
+def test_eval_seeds_are_the_same_every_round_and_differ_per_environment():
+    # Prepare
+    task = LunarLanderTask(TINY | {"ppo.eval-episodes": 20})
+
+    # Execute
+    seeds = [task.eval_seeds(index) for index in range(3)]
+
+    # Assert
+    assert all(len(s) == 20 and len(set(s)) == 20 for s in seeds)
+    assert task.eval_seeds(0) == seeds[0]
+    assert not set(seeds[0]) & set(seeds[1])
+    assert LunarLanderTask(TINY | {"ppo.eval-episodes": 20, "seed": 4}).eval_seeds(0) != seeds[0]
+
+
+def test_central_evaluation_reports_every_planet_reproducibly():
+    # Prepare
+    task = LunarLanderTask(TINY | {"ppo.eval-episodes": 3})
     model, central = task.build_model(0), task.load_central_test()
     singles = [task.evaluate(model, env) for env in central]
 
@@ -441,16 +509,95 @@ def test_central_evaluation_reports_every_planet_reproducibly(task):
     metrics = task.evaluate(model, central)
 
     # Assert
-    planet_keys = {f"eval-reward{s}-{p}" for p in PLANETS for s in ("", "-std")}
+    planet_keys = {f"eval-reward{s}-{p}" for p in PLANETS for s in ("", "-std", "-se")}
     assert set(metrics) == EVAL_KEYS | planet_keys
-    assert metrics[NUM_EXAMPLES] == 3
-    rewards = [m["eval-reward"] for m in singles]  # base clients: table index = position
-    for planet, reward in zip(PLANETS, rewards, strict=True):
-        assert metrics[f"eval-reward-{planet}"] == pytest.approx(reward)
-    assert metrics["eval-reward"] == pytest.approx(np.mean(rewards))
-    assert metrics["eval-reward-std"] == pytest.approx(np.std(rewards))
-    assert len(set(rewards)) == 3
+    assert metrics[NUM_EXAMPLES] == 9
+    for planet, single in zip(PLANETS, singles, strict=True):  # base clients: index = position
+        for key in ("eval-reward", "eval-reward-std", "eval-reward-se"):
+            assert metrics[f"{key}-{planet}"] == pytest.approx(single[key])
+        assert single["eval-reward-se"] == pytest.approx(
+            single["eval-reward-std"] * np.sqrt(3 / 2) / np.sqrt(3)
+        )
+    assert metrics["eval-reward"] == pytest.approx(np.mean([m["eval-reward"] for m in singles]))
+    assert len({m["eval-reward"] for m in singles}) == 3
     assert task.evaluate(model, central) == metrics
+
+
+# ---------------------------------------------------------------- optimizer state
+
+
+def test_adam_state_round_trips_through_tensors_and_rejects_another_shape():
+    # Prepare: two Adam steps give every parameter moments and a step count
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        optimizer.step()
+    tensors = optimizer_tensors(optimizer)
+    fresh = torch.optim.Adam(model.parameters(), lr=0.1)
+    other = torch.optim.Adam(torch.nn.Linear(3, 3).parameters(), lr=0.1)
+
+    # Execute
+    loaded = load_optimizer_tensors(fresh, tensors)
+    rejected = load_optimizer_tensors(other, tensors)
+
+    # Assert
+    assert len(tensors) == 4 * 3 and tensors["adam.0.step"].item() == 2.0
+    assert loaded and optimizer_tensors(fresh).keys() == tensors.keys()
+    assert all(torch.equal(optimizer_tensors(fresh)[k], v) for k, v in tensors.items())
+    assert not rejected and not other.state_dict()["state"]
+
+
+def test_ppo_optimizer_state_survives_a_round_trip_through_the_client_state(earth):
+    # Prepare: the client's state goes through the record a ClientApp keeps it in
+    task = LunarLanderTask(TINY | {"ppo.keep-optimizer": True})
+    model = task.build_model(0)
+    local = LocalTraining(1, seed=5)
+    task.train(model, earth, local)
+    record = ArrayRecord(local.state_tensors)
+    restored = {k: torch.from_numpy(record[k].numpy()) for k in record}
+    steps = restored["adam.0.step"].item()
+
+    # Execute
+    second = LocalTraining(2, seed=6, state=dict(local.state), state_tensors=restored)
+    task.train(model, earth, second)
+
+    # Assert: 2 updates of 2 minibatches per round; the second round continues the count
+    assert steps == 4.0
+    assert second.state_tensors["adam.0.step"].item() == 2 * steps
+    assert second.state[OPTIMIZER_PARAMS_KEY] == [
+        [name, list(p.shape)] for name, p in model.named_parameters()
+    ]
+
+
+def test_ppo_optimizer_state_resets_when_the_architecture_changes(earth):
+    # Prepare: the kept state belongs to parameters of other shapes
+    task = LunarLanderTask(TINY | {"ppo.keep-optimizer": True})
+    model = task.build_model(0)
+    local = LocalTraining(1, seed=5)
+    task.train(model, earth, local)
+    local.state[OPTIMIZER_PARAMS_KEY] = [["mlp_extractor.other", [3]]]
+    steps = local.state_tensors["adam.0.step"].item()
+
+    # Execute
+    task.train(model, earth, local)
+
+    # Assert: fresh moments (the step count restarts) for the current architecture
+    assert local.state_tensors["adam.0.step"].item() == steps
+    assert local.state[OPTIMIZER_PARAMS_KEY][0][0] == next(iter(model.named_parameters()))[0]
+
+
+def test_ppo_without_keep_optimizer_keeps_no_optimizer_state(task, earth):
+    # Prepare: a state left by an earlier run that kept it
+    local = LocalTraining(1, seed=5, state={OPTIMIZER_PARAMS_KEY: []})
+    local.state_tensors["adam.0.step"] = torch.tensor(9.0)
+
+    # Execute
+    task.train(task.build_model(0), earth, local)
+
+    # Assert
+    assert local.state_tensors == {} and OPTIMIZER_PARAMS_KEY not in local.state
 
 
 # ---------------------------------------------------------------- options
