@@ -1,5 +1,7 @@
 """`flwr run` of the federated PPO task (seed 000) on 3 SuperNodes (one per planet):
-fedavg, clustered FedAvg and the Laplace mechanism, each for 2 tiny rounds."""
+fedavg, clustered FedAvg, the Laplace mechanism and the options of issue 28 (kept Adam
+state, a server optimizer, seeded evaluation with standard errors), each for 2 tiny
+rounds."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from flwr.app import Context, RecordDict
 
+from client_app import state
 from server_app.results import load_metrics
 from tasks.lunar_lander.logs import load_snapshots
 
@@ -20,17 +24,20 @@ PLANETS = ("moon", "earth", "mars")
 TINY = (
     "task='lunar-lander' num-server-rounds=2 fraction-train=0.67 fraction-evaluate=1.0 "
     "ppo.derived-per-base=0 ppo.local-steps=256 ppo.n-steps=64 ppo.n-envs=2 "
-    "ppo.batch-size=64 ppo.n-epochs=1 ppo.check-freq=64 ppo.eval-episodes=1"
+    "ppo.batch-size=64 ppo.n-epochs=1 ppo.check-freq=64"
 )
 VARIANTS = {
-    "fedavg": "strategy='fedavg'",
-    "clustered": "strategy='clustered' cluster.k=2 cluster.assign='l2'",
+    "fedavg": "strategy='fedavg' ppo.eval-episodes=1",
+    "clustered": "strategy='clustered' cluster.k=2 cluster.assign='l2' ppo.eval-episodes=1",
     # With the clients' own metrics (written to curator/), which DP runs do not collect
     # unless asked: the PPO mechanics are checked here, not the privacy.
     # Fixed-size cohorts (fraction-train): every round trains 2 clients, which the
     # assertions count; Poisson cohorts are random (tests/strategies covers them).
     "laplace": "strategy='fedavg' privacy='laplace' dp.sensitivity=15.0 dp.epsilon=30.0 "
-    "dp.sampling='fixed' dp.client-metrics=true",
+    "dp.sampling='fixed' dp.client-metrics=true ppo.eval-episodes=1",
+    "lands": "strategy='fedavg' ppo.keep-optimizer=true server.optimizer='momentum' "
+    "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
+    "ppo.ent-coef=0.01 ppo.eval-episodes=3",
 }
 
 
@@ -100,3 +107,21 @@ def test_laplace_ledger_names_the_unit_of_privacy(lunar_runs):
     assert ledger["basic-composition-epsilon"] == pytest.approx(60.0)
     assert "environment" in ledger["privacy-unit"]
     assert any(s.startswith("Unit of privacy") for s in ledger["statements"])
+
+
+def test_kept_adam_state_and_seeded_evaluation_with_standard_errors(lunar_runs):
+    result = lunar_runs["lands"]
+    central = load_metrics(result.run_dir)
+    central = central[central["scope"] == "central-eval"].set_index("round")
+    for planet in PLANETS:  # 3 episodes per planet: a standard error each round
+        assert (central[f"eval-reward-se-{planet}"] > 0).all()
+    assert central.loc[0, "num-examples"] == 9
+    # The Adam state a client kept: 2 updates (1 minibatch each) per round it trained
+    files = sorted((result.run_dir / "clients" / "client-state").glob("partition-*/round-*.bin"))
+    steps = set()
+    for path in files:
+        context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+        pid = int(path.parent.name.removeprefix("partition-"))
+        state.restore(context, str(result.run_dir / "clients"), pid, 3)
+        steps.add(float(context.state["task-tensors"]["adam.0.step"].numpy()))
+    assert files and steps <= {4.0, 8.0} and 8.0 in steps  # someone trained in both rounds
