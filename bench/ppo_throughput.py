@@ -17,8 +17,13 @@ ClientApp's ``OMP_NUM_THREADS`` to its num-cpus, so each ClientApp's share of th
 throughput is compared with plain SB3 on that many torch threads.
 
 Every number is the median of ``--repeats`` runs (plain and federated interleaved).
+``--preset FILE.toml`` takes the PPO hyperparameters (its ``ppo.*`` keys other than the
+federation's) from a preset, for both sides, and passes its ``ppo.keep-optimizer`` to
+the federated run (plain SB3 keeps its optimizer anyway).
 
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 5
+    python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 3 \
+        --preset experiments/lunar-fl-lands.toml
 
 Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
 working tree, so editing the app while it runs changes what is measured.
@@ -33,6 +38,7 @@ import sys
 import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -40,12 +46,25 @@ import torch
 from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 
+from lab import study
 from lab.launcher import LocalSimulation
+from tasks.lunar_lander import LunarLanderTask
 from tasks.lunar_lander.clients import client_table, make_env
+
+# Keys of a preset that describe the federation or the evaluation, not local PPO.
+NOT_PPO = ("ppo.local-steps", "ppo.derived-per-base", "ppo.eval-episodes", "ppo.n-envs")
+
+
+def preset_ppo(path: Path | None) -> dict:
+    """The ``ppo.*`` keys of a preset that set local PPO (empty: SB3's defaults)."""
+    if path is None:
+        return {}
+    config = study.load_preset(str(path), study.app_defaults()).overrides
+    return {k: v for k, v in config.items() if k.startswith("ppo.") and k not in NOT_PPO}
 
 
 def standalone_steps_per_second(
-    total_steps: int, n_envs: int, seed: int, threads: int
+    total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict
 ) -> tuple[int, float]:
     """(steps taken, steps/s) of plain SB3 PPO on the moon client's environment.
 
@@ -57,7 +76,8 @@ def standalone_steps_per_second(
     torch.set_num_threads(threads)
     moon = client_table(seed, derived_per_base=0)[0]
     env = make_vec_env(partial(make_env, moon), n_envs=n_envs, seed=seed)
-    model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0)
+    kwargs = LunarLanderTask({**ppo, "ppo.n-envs": n_envs}).config.ppo_kwargs() if ppo else {}
+    model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
     started = time.perf_counter()
     model.learn(total_timesteps=total_steps)
     seconds = time.perf_counter() - started
@@ -75,6 +95,9 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
         f"ppo.local-steps={args.local_steps} ppo.n-envs={args.n_envs} "
         f"output-dir='{out}/cpus-{cpus}'"
     )
+    for key, value in args.ppo.items():
+        text = str(value).lower() if isinstance(value, bool) else repr(value)
+        run_config += f" {key}={text}"
     result = sim.run(
         run_config,
         federation_config=f"num-supernodes={num_clients} client-resources-num-cpus={cpus}",
@@ -83,7 +106,7 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
         raise SystemExit(result.output)
     train = pd.read_csv(result.run_dir / "metrics.csv").query("scope == 'train'")
     train = train.sort_values("round")
-    rollout = 2048 * args.n_envs  # SB3's n_steps x n_envs; PPO runs whole rollouts
+    rollout = int(args.ppo.get("ppo.n-steps", 2048)) * args.n_envs  # PPO: whole rollouts
     per_client = -(-args.local_steps // rollout) * rollout
     steps_per_round = np.full(len(train), args.clients_per_round * per_client)
     elapsed = train["elapsed-s"].to_numpy()  # since the run directory was created
@@ -105,7 +128,9 @@ def main() -> None:
     parser.add_argument("--n-envs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--preset", type=Path, help="take the ppo.* settings from this preset")
     args = parser.parse_args()
+    args.ppo = preset_ppo(args.preset)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
 
     total = args.rounds * args.clients_per_round * args.local_steps
@@ -115,7 +140,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
         for repeat in range(args.repeats):
             for threads, rates in plain_runs.items():
-                steps, rate = standalone_steps_per_second(total, args.n_envs, args.seed, threads)
+                steps, rate = standalone_steps_per_second(
+                    total, args.n_envs, args.seed, threads, args.ppo
+                )
                 rates.append(rate)
                 print(
                     f"#{repeat} plain SB3 PPO, {threads} torch thread(s): {steps} steps, "

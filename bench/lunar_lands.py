@@ -1,0 +1,314 @@
+"""Does federated PPO land, and does it beat single agents? (issue 28, seed 000)
+
+Runs presets x seeds through :mod:`lab.comparison`, then reads every run the same way:
+
+* **Per round, per planet**: the mean evaluation reward of the model the planet's base
+  client (``moon-00``, ``earth-00``, ``mars-00``) would use, over the run's
+  ``ppo.eval-episodes`` deterministic episodes, seeded per episode
+  (:meth:`~tasks.lunar_lander.LunarLanderTask.eval_seeds`, the same episodes in every
+  round and every run of one seed):
+
+  - FedAvg-like strategies: the central evaluation of the global model (``metrics.csv``);
+  - clustered FedAvg: the central evaluation's best of the K cluster models per planet
+    (what the run reports; the maximum of K noisy means is biased upwards by at most
+    the spread of those means, which the per-run standard error bounds);
+  - single agents (``strategy = 'local'``, no global model): each base client's own
+    policy as of the end of the round (the last weight snapshot it logged in
+    ``clients/``, carried forward through rounds it was not sampled in), evaluated
+    here on the same seeded episodes as the central evaluation.
+
+* **Env steps**: the env steps all clients took up to that round (``participation.csv``).
+* **Final table**: per experiment and planet, the final round's reward, mean over seeds
+  with a 95 % confidence interval (Student t, n - 1 degrees of freedom), plus the mean
+  per-run standard error of the episodes.
+* **Stability**: after a run first reaches 150 on a planet, the largest drop between
+  consecutive rounds (the issue's bound: 50).
+* **Curves**: reward against env steps, mean over seeds with the 95 % band.
+
+::
+
+    python bench/lunar_lands.py experiments/lunar-fl-lands.toml \\
+        experiments/lunar-fl-lands-clustered.toml experiments/lunar-fl-lands-single.toml \\
+        --seeds 0 1 2 --out results/lunar-lands
+    python bench/lunar_lands.py --from results/lunar-lands/comparison.json \\
+        --out results/lunar-lands
+
+Writes ``per_round.csv``, ``final.csv``, ``final.md``, ``stability.csv`` and
+``learning_curves.png`` into ``--out`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lab import comparison  # noqa: E402
+from lab.study import StudyError  # noqa: E402
+from tasks.lunar_lander import LunarLanderTask  # noqa: E402
+from tasks.lunar_lander.clients import PLANETS  # noqa: E402
+from tasks.lunar_lander.logs import load_snapshots  # noqa: E402
+from tasks.lunar_lander.ppo import evaluate_episodes, unflatten_state_dict  # noqa: E402
+from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  # noqa: E402
+
+LANDED = 200.0  # the issue's goal: mean evaluation reward per planet
+STABLE_FROM, MAX_DROP = 150.0, 50.0  # after first reaching 150, no drop > 50
+SINGLE_AGENT = "local"
+
+
+def _run_config(run_dir: Path) -> dict:
+    return json.loads((run_dir / "config.json").read_text())["run-config"]
+
+
+def env_steps(run_dir: Path) -> pd.Series:
+    """Env steps of all clients up to each round (index: round, 0 = before training)."""
+    rows = pd.read_csv(run_dir / "participation.csv")
+    per_round = rows[rows["replied"].astype(bool)].groupby("round")["num-examples"].sum()
+    steps = per_round.sort_index().cumsum()
+    return pd.concat([pd.Series({0: 0}), steps]).astype(int)
+
+
+def central_rewards(run_dir: Path) -> pd.DataFrame:
+    """``round, planet, reward, se`` of the central evaluation in ``metrics.csv``."""
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    central = metrics[metrics["scope"] == "central-eval"]
+    rows = [
+        {
+            "round": int(row["round"]),
+            "planet": planet,
+            "reward": float(row[f"eval-reward-{planet}"]),
+            "se": float(row.get(f"eval-reward-se-{planet}", np.nan)),
+        }
+        for _, row in central.iterrows()
+        for planet in PLANETS
+    ]
+    return pd.DataFrame(rows)
+
+
+def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
+    """``round, planet, reward, se`` of each base client's own policy after each round
+    (its last logged snapshot up to then), on the central evaluation's episodes."""
+    config = _run_config(run_dir)
+    task = LunarLanderTask(config)
+    reference = task.build_model(0).state_dict()
+    snapshots, weights = load_snapshots(run_dir / "clients")
+    rows, model = [], task.build_model(0)
+    for index, client in enumerate(task.load_central_test()):
+        mine = snapshots[snapshots["label"] == client.label]
+        latest: dict[str, float] | None = None
+        for server_round in range(1, int(config["num-server-rounds"]) + 1):
+            trained = mine[mine["server_round"] == server_round]
+            if len(trained):  # the policy it kept: the round's last snapshot
+                last = trained.index[int(trained["step"].to_numpy().argmax())]
+                model.load_state_dict(unflatten_state_dict(weights[last], reference))
+                stats_ = episode_stats(*evaluate_episodes(model, client, task.eval_seeds(index)))
+                latest = {"reward": stats_[EVAL_REWARD], "se": stats_[EVAL_REWARD_SE]}
+            if latest is not None:
+                rows.append({"round": server_round, "planet": client.planet, **latest})
+    return pd.DataFrame(rows)
+
+
+def per_round(runs: Mapping[str, Mapping[int, Path]]) -> pd.DataFrame:
+    """``experiment, seed, strategy, round, env-steps, planet, reward, se`` of every run."""
+    frames = []
+    for name, seeds in runs.items():
+        for seed, run_dir in seeds.items():
+            strategy = _run_config(run_dir)["strategy"]
+            rewards = (
+                single_agent_rewards(run_dir)
+                if strategy == SINGLE_AGENT
+                else central_rewards(run_dir)
+            )
+            steps = env_steps(run_dir)
+            rewards["env-steps"] = rewards["round"].map(steps)
+            rewards.insert(0, "experiment", name)
+            rewards.insert(1, "seed", seed)
+            rewards.insert(2, "strategy", strategy)
+            frames.append(rewards)
+    return pd.concat(frames, ignore_index=True)
+
+
+def confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width) of a Student-t interval; half-width NaN for one value."""
+    values = np.asarray(values, dtype=float)
+    n = len(values)
+    if n < 2:
+        return float(values.mean()), float("nan")
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * values.std(ddof=1) / np.sqrt(n)
+    return float(values.mean()), float(half)
+
+
+def final_table(rounds: pd.DataFrame) -> pd.DataFrame:
+    """Per experiment and planet: the last round's reward over seeds (mean, 95 % CI)."""
+    final_round = rounds.groupby(["experiment", "seed"])["round"].transform("max")
+    last = rounds[rounds["round"] == final_round]
+    rows = []
+    for (name, planet), group in last.groupby(["experiment", "planet"], sort=False):
+        mean, half = confidence_interval(group["reward"])
+        rows.append(
+            {
+                "experiment": name,
+                "planet": planet,
+                "seeds": len(group),
+                "env-steps": int(group["env-steps"].max()),
+                "reward": mean,
+                "ci95": half,
+                "low": mean - half,
+                "high": mean + half,
+                "episode-se": float(group["se"].mean()),
+                "per-seed": " / ".join(f"{r:.0f}" for r in group["reward"]),
+                "landed": mean >= LANDED,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def stability(rounds: pd.DataFrame) -> pd.DataFrame:
+    """Per run and planet: the round it first reached 150 and the largest drop between
+    consecutive rounds after that (NaN if it never did)."""
+    rows = []
+    for (name, seed, planet), group in rounds.groupby(["experiment", "seed", "planet"]):
+        ordered = group.sort_values("round")
+        rewards = ordered["reward"].to_numpy()
+        reached = np.flatnonzero(rewards >= STABLE_FROM)
+        first, drop = np.nan, np.nan
+        if reached.size:
+            first = int(ordered["round"].iloc[reached[0]])
+            after = rewards[reached[0] :]
+            drop = float(np.max(after[:-1] - after[1:], initial=0.0))
+        rows.append(
+            {
+                "experiment": name,
+                "seed": seed,
+                "planet": planet,
+                "first-150-round": first,
+                "max-drop": drop,
+                "stable": bool(reached.size) and drop <= MAX_DROP,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def overlap_statements(final: pd.DataFrame, baseline: str) -> list[str]:
+    """For every other experiment and planet: do its CI and ``baseline``'s overlap?"""
+    lines = []
+    base = final[final["experiment"] == baseline].set_index("planet")
+    for _, row in final[final["experiment"] != baseline].iterrows():
+        other = base.loc[row["planet"]]
+        if np.isnan(row["ci95"]) or np.isnan(other["ci95"]):
+            verdict = "no interval (one seed)"
+        elif row["low"] > other["high"]:
+            verdict = "better: the intervals do not overlap"
+        elif row["high"] < other["low"]:
+            verdict = "worse: the intervals do not overlap"
+        else:
+            verdict = "the intervals overlap: no difference shown"
+        lines.append(
+            f"{row['experiment']} vs {baseline} on {row['planet']}: "
+            f"{row['reward']:.0f} ± {row['ci95']:.0f} vs {other['reward']:.0f} ± "
+            f"{other['ci95']:.0f}: {verdict}"
+        )
+    return lines
+
+
+def plot_curves(rounds: pd.DataFrame, path: Path) -> None:
+    """Reward against env steps per planet: mean over seeds with the 95 % band."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PLANETS), figsize=(5 * len(PLANETS), 4), sharey=True)
+    for ax, planet in zip(axes, PLANETS, strict=True):
+        mine = rounds[rounds["planet"] == planet]
+        for name, group in mine.groupby("experiment", sort=False):
+            by_round = group.groupby("round")
+            steps = by_round["env-steps"].mean() / 1e6
+            bands = [confidence_interval(g["reward"]) for _, g in by_round]
+            mean = np.array([m for m, _ in bands])
+            half = np.nan_to_num(np.array([h for _, h in bands]))
+            ax.plot(steps, mean, marker="o", markersize=3, label=name)
+            ax.fill_between(steps, mean - half, mean + half, alpha=0.2)
+        ax.axhline(LANDED, color="grey", linestyle="--", linewidth=1)
+        ax.set(title=planet, xlabel="env steps, all clients (millions)")
+    axes[0].set_ylabel("evaluation reward (mean over seeds, 95 % CI)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _markdown(table: pd.DataFrame) -> str:
+    """``table`` as a Markdown table, numbers to one decimal (pandas' own needs
+    ``tabulate``, which the app does not install)."""
+
+    def cell(value: object) -> str:
+        if isinstance(value, float | np.floating):
+            return "–" if np.isnan(value) else f"{value:.1f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + " --- |" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(False)]
+    return "\n".join(lines)
+
+
+def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
+    """Write and print the per-round rewards, final table, stability and curves."""
+    out.mkdir(parents=True, exist_ok=True)
+    rounds = per_round(runs)
+    final = final_table(rounds)
+    steady = stability(rounds)
+    rounds.to_csv(out / "per_round.csv", index=False)
+    final.to_csv(out / "final.csv", index=False)
+    steady.to_csv(out / "stability.csv", index=False)
+    plot_curves(rounds, out / "learning_curves.png")
+    lines = ["## Final evaluation reward per planet (mean over seeds, 95 % CI)", ""]
+    lines.append(_markdown(final.drop(columns=["low", "high"])))
+    lines += ["", "## Stability (after first reaching 150)", ""]
+    lines.append(_markdown(steady))
+    singles = {n for n, s in rounds.groupby("experiment")["strategy"].first().items()
+               if s == SINGLE_AGENT}  # fmt: skip
+    for baseline in sorted(singles):
+        lines += ["", f"## Against {baseline}", ""]
+        lines += [f"- {line}" for line in overlap_statements(final, baseline)]
+    text = "\n".join(lines) + "\n"
+    (out / "final.md").write_text(text)
+    print(text)
+    return final
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    matplotlib.use("Agg")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("presets", nargs="*", metavar="PRESET.toml")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--from", dest="from_json", type=Path, metavar="COMPARISON.json")
+    parser.add_argument("--runs", nargs="+", metavar="NAME:SEED=RUN_DIR")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if sum(map(bool, (args.presets, args.from_json, args.runs))) != 1:
+        parser.error("give one of: PRESET.toml files, --from COMPARISON.json, --runs")
+    source = args.from_json
+    if args.presets:
+        seeds = [str(s) for s in args.seeds]
+        comparison.main([*args.presets, "--seeds", *seeds, "--out", str(args.out)])
+        source = args.out / "comparison.json"
+    try:
+        if args.runs:
+            runs = comparison.parse_runs(args.runs)
+        else:
+            runs, _ = comparison.read_comparison_json(source)
+    except StudyError as err:
+        raise SystemExit(f"lunar_lands: {err}") from None
+    return analyse(runs, args.out)
+
+
+if __name__ == "__main__":
+    main()
