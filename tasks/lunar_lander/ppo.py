@@ -240,7 +240,8 @@ def load_optimizer_tensors(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
 ) -> bool:
     """Load :func:`optimizer_tensors`' output into ``optimizer``; returns False, loading
-    nothing, when they do not fit its parameters (another count, name or shape)."""
+    nothing, when they do not fit its parameters (another count or shape; the task
+    also compares the parameters' names, :func:`~tasks.lunar_lander.task.parameter_shapes`)."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     expected = {
         f"{OPTIMIZER_PREFIX}.{index}.{name}" for index in range(len(params)) for name in ADAM_STATE
@@ -271,8 +272,6 @@ class LocalPPOResult:
     optimizer_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Adam's state after the round (:func:`optimizer_tensors`); empty unless
     ``cfg.keep_optimizer``."""
-    optimizer_resumed: bool = False
-    """Whether the round started from the given Adam state (else from zero moments)."""
 
 
 @contextmanager
@@ -316,11 +315,8 @@ def train_ppo(
             # name_to_value because SB3 dumps the logs before each update, not after.
             ppo.set_logger(Logger(folder=None, output_formats=[]))
             ppo.policy.load_state_dict(policy.state_dict(), strict=True)
-            resumed = bool(
-                cfg.keep_optimizer
-                and optimizer_state
-                and load_optimizer_tensors(ppo.policy.optimizer, optimizer_state)
-            )
+            if cfg.keep_optimizer and optimizer_state:
+                load_optimizer_tensors(ppo.policy.optimizer, optimizer_state)
             log = WeightStorageCallback(cfg.check_freq, start_step)
             with proximal_gradient_hooks(ppo.policy, proximal_mu):
                 ppo.learn(total_timesteps=cfg.local_steps, callback=log)
@@ -335,7 +331,7 @@ def train_ppo(
     kept = optimizer_tensors(ppo.policy.optimizer) if cfg.keep_optimizer else {}
     return LocalPPOResult(
         timesteps=int(ppo.num_timesteps), train_values=values, log=log,
-        optimizer_state=kept, optimizer_resumed=resumed,
+        optimizer_state=kept,
     )  # fmt: skip
 
 
