@@ -9,9 +9,11 @@ Runs presets x seeds through :mod:`lab.comparison`, then reads every run the sam
   round and every run of one seed):
 
   - FedAvg-like strategies: the central evaluation of the global model (``metrics.csv``);
-  - clustered FedAvg: the central evaluation's best of the K cluster models per planet
-    (what the run reports; the maximum of K noisy means is biased upwards by at most
-    the spread of those means, which the per-run standard error bounds);
+  - clustered FedAvg, per round: the central evaluation's best of the K cluster models
+    per planet (what the run reports; picking the best of K noisy means is biased
+    upwards). The final table instead takes, per planet, the model the strategy's own
+    L2 rule would hand the base client next (the final model nearest its last upload),
+    a choice made without looking at any evaluation;
   - single agents (``strategy = 'local'``, no global model): each base client's own
     policy as of the end of the round (the last weight snapshot it logged in
     ``clients/``, carried forward through rounds it was not sampled in), evaluated
@@ -48,6 +50,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import pandas as pd
+import torch
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,12 +61,16 @@ from lab.study import StudyError  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
 from tasks.lunar_lander.clients import PLANETS  # noqa: E402
 from tasks.lunar_lander.logs import load_snapshots  # noqa: E402
-from tasks.lunar_lander.ppo import evaluate_episodes, unflatten_state_dict  # noqa: E402
+from tasks.lunar_lander.ppo import (  # noqa: E402
+    evaluate_episodes,
+    flatten_state_dict,
+    unflatten_state_dict,
+)
 from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  # noqa: E402
 
 LANDED = 200.0  # the issue's goal: mean evaluation reward per planet
 STABLE_FROM, MAX_DROP = 150.0, 50.0  # after first reaching 150, no drop > 50
-SINGLE_AGENT = "local"
+SINGLE_AGENT, CLUSTERED = "local", "clustered"
 
 
 def _run_config(run_dir: Path) -> dict:
@@ -95,6 +102,49 @@ def central_rewards(run_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _last_uploads(run_dir: Path, labels: Sequence[str]) -> dict[str, np.ndarray]:
+    """Each client's last logged weights (what it uploaded the last round it trained)."""
+    snapshots, weights = load_snapshots(run_dir / "clients")
+    last = {}
+    for label in labels:
+        mine = snapshots[snapshots["label"] == label]
+        if len(mine):
+            latest = mine.sort_values(["server_round", "step"]).index[-1]
+            last[label] = weights[latest]
+    return last
+
+
+def clustered_assigned_rewards(run_dir: Path) -> pd.DataFrame:
+    """``round, planet, reward, se`` of the final round: per planet, the final cluster
+    model nearest (L2) the base client's last upload, as the strategy assigns models,
+    read from that model's central evaluation."""
+    config = _run_config(run_dir)
+    task = LunarLanderTask(config)
+    bases = task.load_central_test()
+    uploads = _last_uploads(run_dir, [c.label for c in bases])
+    models = sorted((run_dir / "checkpoint").glob("cluster-*.pt"))
+    flat = [flatten_state_dict(torch.load(path)) for path in models]
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    central = metrics[metrics["scope"] == "central-eval"].sort_values("round").iloc[-1]
+    rows = []
+    for client in bases:
+        if client.label not in uploads:
+            continue
+        upload = uploads[client.label]
+        nearest = int(np.argmin([np.sum((upload - model) ** 2) for model in flat]))
+        k = int(models[nearest].stem.removeprefix("cluster-"))
+        rows.append(
+            {
+                "round": int(central["round"]),
+                "planet": client.planet,
+                "reward": float(central[f"cluster-{k}-{EVAL_REWARD}-{client.planet}"]),
+                "se": float(central.get(f"cluster-{k}-{EVAL_REWARD_SE}-{client.planet}", np.nan)),
+                "model": k,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
     """``round, planet, reward, se`` of each base client's own policy after each round
     (its last logged snapshot up to then), on the central evaluation's episodes."""
@@ -118,9 +168,10 @@ def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def per_round(runs: Mapping[str, Mapping[int, Path]]) -> pd.DataFrame:
-    """``experiment, seed, strategy, round, env-steps, planet, reward, se`` of every run."""
-    frames = []
+def per_round(runs: Mapping[str, Mapping[int, Path]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``experiment, seed, strategy, round, env-steps, planet, reward, se`` of every run
+    and every round, and the final rows of clustered runs by assigned model."""
+    frames, finals = [], []
     for name, seeds in runs.items():
         for seed, run_dir in seeds.items():
             strategy = _run_config(run_dir)["strategy"]
@@ -130,12 +181,19 @@ def per_round(runs: Mapping[str, Mapping[int, Path]]) -> pd.DataFrame:
                 else central_rewards(run_dir)
             )
             steps = env_steps(run_dir)
-            rewards["env-steps"] = rewards["round"].map(steps)
-            rewards.insert(0, "experiment", name)
-            rewards.insert(1, "seed", seed)
-            rewards.insert(2, "strategy", strategy)
-            frames.append(rewards)
-    return pd.concat(frames, ignore_index=True)
+            for frame, chosen in (
+                (rewards, frames),
+                (clustered_assigned_rewards(run_dir) if strategy == CLUSTERED else None, finals),
+            ):
+                if frame is None:
+                    continue
+                frame["env-steps"] = frame["round"].map(steps)
+                frame.insert(0, "experiment", name)
+                frame.insert(1, "seed", seed)
+                frame.insert(2, "strategy", strategy)
+                chosen.append(frame)
+    final = pd.concat(finals, ignore_index=True) if finals else pd.DataFrame()
+    return pd.concat(frames, ignore_index=True), final
 
 
 def confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
@@ -148,10 +206,18 @@ def confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[f
     return float(values.mean()), float(half)
 
 
-def final_table(rounds: pd.DataFrame) -> pd.DataFrame:
-    """Per experiment and planet: the last round's reward over seeds (mean, 95 % CI)."""
+def final_table(rounds: pd.DataFrame, final: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per experiment and planet: the last round's reward over seeds (mean, 95 % CI).
+
+    ``final`` (same columns) replaces the last round of the runs it covers (clustered
+    FedAvg's assigned models)."""
     final_round = rounds.groupby(["experiment", "seed"])["round"].transform("max")
     last = rounds[rounds["round"] == final_round]
+    if final is not None and len(final):
+        covered = last.set_index(["experiment", "seed"]).index.isin(
+            final.set_index(["experiment", "seed"]).index.unique()
+        )
+        last = pd.concat([last[~covered], final[last.columns]], ignore_index=True)
     rows = []
     for (name, planet), group in last.groupby(["experiment", "planet"], sort=False):
         mean, half = confidence_interval(group["reward"])
@@ -262,10 +328,12 @@ def _markdown(table: pd.DataFrame) -> str:
 def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
     """Write and print the per-round rewards, final table, stability and curves."""
     out.mkdir(parents=True, exist_ok=True)
-    rounds = per_round(runs)
-    final = final_table(rounds)
+    rounds, assigned = per_round(runs)
+    final = final_table(rounds, assigned)
     steady = stability(rounds)
     rounds.to_csv(out / "per_round.csv", index=False)
+    if len(assigned):
+        assigned.to_csv(out / "clustered_assigned.csv", index=False)
     final.to_csv(out / "final.csv", index=False)
     steady.to_csv(out / "stability.csv", index=False)
     plot_curves(rounds, out / "learning_curves.png")

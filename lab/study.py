@@ -3,7 +3,9 @@ the learning curves, comparisons, t-SNE / UMAP plots and the final-reward table.
 
 ::
 
-    python -m lab.study experiments/lunar-*.toml --out results/lunar-study
+    python -m lab.study \\
+        experiments/lunar-{standard-fl,clustered-fl,single-agent,dp-fl-eps*}.toml \\
+        --out results/lunar-study
     python -m lab.study --runs standard-fl=runs/A single-agent=runs/B --out results/x
 
 Each preset (flat run-config keys, as in ``experiments/*.toml``) is one experiment,
