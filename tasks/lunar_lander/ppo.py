@@ -351,6 +351,11 @@ def evaluate_episodes(
     the environment's time limit (1000 steps).
     """
     envs = [make_env(client) for _ in seeds]
+    threads = torch.get_num_threads()
+    # One thread: a forward pass of this MLP on at most a few dozen observations is
+    # microseconds of work, which more threads only slow down (22x measured while the
+    # cores were busy with training: spinning OpenMP workers).
+    torch.set_num_threads(1)
     try:
         starts = [env.reset(seed=int(seed))[0] for env, seed in zip(envs, seeds, strict=True)]
         obs = np.stack(starts)
@@ -366,6 +371,7 @@ def evaluate_episodes(
                 lengths[index] += 1
                 running[index] = not (terminated or truncated)
     finally:
+        torch.set_num_threads(threads)
         for env in envs:
             env.close()
     return [float(r) for r in returns], [int(n) for n in lengths]

@@ -471,6 +471,7 @@ def test_seeded_episodes_are_the_same_when_evaluated_twice(task, earth):
     # Prepare
     model = task.build_model(0)
     seeds = [11, 12, 13, 11]
+    threads = torch.get_num_threads()
 
     # Execute
     first = evaluate_episodes(model, earth, seeds)
@@ -478,6 +479,7 @@ def test_seeded_episodes_are_the_same_when_evaluated_twice(task, earth):
 
     # Assert: each episode follows from its seed alone, whatever ran before it
     assert first == second
+    assert torch.get_num_threads() == threads  # evaluation's single thread is undone
     rewards, lengths = first
     assert rewards[0] == rewards[3] and lengths[0] == lengths[3]
     assert len(set(rewards[:3])) == 3
