@@ -71,6 +71,7 @@ from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  
 LANDED = 200.0  # the goal: mean evaluation reward per planet
 STABLE_FROM, MAX_DROP = 150.0, 50.0  # after first reaching 150, no drop > 50
 SINGLE_AGENT, CLUSTERED = "local", "clustered"
+Y_RANGE = (-400.0, 350.0)  # learning curves: where the rounds after the first lie
 
 
 def _run_config(run_dir: Path) -> dict:
@@ -303,6 +304,7 @@ def plot_curves(rounds: pd.DataFrame, path: Path) -> None:
             ax.plot(steps, mean, marker="o", markersize=3, label=name)
             ax.fill_between(steps, mean - half, mean + half, alpha=0.2)
         ax.axhline(LANDED, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylim(*Y_RANGE)  # the random policy of round 0 (down to -2500) off the axis
         ax.set(title=planet, xlabel="env steps, all clients (millions)")
     axes[0].set_ylabel("evaluation reward (mean over seeds, 95 % CI)")
     axes[0].legend(fontsize=8)
