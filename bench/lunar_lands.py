@@ -35,8 +35,9 @@ Runs presets x seeds through :mod:`lab.comparison`, then reads every run the sam
     python bench/lunar_lands.py --from results/lunar-lands/comparison.json \\
         --out results/lunar-lands
 
-Writes ``per_round.csv``, ``final.csv``, ``final.md``, ``stability.csv`` and
-``learning_curves.png`` into ``--out`` and prints the tables.
+Writes ``per_round.csv``, ``final.csv``, ``final.md``, ``stability.csv``,
+``clustered_assigned.csv`` (clustered runs) and ``learning_curves.png`` into ``--out``
+and prints the tables.
 """
 
 from __future__ import annotations
