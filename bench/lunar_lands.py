@@ -152,9 +152,10 @@ def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
     (its last logged snapshot up to then), on the central evaluation's episodes."""
     config = _run_config(run_dir)
     task = LunarLanderTask(config)
-    reference = task.build_model(0).state_dict()
+    model = task.build_model(0)
+    reference = model.state_dict()  # keys, shapes and dtypes to cut snapshots into
     snapshots, weights = load_snapshots(run_dir / "clients")
-    rows, model = [], task.build_model(0)
+    rows = []
     for index, client in enumerate(task.load_central_test()):
         mine = snapshots[snapshots["label"] == client.label]
         latest: dict[str, float] | None = None
