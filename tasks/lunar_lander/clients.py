@@ -154,6 +154,43 @@ def client_from_node_config(
     return _client(label, planet, gravity, wind, turbulence_power)
 
 
-def make_env(client: ClientEnv, **kwargs: Any) -> gym.Env:
-    """A fresh LunarLander-v3 with ``client``'s physics (``kwargs``: e.g. render_mode)."""
-    return gym.make(ENV_ID, **client.env_kwargs(), **kwargs)
+# The gravity feature is gravity / GRAVITY_SCALE: moon -0.16, mars -0.373, earth -0.98,
+# the scale of LunarLander's own observations (positions and velocities of order 1).
+GRAVITY_SCALE = 10.0
+
+
+class GravityObservation(gym.ObservationWrapper):
+    """LunarLander's 8 observations plus a 9th, the environment's gravity / 10 m/s^2.
+
+    LunarLander's observation (position, velocity, angle, angular velocity, leg
+    contacts) carries no acceleration, so a Markov policy cannot tell the moon from
+    the earth: one policy for all planets must fire its main engine as if it did not
+    know how fast it falls. Every lander knows its planet's gravity; given it as an
+    input, one federated policy can act per planet (a contextual policy, as in
+    multi-task RL) while every parameter is still shared.
+    """
+
+    def __init__(self, env: gym.Env, gravity: float) -> None:
+        super().__init__(env)
+        box = env.observation_space
+        if not isinstance(box, gym.spaces.Box) or box.shape is None or len(box.shape) != 1:
+            raise TypeError(f"GravityObservation needs a flat Box observation, got {box}")
+        self._feature = np.array([gravity / GRAVITY_SCALE], dtype=box.dtype)
+        # One space on every planet (gymnasium's gravity range), so that one policy fits all.
+        low, high = (bound / GRAVITY_SCALE for bound in GRAVITY_RANGE)
+        self.observation_space = gym.spaces.Box(
+            low=np.append(box.low, low).astype(box.dtype),
+            high=np.append(box.high, high).astype(box.dtype),
+            dtype=box.dtype,
+        )
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return np.concatenate([observation, self._feature])
+
+
+def make_env(client: ClientEnv, *, observe_gravity: bool = False, **kwargs: Any) -> gym.Env:
+    """A fresh LunarLander-v3 with ``client``'s physics (``kwargs``: e.g. render_mode);
+    with ``observe_gravity`` its observation ends with the gravity feature
+    (:class:`GravityObservation`)."""
+    env = gym.make(ENV_ID, **client.env_kwargs(), **kwargs)
+    return GravityObservation(env, client.gravity) if observe_gravity else env

@@ -3,8 +3,11 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 ``n_envs`` copies of the client's environment, plus what federating it needs.
 
 * :func:`build_policy`: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy,
-  default ``net_arch``) for LunarLander's spaces. Only its ``state_dict()`` (the
-  policy and value networks) travels; PPO's Adam state never does.
+  default ``net_arch``) for LunarLander's spaces, optionally with the gravity input
+  (:class:`~tasks.lunar_lander.clients.GravityObservation`). Only its
+  ``state_dict()`` (the policy and value networks) travels; PPO's Adam state never
+  does. Training and evaluation read what the policy observes from its observation
+  space (:func:`observes_gravity`).
 * :func:`train_ppo`: one round of local PPO from the received weights, optionally
   resuming the client's own Adam state (:func:`optimizer_tensors`).
 * :func:`proximal_gradient_hooks`: the FedProx term (Li et al., 2020) inside SB3's
@@ -31,7 +34,7 @@ from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
-from tasks.lunar_lander.clients import ENV_ID, ClientEnv, make_env
+from tasks.lunar_lander.clients import ENV_ID, PLANETS, ClientEnv, GravityObservation, make_env
 from tasks.proximal import snapshot_parameters
 
 POLICY = "MlpPolicy"
@@ -100,19 +103,32 @@ def _constant_learning_rate(_progress_remaining: float) -> float:
     return 3e-4  # only sizes the policy's own (unused) optimizer; PPO builds its own
 
 
-@lru_cache(maxsize=1)
-def policy_spaces() -> tuple[gym.Space, gym.Space]:
-    """LunarLander-v3's observation and action spaces (the same on every planet)."""
+@lru_cache(maxsize=2)
+def policy_spaces(observe_gravity: bool = False) -> tuple[gym.Space, gym.Space]:
+    """LunarLander-v3's observation and action spaces (the same on every planet), the
+    observation with the gravity input when ``observe_gravity``."""
     env = gym.make(ENV_ID)
+    if observe_gravity:
+        env = GravityObservation(env, PLANETS["earth"])  # the space is the same for any
     try:
         return env.observation_space, env.action_space
     finally:
         env.close()
 
 
-def build_policy(seed: int) -> ActorCriticPolicy:
-    """SB3's MlpPolicy for LunarLander, weights drawn from ``seed`` (global RNG untouched)."""
-    observation_space, action_space = policy_spaces()
+def observes_gravity(policy: ActorCriticPolicy) -> bool:
+    """Whether ``policy`` was built for the gravity input (``build_policy(...,
+    observe_gravity=True)``); raises for a policy of neither LunarLander space."""
+    for observe in (False, True):
+        if policy.observation_space == policy_spaces(observe)[0]:
+            return observe
+    raise ValueError(f"not a LunarLander policy: observation space {policy.observation_space}")
+
+
+def build_policy(seed: int, *, observe_gravity: bool = False) -> ActorCriticPolicy:
+    """SB3's MlpPolicy for LunarLander, weights drawn from ``seed`` (global RNG untouched);
+    ``observe_gravity``: its observation ends with the environment's gravity."""
+    observation_space, action_space = policy_spaces(observe_gravity)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return PPO.policy_aliases[POLICY](observation_space, action_space, _constant_learning_rate)
@@ -299,15 +315,15 @@ def train_ppo(
 ) -> LocalPPOResult:
     """Train ``policy`` (in place) with ``cfg.local_steps`` env steps of PPO on ``client``.
 
-    A fresh SB3 ``PPO`` (seeded with ``seed``; env copy ``i`` seeded ``seed + i``)
-    loads the received weights. Its Adam optimizer starts from zero moments, or,
-    with ``cfg.keep_optimizer`` and a fitting ``optimizer_state`` (the client's own
-    from its previous round), from that state. Optimizer state is never federated.
+    A fresh SB3 ``PPO`` (seeded with ``seed``; env copy ``i`` seeded ``seed + i``;
+    the environments observe gravity if ``policy`` does) loads the received weights.
+    Its Adam optimizer starts from zero moments, or, with ``cfg.keep_optimizer`` and a
+    fitting ``optimizer_state`` (the client's own from its previous round), from that
+    state. Optimizer state is never federated.
     The environments are closed whatever happens; global RNGs are restored on return.
     """
-    vec_env = make_vec_env(
-        partial(make_env, client), n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env]
-    )
+    env_fn = partial(make_env, client, observe_gravity=observes_gravity(policy))
+    vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
     try:
         with preserved_global_rngs(cuda=cfg.device == "cuda"):
             ppo = PPO(POLICY, vec_env, seed=seed, device=cfg.device, verbose=0, **cfg.ppo_kwargs())
@@ -348,9 +364,10 @@ def evaluate_episodes(
     ``evaluate_policy`` seeds only the first reset: later episodes then depend on how
     many engine draws the earlier ones made, i.e. on the policy.) The episodes run in
     lockstep, one batched forward pass per step; each ends at termination or at
-    the environment's time limit (1000 steps).
+    the environment's time limit (1000 steps). The environments observe gravity if
+    ``policy`` does.
     """
-    envs = [make_env(client) for _ in seeds]
+    envs = [make_env(client, observe_gravity=observes_gravity(policy)) for _ in seeds]
     threads = torch.get_num_threads()
     # One thread: a forward pass of this MLP on at most a few dozen observations is
     # microseconds of work, which more threads only slow down (22x measured while the

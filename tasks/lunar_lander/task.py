@@ -91,6 +91,9 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            low=WIND_LOW, high=WIND_HIGH),
     Option("ppo.turbulence-power", 1.5, "Rotational turbulence of every windy environment.",
            low=TURBULENCE_LOW, high=TURBULENCE_HIGH),
+    Option("ppo.observe-gravity", False,
+           "The policy also observes its environment's gravity (a 9th input, gravity / 10): "
+           "one shared policy can then act per planet."),
     Option("ppo.keep-optimizer", False,
            "Keep each client's PPO Adam moments across its rounds (in its persistent "
            "state, never sent; reset when the policy's architecture changes)."),
@@ -165,6 +168,7 @@ class LunarLanderTask(Task):
             device=resolve_device(str(opts["ppo.device"]), "ppo.device"),
             keep_optimizer=bool(opts["ppo.keep-optimizer"]),
         )
+        self.observe_gravity = bool(opts["ppo.observe-gravity"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
         self.clients = client_table(
             self.seed,
@@ -187,8 +191,9 @@ class LunarLanderTask(Task):
         )
 
     def build_model(self, seed: int) -> torch.nn.Module:
-        """SB3's MlpPolicy (actor-critic) for LunarLander, weights drawn from ``seed``."""
-        return build_policy(seed)
+        """SB3's MlpPolicy (actor-critic) for LunarLander, weights drawn from ``seed``;
+        with ``ppo.observe-gravity`` its input includes the environment's gravity."""
+        return build_policy(seed, observe_gravity=self.observe_gravity)
 
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientEnv:
         """Client ``partition_id``'s environment; the table fixes ``num_partitions``."""

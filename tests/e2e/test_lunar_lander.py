@@ -1,7 +1,7 @@
 """`flwr run` of the federated PPO task (seed 000) on 3 SuperNodes (one per planet):
 fedavg, clustered FedAvg, the Laplace mechanism and the options of issue 28 (kept Adam
-state, a server optimizer, seeded evaluation with standard errors), each for 2 tiny
-rounds."""
+state, the gravity input, a server optimizer, seeded evaluation with standard errors),
+each for 2 tiny rounds."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ VARIANTS = {
     # assertions count; Poisson cohorts are random (tests/strategies covers them).
     "laplace": "strategy='fedavg' privacy='laplace' dp.sensitivity=15.0 dp.epsilon=30.0 "
     "dp.sampling='fixed' dp.client-metrics=true ppo.eval-episodes=1",
-    "lands": "strategy='fedavg' ppo.keep-optimizer=true server.optimizer='momentum' "
+    "lands": "strategy='fedavg' ppo.keep-optimizer=true ppo.observe-gravity=true "
+    "server.optimizer='momentum' "
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
     "ppo.ent-coef=0.01 ppo.eval-episodes=3",
 }
@@ -111,6 +112,8 @@ def test_laplace_ledger_names_the_unit_of_privacy(lunar_runs):
 
 def test_kept_adam_state_and_seeded_evaluation_with_standard_errors(lunar_runs):
     result = lunar_runs["lands"]
+    model = torch.load(result.run_dir / "model.pt")  # the policy observed gravity: 9 inputs
+    assert model["mlp_extractor.policy_net.0.weight"].shape == (64, 9)
     central = load_metrics(result.run_dir)
     central = central[central["scope"] == "central-eval"].set_index("round")
     for planet in PLANETS:  # 3 episodes per planet: a standard error each round

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import random
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord
+from stable_baselines3 import PPO
 
 from tasks.base import DPSGD, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.lunar_lander import ClientEnv, LunarLanderTask, client_from_node_config, client_table
-from tasks.lunar_lander.clients import PLANETS
+from tasks.lunar_lander.clients import PLANETS, make_env
 from tasks.lunar_lander.logs import ClientRoundLog, load_episodes, load_snapshots
 from tasks.lunar_lander.ppo import (
     build_policy,
     evaluate_episodes,
     flatten_state_dict,
     load_optimizer_tensors,
+    observes_gravity,
     optimizer_tensors,
     proximal_gradient_hooks,
     unflatten_state_dict,
@@ -525,6 +528,75 @@ def test_central_evaluation_reports_every_planet_reproducibly():
     assert task.evaluate(model, central) == metrics
 
 
+# ---------------------------------------------------------------- gravity input
+
+
+def test_gravity_observation_appends_the_planets_gravity_to_every_observation():
+    # Prepare
+    moon, earth = client_table(0, derived_per_base=0)[:2]
+    plain = make_env(earth)
+    envs = {env: make_env(env, observe_gravity=True) for env in (moon, earth)}
+
+    # Execute
+    first_plain, _ = plain.reset(seed=7)
+    firsts = {env: observe.reset(seed=7)[0] for env, observe in envs.items()}
+    nexts = {env: observe.step(2)[0] for env, observe in envs.items()}
+
+    # Assert: 8 observations unchanged, then gravity / 10 (moon -0.16, earth -0.98)
+    assert plain.observation_space.shape == (8,)
+    np.testing.assert_array_equal(firsts[earth][:8], first_plain)
+    assert firsts[moon][8] == np.float32(-0.16) and firsts[earth][8] == np.float32(-0.98)
+    assert nexts[moon][8] == np.float32(-0.16) and nexts[earth][8] == np.float32(-0.98)
+    # one space on every planet: gymnasium's gravity range (-12, 0) / 10
+    assert envs[moon].observation_space == envs[earth].observation_space
+    assert envs[moon].observation_space.low[8] == np.float32(-1.2)
+    assert envs[moon].observation_space.high[8] == 0.0
+    for env in (plain, *envs.values()):
+        env.close()
+
+
+def test_observe_gravity_builds_a_policy_with_a_ninth_input():
+    # Prepare
+    task = LunarLanderTask(TINY | {"ppo.observe-gravity": True})
+
+    # Execute
+    model, plain = task.build_model(0), LunarLanderTask(TINY).build_model(0)
+
+    # Assert
+    first = next(p for name, p in model.named_parameters() if name.endswith("0.weight"))
+    assert first.shape[1] == 9
+    assert observes_gravity(model) and not observes_gravity(plain)
+    assert not observes_gravity(build_policy(0))
+    with pytest.raises(ValueError, match="not a LunarLander policy"):
+        observes_gravity(PPO.policy_aliases["MlpPolicy"](
+            gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Discrete(4), lambda _: 3e-4
+        ))  # fmt: skip
+
+
+def test_gravity_policy_trains_and_evaluates_on_the_gravity_it_is_given(earth):
+    # Prepare
+    task = LunarLanderTask(TINY | {"ppo.observe-gravity": True})
+    model = task.build_model(0)
+    before = _weights(model)
+
+    # Execute
+    metrics = task.train(model, earth, LocalTraining(1, seed=5))
+    rewards, lengths = evaluate_episodes(model, earth, [11, 12])
+
+    # Assert: it trained, and the gravity input reaches the policy's actions
+    assert metrics[NUM_EXAMPLES] == 256 and not _same_weights(before, _weights(model))
+    obs = make_env(earth, observe_gravity=True).reset(seed=11)[0]
+    moon_obs = obs.copy()
+    moon_obs[8] = np.float32(-0.16)
+    with torch.no_grad():
+        logits = [
+            model.get_distribution(model.obs_to_tensor(o)[0]).distribution.logits
+            for o in (obs, moon_obs)
+        ]
+    assert not torch.equal(*logits)
+    assert len(rewards) == 2 and all(1 <= n <= 1000 for n in lengths)
+
+
 # ---------------------------------------------------------------- optimizer state
 
 
@@ -625,6 +697,7 @@ def test_ppo_without_keep_optimizer_keeps_no_optimizer_state(task, earth):
         ("ppo.turbulence-power", 3.0),
         ("ppo.device", "tpu"),
         ("ppo.n-steps", 2.5),
+        ("ppo.observe-gravity", "yes"),
     ],
 )
 def test_invalid_option_names_its_key(key, value):
