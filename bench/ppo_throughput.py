@@ -18,8 +18,9 @@ throughput is compared with plain SB3 on that many torch threads.
 
 Every number is the median of ``--repeats`` runs (plain and federated interleaved).
 ``--preset FILE.toml`` takes the PPO hyperparameters (its ``ppo.*`` keys other than the
-federation's) from a preset, for both sides, and passes its ``ppo.keep-optimizer`` to
-the federated run (plain SB3 keeps its optimizer anyway).
+federation's) from a preset, for both sides (``ppo.observe-gravity``: both observe
+gravity), and passes its ``ppo.keep-optimizer`` to the federated run (plain SB3 keeps
+its optimizer anyway).
 
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 5
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 3 \
@@ -75,7 +76,8 @@ def standalone_steps_per_second(
     """
     torch.set_num_threads(threads)
     moon = client_table(seed, derived_per_base=0)[0]
-    env = make_vec_env(partial(make_env, moon), n_envs=n_envs, seed=seed)
+    observe = bool(ppo.get("ppo.observe-gravity", False))  # the preset's gravity input too
+    env = make_vec_env(partial(make_env, moon, observe_gravity=observe), n_envs=n_envs, seed=seed)
     kwargs = LunarLanderTask({**ppo, "ppo.n-envs": n_envs}).config.ppo_kwargs() if ppo else {}
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
     started = time.perf_counter()
