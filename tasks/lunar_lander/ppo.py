@@ -367,7 +367,8 @@ def evaluate_episodes(
     the environment's time limit (1000 steps). The environments observe gravity if
     ``policy`` does.
     """
-    envs = [make_env(client, observe_gravity=observes_gravity(policy)) for _ in seeds]
+    observe = observes_gravity(policy)
+    envs = [make_env(client, observe_gravity=observe) for _ in seeds]
     threads = torch.get_num_threads()
     # One thread: a forward pass of this MLP on at most a few dozen observations is
     # microseconds of work, which more threads only slow down (22x measured while the
