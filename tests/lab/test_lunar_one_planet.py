@@ -4,19 +4,10 @@ chunk by chunk by the task's own local training with kept Adam state."""
 from __future__ import annotations
 
 from bench import lunar_one_planet
+from tests.tasks import test_lunar_lander as lunar
 
 # Chunks of 256 env steps (2 rollouts of 2 envs x 64), one epoch, 2 evaluation episodes.
-TINY = {
-    "task": "lunar-lander",
-    "ppo.derived-per-base": 0,
-    "ppo.n-steps": 64,
-    "ppo.n-envs": 2,
-    "ppo.batch-size": 64,
-    "ppo.n-epochs": 1,
-    "ppo.local-steps": 256,
-    "ppo.check-freq": 64,
-    "ppo.eval-episodes": 2,
-}
+TINY = lunar.TINY | {"task": "lunar-lander", "ppo.derived-per-base": 0, "ppo.eval-episodes": 2}
 
 
 def test_one_planet_trains_chunk_by_chunk_and_is_reproducible():
