@@ -173,6 +173,17 @@ def test_contiguous_shards_are_flwr_datasets_iid_partitions(mode, num_partitions
         assert sorted(_ids(got)) == sorted(expected)
 
 
+@pytest.mark.parametrize("length", [0, 1, 9, 10, 11, 1437])
+@pytest.mark.parametrize("sections", [1, 2, 3, 7, 10, 1000])
+def test_array_split_shard_is_numpys_shard(length, sections):
+    """Every shard is np.array_split's, also with fewer elements than shards."""
+    values = np.arange(100, 100 + length)
+    shards = np.array_split(values, sections)
+    for index in range(sections):
+        shard = vdata.array_split_shard(values, sections, index)
+        np.testing.assert_array_equal(shard, shards[index])
+
+
 def test_infeasible_partitioning_raises_config_error():
     # e^1 / sum(e^1..e^10) of 1437 examples rounds to an empty partition 0.
     with pytest.raises(ConfigError, match=r"data\.partitioner"):
