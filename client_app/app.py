@@ -149,7 +149,12 @@ def _task_tensors(context: Context) -> dict[str, torch.Tensor]:
 
 
 def _keep_task_state(context: Context, local: LocalTraining) -> None:
-    context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
+    """The task's state into ``context.state``; none at all when the task keeps none, so
+    that a client without state writes no state file (:func:`client_app.state.save`)."""
+    if local.state:
+        context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
+    elif keys.TASK_STATE in context.state:
+        del context.state[keys.TASK_STATE]
     if local.state_tensors:
         context.state[keys.TASK_TENSORS] = ArrayRecord(local.state_tensors)
     elif keys.TASK_TENSORS in context.state:

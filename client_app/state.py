@@ -7,8 +7,9 @@ state (PPO timesteps, epochs done, the DP-SGD accountant's history). A resumed r
 without the saved state the client would, for instance, restart its DP-SGD accountant
 and under-report its epsilon.
 
-After every train message the client writes its state, serialised with Flower's own
-record format, to ``<artifacts-dir>/client-state/partition-<id>/round-<r>.bin``
+After every train message the client writes its state (when it keeps any: a digits
+FedAvg client without an LR schedule keeps none), serialised with Flower's own record
+format, to ``<artifacts-dir>/client-state/partition-<id>/round-<r>.bin``
 (atomically; it keeps the newest two). A client whose context is empty restores the
 newest file of a round *before* the current one when it is asked to train, or of the
 current one or before when asked to evaluate: that is the state as of the last round

@@ -466,7 +466,7 @@ class ImageClassificationTask(Task):
             metrics = train_local_updates(
                 model, loader, optimizer, self.device, local, global_params
             )
-            local.state[EPOCHS_DONE_KEY] = epochs_done + 1
+            self._count_epochs(local.state, epochs_done + 1)
             return metrics
         loss, accuracy = self._run_epochs(
             model, loader, optimizer, global_params, local.proximal_mu, local.state
@@ -484,7 +484,8 @@ class ImageClassificationTask(Task):
     ) -> tuple[float, float]:
         """``train.local-epochs`` passes at the decayed LR; loss and accuracy of the last.
 
-        Counts the epochs in ``state[EPOCHS_DONE_KEY]`` (the client's cumulative epochs).
+        Counts the epochs in ``state[EPOCHS_DONE_KEY]`` (the client's cumulative epochs)
+        under a decaying schedule.
         """
         cfg = self.config
         loss, accuracy = 0.0, 0.0
@@ -497,8 +498,15 @@ class ImageClassificationTask(Task):
                 model, loader, optimizer, self.device, global_params, proximal_mu
             )
             epochs_done += 1
-        state[EPOCHS_DONE_KEY] = epochs_done
+        self._count_epochs(state, epochs_done)
         return float(loss), float(accuracy)
+
+    def _count_epochs(self, state: dict[str, Any], epochs_done: int) -> None:
+        """Keep the client's epoch count when the LR schedule decays (the schedule is
+        all it is for). Without decay the state stays empty, so a FedAvg client writes
+        no state file per message (0.5 ms of each message of a 1 000-client run)."""
+        if self.config.lr_decay != 1.0:
+            state[EPOCHS_DONE_KEY] = epochs_done
 
     def _train_private(
         self,

@@ -39,7 +39,14 @@ def test_tau_1_minibatch_steps_cycle_the_loader(task, monkeypatch, mode):
 
     assert len(steps) == batches + 3  # more than one pass: the loader was cycled
     assert metrics[NUM_EXAMPLES] == len(partition.train) and metrics[TRAIN_LOSS] > 0
-    assert local.state["local-epochs-done"] == 1  # one edge aggregation = one LR epoch
+    assert local.state == {}  # no LR decay: nothing to count
+
+
+def test_one_edge_aggregation_counts_one_lr_epoch():
+    task = DigitsTask({"data.batch-size": 8, "train.lr-decay": 0.5})
+    local = LocalTraining(server_round=1, seed=0, local_updates=3)
+    task.train(task.build_model(0), task.load_partition(0, 20), local)
+    assert local.state["local-epochs-done"] == 1
 
 
 @pytest.mark.parametrize("mode", ["cg-ng", "cg-np"])
