@@ -7,66 +7,99 @@
 * ``python -m privacy.budget``: the same from the command line.
 """
 
-from privacy.accounting import (
-    AccountingError,
-    BudgetExceededError,
-    LocalGuarantee,
-    PrivacyLedger,
-    Release,
-    UnaccountedRelease,
-    l1_sensitivity_factor,
-    l2_sensitivity_factor,
-    to_dp_event,
-)
-from privacy.calibration import (
-    accounted_noise_multiplier,
-    calibrate_noise_multiplier,
-    epsilon_for,
-)
-from privacy.mechanisms import (
-    ClipResult,
-    GaussianMechanism,
-    LaplaceMechanism,
-    NonFiniteUpdateError,
-    add_noise,
-    clip_by_l1_norm,
-    clip_by_l2_norm,
-    gaussian_noise_like,
-    global_l1_norm,
-    global_l2_norm,
-    laplace_noise_like,
-    make_generator,
-    noise_generator,
-    secret_seed,
-    secure_generator,
-)
+from __future__ import annotations
 
-__all__ = [
-    "AccountingError",
-    "BudgetExceededError",
-    "ClipResult",
-    "GaussianMechanism",
-    "LaplaceMechanism",
-    "LocalGuarantee",
-    "NonFiniteUpdateError",
-    "PrivacyLedger",
-    "Release",
-    "UnaccountedRelease",
-    "accounted_noise_multiplier",
-    "add_noise",
-    "calibrate_noise_multiplier",
-    "clip_by_l1_norm",
-    "clip_by_l2_norm",
-    "epsilon_for",
-    "gaussian_noise_like",
-    "global_l1_norm",
-    "global_l2_norm",
-    "l1_sensitivity_factor",
-    "l2_sensitivity_factor",
-    "laplace_noise_like",
-    "make_generator",
-    "noise_generator",
-    "secret_seed",
-    "secure_generator",
-    "to_dp_event",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+# The names below, by the submodule that defines them. They are imported on first use
+# (PEP 562), not with the package: a ClientApp that only clips and adds noise
+# (privacy.mechanisms) then does not import dp-accounting and SciPy's signal and stats
+# packages behind it, 1.0 s of every ClientApp process's start (python -X importtime).
+_EXPORTS = {
+    "privacy.accounting": (
+        "AccountingError",
+        "BudgetExceededError",
+        "LocalGuarantee",
+        "PrivacyLedger",
+        "Release",
+        "UnaccountedRelease",
+        "l1_sensitivity_factor",
+        "l2_sensitivity_factor",
+        "to_dp_event",
+    ),
+    "privacy.calibration": (
+        "accounted_noise_multiplier",
+        "calibrate_noise_multiplier",
+        "epsilon_for",
+    ),
+    "privacy.mechanisms": (
+        "ClipResult",
+        "GaussianMechanism",
+        "LaplaceMechanism",
+        "NonFiniteUpdateError",
+        "add_noise",
+        "clip_by_l1_norm",
+        "clip_by_l2_norm",
+        "gaussian_noise_like",
+        "global_l1_norm",
+        "global_l2_norm",
+        "laplace_noise_like",
+        "make_generator",
+        "noise_generator",
+        "secret_seed",
+        "secure_generator",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'privacy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # the names for type checkers and IDEs
+    from privacy.accounting import (  # noqa: F401
+        AccountingError,
+        BudgetExceededError,
+        LocalGuarantee,
+        PrivacyLedger,
+        Release,
+        UnaccountedRelease,
+        l1_sensitivity_factor,
+        l2_sensitivity_factor,
+        to_dp_event,
+    )
+    from privacy.calibration import (  # noqa: F401
+        accounted_noise_multiplier,
+        calibrate_noise_multiplier,
+        epsilon_for,
+    )
+    from privacy.mechanisms import (  # noqa: F401
+        ClipResult,
+        GaussianMechanism,
+        LaplaceMechanism,
+        NonFiniteUpdateError,
+        add_noise,
+        clip_by_l1_norm,
+        clip_by_l2_norm,
+        gaussian_noise_like,
+        global_l1_norm,
+        global_l2_norm,
+        laplace_noise_like,
+        make_generator,
+        noise_generator,
+        secret_seed,
+        secure_generator,
+    )

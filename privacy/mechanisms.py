@@ -36,9 +36,12 @@ import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 ArrayList = list[np.ndarray]
 
@@ -357,6 +360,8 @@ class GaussianMechanism:
 
     def dp_event(self) -> dp_accounting.GaussianDpEvent:
         """The unsampled release, add/remove-one: ``GaussianDpEvent(z)``."""
+        import dp_accounting  # here: a ClientApp that only adds noise does not import it
+
         return dp_accounting.GaussianDpEvent(self.noise_multiplier)
 
 
@@ -397,6 +402,8 @@ class LaplaceMechanism:
 
     def dp_event(self) -> dp_accounting.LaplaceDpEvent:
         """The unsampled release: ``LaplaceDpEvent(b/S)``."""
+        import dp_accounting  # here: a ClientApp that only adds noise does not import it
+
         return dp_accounting.LaplaceDpEvent(self.scale / self.sensitivity)
 
 
@@ -437,6 +444,8 @@ class BoundedScalarRelease:
 
     def dp_event(self) -> dp_accounting.GaussianDpEvent:
         """One report: ``GaussianDpEvent(z)``."""
+        import dp_accounting  # here: a ClientApp that only adds noise does not import it
+
         return dp_accounting.GaussianDpEvent(self.noise_multiplier)
 
 
