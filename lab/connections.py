@@ -19,8 +19,11 @@ installation off, so that ``flwr run`` runs the app in this environment instead 
 ``uv sync``-ing its dependencies into a new one for every run; otherwise ``flwr run``
 starts it on demand, with its shell's environment. Its simulation
 options are per-connection ``options.*``, which Flower 1.41 still honours but flags
-as deprecated; per run they can be overridden with
-``flwr run . local-simulation --federation-config "num-supernodes=20"``.
+as deprecated; per run they can be overridden with ``flwr run . local-simulation
+--federation-config "num-supernodes=20 client-resources-num-cpus=1"``. Name the CPUs
+too: Flower replaces *all* the connection's options with what ``--federation-config``
+names, and a run given only ``num-supernodes`` gets Flower's default of 2 CPUs per
+ClientApp (one ClientApp at a time on a 2-core machine).
 
 A Ray-cluster connection (``--ray-address``) is the same local-SuperLink simulation,
 whose Ray backend joins a cluster started with ``ray start``. Flower 1.41 cannot store a

@@ -108,8 +108,8 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
         keys = ", ".join(f"'{k}' = {v}" for k, v in short.items())
         raise StopTraining(
             f"{keys} needs at least {max(short.values())} nodes, but {where} {len(nodes)}. "
-            'Start more SuperNodes (simulation: --federation-config "num-supernodes=<n>") '
-            "or lower the key"
+            "Start more SuperNodes (simulation: --federation-config "
+            '"num-supernodes=<n> client-resources-num-cpus=1") or lower the key'
         )
     started = time.monotonic()
     log(
@@ -151,7 +151,8 @@ def _check_size(size: int, canaries: int, name: str, task: Task) -> None:
         raise StopTraining(
             f"'audit.canaries' = {canaries} needs num-partitions = N + {canaries} with N "
             f">= 1 real clients, but the federation has num-partitions = {size} "
-            f'(simulation: --federation-config "num-supernodes={size + canaries}")'
+            "(simulation: --federation-config "
+            f'"num-supernodes={size + canaries} client-resources-num-cpus=1")'
         )
     defined = task.num_partitions()
     clients = size - canaries  # the last partition ids are the audit's canaries

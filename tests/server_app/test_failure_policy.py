@@ -163,7 +163,7 @@ def test_a_dp_cohort_larger_than_the_federation_fails_at_start_up_naming_the_key
     assert outcome["reason"] == (
         "start-up check: 'dp.num-sampled-clients' = 5 needs at least 5 nodes, but connected "
         "within 'round-timeout' = 0.5 s: 4. Start more SuperNodes (simulation: "
-        '--federation-config "num-supernodes=<n>") or lower the key'
+        '--federation-config "num-supernodes=<n> client-resources-num-cpus=1") or lower the key'
     )
     assert grid.sent == []  # not even a partition query
 
