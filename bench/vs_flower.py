@@ -14,7 +14,9 @@ app that is not counted. Per run:
 
 - warm round: median of rounds 2–30, each round timed end to end (the peer stamps
   each round from its ``evaluate_fn``; ours is the difference of consecutive
-  ``elapsed-s`` in ``metrics.csv``, which is written after the round's outputs);
+  ``elapsed-s`` in ``metrics.csv``, which is written after the round's outputs); and
+  their mean, which is what the whole run adds up (rounds in Flower's engine are
+  bimodal: the median can hide a tail);
 - round 1: its own time (the peer's includes Ray starting the ClientApp processes;
   ours does not: they start while the ServerApp asks the nodes for their partition
   ids, which ours counts in its start-up to round 1);
@@ -23,6 +25,14 @@ app that is not counted. Per run:
   driver) and of the largest ClientApp process (Ray actor), sampled every 0.1 s.
 
 Ratios are ours / peer per pair; the table gives their median and range.
+
+Client resources: each run gets ``--federation-config "num-supernodes=N
+client-resources-num-cpus=C"`` (``--num-cpus``, default 1: the peers' own driver,
+``shared/peers/flower_digits/bench/run_bench.py``, gives each ClientApp 1 CPU, so two
+ClientApps run at once on 2 cores). Flower 1.41 replaces *all* of a connection's
+``options.*`` with what ``--federation-config`` names, so a run given only
+``num-supernodes`` falls back to Flower's default of 2 CPUs per ClientApp: one ClientApp
+at a time on this machine (``--num-cpus 2`` measures that).
 
     python bench/vs_flower.py --clients 100 1000 --pairs 3 --out bench/results/vs-flower
 
@@ -105,13 +115,24 @@ def _check(result: RunOutcome, what: str) -> None:
         raise SystemExit(f"{what} failed:\n{result.output[-4000:]}")
 
 
+def federation(num_nodes: int, cpus: float) -> str:
+    """The ``--federation-config`` of a run: the size and the CPUs per ClientApp (which a
+    run that names only the size would lose: see the module docstring)."""
+    return f"num-supernodes={num_nodes} client-resources-num-cpus={cpus:g}"
+
+
 def run_peer(
-    sim: LocalSimulation, peer: Path, num_nodes: int, rounds: int, timeout: float = 3600
+    sim: LocalSimulation,
+    peer: Path,
+    num_nodes: int,
+    rounds: int,
+    timeout: float = 3600,
+    cpus: float = 1,
 ) -> dict:
     with PeakRSS(sim.home) as memory:
         result = sim.run(
             peer_config(num_nodes, rounds),
-            federation_config=f"num-supernodes={num_nodes}",
+            federation_config=federation(num_nodes, cpus),
             app=peer,
             timeout=timeout,
         )
@@ -122,6 +143,7 @@ def run_peer(
     summary = json.loads(found[-1])
     return {
         "warm round (s)": summary["warm_round_median_s"],
+        "warm round, mean (s)": statistics.mean(summary["round_s"][1:]),
         "round 1 (s)": summary["round1_s"],
         "whole run (s)": result.seconds,
         "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),
@@ -132,13 +154,18 @@ def run_peer(
 
 
 def run_ours(
-    sim: LocalSimulation, num_nodes: int, rounds: int, out: Path, timeout: float = 3600
+    sim: LocalSimulation,
+    num_nodes: int,
+    rounds: int,
+    out: Path,
+    timeout: float = 3600,
+    cpus: float = 1,
 ) -> dict:
     launched = time.time()
     with PeakRSS(sim.home) as memory:
         result = sim.run(
             ours_config(num_nodes, rounds, out),
-            federation_config=f"num-supernodes={num_nodes}",
+            federation_config=federation(num_nodes, cpus),
             timeout=timeout,
         )
     _check(result, "this app")
@@ -152,6 +179,7 @@ def run_ours(
     return {
         "start-up to round 1 (s)": round1_start - launched,
         "warm round (s)": float(pd.Series(elapsed).diff().iloc[1:].median()),
+        "warm round, mean (s)": float(pd.Series(elapsed).diff().iloc[1:].mean()),
         "round 1 (s)": float(train["round-seconds"].iloc[0]),
         "whole run (s)": result.seconds,
         "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),
@@ -162,14 +190,20 @@ def run_ours(
 
 
 def compare(
-    num_nodes: int, pairs: int, rounds: int, out: Path, peer: Path | None, timeout: float
+    num_nodes: int,
+    pairs: int,
+    rounds: int,
+    out: Path,
+    peer: Path | None,
+    timeout: float,
+    cpus: float = 1,
 ) -> list[dict]:
     """``pairs`` interleaved pairs at ``num_nodes``: one row per run (``peer`` None:
     this app only)."""
     rows = []
     with LocalSimulation(num_nodes) as sim:
         # warm-up, not counted (10 nodes): the SuperLink starts, the FABs are installed
-        small = "num-supernodes=10"
+        small = federation(10, cpus)
         _check(sim.run(ours_config(10, 1, out / "warmup"), federation_config=small), "warm-up")
         if peer is not None:
             _check(sim.run(peer_config(10, 1), federation_config=small, app=peer), "warm-up")
@@ -179,10 +213,10 @@ def compare(
                 started = time.monotonic()
                 try:
                     if who == "peer":
-                        row = run_peer(sim, peer, num_nodes, rounds, timeout)
+                        row = run_peer(sim, peer, num_nodes, rounds, timeout, cpus)
                     else:
                         path = out / f"n{num_nodes}-{pair}"
-                        row = run_ours(sim, num_nodes, rounds, path, timeout)
+                        row = run_ours(sim, num_nodes, rounds, path, timeout, cpus)
                 except subprocess.TimeoutExpired:
                     print(
                         f"N={num_nodes} pair {pair} {who}: no result in {timeout:g} s", flush=True
@@ -247,13 +281,19 @@ def main() -> None:
     parser.add_argument(
         "--peer", type=Path, default=PEER, help="the bare-Flower app (shared/peers/flower_digits)"
     )
+    parser.add_argument(
+        "--num-cpus",
+        type=float,
+        default=1,
+        help="CPUs per ClientApp for both apps (1: two ClientApps at once on 2 cores)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     rows = []
     for n in args.clients:
         peer = args.peer if n <= args.peer_up_to else None
-        rows += compare(n, args.pairs, args.rounds, out, peer, args.run_timeout)
+        rows += compare(n, args.pairs, args.rounds, out, peer, args.run_timeout, args.num_cpus)
         frame = pd.DataFrame(rows)
         frame.to_csv(out / "results.csv", index=False)
     text = table(frame)
