@@ -156,6 +156,10 @@ def _check_size(size: int, canaries: int, name: str, task: Task) -> None:
         )
     defined = task.num_partitions()
     clients = size - canaries  # the last partition ids are the audit's canaries
+    try:
+        task.check_partitioning(clients)  # e.g. more clients than examples to split
+    except ValueError as err:
+        raise StopTraining(str(err)) from None
     if defined is None or clients == defined:
         return
     try:

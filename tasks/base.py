@@ -227,6 +227,12 @@ class Task(ABC):
         it splits its data among any number of clients."""
         return None
 
+    def check_partitioning(self, num_partitions: int) -> None:
+        """Raise :class:`~tasks.options.ConfigError` when the data cannot be split into
+        ``num_partitions`` clients that each hold some (the ServerApp asks at start-up,
+        before any message); the default checks nothing."""
+        return None
+
     @abstractmethod
     def build_model(self, seed: int) -> torch.nn.Module:
         """Return a freshly initialised model (weights drawn from ``seed``)."""

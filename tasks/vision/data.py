@@ -34,6 +34,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
+from tasks.options import ConfigError
 from tasks.vision.partitioning import (
     ARRAY_SPLIT_SEED,
     PartitionSettings,
@@ -315,6 +316,23 @@ def digits_partitioner(
 PARTITION_CACHE = 4096
 
 
+def check_digits_partitioning(
+    settings: PartitionSettings, central_test_fraction: float, num_partitions: int
+) -> None:
+    """ConfigError when a contiguous partitioning (``iid``, ``array-split``) of the digits
+    pool would leave clients without data: more partitions than examples. numpy's
+    ``array_split`` would give them empty shards and flwr-datasets' IidPartitioner
+    fails on them; either way such a client cannot train. The other partitioners
+    check themselves when they are built (:func:`infeasible_partitioning`)."""
+    pool = len(digits_pool(settings, central_test_fraction))
+    if settings.partitioner in CONTIGUOUS and num_partitions > pool:
+        raise ConfigError(
+            f"'data.partitioner': partitioner {settings.partitioner!r} cannot split {pool} "
+            f"digits examples into {num_partitions} partitions: {num_partitions - pool} "
+            f"clients would hold no data; use at most {pool} SuperNodes"
+        )
+
+
 @lru_cache(maxsize=PARTITION_CACHE)
 def load_digits_partition(
     settings: PartitionSettings,
@@ -324,8 +342,9 @@ def load_digits_partition(
 ) -> ClientPartition:
     """Client ``partition_id``'s digits (cached per process)."""
     check_partition_id(partition_id, num_partitions)
+    check_digits_partitioning(settings, central_test_fraction, num_partitions)
     pool = digits_pool(settings, central_test_fraction)
-    if settings.partitioner in CONTIGUOUS and num_partitions <= len(pool):
+    if settings.partitioner in CONTIGUOUS:
         # The shard IidPartitioner returns (tests/tasks/test_partitioning.py checks it
         # for every N), without building it through Hugging Face datasets: that took
         # 2.5 ms per partition, paid by most messages of a 1 000-client simulation.

@@ -69,6 +69,7 @@ from tasks.vision.data import (
     ClientPartition,
     DatasetSpec,
     TensorSplit,
+    check_digits_partitioning,
     group_keep_rng,
     group_metrics,
     label_groups,
@@ -271,6 +272,16 @@ class ImageClassificationTask(Task):
             train = thin_labels(partition.train, last, cfg.group_keep, rng)
             self._thinned[key] = replace(partition, train=train)
         return self._thinned[key]
+
+    def check_partitioning(self, num_partitions: int) -> None:
+        """Digits (shipped with scikit-learn, so the server has it): ConfigError when a
+        contiguous partitioning would leave clients without data. A Hub dataset is
+        checked where its partitions are built, on the clients."""
+        if self.SPEC.hf_id is None:
+            cfg = self.config
+            check_digits_partitioning(
+                cfg.partition_settings, cfg.central_test_fraction, num_partitions
+            )
 
     def _load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
         """The (cached) partition as the partitioner made it."""

@@ -184,6 +184,21 @@ def test_array_split_shard_is_numpys_shard(length, sections):
         np.testing.assert_array_equal(shard, shards[index])
 
 
+@pytest.mark.parametrize("mode", vdata.CONTIGUOUS)
+def test_more_contiguous_partitions_than_examples_is_refused_naming_the_key(mode):
+    """More clients than pool examples would leave clients without data: refused for
+    every partition id (not only those past the data), and by the server's check."""
+    settings = PartitionSettings(partitioner=mode)
+    pool = len(vdata.digits_pool(settings, CENTRAL))
+    vdata.check_digits_partitioning(settings, CENTRAL, pool)  # one example each: fine
+    assert len(_ids(load_digits_partition(settings, CENTRAL, pool - 1, pool))) == 1
+    message = rf"'data\.partitioner'.*{pool} digits examples into {pool + 1} partitions: 1 "
+    with pytest.raises(ConfigError, match=message):
+        vdata.check_digits_partitioning(settings, CENTRAL, pool + 1)
+    with pytest.raises(ConfigError, match=message):
+        load_digits_partition(settings, CENTRAL, 0, pool + 1)
+
+
 def test_infeasible_partitioning_raises_config_error():
     # e^1 / sum(e^1..e^10) of 1437 examples rounds to an empty partition 0.
     with pytest.raises(ConfigError, match=r"data\.partitioner"):
