@@ -38,8 +38,11 @@ at a time on this machine (``--num-cpus 2`` measures that).
 
 The scale sweep (one run each, fewer rounds, the peer where it runs)::
 
-    python bench/vs_flower.py --clients 10 100 1000 10000 --pairs 1 --rounds 5 \\
+    python bench/vs_flower.py --clients 10 100 1000 --pairs 1 --rounds 5 \\
         --out bench/results/scale
+
+Digits' client pool holds 1 437 examples: the app refuses a larger federation at
+start-up (a client would hold no data), so the sweep stops at N = 1 000.
 
 Run it from a clean checkout on an idle machine (bench/BENCHMARKS.md).
 """
