@@ -146,7 +146,7 @@ def run_peer(
     summary = json.loads(found[-1])
     return {
         "warm round (s)": summary["warm_round_median_s"],
-        "warm round, mean (s)": statistics.mean(summary["round_s"][1:]),
+        "warm round, mean (s)": float(pd.Series(summary["round_s"][1:]).mean()),
         "round 1 (s)": summary["round1_s"],
         "whole run (s)": result.seconds,
         "peak RSS ServerApp (MiB)": memory.max_mib("serverapp"),

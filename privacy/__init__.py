@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 # The names below, by the submodule that defines them. They are imported on first use
 # (PEP 562), not with the package: a ClientApp that only clips and adds noise
 # (privacy.mechanisms) then does not import dp-accounting and SciPy's signal and stats
-# packages behind it, 1.0 s of every ClientApp process's start (python -X importtime).
+# packages behind it: 0.3 s of every ClientApp process's start (bench/BENCHMARKS.md).
 _EXPORTS = {
     "privacy.accounting": (
         "AccountingError",
@@ -67,39 +66,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-if TYPE_CHECKING:  # the names for type checkers and IDEs
-    from privacy.accounting import (  # noqa: F401
-        AccountingError,
-        BudgetExceededError,
-        LocalGuarantee,
-        PrivacyLedger,
-        Release,
-        UnaccountedRelease,
-        l1_sensitivity_factor,
-        l2_sensitivity_factor,
-        to_dp_event,
-    )
-    from privacy.calibration import (  # noqa: F401
-        accounted_noise_multiplier,
-        calibrate_noise_multiplier,
-        epsilon_for,
-    )
-    from privacy.mechanisms import (  # noqa: F401
-        ClipResult,
-        GaussianMechanism,
-        LaplaceMechanism,
-        NonFiniteUpdateError,
-        add_noise,
-        clip_by_l1_norm,
-        clip_by_l2_norm,
-        gaussian_noise_like,
-        global_l1_norm,
-        global_l2_norm,
-        laplace_noise_like,
-        make_generator,
-        noise_generator,
-        secret_seed,
-        secure_generator,
-    )
