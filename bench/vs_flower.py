@@ -42,7 +42,14 @@ The scale sweep (one run each, fewer rounds, the peer where it runs)::
         --out bench/results/scale
 
 Digits' client pool holds 1 437 examples: the app refuses a larger federation at
-start-up (a client would hold no data), so the sweep stops at N = 1 000.
+start-up (a client would hold no data). Past that, ``--task finance`` runs our app on
+the finance task instead (IID partitions of a synthetic table sized to give every
+client ``FINANCE_ROWS_PER_CLIENT`` rows, one local epoch, no evaluation), while the
+peer, which has only digits, runs its digits workload beside it (its
+``np.array_split`` then leaves most of its clients with empty shards)::
+
+    python bench/vs_flower.py --task finance --clients 10 100 1000 10000 --pairs 1 \
+        --rounds 5 --run-timeout 600 --out bench/results/scale-finance
 
 Run it from a clean checkout on an idle machine (bench/BENCHMARKS.md).
 """
@@ -51,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -78,6 +86,27 @@ WORKLOAD = {
 }
 
 
+# Ours on the finance task (``--task finance``): every client holds this many rows.
+FINANCE_ROWS_PER_CLIENT = 25
+FINANCE_CENTRAL_TEST_FRACTION = 0.2  # the task's default share held out for the server
+TASKS = ("digits", "finance")
+
+
+def finance_workload(num_nodes: int) -> dict:
+    """The finance task sized for ``num_nodes`` clients of FINANCE_ROWS_PER_CLIENT rows."""
+    pool = FINANCE_ROWS_PER_CLIENT * num_nodes
+    rows = math.ceil(pool / (1 - FINANCE_CENTRAL_TEST_FRACTION))
+    return {
+        "task": "finance",
+        "finance.partitioning": "iid",
+        "finance.synthetic-rows": max(20_000, rows),
+        "finance.central-test-fraction": FINANCE_CENTRAL_TEST_FRACTION,
+        "finance.local-epochs": 1,
+        "fraction-evaluate": 0.0,
+        "central-eval": False,
+    }
+
+
 def cohort(num_nodes: int) -> int:
     """Clients per round: the peer README's 10 of 100 and 50 of 1000, else 10 %."""
     return COHORT.get(num_nodes, max(2, num_nodes // 10))
@@ -89,11 +118,11 @@ def _flat(config: dict) -> str:
     )
 
 
-def ours_config(num_nodes: int, rounds: int, out: Path) -> str:
+def ours_config(num_nodes: int, rounds: int, out: Path, task: str = "digits") -> str:
     m = cohort(num_nodes)
     return _flat(
         {
-            **WORKLOAD,
+            **(WORKLOAD if task == "digits" else finance_workload(num_nodes)),
             "num-server-rounds": rounds,
             "fraction-train": m / num_nodes,
             "min-train-nodes": m,
@@ -163,11 +192,12 @@ def run_ours(
     out: Path,
     timeout: float = 3600,
     cpus: float = 1,
+    task: str = "digits",
 ) -> dict:
     launched = time.time()
     with PeakRSS(sim.home) as memory:
         result = sim.run(
-            ours_config(num_nodes, rounds, out),
+            ours_config(num_nodes, rounds, out, task),
             federation_config=federation(num_nodes, cpus),
             timeout=timeout,
         )
@@ -200,14 +230,16 @@ def compare(
     peer: Path | None,
     timeout: float,
     cpus: float = 1,
+    task: str = "digits",
 ) -> list[dict]:
     """``pairs`` interleaved pairs at ``num_nodes``: one row per run (``peer`` None:
-    this app only)."""
+    this app only; ``task``: our app's workload, the peer's is always digits)."""
     rows = []
     with LocalSimulation(num_nodes) as sim:
         # warm-up, not counted (10 nodes): the SuperLink starts, the FABs are installed
         small = federation(10, cpus)
-        _check(sim.run(ours_config(10, 1, out / "warmup"), federation_config=small), "warm-up")
+        warmup = ours_config(10, 1, out / "warmup", task)
+        _check(sim.run(warmup, federation_config=small), "warm-up")
         if peer is not None:
             _check(sim.run(peer_config(10, 1), federation_config=small, app=peer), "warm-up")
         for pair in range(pairs):
@@ -219,14 +251,15 @@ def compare(
                         row = run_peer(sim, peer, num_nodes, rounds, timeout, cpus)
                     else:
                         path = out / f"n{num_nodes}-{pair}"
-                        row = run_ours(sim, num_nodes, rounds, path, timeout, cpus)
+                        row = run_ours(sim, num_nodes, rounds, path, timeout, cpus, task)
                 except subprocess.TimeoutExpired:
                     print(
                         f"N={num_nodes} pair {pair} {who}: no result in {timeout:g} s", flush=True
                     )
                     rows.append({"N": num_nodes, "pair": pair, "app": who, "timed out": True})
                     continue
-                rows.append({"N": num_nodes, "pair": pair, "app": who, **row})
+                workload = "digits" if who == "peer" else task
+                rows.append({"N": num_nodes, "pair": pair, "app": who, "task": workload, **row})
                 print(
                     f"N={num_nodes} pair {pair} {who:4s}: warm round "
                     f"{row['warm round (s)'] * 1e3:.0f} ms, "
@@ -239,11 +272,14 @@ def compare(
 
 def table(rows: pd.DataFrame) -> str:
     """Markdown: per N, each metric's per-run values for both apps and the ratios."""
+    ours_task = rows.loc[rows.app == "ours", "task"].iloc[0] if "task" in rows else "digits"
     lines = [
-        "| N / per round | metric | bare Flower | this app | ours / Flower |",
+        f"| N / per round | metric | bare Flower (digits) | this app ({ours_task}) "
+        "| ours / Flower |",
         "|---|---|---|---|---|",
     ]
-    metrics = [c for c in rows.columns if c not in ("N", "pair", "app", "accuracy", "timed out")]
+    skip = ("N", "pair", "app", "task", "accuracy", "timed out")
+    metrics = [c for c in rows.columns if c not in skip]
     for n, group in rows.groupby("N"):
         ours = group[group.app == "ours"].set_index("pair")
         peer = group[group.app == "peer"].set_index("pair")
@@ -272,6 +308,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="digits",
+        help="our app's workload: the peer's digits, or finance (IID, "
+        f"{FINANCE_ROWS_PER_CLIENT} rows per client) to scale past digits' 1 437 examples; "
+        "the peer always runs digits",
+    )
+    parser.add_argument(
         "--peer-up-to",
         type=int,
         default=10_000,
@@ -296,7 +340,9 @@ def main() -> None:
     rows = []
     for n in args.clients:
         peer = args.peer if n <= args.peer_up_to else None
-        rows += compare(n, args.pairs, args.rounds, out, peer, args.run_timeout, args.num_cpus)
+        rows += compare(
+            n, args.pairs, args.rounds, out, peer, args.run_timeout, args.num_cpus, args.task
+        )
         frame = pd.DataFrame(rows)
         frame.to_csv(out / "results.csv", index=False)
     text = table(frame)
