@@ -92,6 +92,7 @@ import os
 import select
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -136,19 +137,37 @@ warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", De
 
 
 # -- the zygote's preload -------------------------------------------------------------
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder + os.sep)
+
+
+def installed_dirs() -> tuple[str, ...]:
+    """Where this Python's packages are installed: its prefixes and site-packages. A
+    virtual environment may lie inside the checkout (the README's ``.venv``, CI's
+    ``.ci-venv``); what is installed there is no app module."""
+    paths = sysconfig.get_paths()
+    dirs = {sys.prefix, sys.exec_prefix, sys.base_prefix, paths["purelib"], paths["platlib"]}
+    return tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+
+
 def app_modules(app_dir: Path = APP_DIR) -> list[str]:
     """Names of the loaded modules whose file (or package path) lies under ``app_dir``,
-    except those of this package (``lab``)."""
+    except those of this package (``lab``) and those installed in this Python's
+    environment (:func:`installed_dirs`), even where that lies under ``app_dir``."""
     root, own = str(Path(app_dir).resolve()), str(OWN_PACKAGE)
+    installed = [d for d in installed_dirs() if not _under(root, d)]  # the app is not in it
     names = []
     for name, module in list(sys.modules.items()):
         paths = [getattr(module, "__file__", None)]
         with contextlib.suppress(TypeError):  # some modules' __path__ is no list
             paths += list(getattr(module, "__path__", None) or [])
         real = [os.path.realpath(p) for p in paths if isinstance(p, str)]
-        inside = [p for p in real if p == root or p.startswith(root + os.sep)]
-        if inside and not any(p == own or p.startswith(own + os.sep) for p in real):
-            names.append(name)
+        inside = [p for p in real if _under(p, root)]
+        if not inside or any(_under(p, own) for p in real):
+            continue
+        if any(_under(p, d) for p in inside for d in installed):
+            continue
+        names.append(name)
     return sorted(names)
 
 
@@ -177,6 +196,12 @@ def preload(modules: Iterable[str], app_dir: Path = APP_DIR) -> list[str]:
         except Exception as err:  # the app missing here, or raising at import
             log(WARNING, "Preload of %s failed (%r): each ClientApp imports it itself", name, err)
     dropped = app_modules(app_dir)
+    if "flwr" in dropped:  # forgetting the installed packages breaks every child
+        raise SystemExit(
+            f"lab.superexec: Flower itself lies in the app directory {app_dir}, so the "
+            "app's modules cannot be told from the installed packages; install the app "
+            "editable (`pip install -e .`, as docs/deploy.md does)"
+        )
     for name in dropped:
         del sys.modules[name]
     return dropped

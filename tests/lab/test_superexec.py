@@ -256,9 +256,49 @@ def test_app_modules_are_those_under_the_app_directory_except_lab(tmp_path, monk
         in_checkout = superexec.app_modules(superexec.APP_DIR)
         assert __name__ in in_checkout  # tests/ lies in the checkout
         assert not any(name == "lab" or name.startswith("lab.") for name in in_checkout)
+        assert "numpy" not in in_checkout and "flwr" not in in_checkout  # installed
     finally:
         for name in ("someapp", "someapp.part"):
             sys.modules.pop(name, None)
+
+
+def test_installed_packages_are_no_app_modules_even_in_a_venv_inside_the_app(
+    tmp_path, monkeypatch
+):
+    """The README's ``.venv`` and CI's ``.ci-venv`` lie inside the checkout: the packages
+    installed there stay preloaded (forgetting them made every child re-import numpy,
+    which fails, so no message was ever answered)."""
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    for package in (tmp_path / "someapp", site / "somelib"):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv"))
+    import someapp  # noqa: F401
+    import somelib  # noqa: F401
+
+    try:
+        assert superexec.app_modules(tmp_path) == ["someapp"]
+    finally:
+        for name in ("someapp", "somelib"):
+            sys.modules.pop(name, None)
+
+
+def test_the_zygote_refuses_an_app_directory_that_holds_flower(monkeypatch):
+    """A non-editable install puts the app beside Flower in site-packages: refused with
+    what to do, instead of forgetting every installed package."""
+    flwr_dir = Path(sys.modules["flwr"].__file__).resolve().parent.parent
+    monkeypatch.setattr(superexec, "installed_dirs", lambda: ())
+    for name in ("_torch_threads", "_torch_seed"):  # preload sets them, and one thread
+        monkeypatch.setattr(superexec, name, getattr(superexec, name))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="editable"):
+            superexec.preload([], app_dir=flwr_dir)
+    finally:
+        torch.set_num_threads(threads)
+    assert "flwr" in sys.modules and "numpy" in sys.modules  # nothing was forgotten
 
 
 def test_a_python_thread_is_a_fork_hazard():
