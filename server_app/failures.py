@@ -15,6 +15,8 @@ A run ends in one of three ways, written to ``outcome.json`` in the run director
       contributed (every train message was answered with an error, not answered, or
       answered with a reply that may not enter an aggregate: non-finite arrays or
       metrics). The reasons are grouped by message ("10 of 10 clients: ...");
+    * a run shorter than that in which **no round** had a contribution, judged after its
+      last round (it would otherwise end "completed" with the initial model);
     * in the **first round** of a run, every sampled client answered with the same
       error: a check only the client can make failed (e.g. its partition does not
       exist), and the next rounds would fail the same way;
@@ -108,6 +110,8 @@ class FailureWatch:
     private: bool = False
     """Under a privacy mechanism: the divergence guard reads the central evaluation only."""
     failed_streak: int = 0
+    last_reasons: str = ""
+    """The grouped reasons of the last failed round."""
     reference: dict[tuple[str, str], float] = field(default_factory=dict)
     stopped_on_failed_rounds: bool = False
 
@@ -127,7 +131,7 @@ class FailureWatch:
             self.failed_streak = 0
             return None
         self.failed_streak += 1
-        reasons = grouped_reasons(rows)
+        reasons = self.last_reasons = grouped_reasons(rows)
         errors = {str(row["error"]) for row in rows}
         replied_with_errors = all(row.get("replied") is False and row["error"] for row in rows)
         if first and len(errors) == 1 and "no reply" not in errors and replied_with_errors:
@@ -141,6 +145,19 @@ class FailureWatch:
                 f"{server_round}: {reasons}"
             )
         return None
+
+    def never_contributed(self, rounds_run: int) -> str | None:
+        """After a run's last round: the reason to call it failed when no client
+        contributed in any of the ``rounds_run`` rounds it ran (fewer than
+        ``run.max-failed-rounds``, so the streak rule did not stop it), or None.
+        ``run.max-failed-rounds = 0`` never fails a run on failed rounds."""
+        if not (self.max_failed_rounds and rounds_run and self.failed_streak >= rounds_run):
+            return None
+        self.stopped_on_failed_rounds = True
+        return (
+            f"no client contributed in any of the run's {rounds_run} round(s), so the "
+            f"global model is the initial one; last round: {self.last_reasons}"
+        )
 
     def diverged(self, server_round: int, records: Mapping[str, Any]) -> str | None:
         """The reason the global model counts as diverged after ``server_round``, from
@@ -189,9 +206,9 @@ def write_outcome(run_dir, outcome: Outcome, watch: FailureWatch, ledger) -> Non
         )
         outcome.undisclosed = (
             "the run stopped because no sampled client contributed (every client of its "
-            "first round failed alike, or no client of its last 'run.max-failed-rounds' "
-            "rounds contributed); that event depends on the clients' data and no epsilon "
-            "covers it"
+            "first round failed alike, no client of its last 'run.max-failed-rounds' "
+            "rounds contributed, or none of a shorter run's rounds had a contribution); "
+            "that event depends on the clients' data and no epsilon covers it"
         )
     run_dir.write_outcome(outcome)
 

@@ -355,4 +355,8 @@ def run_rounds(
     except RunFailed as failed:
         log(ERROR, "Stopping after round %d: %s", server_round, failed)
         return arrays, Outcome("failed", str(failed), last_round)
+    never = watch.never_contributed(num_rounds - start + 1)
+    if never is not None:
+        log(ERROR, "After round %d: %s", num_rounds, never)
+        return arrays, Outcome("failed", never, last_round)
     return arrays, Outcome("completed", "", last_round)

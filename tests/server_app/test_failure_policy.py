@@ -118,6 +118,33 @@ def test_consecutive_failed_rounds_stop_the_run(tmp_path, monkeypatch):
     assert _train_rounds(grid) == [1, 2, 3]
 
 
+def test_a_run_shorter_than_the_streak_where_no_client_ever_contributed_fails(
+    tmp_path, monkeypatch
+):
+    # Two rounds, fewer than 'run.max-failed-rounds' (3): the streak rule cannot stop it,
+    # yet its model is the initial one. (Seen deployed: no message was ever answered.)
+    def broken(self, model, partition, local):
+        raise RuntimeError(f"client {local.partition_id} broke")
+
+    monkeypatch.setattr(tasks.get("digits"), "train", broken)
+    path, grid, raised = _run(tmp_path, **{"num-server-rounds": 2})
+    outcome = _outcome(path)
+    assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
+    assert _train_rounds(grid) == [1, 2] and outcome["last-round"] == 2
+    assert outcome["reason"].startswith(
+        "no client contributed in any of the run's 2 round(s), so the global model is the "
+        "initial one; last round: 1 of 4 clients: <class 'RuntimeError'>:<'client 0 broke'>; "
+    )
+    # One round that contributed is enough; 0 never fails a run on failed rounds.
+    watch = FailureWatch()
+    watch.after_train(1, [{"replied": True, "error": ""}], first=True)
+    watch.after_train(2, [{"replied": False, "error": "no reply"}], first=False)
+    assert watch.never_contributed(2) is None
+    never = FailureWatch(max_failed_rounds=0)
+    never.after_train(1, [{"replied": False, "error": "no reply"}], first=True)
+    assert never.never_contributed(1) is None
+
+
 def test_a_diverging_run_fails_and_keeps_the_last_good_checkpoint(tmp_path):
     # The app's default factor (the in-process harness turns the ratio check off).
     factor = {"run.divergence-factor": 1000.0}
