@@ -11,6 +11,7 @@ supported (client-level mechanisms, e.g. ``privacy='laplace'``, are).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -254,13 +255,18 @@ class LunarLanderTask(Task):
             self._round_log(partition, local, result).save(local.artifacts_dir)
         rewards = result.log.episode_rewards
         values = result.train_values
+        defined = {  # None: undefined this round (no episode ended, no PPO update ran)
+            TRAIN_LOSS: values.get("train/loss"),
+            TRAIN_REWARD: float(np.mean(rewards)) if rewards else None,
+            TRAIN_ENTROPY_LOSS: values.get("train/entropy_loss"),
+            TRAIN_APPROX_KL: values.get("train/approx_kl"),
+        }
+        # Left out rather than sent as NaN: the server rejects a reply with a non-finite
+        # metric, so a round too short to end an episode would aggregate nothing.
         return {
             NUM_EXAMPLES: result.timesteps,
-            TRAIN_LOSS: values.get("train/loss", float("nan")),
-            TRAIN_REWARD: float(np.mean(rewards)) if rewards else float("nan"),
             TRAIN_EPISODES: len(rewards),
-            TRAIN_ENTROPY_LOSS: values.get("train/entropy_loss", float("nan")),
-            TRAIN_APPROX_KL: values.get("train/approx_kl", float("nan")),
+            **{k: float(v) for k, v in defined.items() if v is not None and math.isfinite(v)},
         }
 
     def _round_log(

@@ -344,6 +344,25 @@ def test_train_changes_the_policy_and_reports_the_same_keys(two_rounds):
     assert two_rounds["state"] == {"ppo-timesteps": 512}
 
 
+def test_a_round_too_short_to_end_an_episode_leaves_train_reward_out_not_nan(earth):
+    # One rollout of 2 envs x 8 steps: no LunarLander episode ends in 8 steps, so the mean
+    # episode reward is undefined; sent as NaN, the server would reject the whole reply.
+    short = LunarLanderTask(
+        {**TINY, "ppo.n-steps": 8, "ppo.batch-size": 16, "ppo.local-steps": 16}
+    )
+    model = short.build_model(0)
+    start = _weights(model)
+
+    # Execute
+    metrics = short.train(model, earth, LocalTraining(server_round=1, seed=7, state={}))
+
+    # Assert: the update is sent, with every metric it has defined and finite
+    assert metrics["train-episodes"] == 0 and "train-reward" not in metrics
+    assert set(metrics) == TRAIN_KEYS - {"train-reward"}
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert not _same_weights(start, _weights(model))
+
+
 def test_train_writes_episode_and_weight_logs(two_rounds, earth):
     # Execute
     directory = two_rounds["dir"]
