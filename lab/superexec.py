@@ -45,9 +45,10 @@ The app's own modules are not kept warm. Flower 1.41's ``load_app``
 (``flwr/supercore/object_ref.py``) imports ``client_app.app`` only if it is not yet in
 ``sys.modules``, and it never reloads. A ``client_app`` preloaded from the checkout
 would therefore shadow the code of the run's FAB. So :func:`preload` forgets every
-module it loaded from the app's directory (except this package, ``lab``), and each
-child imports those again from its run's FAB (0.1-0.2 s here). Only third-party
-imports stay warm.
+module it loaded from the app's directory (except this package, ``lab``, and what is
+installed in this Python's environment, which may lie inside the checkout: the
+README's ``.venv``), and each child imports those again from its run's FAB (0.1-0.2 s
+here). Only third-party imports stay warm.
 
 Each child starts as a new process would. It gets default signal handlers (Flower's
 ``run_clientapp`` installs its own). numpy's global generator is reseeded from OS
