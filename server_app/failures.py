@@ -155,8 +155,8 @@ class FailureWatch:
             return None
         self.stopped_on_failed_rounds = True
         return (
-            f"no client contributed in any of the run's {rounds_run} round(s), so the "
-            f"global model is the initial one; last round: {self.last_reasons}"
+            f"no client contributed in any of the run's {rounds_run} round(s), so the global "
+            f"model is the one it started from; last round: {self.last_reasons}"
         )
 
     def diverged(self, server_round: int, records: Mapping[str, Any]) -> str | None:

@@ -132,8 +132,8 @@ def test_a_run_shorter_than_the_streak_where_no_client_ever_contributed_fails(
     assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
     assert _train_rounds(grid) == [1, 2] and outcome["last-round"] == 2
     assert outcome["reason"].startswith(
-        "no client contributed in any of the run's 2 round(s), so the global model is the "
-        "initial one; last round: 1 of 4 clients: <class 'RuntimeError'>:<'client 0 broke'>; "
+        "no client contributed in any of the run's 2 round(s), so the global model is the one "
+        "it started from; last round: 1 of 4 clients: <class 'RuntimeError'>:<'client 0 broke'>; "
     )
     # One round that contributed is enough; 0 never fails a run on failed rounds.
     watch = FailureWatch()
