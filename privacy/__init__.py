@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 
 # The names below, by the submodule that defines them. They are imported on first use
-# (PEP 562), not with the package: a ClientApp that only clips and adds noise
-# (privacy.mechanisms) then does not import dp-accounting and SciPy's signal and stats
-# packages behind it: 0.3 s of every ClientApp process's start (bench/BENCHMARKS.md).
+# (PEP 562), not with the package, so importing one submodule does not import the
+# others. (It does not keep dp-accounting out of the ClientApp: privacy.skellam and
+# privacy.subspace import it; bench/BENCHMARKS.md.)
 _EXPORTS = {
     "privacy.accounting": (
         "AccountingError",
