@@ -13,8 +13,9 @@ import importlib
 
 # The names below, by the submodule that defines them. They are imported on first use
 # (PEP 562), not with the package, so importing one submodule does not import the
-# others. (It does not keep dp-accounting out of the ClientApp: privacy.skellam and
-# privacy.subspace import it; bench/BENCHMARKS.md.)
+# others. dp-accounting itself is imported by the functions that build its events or
+# accountants (privacy.events), so neither app imports it at start-up
+# (tests/test_layers.py; bench/BENCHMARKS.md).
 _EXPORTS = {
     "privacy.accounting": (
         "AccountingError",

@@ -20,11 +20,9 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
-
-import dp_accounting
+from typing import TYPE_CHECKING
 
 from privacy import ledger_state
-from privacy.composition import compose_groups
 from privacy.events import (
     ACCOUNTANTS,
     MECHANISMS,
@@ -43,6 +41,12 @@ from privacy.events import (
     unit_event,
 )
 from privacy.ledger_state import LedgerConfig, LocalGuarantee, UnaccountedRelease
+
+# dp-accounting (and privacy.composition, which builds on it) is imported where a release
+# is charged or composed, not with this module: a run without DP imports the ledger's
+# types but never charges it (privacy.events).
+if TYPE_CHECKING:
+    import dp_accounting
 
 __all__ = [
     "ACCOUNTANTS",
@@ -135,6 +139,8 @@ def _make_config(
 def _basic_epsilon(groups: dict) -> float | None:
     """Σ count·ε of Laplace events (basic composition; a sampled release is at most as
     private as unsampled), or None when any other event is present."""
+    import dp_accounting  # loaded already: ``groups`` holds its events
+
     total = []
     for event, count in groups.items():
         if isinstance(event, dp_accounting.PoissonSampledDpEvent):
@@ -260,6 +266,8 @@ class PrivacyLedger:
         if key not in self._cache:
             if len(self._cache) >= _CACHE_SIZE:
                 self._cache.pop(next(iter(self._cache)))
+            from privacy.composition import compose_groups  # on use (above)
+
             composition = compose_groups(
                 key,
                 accountant=self.accountant,

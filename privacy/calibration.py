@@ -21,9 +21,6 @@ import logging
 import math
 from collections.abc import Callable
 
-import dp_accounting
-from dp_accounting import mechanism_calibration
-
 from privacy.accounting import PrivacyLedger
 from privacy.events import (
     PLD_DISCRETIZATION,
@@ -125,6 +122,9 @@ def calibrate_parameter(
         If the releases cannot be accounted or the target cannot be met.
     """
     _check_targets(target_epsilon, target_delta)
+    # Imported on use, as in privacy.events: it loads SciPy's optimize and signal.
+    import dp_accounting
+    from dp_accounting import mechanism_calibration
 
     def event(parameter: float):
         return dp_accounting.ComposedDpEvent(
@@ -227,6 +227,8 @@ def sampled_gaussian_epsilon(
     knows the client took, whatever the client's own accountant says.
     """
     _check_targets(1.0, target_delta)
+    import dp_accounting  # on use, as in privacy.events
+
     accountant = new_accountant("rdp", "add-or-remove-one", rdp_orders=RDP_ORDERS)
     absl = logging.getLogger("absl")
     level = absl.level

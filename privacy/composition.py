@@ -41,8 +41,9 @@ from dp_accounting import dp_event
 from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_mechanism
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from privacy.events import NEIGHBORING_RELATIONS, neighboring_name, new_accountant
-from privacy.skellam import SkellamDpEvent, skellam_rdp
+from privacy.events import neighboring_name, neighboring_relation, new_accountant
+from privacy.skellam import skellam_rdp
+from privacy.skellam_accounting import SkellamDpEvent
 
 Groups = tuple[tuple[dp_accounting.DpEvent, int], ...]
 
@@ -56,7 +57,7 @@ def event_rdp_curve(
 ) -> np.ndarray:
     """The RDP curve of one event at ``orders``, from dp-accounting (read-only).
 
-    A :class:`~privacy.skellam.SkellamDpEvent` (its sensitivities already under the
+    A :class:`~privacy.skellam_accounting.SkellamDpEvent` (its sensitivities already under the
     relation), alone or self-composed, gets :func:`~privacy.skellam.skellam_rdp`.
     """
     count, inner = 1, event
@@ -68,7 +69,7 @@ def event_rdp_curve(
         )
         curve.setflags(write=False)
         return curve
-    accountant = rdp_privacy_accountant.RdpAccountant(orders, NEIGHBORING_RELATIONS[neighboring])
+    accountant = rdp_privacy_accountant.RdpAccountant(orders, neighboring_relation(neighboring))
     curve = accountant.compose(event).rdp
     curve.setflags(write=False)
     return curve
@@ -122,7 +123,7 @@ def event_pld(
     PLD at discretisation 1e-4 holds two float64 arrays of ~80 000 values (~1.3 MB):
     64 of them take ~80 MB at most.
     """
-    relation = NEIGHBORING_RELATIONS[neighboring]
+    relation = neighboring_relation(neighboring)
     if isinstance(event, dp_event.LaplaceDpEvent):
         return privacy_loss_distribution.from_laplace_mechanism(
             parameter=event.noise_multiplier, value_discretization_interval=discretization
@@ -243,7 +244,7 @@ def compose_pld(
     """
     groups = tuple(groups)
     neighboring = neighboring_name(neighboring)
-    relation = NEIGHBORING_RELATIONS[neighboring]
+    relation = neighboring_relation(neighboring)
     plds: list = []
     private = True
     try:

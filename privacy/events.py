@@ -8,7 +8,7 @@ sampled subset of the client population. :func:`to_dp_event` turns it into the
 * ``GaussianDpEvent(z)`` with z = noise std / L2 sensitivity;
 * ``LaplaceDpEvent(1/ε)``: dp-accounting's Laplace parameter is scale/sensitivity,
   the inverse of the pure ε of one release;
-* ``SkellamDpEvent(Δ2, Δ1, μ)`` (:mod:`privacy.skellam`): one client's integer L2/L1
+* ``SkellamDpEvent(Δ2, Δ1, μ)`` (:mod:`privacy.skellam_accounting`): one client's integer L2/L1
   bounds times the relation's factor, and the variance of the summed Skellam shares;
   only unsampled, under zero-out or replace-one, and with the RDP accountant (the
   client's noise share must be in both neighbouring sums; dp-accounting's accountants
@@ -31,10 +31,14 @@ import functools
 import math
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
+from typing import TYPE_CHECKING
 
-import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.rdp import rdp_privacy_accountant
+# dp-accounting is imported where an event or accountant is built, not with this module:
+# it loads SciPy's signal and optimize packages (~0.4 s), and a run without DP (the
+# ServerApp and every ClientApp import this module through the ledger's types) never
+# builds one (bench/BENCHMARKS.md, start-up).
+if TYPE_CHECKING:
+    import dp_accounting
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "without-replacement", "none")
@@ -45,14 +49,16 @@ _PARAMETERS = {
     "laplace": ("laplace_epsilon",),
     "skellam": ("l2_sensitivity", "l1_sensitivity", "variance"),
 }
+# Each neighbouring relation by name, with its member of dp-accounting's
+# ``NeighboringRelation`` (:func:`neighboring_relation`).
 NEIGHBORING_RELATIONS = {
-    "add-or-remove-one": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-    "replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+    "add-or-remove-one": "ADD_OR_REMOVE_ONE",
+    "replace-one": "REPLACE_ONE",
     # One client's contribution replaced by zero while it still takes part (Kairouz et
     # al. 2021, "Practical and private (deep) learning without sampling or shuffling";
     # dp-accounting's REPLACE_SPECIAL): the relation of local noise, where a client that
     # took part always sends its noise, so only its data may be neighbouring.
-    "zero-out": dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
+    "zero-out": "REPLACE_SPECIAL",
 }
 # The relation each sampling scheme is analysed under by default (module docstring).
 REQUIRED_NEIGHBORING = {
@@ -71,13 +77,17 @@ ALLOWED_NEIGHBORING = {
     "without-replacement": ("replace-one",),
 }
 
-# RDP orders: dp-accounting's default grid (1.1..10.9 by 0.1, 11..63, 128..1024) plus
+# RDP orders: dp-accounting's default grid (``DEFAULT_RDP_ORDERS``: 1.1..10.9 by 0.1,
+# 11..63, 128..1024; written out so that importing this module does not import
+# dp-accounting, and checked against it by tests/privacy/test_accounting.py) plus
 # orders just above 1 (weak privacy, large ε), between 64 and 256 and above 1024 (strong
 # privacy, small ε). More orders can only lower ε (it is a minimum over orders); orders
 # <= 256 cost O(α²) each for sampling without replacement, so they are added sparsely.
 RDP_ORDERS: tuple[float, ...] = tuple(
     sorted(
-        {float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS}
+        {1 + x / 10.0 for x in range(1, 100)}
+        | {float(a) for a in range(11, 64)}
+        | {128.0, 256.0, 512.0, 1024.0}
         | {1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 1.09}
         | {72.0, 80.0, 88.0, 96.0, 104.0, 112.0, 120.0, 160.0, 192.0, 224.0}
         | {320.0, 384.0, 448.0, 640.0, 768.0, 896.0, 1536.0, 2048.0, 3072.0, 4096.0}
@@ -115,13 +125,29 @@ _HINTS = {
 
 
 def neighboring_name(neighboring: str | dp_accounting.NeighboringRelation) -> str:
-    """The relation's name ("add-or-remove-one" or "replace-one")."""
-    for name, relation in NEIGHBORING_RELATIONS.items():
-        if neighboring in (name, relation):
-            return name
+    """The relation's name (a key of :data:`NEIGHBORING_RELATIONS`), given its name or
+    dp-accounting's ``NeighboringRelation``."""
+    if isinstance(neighboring, str):
+        if neighboring in NEIGHBORING_RELATIONS:
+            return neighboring
+    else:
+        import dp_accounting  # loaded already: the caller holds one of its enum members
+
+        for name, member in NEIGHBORING_RELATIONS.items():
+            if neighboring is dp_accounting.NeighboringRelation[member]:
+                return name
     raise AccountingError(
         f"neighboring must be one of {sorted(NEIGHBORING_RELATIONS)}, got {neighboring!r}"
     )
+
+
+def neighboring_relation(
+    neighboring: str | dp_accounting.NeighboringRelation,
+) -> dp_accounting.NeighboringRelation:
+    """dp-accounting's ``NeighboringRelation`` of ``neighboring``."""
+    import dp_accounting
+
+    return dp_accounting.NeighboringRelation[NEIGHBORING_RELATIONS[neighboring_name(neighboring)]]
 
 
 def l2_sensitivity_factor(neighboring: str | dp_accounting.NeighboringRelation) -> float:
@@ -262,11 +288,13 @@ def to_dp_event(
     release: Release, neighboring: str | dp_accounting.NeighboringRelation
 ) -> dp_accounting.DpEvent:
     """The dp-accounting event of ``release`` (see the module docstring)."""
+    import dp_accounting
+
     neighboring = neighboring_name(neighboring)
     _check_relation(release.sampling, neighboring)
     if release.mechanism == "skellam":
-        # Imported here: privacy.skellam imports RDP_ORDERS from this module.
-        from privacy.skellam import SkellamDpEvent
+        # Imported here: privacy.skellam_accounting imports this module.
+        from privacy.skellam_accounting import SkellamDpEvent
 
         _check_skellam(None, neighboring, release.sampling)
         factor = l2_sensitivity_factor(neighboring)
@@ -305,11 +333,14 @@ def new_accountant(
 ) -> dp_accounting.PrivacyAccountant:
     """A fresh dp-accounting accountant ("rdp" or "pld") for ``neighboring``."""
     _check_choice("accountant", accountant, ACCOUNTANTS)
-    relation = NEIGHBORING_RELATIONS[neighboring_name(neighboring)]
+    relation = neighboring_relation(neighboring)
     if accountant == "rdp":
-        from privacy.skellam import SkellamRdpAccountant  # skellam imports this module
+        # Imported here: privacy.skellam_accounting imports this module.
+        from privacy.skellam_accounting import SkellamRdpAccountant
 
         return SkellamRdpAccountant(rdp_orders, relation)
+    from dp_accounting.pld import pld_privacy_accountant
+
     return pld_privacy_accountant.PLDAccountant(relation, pld_discretization)
 
 

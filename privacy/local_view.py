@@ -25,7 +25,6 @@ import math
 from dataclasses import asdict, replace
 
 from privacy.accounting import PrivacyLedger
-from privacy.composition import gaussian_epsilon
 from privacy.events import AccountingError, Release, neighboring_name
 
 SCHEMA = "flower-privacy-lab/local-view"
@@ -135,6 +134,8 @@ class LocalViewLedger:
         if signature not in self._cache and all(
             u.mechanism == "gaussian" for u, c in zip(self._units, signature, strict=False) if c
         ):
+            from privacy.composition import gaussian_epsilon  # on use (privacy.accounting)
+
             pairs = zip(self._units, signature, strict=False)
             precision = math.fsum(c / u.noise_multiplier**2 for u, c in pairs if c)
             self._cache[signature] = (

@@ -38,6 +38,10 @@ Composition adds RDP curves and ε comes from dp-accounting's conversion
 **Modular reduction** is post-processing: ``x mod M`` is a fixed function of the noisy
 integer sum, so the sum mod M is at least as private as the sum. It is exact (the decoded
 sum is the integer sum) when the sum stays in ``[−M/2, M/2)``: :meth:`SecureSumEncoding.fits`.
+
+The mechanism's dp-accounting event and the RDP accountant that composes it live in
+:mod:`privacy.skellam_accounting`, so that the encoding (every ClientApp imports it)
+does not import dp-accounting.
 """
 
 from __future__ import annotations
@@ -46,10 +50,7 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-import attr
-import dp_accounting
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from privacy.events import RDP_ORDERS
 
@@ -267,35 +268,6 @@ def skellam_rdp(
     return np.where(order > 1, alpha * d2 / (2 * mu) + surcharge, np.inf)
 
 
-@attr.s(frozen=True, slots=True, auto_attribs=True)
-class SkellamDpEvent(dp_accounting.DpEvent):
-    """The Skellam mechanism: ``Sk(variance)`` added to each coordinate of an integer
-    query with L2/L1 sensitivities ``l2_sensitivity``/``l1_sensitivity`` (integer units,
-    under the ledger's neighbouring relation). Accounted by :func:`skellam_rdp`."""
-
-    l2_sensitivity: float
-    l1_sensitivity: float
-    variance: float
-
-
-class SkellamRdpAccountant(rdp_privacy_accountant.RdpAccountant):
-    """dp-accounting's RDP accountant that also composes :class:`SkellamDpEvent` (alone,
-    self-composed or inside a composed event) by :func:`skellam_rdp`: what calibration
-    and the ledger's checks compose with, so a Skellam release is accounted by the same
-    conversion as every other. Extends the accountant's event traversal
-    (``_maybe_compose``, dp-accounting 0.6) because dp-accounting has no hook for
-    mechanisms it does not know."""
-
-    def _maybe_compose(self, event, count, do_compose):
-        if isinstance(event, SkellamDpEvent):
-            if do_compose:
-                self._rdp += count * skellam_rdp(
-                    self._orders, event.l2_sensitivity, event.l1_sensitivity, event.variance
-                )
-            return None
-        return super()._maybe_compose(event, count, do_compose)
-
-
 def skellam_epsilon(
     rounds: int,
     l2_sensitivity: float,
@@ -309,6 +281,8 @@ def skellam_epsilon(
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    from dp_accounting.rdp import rdp_privacy_accountant  # on use (module docstring)
+
     rdp = rounds * skellam_rdp(orders, l2_sensitivity, l1_sensitivity, variance)
     epsilon, _ = rdp_privacy_accountant.compute_epsilon(np.asarray(orders), rdp, delta)
     return float(epsilon)

@@ -56,11 +56,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
 
 from privacy.mechanisms import ClipResult, add_noise, clip_by_norm
+
+if TYPE_CHECKING:  # imported on use: it loads SciPy (privacy.events)
+    import dp_accounting
 
 ArrayList = list[np.ndarray]
 
@@ -259,6 +262,8 @@ class EllipticalGaussianMechanism:
 
     def dp_event(self) -> dp_accounting.GaussianDpEvent:
         """The unsampled release, add/remove-one: ``GaussianDpEvent(σ)``."""
+        import dp_accounting
+
         return dp_accounting.GaussianDpEvent(self.noise_multiplier)
 
 

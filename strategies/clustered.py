@@ -32,9 +32,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from scipy.optimize import linear_sum_assignment
-from sklearn.cluster import KMeans
-from sklearn.exceptions import ConvergenceWarning
 
 from protocol import keys
 from protocol.keys import cluster_model_key, cluster_score_key
@@ -94,6 +91,11 @@ def query_scores(reply: Message | None, k: int) -> np.ndarray:
 
 def kmeans_labels(points: np.ndarray, n_clusters: int, random_state: int) -> np.ndarray:
     """k-means labels of ``points`` (rows), n_init=10; a cluster may come out empty."""
+    # Imported on use: every ServerApp imports this module through the strategy
+    # registry, and sklearn.cluster costs ~0.1 s (bench/BENCHMARKS.md, start-up).
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
     with warnings.catch_warnings():  # fewer distinct points than clusters: handled below
         warnings.simplefilter("ignore", ConvergenceWarning)
         kmeans = KMeans(n_clusters=n_clusters, n_init=10, random_state=random_state)
@@ -103,6 +105,8 @@ def kmeans_labels(points: np.ndarray, n_clusters: int, random_state: int) -> np.
 def match_to_models(points: np.ndarray, labels: np.ndarray, models: np.ndarray) -> np.ndarray:
     """The global model index of every point: each non-empty cluster is matched to one
     model (rows of ``models``), minimising the total squared centroid-model distance."""
+    from scipy.optimize import linear_sum_assignment  # on use, as KMeans above
+
     present = np.unique(labels)
     centroids = np.stack([points[labels == c].mean(axis=0) for c in present])
     cost = np.stack([((centroids - m) ** 2).sum(axis=1) for m in models], axis=1)

@@ -114,3 +114,23 @@ def test_a_cycle_is_found_when_there_is_one():
             test_there_is_no_import_cycle()
     finally:
         GRAPH = saved
+
+
+# What a run without DP, of any task but lunar-lander, never uses: imported where it is
+# used (privacy.events, strategies.clustered), not when the apps start (~0.5 s of
+# SciPy's optimize and signal packages at every start-up; bench/BENCHMARKS.md).
+ON_USE_ONLY = ("dp_accounting", "sklearn.cluster", "scipy.signal")
+
+
+def test_the_apps_start_without_what_only_dp_or_clustering_uses():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, server_app.app, client_app.app\n"
+        f"print(' '.join(m for m in {ON_USE_ONLY!r} if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [], "imported at start-up; find the chain with -X importtime"

@@ -340,3 +340,37 @@ def test_events_built_as_documented():
         to_dp_event(_release("without-replacement"), "add-or-remove-one")
     assert l2_sensitivity_factor("replace-one") == 2.0
     assert l2_sensitivity_factor(NR.ADD_OR_REMOVE_ONE) == 1.0
+
+
+def test_rdp_orders_hold_dp_accountings_default_grid():
+    # privacy.events writes the grid out (so that importing it does not import
+    # dp-accounting); it must stay a superset: more orders can only lower ε.
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    assert set(map(float, DEFAULT_RDP_ORDERS)) <= set(RDP_ORDERS)
+    assert list(RDP_ORDERS) == sorted(set(RDP_ORDERS))
+
+
+@pytest.mark.parametrize(
+    ("name", "relation"),
+    [
+        ("add-or-remove-one", NR.ADD_OR_REMOVE_ONE),
+        ("replace-one", NR.REPLACE_ONE),
+        ("zero-out", NR.REPLACE_SPECIAL),
+    ],
+)
+def test_neighboring_names_and_dp_accountings_relations_map_both_ways(name, relation):
+    from privacy.events import neighboring_name, neighboring_relation
+
+    assert neighboring_relation(name) is relation
+    assert neighboring_relation(relation) is relation
+    assert neighboring_name(relation) == name
+    assert neighboring_name(name) == name
+
+
+@pytest.mark.parametrize("bad", ["add-remove", "ADD_OR_REMOVE_ONE", 1, None])
+def test_an_unknown_neighboring_relation_is_refused_with_the_valid_names(bad):
+    from privacy.events import neighboring_name
+
+    with pytest.raises(AccountingError, match=r"add-or-remove-one.*replace-one.*zero-out"):
+        neighboring_name(bad)

@@ -16,7 +16,6 @@ from privacy.accounting import AccountingError, PrivacyLedger, Release, to_dp_ev
 from privacy.events import RDP_ORDERS
 from privacy.skellam import (
     SecureSumEncoding,
-    SkellamDpEvent,
     calibrate_variance,
     conditional_round,
     l1_bound,
@@ -25,6 +24,7 @@ from privacy.skellam import (
     skellam_noise,
     skellam_rdp,
 )
+from privacy.skellam_accounting import SkellamDpEvent
 
 N_SAMPLES = 200_000
 
