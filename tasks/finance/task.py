@@ -163,17 +163,22 @@ def rows_split(data: PreparedData, rows: np.ndarray) -> RegressionSplit:
     )
 
 
+def partition_positions(cfg: FinanceConfig, num_partitions: int) -> list[np.ndarray]:
+    """Each client's positions in the pool (:func:`partition_rows`, seeded by the run);
+    ConfigError when a client would get too few rows."""
+    data = prepared_data(cfg.data_path, cfg.synthetic_rows, cfg.seed, cfg.central_test_fraction)
+    rng = np.random.default_rng([cfg.seed, PARTITION_STREAM])
+    pool = data.pool
+    return partition_rows(data.keys[pool], data.brackets[pool], num_partitions, cfg.scheme, rng)
+
+
 @lru_cache(maxsize=8)
 def load_partitions(cfg: FinanceConfig, num_partitions: int) -> tuple[FinancePartition, ...]:
     """Every client's partition for ``num_partitions`` clients (cached per process)."""
     data = prepared_data(cfg.data_path, cfg.synthetic_rows, cfg.seed, cfg.central_test_fraction)
-    rng = np.random.default_rng([cfg.seed, PARTITION_STREAM])
     pool = data.pool
-    positions = partition_rows(
-        data.keys[pool], data.brackets[pool], num_partitions, cfg.scheme, rng
-    )
     partitions = []
-    for pid, part in enumerate(positions):
+    for pid, part in enumerate(partition_positions(cfg, num_partitions)):
         rows = pool[part]
         split_rng = np.random.default_rng([cfg.seed, SPLIT_STREAM, pid])
         train, test = split_local(len(rows), cfg.test_fraction, split_rng)
@@ -345,6 +350,13 @@ class FinanceTask(Task):
         if num_partitions < 1 or not 0 <= partition_id < num_partitions:
             raise ValueError(f"partition_id {partition_id} not in [0, {num_partitions})")
         return load_partitions(self.config, num_partitions)[partition_id]
+
+    def check_partitioning(self, num_partitions: int) -> None:
+        """ConfigError when ``finance.partitioning`` leaves a client fewer than
+        :data:`~tasks.finance.partitioning.MIN_PARTITION_ROWS` rows: the split every
+        client makes, made once by the ServerApp at start-up (the table is the one the
+        central test set comes from), so that no client fails a round on it."""
+        partition_positions(self.config, num_partitions)
 
     def load_central_test(self) -> FinanceCentralTest:
         """The server's held-out test rows."""

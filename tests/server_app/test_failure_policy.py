@@ -181,6 +181,23 @@ def test_more_clients_than_digits_examples_fails_at_start_up_naming_the_key(tmp_
     assert _train_rounds(grid) == []  # no training message was sent
 
 
+def test_a_finance_split_that_leaves_a_client_too_few_rows_fails_at_start_up(tmp_path):
+    # 2 000 synthetic rows, 20 % central test: 1 600 pool rows for 161 clients are 9
+    # each under iid, below the 10 a client needs. Before, every client raised this
+    # ConfigError in its first round, and the run failed only after the streak.
+    overrides = {"task": "finance", "finance.synthetic-rows": 2000}
+    path, grid, raised = _run(
+        tmp_path, nodes=list(range(1, 162)), **overrides, **{"finance.partitioning": "iid"}
+    )
+    outcome = _outcome(path)
+    assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
+    assert outcome["reason"].startswith(
+        "start-up check: 'finance.partitioning' = 'iid' leaves partition 0 only 9 rows "
+        "(minimum 10) when 1600 pool rows are split among 161 partitions"
+    )
+    assert _train_rounds(grid) == []  # no training message was sent
+
+
 def test_budget_exhaustion_is_stopped(tmp_path):
     path, grid, raised = _run(
         tmp_path,

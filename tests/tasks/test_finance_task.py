@@ -84,6 +84,21 @@ def test_partition_id_out_of_range():
         FinanceTask(CONFIG).load_partition(4, 4)
 
 
+@pytest.mark.parametrize("scheme", ["iid", "multi-key+label-skew+quantity-skew"])
+def test_the_servers_partitioning_check_refuses_what_the_clients_would(scheme):
+    # The ServerApp checks at start-up the split every client makes: same seed, same
+    # table, so it passes exactly where every client's load_partition does.
+    task = FinanceTask({**CONFIG, "finance.partitioning": scheme})
+    task.check_partitioning(4)
+    assert len(task.load_partition(3, 4).train) > 0
+    too_many = 1600 // 9  # 1 600 pool rows: fewer than 10 rows a client
+    with pytest.raises(ConfigError, match=r"'finance\.partitioning'.*minimum 10") as server:
+        task.check_partitioning(too_many)
+    with pytest.raises(ConfigError) as client:
+        task.load_partition(0, too_many)
+    assert str(client.value) == str(server.value)
+
+
 # --- model --------------------------------------------------------------------------
 
 
