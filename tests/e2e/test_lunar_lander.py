@@ -48,7 +48,8 @@ def lunar_runs(flower, tmp_path_factory):
     runs = {}
     for name, options in VARIANTS.items():
         result = flower.run(
-            f"{TINY} {options} output-dir='{root}'", federation_config="num-supernodes=3"
+            f"{TINY} {options} output-dir='{root}'",
+            federation_config="num-supernodes=3 client-resources-num-cpus=1",
         )
         assert result.returncode == 0 and result.run_dir is not None, result.output
         runs[name] = result

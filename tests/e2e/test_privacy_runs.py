@@ -43,7 +43,9 @@ VARIANTS = {
     "dp.clip-norm=0.5 model.name='mlp'",
 }
 RUNS = {name: f"privacy='{name.split('+')[0]}' {o}" for name, o in VARIANTS.items()}
-FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8"}  # N = 4 real clients + k = 4 canaries
+# N = 4 real clients + k = 4 canaries; naming the size replaces all of the connection's
+# options, so the CPUs per ClientApp are named too (else Flower's default of 2: one at a time)
+FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8 client-resources-num-cpus=1"}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ CONFIGS = {
         "task='lunar-lander' num-server-rounds=2 fraction-train=0.67 fraction-evaluate=1.0 "
         "ppo.derived-per-base=0 ppo.local-steps=256 ppo.n-steps=64 ppo.n-envs=2 "
         "ppo.batch-size=64 ppo.n-epochs=1 ppo.check-freq=64 ppo.eval-episodes=1",
-        "num-supernodes=3",
+        "num-supernodes=3 client-resources-num-cpus=1",
     ),
 }
 
