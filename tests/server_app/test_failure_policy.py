@@ -165,36 +165,37 @@ def test_a_diverging_run_fails_and_keeps_the_last_good_checkpoint(tmp_path):
         exit_on_failed("study", [path, tmp_path / "not-a-run"])
 
 
-def test_more_clients_than_digits_examples_fails_at_start_up_naming_the_key(tmp_path):
-    # 1 437 digits examples in the client pool (central test 20 %): 1 438 nodes would
-    # leave one client without data. Before, such a run went on with every data-less
-    # client failing each round (86 % of them at N = 10 000).
-    path, grid, raised = _run(
-        tmp_path, nodes=list(range(1, 1439)), **{"data.partitioner": "array-split"}
-    )
+@pytest.mark.parametrize(
+    ("nodes", "overrides", "reason"),
+    [
+        # 1 437 digits examples in the client pool (central test 20 %): 1 438 nodes would
+        # leave one client without data. Before, such a run went on with every data-less
+        # client failing each round (86 % of them at N = 10 000).
+        (
+            1438,
+            {"data.partitioner": "array-split"},
+            "start-up check: 'data.partitioner': partitioner 'array-split' cannot split 1437 "
+            "digits examples into 1438 partitions: 1 clients would hold no data",
+        ),
+        # 2 000 synthetic rows, 20 % central test: 1 600 pool rows for 161 clients are 9
+        # each under iid, below the 10 a client needs. Before, every client raised this
+        # ConfigError in its first round, and the run failed only after the streak.
+        (
+            161,
+            {"task": "finance", "finance.synthetic-rows": 2000, "finance.partitioning": "iid"},
+            "start-up check: 'finance.partitioning' = 'iid' leaves partition 0 only 9 rows "
+            "(minimum 10) when 1600 pool rows are split among 161 partitions",
+        ),
+    ],
+    ids=["digits-more-clients-than-examples", "finance-too-few-rows-a-client"],
+)
+def test_a_split_that_leaves_a_client_without_data_fails_at_start_up_naming_the_key(
+    tmp_path, nodes, overrides, reason
+):
+    path, grid, raised = _run(tmp_path, nodes=list(range(1, nodes + 1)), **overrides)
     outcome = _outcome(path)
     assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
-    assert outcome["reason"].startswith(
-        "start-up check: 'data.partitioner': partitioner 'array-split' cannot split 1437 "
-        "digits examples into 1438 partitions: 1 clients would hold no data"
-    )
-    assert _train_rounds(grid) == []  # no training message was sent
-
-
-def test_a_finance_split_that_leaves_a_client_too_few_rows_fails_at_start_up(tmp_path):
-    # 2 000 synthetic rows, 20 % central test: 1 600 pool rows for 161 clients are 9
-    # each under iid, below the 10 a client needs. Before, every client raised this
-    # ConfigError in its first round, and the run failed only after the streak.
-    overrides = {"task": "finance", "finance.synthetic-rows": 2000}
-    path, grid, raised = _run(
-        tmp_path, nodes=list(range(1, 162)), **overrides, **{"finance.partitioning": "iid"}
-    )
-    outcome = _outcome(path)
-    assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
-    assert outcome["reason"].startswith(
-        "start-up check: 'finance.partitioning' = 'iid' leaves partition 0 only 9 rows "
-        "(minimum 10) when 1600 pool rows are split among 161 partitions"
-    )
+    assert outcome["reason"].startswith(reason)
     assert _train_rounds(grid) == []  # no training message was sent
 
 
