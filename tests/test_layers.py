@@ -116,9 +116,9 @@ def test_a_cycle_is_found_when_there_is_one():
         GRAPH = saved
 
 
-# What a run without DP, of any task but lunar-lander, never uses: imported where it is
-# used (privacy.events, strategies.clustered), not when the apps start (~0.5 s of
-# SciPy's optimize and signal packages at every start-up; bench/BENCHMARKS.md).
+# What a run without DP or clustering never uses: imported where it is used
+# (privacy.events, strategies.clustered), not when the apps start (~0.5 s of SciPy's
+# optimize and signal packages at every start-up; bench/BENCHMARKS.md).
 ON_USE_ONLY = ("dp_accounting", "sklearn.cluster", "scipy.signal")
 
 
