@@ -11,7 +11,6 @@ supported (client-level mechanisms, e.g. ``privacy='laplace'``, are).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -266,7 +265,7 @@ class LunarLanderTask(Task):
         return {
             NUM_EXAMPLES: result.timesteps,
             TRAIN_EPISODES: len(rewards),
-            **{k: float(v) for k, v in defined.items() if v is not None and math.isfinite(v)},
+            **{k: float(v) for k, v in defined.items() if v is not None},
         }
 
     def _round_log(
