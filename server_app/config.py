@@ -31,14 +31,14 @@ from strategies.server_optimizer import ServerOptimizerSettings
 from strategies.settings import Choice, Settings, listed
 from strategies.smart_fedprox import SmartSettings
 from strategies.subspace_dp import SubspaceSettings
-from tasks.base import SEED
+from tasks.base import NUM_SERVER_ROUNDS, SEED
 from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 
 TOP_LEVEL: tuple[Option, ...] = (
     Option("task", "digits", "Learning task.", choices=tuple(tasks.REGISTRY)),
     Option("strategy", "fedavg", "Federated strategy.", choices=tuple(strategies.STRATEGIES)),
     Option("privacy", "none", "Privacy mechanism.", choices=tuple(strategies.PRIVACY)),
-    Option("num-server-rounds", 10, "Number of federated rounds.", low=1),
+    NUM_SERVER_ROUNDS,
     SEED,
     Option(
         "output-dir",

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from tasks.frontloaded import FrontLoadedDP
 
 SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
+NUM_SERVER_ROUNDS = Option("num-server-rounds", 10, "Number of federated rounds.", low=1)
 
 # Metric keys every task reports (kebab-case, stable across tasks).
 NUM_EXAMPLES = "num-examples"

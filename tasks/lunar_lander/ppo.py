@@ -19,10 +19,11 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -39,6 +40,7 @@ from tasks.proximal import snapshot_parameters
 
 POLICY = "MlpPolicy"
 VEC_ENVS = {"dummy": DummyVecEnv, "subproc": SubprocVecEnv}
+LR_SCHEDULES = ("constant", "linear")
 
 
 @dataclass(frozen=True)
@@ -77,16 +79,30 @@ class PPOConfig:
     """``ppo.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
     keep_optimizer: bool = False
     """``ppo.keep-optimizer``: resume the client's Adam moments from its last round."""
+    lr_schedule: str = "constant"
+    """``ppo.lr-schedule``: ``constant``, or ``linear`` (to 0 over the run's rounds)."""
+    num_rounds: int = 1
+    """``num-server-rounds``: the run's length, which ``linear`` decays over."""
 
     @property
     def rollout_size(self) -> int:
         """Env steps per PPO rollout, ``n_steps * n_envs`` (derived)."""
         return self.n_steps * self.n_envs
 
-    def ppo_kwargs(self) -> dict[str, float | int]:
-        """The hyperparameters SB3's ``PPO`` constructor takes."""
+    def learning_rate_at(self, server_round: int) -> float | Callable[[float], float]:
+        """SB3's ``learning_rate`` in ``server_round``: ``ppo.learning-rate``, or under
+        ``linear`` the schedule :func:`linear_over_rounds` for that round."""
+        if self.lr_schedule == "constant":
+            return self.learning_rate
+        return partial(
+            linear_over_rounds, initial=self.learning_rate,
+            server_round=server_round, num_rounds=self.num_rounds,
+        )  # fmt: skip
+
+    def ppo_kwargs(self, server_round: int = 1) -> dict[str, Any]:
+        """The hyperparameters SB3's ``PPO`` constructor takes in ``server_round``."""
         return {
-            "learning_rate": self.learning_rate,
+            "learning_rate": self.learning_rate_at(server_round),
             "n_steps": self.n_steps,
             "batch_size": self.batch_size,
             "n_epochs": self.n_epochs,
@@ -97,6 +113,26 @@ class PPOConfig:
             "vf_coef": self.vf_coef,
             "max_grad_norm": self.max_grad_norm,
         }
+
+
+def linear_over_rounds(
+    progress_remaining: float, *, initial: float, server_round: int, num_rounds: int
+) -> float:
+    """The learning rate of a linear decay from ``initial`` at the start of round 1 to 0
+    at the end of round ``num_rounds``, at SB3's ``progress_remaining`` (1 -> 0 over
+    one ``learn()`` call, i.e. over one client's local training) in ``server_round``.
+
+    SB3's own schedules span one ``learn()`` call; a client here calls it once per
+    round it is sampled in, so the decay follows the federation's round instead: every
+    client sampled in round r trains with the same rates, whatever rounds it missed.
+    """
+    if not 1 <= server_round <= num_rounds:
+        raise ValueError(
+            f"round {server_round} is outside the run's {num_rounds} rounds "
+            "(ppo.lr-schedule='linear' decays over num-server-rounds)"
+        )
+    done = (server_round - 1 + (1.0 - progress_remaining)) / num_rounds
+    return initial * (1.0 - done)
 
 
 def _constant_learning_rate(_progress_remaining: float) -> float:
@@ -312,6 +348,7 @@ def train_ppo(
     proximal_mu: float = 0.0,
     start_step: int = 0,
     optimizer_state: dict[str, torch.Tensor] | None = None,
+    server_round: int = 1,
 ) -> LocalPPOResult:
     """Train ``policy`` (in place) with ``cfg.local_steps`` env steps of PPO on ``client``.
 
@@ -319,14 +356,16 @@ def train_ppo(
     the environments observe gravity if ``policy`` does) loads the received weights.
     Its Adam optimizer starts from zero moments, or, with ``cfg.keep_optimizer`` and a
     fitting ``optimizer_state`` (the client's own from its previous round), from that
-    state. Optimizer state is never federated.
+    state. Optimizer state is never federated. The learning rate is
+    ``cfg.learning_rate_at(server_round)``.
     The environments are closed whatever happens; global RNGs are restored on return.
     """
     env_fn = partial(make_env, client, observe_gravity=observes_gravity(policy))
     vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
     try:
         with preserved_global_rngs(cuda=cfg.device == "cuda"):
-            ppo = PPO(POLICY, vec_env, seed=seed, device=cfg.device, verbose=0, **cfg.ppo_kwargs())
+            kwargs = cfg.ppo_kwargs(server_round)
+            ppo = PPO(POLICY, vec_env, seed=seed, device=cfg.device, verbose=0, **kwargs)
             # No output formats: nothing printed; the last update's values stay in
             # name_to_value because SB3 dumps the logs before each update, not after.
             ppo.set_logger(Logger(folder=None, output_formats=[]))

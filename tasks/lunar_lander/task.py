@@ -21,6 +21,7 @@ import torch
 from tasks.base import (
     EVAL_REWARD,
     NUM_EXAMPLES,
+    NUM_SERVER_ROUNDS,
     SEED,
     TRAIN_LOSS,
     TRAIN_REWARD,
@@ -37,6 +38,7 @@ from tasks.lunar_lander.clients import (
 )
 from tasks.lunar_lander.logs import ClientRoundLog
 from tasks.lunar_lander.ppo import (
+    LR_SCHEDULES,
     VEC_ENVS,
     LocalPPOResult,
     PPOConfig,
@@ -53,6 +55,7 @@ EVAL_STREAM = 0xE7A1  # seed stream of the evaluation episodes
 TRAIN_EPISODES = "train-episodes"
 TRAIN_ENTROPY_LOSS = "train-entropy-loss"
 TRAIN_APPROX_KL = "train-approx-kl"
+TRAIN_LEARNING_RATE = "train-learning-rate"
 EVAL_REWARD_STD = "eval-reward-std"
 EVAL_REWARD_SE = "eval-reward-se"
 EVAL_LENGTH = "eval-length"
@@ -97,6 +100,11 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.keep-optimizer", False,
            "Keep each client's PPO Adam moments across its rounds (in its persistent "
            "state, never sent; reset when the policy's architecture changes)."),
+    Option("ppo.lr-schedule", "constant",
+           "`constant`, or `linear`: the learning rate decays from ppo.learning-rate at "
+           "round 1 to 0 at the end of round num-server-rounds, following the server's "
+           "round (every client sampled in a round trains with the same rates).",
+           choices=LR_SCHEDULES),
     Option("ppo.device", "cpu", "Device of local PPO; `auto`: cuda when available.",
            choices=("cpu", "cuda", "auto")),
 )  # fmt: skip
@@ -167,7 +175,10 @@ class LunarLanderTask(Task):
             check_freq=int(opts["ppo.check-freq"]),
             device=resolve_device(str(opts["ppo.device"]), "ppo.device"),
             keep_optimizer=bool(opts["ppo.keep-optimizer"]),
-        )
+            lr_schedule=str(opts["ppo.lr-schedule"]),
+            num_rounds=int(NUM_SERVER_ROUNDS.parse(
+                run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
+        )  # fmt: skip
         self.observe_gravity = bool(opts["ppo.observe-gravity"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
         self.clients = client_table(
@@ -243,6 +254,7 @@ class LunarLanderTask(Task):
             model, partition, self.config, seed=local.seed,
             proximal_mu=local.proximal_mu, start_step=start_step,
             optimizer_state=local.state_tensors if kept else None,
+            server_round=local.server_round,
         )  # fmt: skip
         local.state[TIMESTEPS_KEY] = start_step + result.timesteps
         local.state_tensors.clear()
@@ -259,6 +271,7 @@ class LunarLanderTask(Task):
             TRAIN_REWARD: float(np.mean(rewards)) if rewards else None,
             TRAIN_ENTROPY_LOSS: values.get("train/entropy_loss"),
             TRAIN_APPROX_KL: values.get("train/approx_kl"),
+            TRAIN_LEARNING_RATE: values.get("train/learning_rate"),  # of the last update
         }
         # Left out rather than sent as NaN: the server rejects a reply with a non-finite
         # metric, so a round too short to end an episode would aggregate nothing.

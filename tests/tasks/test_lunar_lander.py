@@ -25,6 +25,7 @@ from tasks.lunar_lander.ppo import (
     build_policy,
     evaluate_episodes,
     flatten_state_dict,
+    linear_over_rounds,
     load_optimizer_tensors,
     observes_gravity,
     optimizer_tensors,
@@ -42,6 +43,7 @@ TRAIN_KEYS = {
     "train-episodes",
     "train-entropy-loss",
     "train-approx-kl",
+    "train-learning-rate",
 }
 EVAL_KEYS = {NUM_EXAMPLES, "eval-reward", "eval-reward-std", "eval-reward-se", "eval-length"}
 # Rollouts of 2 envs x 64 steps = 128 env steps; 256 local steps = 2 rollouts, 2 updates.
@@ -693,6 +695,49 @@ def test_ppo_without_keep_optimizer_keeps_no_optimizer_state(task, earth):
     assert local.state_tensors == {} and OPTIMIZER_PARAMS_KEY not in local.state
 
 
+@pytest.mark.parametrize(
+    ("server_round", "progress_remaining", "expected"),
+    [
+        (1, 1.0, 1e-3),  # the first update of the run: the initial rate
+        (1, 0.0, 7.5e-4),  # the end of round 1 of 4: a quarter of the way down
+        (2, 0.5, 6.25e-4),  # halfway through round 2: (1 + 0.5) / 4 of the way
+        (4, 0.0, 0.0),  # the end of the run
+    ],
+)
+def test_linear_schedule_decays_over_the_runs_rounds(server_round, progress_remaining, expected):
+    rate = linear_over_rounds(
+        progress_remaining, initial=1e-3, server_round=server_round, num_rounds=4
+    )
+    assert rate == pytest.approx(expected, abs=1e-15)
+
+
+@pytest.mark.parametrize("server_round", [0, 5])
+def test_linear_schedule_refuses_a_round_outside_the_run(server_round):
+    with pytest.raises(ValueError, match=r"round \d is outside the run's 4 rounds"):
+        linear_over_rounds(0.5, initial=1e-3, server_round=server_round, num_rounds=4)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "server_round", "expected"),
+    [("constant", 3, 3e-4), ("linear", 1, 3e-4 * 3 / 4), ("linear", 3, 3e-4 / 4)],
+)
+def test_ppo_trains_with_the_scheduled_learning_rate(earth, schedule, server_round, expected):
+    # Prepare: 2 rollouts a round, so the last update runs at progress_remaining 0
+    task = LunarLanderTask(TINY | {"ppo.lr-schedule": schedule, "num-server-rounds": 4})
+
+    # Execute
+    metrics = task.train(task.build_model(0), earth, LocalTraining(server_round, seed=5))
+
+    # Assert: the rate SB3 set on Adam for the round's last update
+    assert metrics["train-learning-rate"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_linear_schedule_refuses_a_round_past_num_server_rounds(earth):
+    task = LunarLanderTask(TINY | {"ppo.lr-schedule": "linear", "num-server-rounds": 2})
+    with pytest.raises(ValueError, match=r"ppo\.lr-schedule='linear' decays over num-server"):
+        task.train(task.build_model(0), earth, LocalTraining(3, seed=5))
+
+
 # ---------------------------------------------------------------- options
 
 
@@ -717,6 +762,7 @@ def test_ppo_without_keep_optimizer_keeps_no_optimizer_state(task, earth):
         ("ppo.device", "tpu"),
         ("ppo.n-steps", 2.5),
         ("ppo.observe-gravity", "yes"),
+        ("ppo.lr-schedule", "cosine"),
     ],
 )
 def test_invalid_option_names_its_key(key, value):
