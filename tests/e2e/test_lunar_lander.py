@@ -36,7 +36,7 @@ VARIANTS = {
     "laplace": "strategy='fedavg' privacy='laplace' dp.sensitivity=15.0 dp.epsilon=30.0 "
     "dp.sampling='fixed' dp.client-metrics=true ppo.eval-episodes=1",
     "lands": "strategy='fedavg' ppo.keep-optimizer=true ppo.observe-gravity=true "
-    "server.optimizer='momentum' "
+    "ppo.lr-schedule='linear' server.optimizer='momentum' "
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
     "ppo.ent-coef=0.01 ppo.eval-episodes=3",
 }
@@ -115,8 +115,12 @@ def test_kept_adam_state_and_seeded_evaluation_with_standard_errors(lunar_runs):
     result = lunar_runs["lands"]
     model = torch.load(result.run_dir / "model.pt")  # the policy observed gravity: 9 inputs
     assert model["mlp_extractor.policy_net.0.weight"].shape == (64, 9)
-    central = load_metrics(result.run_dir)
-    central = central[central["scope"] == "central-eval"].set_index("round")
+    metrics = load_metrics(result.run_dir)
+    # The linear schedule over 2 rounds: each round's last update (progress 0) trains at
+    # 3e-4 x (1 - r / 2), the same for every client of the round
+    rates = metrics[metrics["scope"] == "train"].set_index("round")["train-learning-rate"]
+    assert rates.to_dict() == pytest.approx({1: 1.5e-4, 2: 0.0}, abs=1e-12)
+    central = metrics[metrics["scope"] == "central-eval"].set_index("round")
     for planet in PLANETS:  # 3 episodes per planet: a standard error each round
         assert (central[f"eval-reward-se-{planet}"] > 0).all()
     assert central.loc[0, "num-examples"] == 9
