@@ -2,9 +2,9 @@
 Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 ``n_envs`` copies of the client's environment, plus what federating it needs.
 
-* :func:`build_policy`: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy,
-  default ``net_arch``) for LunarLander's spaces, optionally with the gravity input
-  (:class:`~tasks.lunar_lander.clients.GravityObservation`). Only its
+* :func:`build_policy`: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy:
+  two hidden layers, 64 units by default) for LunarLander's spaces, optionally with the
+  gravity input (:class:`~tasks.lunar_lander.clients.GravityObservation`). Only its
   ``state_dict()`` (the policy and value networks) travels; PPO's Adam state never
   does. Training and evaluation read what the policy observes from its observation
   space (:func:`observes_gravity`).
@@ -41,6 +41,7 @@ from tasks.proximal import snapshot_parameters
 POLICY = "MlpPolicy"
 VEC_ENVS = {"dummy": DummyVecEnv, "subproc": SubprocVecEnv}
 LR_SCHEDULES = ("constant", "linear")
+DEFAULT_NET_WIDTH = 64  # SB3's MlpPolicy for PPO: two hidden layers of 64, policy and value
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,21 @@ def observes_gravity(policy: ActorCriticPolicy) -> bool:
     raise ValueError(f"not a LunarLander policy: observation space {policy.observation_space}")
 
 
-def build_policy(seed: int, *, observe_gravity: bool = False) -> ActorCriticPolicy:
-    """SB3's MlpPolicy for LunarLander, weights drawn from ``seed`` (global RNG untouched);
+def build_policy(
+    seed: int, *, observe_gravity: bool = False, net_width: int = DEFAULT_NET_WIDTH
+) -> ActorCriticPolicy:
+    """SB3's MlpPolicy for LunarLander, weights drawn from ``seed`` (global RNG untouched):
+    policy and value networks of two hidden layers of ``net_width`` units each;
     ``observe_gravity``: its observation ends with the environment's gravity."""
+    if net_width < 1:
+        raise ValueError(f"net_width must be >= 1, got {net_width}")
     observation_space, action_space = policy_spaces(observe_gravity)
+    net_arch = {"pi": [net_width, net_width], "vf": [net_width, net_width]}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return PPO.policy_aliases[POLICY](observation_space, action_space, _constant_learning_rate)
+        return PPO.policy_aliases[POLICY](
+            observation_space, action_space, _constant_learning_rate, net_arch=net_arch
+        )
 
 
 def flatten_state_dict(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
@@ -353,7 +362,8 @@ def train_ppo(
     """Train ``policy`` (in place) with ``cfg.local_steps`` env steps of PPO on ``client``.
 
     A fresh SB3 ``PPO`` (seeded with ``seed``; env copy ``i`` seeded ``seed + i``;
-    the environments observe gravity if ``policy`` does) loads the received weights.
+    the environments observe gravity if ``policy`` does; its networks are as wide as
+    ``policy``'s) loads the received weights.
     Its Adam optimizer starts from zero moments, or, with ``cfg.keep_optimizer`` and a
     fitting ``optimizer_state`` (the client's own from its previous round), from that
     state. Optimizer state is never federated. The learning rate is
@@ -365,7 +375,10 @@ def train_ppo(
     try:
         with preserved_global_rngs(cuda=cfg.device == "cuda"):
             kwargs = cfg.ppo_kwargs(server_round)
-            ppo = PPO(POLICY, vec_env, seed=seed, device=cfg.device, verbose=0, **kwargs)
+            ppo = PPO(
+                POLICY, vec_env, seed=seed, device=cfg.device, verbose=0,
+                policy_kwargs={"net_arch": policy.net_arch}, **kwargs,
+            )  # fmt: skip
             # No output formats: nothing printed; the last update's values stay in
             # name_to_value because SB3 dumps the logs before each update, not after.
             ppo.set_logger(Logger(folder=None, output_formats=[]))

@@ -38,6 +38,7 @@ from tasks.lunar_lander.clients import (
 )
 from tasks.lunar_lander.logs import ClientRoundLog
 from tasks.lunar_lander.ppo import (
+    DEFAULT_NET_WIDTH,
     LR_SCHEDULES,
     VEC_ENVS,
     LocalPPOResult,
@@ -97,6 +98,9 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.observe-gravity", False,
            "The policy also observes its environment's gravity (a 9th input, gravity / 10): "
            "one shared policy can then act per planet."),
+    Option("ppo.net-width", DEFAULT_NET_WIDTH,
+           "Units in each of the two hidden layers of the policy and of the value network "
+           "(SB3's MlpPolicy: 64).", low=1),
     Option("ppo.keep-optimizer", False,
            "Keep each client's PPO Adam moments across its rounds (in its persistent "
            "state, never sent; reset when the policy's architecture changes)."),
@@ -180,6 +184,7 @@ class LunarLanderTask(Task):
                 run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
         )  # fmt: skip
         self.observe_gravity = bool(opts["ppo.observe-gravity"])
+        self.net_width = int(opts["ppo.net-width"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
         self.clients = client_table(
             self.seed,
@@ -202,9 +207,10 @@ class LunarLanderTask(Task):
         )
 
     def build_model(self, seed: int) -> torch.nn.Module:
-        """SB3's MlpPolicy (actor-critic) for LunarLander, weights drawn from ``seed``;
-        with ``ppo.observe-gravity`` its input includes the environment's gravity."""
-        return build_policy(seed, observe_gravity=self.observe_gravity)
+        """SB3's MlpPolicy (actor-critic) for LunarLander, weights drawn from ``seed``,
+        hidden layers of ``ppo.net-width`` units; with ``ppo.observe-gravity`` its input
+        includes the environment's gravity."""
+        return build_policy(seed, observe_gravity=self.observe_gravity, net_width=self.net_width)
 
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientEnv:
         """Client ``partition_id``'s environment; the table fixes ``num_partitions``."""

@@ -618,6 +618,45 @@ def test_gravity_policy_trains_and_evaluates_on_the_gravity_it_is_given(earth):
     assert len(rewards) == 2 and all(1 <= n <= 1000 for n in lengths)
 
 
+def test_net_width_sets_both_hidden_layers_of_policy_and_value_networks():
+    # Execute
+    wide = LunarLanderTask(TINY | {"ppo.net-width": 32}).build_model(0)
+    default = LunarLanderTask(TINY).build_model(0)
+
+    # Assert: 8 inputs -> 32 -> 32 -> 4 actions / 1 value; the default is SB3's 64
+    shapes = {name: tuple(p.shape) for name, p in wide.named_parameters()}
+    for net in ("policy_net", "value_net"):
+        assert shapes[f"mlp_extractor.{net}.0.weight"] == (32, 8)
+        assert shapes[f"mlp_extractor.{net}.2.weight"] == (32, 32)
+    assert shapes["action_net.weight"] == (4, 32) and shapes["value_net.weight"] == (1, 32)
+    assert default.net_arch == {"pi": [64, 64], "vf": [64, 64]}
+    with pytest.raises(ValueError, match="net_width"):
+        build_policy(0, net_width=0)
+
+
+def test_a_wider_policy_trains_at_its_width_and_resets_kept_adam_state(earth):
+    # Prepare: Adam state kept from a round of the default width
+    local = LocalTraining(1, seed=5)
+    LunarLanderTask(TINY | {"ppo.keep-optimizer": True}).train(
+        LunarLanderTask(TINY).build_model(0), earth, local
+    )
+    steps = local.state_tensors["adam.0.step"].item()
+    task = LunarLanderTask(TINY | {"ppo.keep-optimizer": True, "ppo.net-width": 16})
+    model = task.build_model(0)
+    before = _weights(model)
+
+    # Execute
+    task.train(model, earth, local)
+
+    # Assert: trained in place at width 16, with fresh Adam moments of width 16
+    assert not _same_weights(before, _weights(model))
+    assert {k: v.shape for k, v in _weights(model).items()} == {
+        k: v.shape for k, v in before.items()
+    }
+    assert local.state_tensors["adam.0.step"].item() == steps
+    assert local.state_tensors["adam.0.exp_avg"].shape == (16, 8)
+
+
 # ---------------------------------------------------------------- optimizer state
 
 
@@ -763,6 +802,7 @@ def test_linear_schedule_refuses_a_round_past_num_server_rounds(earth):
         ("ppo.n-steps", 2.5),
         ("ppo.observe-gravity", "yes"),
         ("ppo.lr-schedule", "cosine"),
+        ("ppo.net-width", 0),
     ],
 )
 def test_invalid_option_names_its_key(key, value):
