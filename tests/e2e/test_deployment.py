@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,12 +211,15 @@ class Deployment:
                 time.sleep(0.3)
         raise AssertionError("SuperLink not healthy in 60 s\n" + self.log("superlink"))
 
-    def start_supernode(self, name: str, *args: str, port: int | None = None) -> subprocess.Popen:
-        """``flower-supernode`` dialling our SuperLink, on its own Runtime API port
-        (``port``, or a free one)."""
+    def start_supernode(
+        self, name: str, *args: str, port: int | None = None, command: Sequence[str] = ()
+    ) -> subprocess.Popen:
+        """``flower-supernode`` (or ``command``, e.g. ``python -m lab.supernode``)
+        dialling our SuperLink, on its own Runtime API port (``port``, or a free one)."""
         port = free_port() if port is None else port
         superlink = ["--superlink", f"127.0.0.1:{self.port}", "--port", str(port)]
-        return self.start(name, str(BIN / "flower-supernode"), *superlink, *args)
+        command = command or [str(BIN / "flower-supernode")]
+        return self.start(name, *command, *superlink, *args)
 
     def wait_exit(self, name: str, timeout: float) -> int:
         try:
@@ -501,8 +505,9 @@ def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
 def test_a_run_completes_on_the_warm_executor(deployment):
     """docs/deploy.md's warm executor (``python -m lab.superexec``): the guide's
     SuperNodes are stopped (a SuperNode that is stopped deactivates, so the SuperLink
-    lists it offline at once), the guide's block starts the three again with
-    ``--isolation process`` and one executor each, a short run completes with every
+    lists it offline at once), the guide's block starts the three again as
+    ``python -m lab.supernode --isolation process`` (Flower's SuperNode with a 0.5 s
+    wait after an empty pull) and one executor each, a short run completes with every
     message answered by a fork of an executor, and SIGTERM stops each executor with
     its processes. Last in this module: the guide's first SuperNodes are gone after it."""
     started = time.monotonic()
@@ -534,6 +539,8 @@ def test_a_run_completes_on_the_warm_executor(deployment):
         assert time.monotonic() < deadline, [deployment.log(f"superexec-{k}") for k in range(3)]
         time.sleep(0.5)
     ready = time.monotonic()
+    supernodes = [deployment.log(f"supernode-{k}") for k in range(NUM_NODES)]
+    assert all("lab.supernode: pulling again 0.50 s" in log for log in supernodes), supernodes
     out = deployment.root / "warm-runs"
     flwr = deployment.start(
         "flwr-run-warm", str(BIN / "flwr"), "run", ".", "lab", "--stream",

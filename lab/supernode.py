@@ -1,0 +1,159 @@
+"""Flower's SuperNode with a shorter wait between pulls: ``python -m lab.supernode``.
+
+Why it is hand-written: Flower 1.41's SuperNode loop (``start_client_internal`` in
+``flwr/supernode/start_client_internal.py``) sleeps a fixed 3 s after every pull from
+the SuperLink that brings no message, and polls its own state every 0.5 s for the
+ClientApp's reply and for the reply's objects. None of the three is an option of
+``flower-supernode``. In a deployed round every SuperNode idles in that 3 s sleep when
+the ServerApp sends the round's messages, so the round waits for the last of them to
+wake: with 3 SuperNodes about 2.3 s on average, half a warm digits round with the warm
+executor (:mod:`lab.superexec`; bench/BENCHMARKS.md, "Deployed rounds").
+
+This command runs ``flower-supernode`` unchanged (same options, same code, same log)
+after replacing the ``time`` module that ``start_client_internal`` sees with
+:class:`PollClock`. Its ``sleep`` waits ``--poll-interval`` seconds instead of the 3 s
+after an empty pull, and ``--reply-poll-interval`` seconds instead of the 0.5 s
+between two looks at the SuperNode's own state for a reply. Every other use of
+``time`` is the real module's. Pulls are what the SuperLink serves: an idle SuperNode
+asks every ``--poll-interval`` seconds instead of every 3 s (default 0.5 s, so 6 times
+as many requests; Flower's SuperExec polls its SuperNode every 1 s, and
+:mod:`lab.superexec` every 0.2 s).
+
+The replacement is tied to the code it replaces. Before it patches anything,
+:func:`check_flower` reads the module's source and requires Flower 1.41 and exactly
+the waits above (``time.sleep(3)`` once, ``time.sleep(0.5)`` twice); with any other
+Flower it exits with a message and changes nothing. Use ``flower-supernode`` there.
+
+Use it as ``flower-supernode``, with two more options::
+
+    python -m lab.supernode --poll-interval 0.5 --superlink superlink.lab.example:9093 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import sys
+import time
+from collections.abc import Sequence
+from logging import INFO
+from types import ModuleType
+
+FLOWER_SERIES = "1.41."  # the SuperNode loop this was written against
+# The waits of start_client_internal in Flower 1.41: seconds -> how many calls
+PULL_WAIT = 3.0  # after a pull that brought no message
+REPLY_WAIT = 0.5  # between two looks at the node's state for the reply and its objects
+FLOWER_WAITS = {PULL_WAIT: 1, REPLY_WAIT: 2}
+DEFAULT_POLL_INTERVAL = 0.5
+DEFAULT_REPLY_POLL_INTERVAL = 0.05
+
+
+class PollClock:
+    """The ``time`` that ``start_client_internal`` sees: its 3 s and 0.5 s waits
+    shortened, everything else the real :mod:`time`."""
+
+    def __init__(self, poll_interval: float, reply_poll_interval: float) -> None:
+        self.poll_interval = poll_interval
+        self.reply_poll_interval = reply_poll_interval
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == PULL_WAIT:
+            seconds = self.poll_interval
+        elif seconds == REPLY_WAIT:
+            seconds = self.reply_poll_interval
+        time.sleep(seconds)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def sleeps(source: str) -> dict[float, int]:
+    """The constant arguments of the ``time.sleep(...)`` calls in ``source``, counted;
+    a call whose argument is not a number literal counts under ``nan``."""
+    found: dict[float, int] = {}
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "sleep"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "time"
+        ):
+            arg = node.args[0] if len(node.args) == 1 and not node.keywords else None
+            ok = isinstance(arg, ast.Constant) and isinstance(arg.value, int | float)
+            seconds = float(arg.value) if ok else float("nan")
+            found[seconds] = found.get(seconds, 0) + 1
+    return found
+
+
+def check_flower(version: str, module: ModuleType) -> None:
+    """Refuse (``SystemExit``) unless ``module`` is Flower 1.41's SuperNode loop with
+    exactly the waits this command shortens."""
+    if not version.startswith(FLOWER_SERIES):
+        raise SystemExit(
+            f"lab.supernode: written for Flower {FLOWER_SERIES}x's SuperNode loop, this is "
+            f"Flower {version}; run flower-supernode instead"
+        )
+    waits = sleeps(inspect.getsource(module))
+    if waits != FLOWER_WAITS:
+        raise SystemExit(
+            f"lab.supernode: {module.__name__} waits {waits} (seconds: calls), not "
+            f"{FLOWER_WAITS}; run flower-supernode instead"
+        )
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our two options; the rest is ``flower-supernode``'s, passed on unchanged."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lab.supernode",
+        description="flower-supernode with a shorter wait between pulls from the "
+        "SuperLink (Flower 1.41 waits 3 s). Every other option is flower-supernode's "
+        "(flower-supernode --help).",
+        allow_abbrev=False,  # a prefix of one of flower-supernode's options is theirs
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=DEFAULT_POLL_INTERVAL,
+        help="seconds after a pull that brought no message (Flower: 3; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--reply-poll-interval",
+        type=float,
+        default=DEFAULT_REPLY_POLL_INTERVAL,
+        help="seconds between two looks for the ClientApp's reply (Flower: 0.5; "
+        "default: %(default)s)",
+    )
+    args, rest = parser.parse_known_args(argv)
+    if not 0.05 <= args.poll_interval <= 60:
+        parser.error(f"--poll-interval = {args.poll_interval} must be in [0.05, 60] seconds")
+    if not 0.01 <= args.reply_poll_interval <= 5:
+        parser.error(
+            f"--reply-poll-interval = {args.reply_poll_interval} must be in [0.01, 5] seconds"
+        )
+    return args, rest
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    # Imported here: `--help` and a bad option answer without importing Flower.
+    import flwr.supernode.start_client_internal as loop
+    from flwr.common.logger import log
+    from flwr.supercore.version import package_version
+    from flwr.supernode.cli import flower_supernode
+
+    check_flower(package_version, loop)
+    loop.time = PollClock(args.poll_interval, args.reply_poll_interval)
+    log(
+        INFO,
+        "lab.supernode: pulling again %.2f s after a pull that brought no message "
+        "(Flower: %g s), looking for replies every %.2f s (Flower: %g s)",
+        args.poll_interval, PULL_WAIT, args.reply_poll_interval, REPLY_WAIT,
+    )  # fmt: skip
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
