@@ -35,7 +35,10 @@ PLANET_STYLES = {"moon": ":", "earth": "-", "mars": "--"}
 PLANET_MARKERS = {"moon": "o", "earth": "s", "mars": "^"}
 TIME_CMAP = "viridis_r"  # weight snapshots: darker = later (seed 000)
 # Run-config keys that must agree for "same env steps per client" (see compare_to_single_agent).
-COMPARABLE_KEYS = ("num-server-rounds", "ppo.local-steps", "fraction-train")
+COMPARABLE_KEYS = (
+    "num-server-rounds", "ppo.local-steps", "ppo.local-steps-moon", "ppo.local-steps-earth",
+    "ppo.local-steps-mars", "fraction-train",
+)  # fmt: skip
 SINGLE_AGENT_STRATEGY = "local"
 EPOCH_LABEL = "local epochs (client env steps / rollout size)"
 REWARD_LABEL = f"episode reward (rolling mean of {WINDOW})"

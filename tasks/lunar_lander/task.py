@@ -11,6 +11,7 @@ supported (client-level mechanisms, e.g. ``privacy='laplace'``, are).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -30,6 +31,7 @@ from tasks.base import (
     resolve_device,
 )
 from tasks.lunar_lander.clients import (
+    PLANETS,
     TURBULENCE_POWER_RANGE,
     WIND_POWER_RANGE,
     ClientEnv,
@@ -67,6 +69,13 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.local-steps", 50000,
            "Env steps per client per round (whole rollouts: rounded up to n-steps x n-envs).",
            low=1),
+    *(
+        Option(f"ppo.local-steps-{planet}", 0,
+               f"Env steps per round of each {planet} client (its base and derived ones; "
+               "whole rollouts); 0: ppo.local-steps. Shifts the budget between planets.",
+               low=0)
+        for planet in PLANETS
+    ),
     Option("ppo.n-envs", 4, "Parallel copies of the client's environment.", low=1),
     Option("ppo.vec-env", "dummy", "Vectorisation: `dummy` (one process) or `subproc`.",
            choices=tuple(VEC_ENVS)),
@@ -183,6 +192,11 @@ class LunarLanderTask(Task):
             num_rounds=int(NUM_SERVER_ROUNDS.parse(
                 run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
         )  # fmt: skip
+        # Each planet's clients' steps per round (ppo.local-steps-<planet>, 0: the default)
+        self.planet_steps = {
+            planet: int(opts[f"ppo.local-steps-{planet}"]) or self.config.local_steps
+            for planet in PLANETS
+        }
         self.observe_gravity = bool(opts["ppo.observe-gravity"])
         self.net_width = int(opts["ppo.net-width"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
@@ -235,7 +249,8 @@ class LunarLanderTask(Task):
     def train(
         self, model: torch.nn.Module, partition: ClientEnv, local: LocalTraining
     ) -> dict[str, float]:
-        """``ppo.local-steps`` env steps of PPO on the client's environment, in place.
+        """``ppo.local-steps`` env steps of PPO on the client's environment, in place
+        (``ppo.local-steps-<planet>`` where that is set for the client's planet).
 
         PPO and the environments are fresh every round; the received weights are the
         FedProx anchor. Adam starts from zero moments, or with ``ppo.keep-optimizer``
@@ -256,8 +271,9 @@ class LunarLanderTask(Task):
         start_step = int(local.state.get(TIMESTEPS_KEY, 0))
         architecture = parameter_shapes(model)
         kept = local.state.get(OPTIMIZER_PARAMS_KEY) == architecture
+        config = dataclasses.replace(self.config, local_steps=self.planet_steps[partition.planet])
         result = train_ppo(
-            model, partition, self.config, seed=local.seed,
+            model, partition, config, seed=local.seed,
             proximal_mu=local.proximal_mu, start_step=start_step,
             optimizer_state=local.state_tensors if kept else None,
             server_round=local.server_round,

@@ -440,6 +440,30 @@ def test_train_runs_whole_rollouts():
     assert state == {"ppo-timesteps": 1256}
 
 
+def test_a_planets_own_local_steps_apply_to_its_clients_only():
+    # Prepare: the moon's clients take 3 rollouts of 128 (384 steps), earth's the
+    # default 256, mars' 128; table: moon-00, earth-00, mars-00, then 1 derived each
+    task = LunarLanderTask({**TINY, "ppo.local-steps-moon": 384, "ppo.local-steps-mars": 100})
+    steps = {}
+    for client in task.clients:
+        model, state = task.build_model(0), {}
+
+        # Execute
+        metrics = task.train(model, client, LocalTraining(1, seed=0, state=state))
+        steps[client.label] = (metrics[NUM_EXAMPLES], state["ppo-timesteps"])
+
+    # Assert: derived clients follow their planet; mars' 100 rounds up to one rollout
+    assert steps == {
+        "moon-00": (384, 384), "earth-00": (256, 256), "mars-00": (128, 128),
+        "moon-01": (384, 384), "earth-01": (256, 256), "mars-01": (128, 128),
+    }  # fmt: skip
+
+
+def test_a_negative_planet_local_steps_is_refused():
+    with pytest.raises(ConfigError, match=r"ppo\.local-steps-earth"):
+        LunarLanderTask({**TINY, "ppo.local-steps-earth": -1})
+
+
 def test_proximal_term_pulls_local_training_towards_the_global_policy(task, earth):
     # Prepare
     start = flatten_state_dict(task.build_model(0).state_dict())
