@@ -1,11 +1,11 @@
-"""Deployed digits rounds on loopback, three ways of running the ClientApps (issue 26).
+"""Deployed digits rounds on loopback, four ways of running SuperNodes and ClientApps (issue 26).
 
     python bench/deployed.py --rounds 4 --subprocess-rounds 2
 
 One SuperLink and 3 SuperNodes on 127.0.0.1, with TLS and SuperNode authentication as
 docs/deploy.md sets them up. It uses the harness of ``tests/e2e/test_deployment.py``
 (:class:`Deployment`): certificates and keys from :mod:`lab.deploy`, and the guide's own
-blocks to start the SuperLink and register the keys. One digits run is then made three
+blocks to start the SuperLink and register the keys. One digits run is then made four
 ways, on the same SuperLink:
 
 - ``subprocess``: ``flower-supernode`` with its default ``--isolation subprocess``.
