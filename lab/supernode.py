@@ -68,10 +68,10 @@ class PollClock:
         return getattr(time, name)
 
 
-def sleeps(source: str) -> dict[float, int]:
+def sleeps(source: str) -> dict[float | None, int]:
     """The constant arguments of the ``time.sleep(...)`` calls in ``source``, counted;
-    a call whose argument is not a number literal counts under ``nan``."""
-    found: dict[float, int] = {}
+    calls whose argument is not a number literal count under ``None``."""
+    found: dict[float | None, int] = {}
     for node in ast.walk(ast.parse(source)):
         if (
             isinstance(node, ast.Call)
@@ -82,7 +82,7 @@ def sleeps(source: str) -> dict[float, int]:
         ):
             arg = node.args[0] if len(node.args) == 1 and not node.keywords else None
             ok = isinstance(arg, ast.Constant) and isinstance(arg.value, int | float)
-            seconds = float(arg.value) if ok else float("nan")
+            seconds = float(arg.value) if ok else None
             found[seconds] = found.get(seconds, 0) + 1
     return found
 
