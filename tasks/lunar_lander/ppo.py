@@ -33,7 +33,8 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecEnvWrapper
+from stable_baselines3.common.vec_env.base_vec_env import VecEnvObs, VecEnvStepReturn
 
 from tasks.lunar_lander.clients import ENV_ID, PLANETS, ClientEnv, GravityObservation, make_env
 from tasks.proximal import snapshot_parameters
@@ -84,6 +85,8 @@ class PPOConfig:
     """``ppo.lr-schedule``: ``constant``, or ``linear`` (to 0 over the run's rounds)."""
     num_rounds: int = 1
     """``num-server-rounds``: the run's length, which ``linear`` decays over."""
+    reward_scale: float = 1.0
+    """``ppo.reward-scale``: PPO learns from the rewards times this (logs stay raw)."""
 
     @property
     def rollout_size(self) -> int:
@@ -320,6 +323,36 @@ def load_optimizer_tensors(
     return True
 
 
+class ScaledReward(VecEnvWrapper):
+    """PPO learns from the rewards times ``scale``; the episodes' returns that the
+    ``Monitor`` inside each env copy reports (``info["episode"]``) stay raw.
+
+    Why a fixed scale: LunarLander's returns reach hundreds, so SB3's value loss is
+    large and its gradient dwarfs the policy's (a norm of 100-650 against 0.3-0.5 in
+    the first 65 k steps on the Moon at gamma 0.999). ``max_grad_norm`` clips their
+    joint norm, so the policy's part of every step shrinks with the value error, by a
+    factor that varies from minibatch to minibatch (Adam undoes a constant factor, not
+    a varying one). Advantages are normalised per minibatch, so the
+    policy loss does not depend on the scale; the value loss does, by its square.
+    SB3's ``VecNormalize(norm_reward=True)`` divides by a running estimate instead, which
+    differs between clients (the Moon's returns are not the Earth's) and would put each
+    client's value network on its own scale before the server averages them; one
+    fixed scale keeps every client's value network in the same units. SB3 ships no
+    fixed-scale wrapper, hence these few lines.
+    """
+
+    def __init__(self, venv: VecEnv, scale: float) -> None:
+        super().__init__(venv)
+        self.scale = float(scale)
+
+    def reset(self) -> VecEnvObs:
+        return self.venv.reset()
+
+    def step_wait(self) -> VecEnvStepReturn:
+        obs, rewards, dones, infos = self.venv.step_wait()
+        return obs, rewards * self.scale, dones, infos
+
+
 @dataclass
 class LocalPPOResult:
     """What one round of local PPO produced (the policy itself is updated in place)."""
@@ -367,11 +400,14 @@ def train_ppo(
     Its Adam optimizer starts from zero moments, or, with ``cfg.keep_optimizer`` and a
     fitting ``optimizer_state`` (the client's own from its previous round), from that
     state. Optimizer state is never federated. The learning rate is
-    ``cfg.learning_rate_at(server_round)``.
+    ``cfg.learning_rate_at(server_round)``. PPO learns from the rewards times
+    ``cfg.reward_scale`` (:class:`ScaledReward`); the logged episodes stay raw.
     The environments are closed whatever happens; global RNGs are restored on return.
     """
     env_fn = partial(make_env, client, observe_gravity=observes_gravity(policy))
     vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
+    if cfg.reward_scale != 1.0:
+        vec_env = ScaledReward(vec_env, cfg.reward_scale)
     try:
         with preserved_global_rngs(cuda=cfg.device == "cuda"):
             kwargs = cfg.ppo_kwargs(server_round)

@@ -90,6 +90,9 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.vf-coef", 0.5, "Value loss coefficient.", low=0.0),
     Option("ppo.max-grad-norm", 0.5, "Gradient norm clip of each PPO update.",
            low=0.0, low_open=True),
+    Option("ppo.reward-scale", 1.0,
+           "PPO learns from the rewards times this (value targets shrink with it; "
+           "logged and evaluated rewards stay raw).", low=0.0, low_open=True),
     Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
            low=1),
     Option("ppo.eval-episodes", 20,
@@ -189,6 +192,7 @@ class LunarLanderTask(Task):
             device=resolve_device(str(opts["ppo.device"]), "ppo.device"),
             keep_optimizer=bool(opts["ppo.keep-optimizer"]),
             lr_schedule=str(opts["ppo.lr-schedule"]),
+            reward_scale=float(opts["ppo.reward-scale"]),
             num_rounds=int(NUM_SERVER_ROUNDS.parse(
                 run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
         )  # fmt: skip

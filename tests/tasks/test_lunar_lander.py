@@ -9,6 +9,8 @@ epoch): well under a second per round on one CPU thread.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+from functools import partial
 
 import gymnasium as gym
 import numpy as np
@@ -16,12 +18,14 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 from stable_baselines3 import PPO
+from stable_baselines3.common.env_util import make_vec_env
 
 from tasks.base import DPSGD, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.lunar_lander import ClientEnv, LunarLanderTask, client_from_node_config, client_table
 from tasks.lunar_lander.clients import PLANETS, make_env
 from tasks.lunar_lander.logs import ClientRoundLog, load_episodes, load_snapshots
 from tasks.lunar_lander.ppo import (
+    ScaledReward,
     build_policy,
     evaluate_episodes,
     flatten_state_dict,
@@ -30,6 +34,7 @@ from tasks.lunar_lander.ppo import (
     observes_gravity,
     optimizer_tensors,
     proximal_gradient_hooks,
+    train_ppo,
     unflatten_state_dict,
 )
 from tasks.lunar_lander.task import OPTIMIZER_PARAMS_KEY, episode_stats
@@ -799,6 +804,61 @@ def test_linear_schedule_refuses_a_round_past_num_server_rounds(earth):
     task = LunarLanderTask(TINY | {"ppo.lr-schedule": "linear", "num-server-rounds": 2})
     with pytest.raises(ValueError, match=r"ppo\.lr-schedule='linear' decays over num-server"):
         task.train(task.build_model(0), earth, LocalTraining(3, seed=5))
+
+
+# ---------------------------------------------------------------- reward scale
+
+
+def test_scaled_reward_scales_what_ppo_sees_and_leaves_the_episode_returns_raw(earth):
+    # Prepare: two identically seeded vectorised copies of earth-00, one scaled by 1/4
+    raw_env = make_vec_env(partial(make_env, earth), n_envs=2, seed=11)
+    scaled_env = ScaledReward(make_vec_env(partial(make_env, earth), n_envs=2, seed=11), 0.25)
+    raw_env.reset(), scaled_env.reset()
+    running, logged, sums = np.zeros(2), [], []
+
+    # Execute: 300 no-op steps (a lander that never fires lands or crashes within ~100)
+    try:
+        for _ in range(300):
+            noop = np.zeros(2, dtype=np.int64)
+            _, raw, done, raw_infos = raw_env.step(noop)
+            _, scaled, _, scaled_infos = scaled_env.step(noop)
+            # Assert: PPO sees exactly a quarter of every reward (0.25 is exact in binary)
+            np.testing.assert_array_equal(scaled, raw * 0.25)
+            running += raw
+            for i in np.flatnonzero(done):
+                logged.append((raw_infos[i]["episode"]["r"], scaled_infos[i]["episode"]["r"]))
+                sums.append(running[i])
+                running[i] = 0.0
+    finally:
+        raw_env.close(), scaled_env.close()
+
+    # Assert: the Monitor inside each copy logs the raw return, the same in both
+    assert len(logged) >= 4
+    for (raw_return, scaled_return), total in zip(logged, sums, strict=True):
+        assert scaled_return == raw_return == pytest.approx(total, abs=1e-5)
+
+
+def test_reward_scale_shrinks_the_value_loss_and_logs_raw_episode_returns(task, earth):
+    # Prepare: the same seed and start, one run learning from rewards x 0.01; rollouts
+    # of 2 x 128 steps, long enough for episodes on Earth to end in the first one
+    raw = replace(task.config, n_steps=128)
+    scaled = replace(raw, reward_scale=0.01)
+
+    # Execute: one rollout (256 local steps), one update
+    runs = [train_ppo(build_policy(0), earth, cfg, seed=5) for cfg in (raw, scaled)]
+
+    # Assert: the rollout acts with the same (initial) policy in both, so its
+    # episodes are the same and logged raw; value loss falls by far more than 100x
+    assert runs[0].log.episode_rewards
+    assert runs[0].log.episode_rewards == runs[1].log.episode_rewards
+    value_losses = [run.train_values["train/value_loss"] for run in runs]
+    assert value_losses[1] < value_losses[0] / 100
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+def test_reward_scale_must_be_positive_and_finite(scale):
+    with pytest.raises(ConfigError, match=r"ppo\.reward-scale"):
+        LunarLanderTask(TINY | {"ppo.reward-scale": scale})
 
 
 # ---------------------------------------------------------------- options
