@@ -38,7 +38,7 @@ VARIANTS = {
     "lands": "strategy='fedavg' ppo.keep-optimizer=true ppo.observe-gravity=true "
     "ppo.lr-schedule='linear' server.optimizer='momentum' "
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
-    "ppo.ent-coef=0.01 ppo.eval-episodes=3",
+    "ppo.ent-coef=0.01 ppo.reward-scale=0.01 ppo.eval-episodes=3",
 }
 
 
@@ -120,6 +120,10 @@ def test_kept_adam_state_and_seeded_evaluation_with_standard_errors(lunar_runs):
     # 3e-4 x (1 - r / 2), the same for every client of the round
     rates = metrics[metrics["scope"] == "train"].set_index("round")["train-learning-rate"]
     assert rates.to_dict() == pytest.approx({1: 1.5e-4, 2: 0.0}, abs=1e-12)
+    # PPO learnt from rewards x 0.01; the clients report their episodes' raw returns
+    # (an untrained lander's are below -20; scaled they would lie within a few points)
+    returns = metrics[metrics["scope"] == "train"]["train-reward"].dropna()
+    assert len(returns) and (returns < -20).all()
     central = metrics[metrics["scope"] == "central-eval"].set_index("round")
     for planet in PLANETS:  # 3 episodes per planet: a standard error each round
         assert (central[f"eval-reward-se-{planet}"] > 0).all()
