@@ -18,22 +18,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import stable_baselines3.ppo.ppo as sb3_ppo
 import torch
 from stable_baselines3 import PPO
-from stable_baselines3.common.env_util import make_vec_env
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lab import study  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
-from tasks.lunar_lander.clients import PLANETS, make_env  # noqa: E402
-from tasks.lunar_lander.ppo import POLICY, ScaledReward  # noqa: E402
+from tasks.lunar_lander.clients import PLANETS  # noqa: E402
+from tasks.lunar_lander.ppo import POLICY, training_env  # noqa: E402
 
 CHUNK = 16_384
 
@@ -47,17 +46,11 @@ def gradient_norms(
     clip shortened (``clipped``), the update count and the mean raw training return."""
     task = LunarLanderTask({**config, "seed": seed})
     client = task.clients[list(PLANETS).index(planet)]  # base clients come first
-    env = make_vec_env(
-        partial(make_env, client, observe_gravity=task.observe_gravity),
-        n_envs=task.config.n_envs, seed=seed,
-    )  # fmt: skip
-    if scale != 1.0:
-        env = ScaledReward(env, scale)
-    width = task.net_width
+    cfg = replace(task.config, reward_scale=scale)
+    env = training_env(client, cfg, seed=seed, observe_gravity=task.observe_gravity)
     ppo = PPO(
         POLICY, env, seed=seed, device="cpu", verbose=0,
-        policy_kwargs={"net_arch": {"pi": [width, width], "vf": [width, width]}},
-        **task.config.ppo_kwargs(),
+        policy_kwargs={"net_arch": task.build_model(seed).net_arch}, **cfg.ppo_kwargs(),
     )  # fmt: skip
     named = list(ppo.policy.named_parameters())
     # mlp_extractor.value_net.* and value_net.* belong to the value network
@@ -86,9 +79,7 @@ def gradient_norms(
                 "env-steps": done,
                 "policy": float(np.median(both[:, 0])),
                 "value": float(np.median(both[:, 1])),
-                "clipped": float(
-                    np.mean(np.hypot(both[:, 0], both[:, 1]) > task.config.max_grad_norm)
-                ),
+                "clipped": float(np.mean(np.hypot(both[:, 0], both[:, 1]) > cfg.max_grad_norm)),
                 "updates": len(both),
                 "training-return": float(np.mean(returns)) if returns else float("nan"),
             }

@@ -353,6 +353,15 @@ class ScaledReward(VecEnvWrapper):
         return obs, rewards * self.scale, dones, infos
 
 
+def training_env(client: ClientEnv, cfg: PPOConfig, *, seed: int, observe_gravity: bool) -> VecEnv:
+    """The environments local PPO trains on: ``cfg.n_envs`` copies of ``client``'s
+    (copy ``i`` seeded ``seed + i``, each inside its own ``Monitor``), observing gravity
+    if ``observe_gravity``, their rewards times ``cfg.reward_scale`` (:class:`ScaledReward`)."""
+    env_fn = partial(make_env, client, observe_gravity=observe_gravity)
+    vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
+    return ScaledReward(vec_env, cfg.reward_scale) if cfg.reward_scale != 1.0 else vec_env
+
+
 @dataclass
 class LocalPPOResult:
     """What one round of local PPO produced (the policy itself is updated in place)."""
@@ -404,10 +413,7 @@ def train_ppo(
     ``cfg.reward_scale`` (:class:`ScaledReward`); the logged episodes stay raw.
     The environments are closed whatever happens; global RNGs are restored on return.
     """
-    env_fn = partial(make_env, client, observe_gravity=observes_gravity(policy))
-    vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
-    if cfg.reward_scale != 1.0:
-        vec_env = ScaledReward(vec_env, cfg.reward_scale)
+    vec_env = training_env(client, cfg, seed=seed, observe_gravity=observes_gravity(policy))
     try:
         with preserved_global_rngs(cuda=cfg.device == "cuda"):
             kwargs = cfg.ppo_kwargs(server_round)
