@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from lab import study  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
 from tasks.lunar_lander.clients import PLANETS  # noqa: E402
-from tasks.lunar_lander.ppo import POLICY, training_env  # noqa: E402
+from tasks.lunar_lander.ppo import POLICY, silent_logger, training_env  # noqa: E402
 
 CHUNK = 16_384
 
@@ -52,6 +52,7 @@ def gradient_norms(
         POLICY, env, seed=seed, device="cpu", verbose=0,
         policy_kwargs={"net_arch": task.build_model(seed).net_arch}, **cfg.ppo_kwargs(),
     )  # fmt: skip
+    ppo.set_logger(silent_logger())
     named = list(ppo.policy.named_parameters())
     # mlp_extractor.value_net.* and value_net.* belong to the value network
     is_value = [("value_net" in name) for name, _ in named]

@@ -51,6 +51,7 @@ from lab import study
 from lab.launcher import LocalSimulation
 from tasks.lunar_lander import LunarLanderTask
 from tasks.lunar_lander.clients import client_table, make_env
+from tasks.lunar_lander.ppo import silent_logger
 
 # Keys of a preset that describe the federation or the evaluation, not local PPO.
 NOT_PPO = ("ppo.local-steps", "ppo.derived-per-base", "ppo.eval-episodes", "ppo.n-envs")
@@ -80,6 +81,7 @@ def standalone_steps_per_second(
     env = make_vec_env(partial(make_env, moon, observe_gravity=observe), n_envs=n_envs, seed=seed)
     kwargs = LunarLanderTask({**ppo, "ppo.n-envs": n_envs}).config.ppo_kwargs() if ppo else {}
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
+    model.set_logger(silent_logger())  # as the clients: no log folder, nothing printed
     started = time.perf_counter()
     model.learn(total_timesteps=total_steps)
     seconds = time.perf_counter() - started

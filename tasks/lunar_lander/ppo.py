@@ -353,6 +353,15 @@ class ScaledReward(VecEnvWrapper):
         return obs, rewards * self.scale, dones, infos
 
 
+def silent_logger() -> Logger:
+    """A logger for SB3's ``PPO.set_logger`` that prints and writes nothing.
+
+    Without one, every ``learn()`` call configures SB3's default logger, which makes a
+    new empty ``SB3-<timestamp>`` folder under the system temp directory.
+    """
+    return Logger(folder=None, output_formats=[])
+
+
 def training_env(client: ClientEnv, cfg: PPOConfig, *, seed: int, observe_gravity: bool) -> VecEnv:
     """The environments local PPO trains on: ``cfg.n_envs`` copies of ``client``'s
     (copy ``i`` seeded ``seed + i``, each inside its own ``Monitor``), observing gravity
@@ -423,7 +432,7 @@ def train_ppo(
             )  # fmt: skip
             # No output formats: nothing printed; the last update's values stay in
             # name_to_value because SB3 dumps the logs before each update, not after.
-            ppo.set_logger(Logger(folder=None, output_formats=[]))
+            ppo.set_logger(silent_logger())
             ppo.policy.load_state_dict(policy.state_dict(), strict=True)
             if cfg.keep_optimizer and optimizer_state:
                 load_optimizer_tensors(ppo.policy.optimizer, optimizer_state)

@@ -3,6 +3,8 @@ networks, per minibatch update, at a reward scale."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -13,7 +15,13 @@ from tests.tasks import test_lunar_lander as lunar
 TINY = lunar.TINY | {"task": "lunar-lander", "ppo.derived-per-base": 0}
 
 
-def test_a_smaller_reward_scale_shrinks_the_value_gradient_not_the_policy_gradient():
+def test_a_smaller_reward_scale_shrinks_the_value_gradient_not_the_policy_gradient(
+    tmp_path, monkeypatch
+):
+    # Prepare: SB3's default logger would make a folder per learn() call in here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("SB3_LOGDIR", raising=False)
+
     # Execute: the same seed and start at scales 1 and 1/100, two chunks of 256 steps
     runs = {
         scale: list(ppo_gradients.gradient_norms(TINY, "earth", scale, 512, seed=3, chunk=256))
@@ -31,5 +39,6 @@ def test_a_smaller_reward_scale_shrinks_the_value_gradient_not_the_policy_gradie
     assert first[0.01]["value"] < first[1.0]["value"] / 20
     assert first[0.01]["policy"] == pytest.approx(first[1.0]["policy"], rel=0.5)
     assert first[1.0]["clipped"] == 1.0  # at scale 1 the value gradient exceeds 0.5
+    assert list(tmp_path.glob("SB3-*")) == []  # no SB3 log folder left behind
     # the clip is SB3's own again afterwards
     assert ppo_gradients.sb3_ppo.th.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad_norm_

@@ -9,6 +9,7 @@ epoch): well under a second per round on one CPU thread.
 from __future__ import annotations
 
 import random
+import tempfile
 from dataclasses import replace
 from functools import partial
 
@@ -399,6 +400,19 @@ def test_train_writes_episode_and_weight_logs(two_rounds, earth):
         low, high = 256 * (server_round - 1), 256 * server_round
         assert rows["end_step"].between(low + 1, high).all()
         assert (rows["length"] >= 1).all()
+
+
+def test_train_leaves_no_sb3_log_folder(task, earth, tmp_path, monkeypatch):
+    # Prepare: SB3's default logger would make a folder per learn() call in here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("SB3_LOGDIR", raising=False)
+    local = LocalTraining(server_round=1, seed=7, state={}, partition_id=1)
+
+    # Execute
+    task.train(task.build_model(0), earth, local)
+
+    # Assert
+    assert list(tmp_path.glob("SB3-*")) == []
 
 
 def test_train_is_reproducible_and_keeps_the_global_rngs(task, earth):
