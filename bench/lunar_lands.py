@@ -4,7 +4,7 @@ Runs presets x seeds through :mod:`lab.comparison`, then reads every run the sam
 
 * **Per round, per planet**: the mean evaluation reward of the model the planet's base
   client (``moon-00``, ``earth-00``, ``mars-00``) would use, over the run's
-  ``ppo.eval-episodes`` deterministic episodes, seeded per episode
+  ``ppo.eval-episodes`` episodes (acting as ``ppo.eval-policy`` says), seeded per episode
   (:meth:`~tasks.lunar_lander.LunarLanderTask.eval_seeds`, the same episodes in every
   round and every run of one seed):
 
@@ -164,7 +164,10 @@ def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
             if len(trained):  # the policy it kept: the round's last snapshot
                 last = trained.index[int(trained["step"].to_numpy().argmax())]
                 model.load_state_dict(unflatten_state_dict(weights[last], reference))
-                stats_ = episode_stats(*evaluate_episodes(model, client, task.eval_seeds(index)))
+                played = evaluate_episodes(
+                    model, client, task.eval_seeds(index), stochastic=task.eval_stochastic
+                )
+                stats_ = episode_stats(*played)
                 latest = {"reward": stats_[EVAL_REWARD], "se": stats_[EVAL_REWARD_SE]}
             if latest is not None:
                 rows.append({"round": server_round, "planet": client.planet, **latest})

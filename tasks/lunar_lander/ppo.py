@@ -13,7 +13,8 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 * :func:`proximal_gradient_hooks`: the FedProx term (Li et al., 2020) inside SB3's
   own update.
 * :class:`WeightStorageCallback`: seed 000's callback (episodes and weight snapshots).
-* :func:`evaluate_episodes`: deterministic evaluation episodes, one seed each.
+* :func:`evaluate_episodes`: evaluation episodes (deterministic or sampled actions),
+  one seed each.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tasks.proximal import snapshot_parameters
 POLICY = "MlpPolicy"
 VEC_ENVS = {"dummy": DummyVecEnv, "subproc": SubprocVecEnv}
 LR_SCHEDULES = ("constant", "linear")
+EVAL_POLICIES = ("deterministic", "stochastic")
 DEFAULT_NET_WIDTH = 64  # SB3's MlpPolicy for PPO: two hidden layers of 64, policy and value
 
 
@@ -454,11 +456,34 @@ def train_ppo(
     )  # fmt: skip
 
 
+def sample_actions(
+    policy: ActorCriticPolicy, obs: np.ndarray, generators: Sequence[np.random.Generator]
+) -> np.ndarray:
+    """One action per row of ``obs``, drawn from ``policy``'s categorical action
+    distribution with that row's generator (inverse CDF of one uniform draw each)."""
+    with torch.no_grad():
+        tensor, _ = policy.obs_to_tensor(obs)
+        probs = policy.get_distribution(tensor).distribution.probs.cpu().numpy()
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    draws = np.array([g.random() for g in generators]) * cdf[:, -1]
+    return np.minimum((cdf <= draws[:, None]).sum(axis=1), probs.shape[1] - 1)
+
+
 def evaluate_episodes(
-    policy: ActorCriticPolicy, client: ClientEnv, seeds: Sequence[int]
+    policy: ActorCriticPolicy,
+    client: ClientEnv,
+    seeds: Sequence[int],
+    *,
+    stochastic: bool = False,
 ) -> tuple[list[float], list[int]]:
-    """Returns and lengths of one deterministic episode of ``policy`` per seed in
-    ``seeds``, on ``client``'s environment.
+    """Returns and lengths of one episode of ``policy`` per seed in ``seeds``, on
+    ``client``'s environment.
+
+    Actions are the policy's most likely ones (``stochastic=False``, SB3's
+    ``deterministic=True``), or sampled from its action distribution, the policy PPO
+    trains and plays in its rollouts (``stochastic=True``). Sampled actions come from
+    a generator per episode seeded by ``(seeds[k], 1)``, not from torch's global
+    generator, so they too are reproducible.
 
     Episode ``k`` starts from ``reset(seed=seeds[k])``: its terrain, initial push and
     wind, and every random draw of its engines, follow from that seed and the
@@ -483,9 +508,13 @@ def evaluate_episodes(
         returns = np.zeros(len(envs))
         lengths = np.zeros(len(envs), dtype=np.int64)
         running = np.ones(len(envs), dtype=bool)
+        samplers = [np.random.default_rng([int(seed), 1]) for seed in seeds]
         while running.any():
             playing = np.flatnonzero(running)
-            actions, _ = policy.predict(obs[playing], deterministic=True)
+            if stochastic:
+                actions = sample_actions(policy, obs[playing], [samplers[i] for i in playing])
+            else:
+                actions, _ = policy.predict(obs[playing], deterministic=True)
             for index, action in zip(playing, actions, strict=True):
                 obs[index], reward, terminated, truncated, _ = envs[index].step(int(action))
                 returns[index] += float(reward)

@@ -41,6 +41,7 @@ from tasks.lunar_lander.clients import (
 from tasks.lunar_lander.logs import ClientRoundLog
 from tasks.lunar_lander.ppo import (
     DEFAULT_NET_WIDTH,
+    EVAL_POLICIES,
     LR_SCHEDULES,
     VEC_ENVS,
     LocalPPOResult,
@@ -96,8 +97,12 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
            low=1),
     Option("ppo.eval-episodes", 20,
-           "Deterministic evaluation episodes per environment (the same seeded episodes "
-           "every round; standard error needs 2 or more).", low=1),
+           "Evaluation episodes per environment (the same seeded episodes every round; "
+           "standard error needs 2 or more).", low=1),
+    Option("ppo.eval-policy", "deterministic",
+           "How evaluation episodes act: `deterministic` (the most likely action, SB3's "
+           "evaluate_policy default) or `stochastic` (actions sampled from the policy, "
+           "as PPO trains it; seeded per episode).", choices=EVAL_POLICIES),
     Option("ppo.derived-per-base", 10,
            "Derived clients per planet (random wind); the run has 3 + 3 x this many clients.",
            low=0),
@@ -204,6 +209,7 @@ class LunarLanderTask(Task):
         self.observe_gravity = bool(opts["ppo.observe-gravity"])
         self.net_width = int(opts["ppo.net-width"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
+        self.eval_stochastic = opts["ppo.eval-policy"] == "stochastic"
         self.clients = client_table(
             self.seed,
             derived_per_base=int(opts["ppo.derived-per-base"]),
@@ -336,7 +342,8 @@ class LunarLanderTask(Task):
     def evaluate(
         self, model: torch.nn.Module, data: ClientEnv | Sequence[ClientEnv]
     ) -> dict[str, float]:
-        """``ppo.eval-episodes`` deterministic episodes per environment.
+        """``ppo.eval-episodes`` episodes per environment, acting as ``ppo.eval-policy``
+        says (most likely or sampled actions).
 
         ``data`` is a client's environment (federated evaluation) or several
         (central evaluation: the metrics over all episodes plus, per planet,
@@ -369,4 +376,6 @@ class LunarLanderTask(Task):
     def _episodes(
         self, model: torch.nn.Module, env: ClientEnv, index: int
     ) -> tuple[list[float], list[int]]:
-        return evaluate_episodes(model, env, self.eval_seeds(index))
+        return evaluate_episodes(
+            model, env, self.eval_seeds(index), stochastic=self.eval_stochastic
+        )

@@ -35,6 +35,7 @@ from tasks.lunar_lander.ppo import (
     observes_gravity,
     optimizer_tensors,
     proximal_gradient_hooks,
+    sample_actions,
     train_ppo,
     unflatten_state_dict,
 )
@@ -554,6 +555,63 @@ def test_seeded_episodes_are_the_same_when_evaluated_twice(task, earth):
     assert alone == ([rewards[2]], [lengths[2]])
 
 
+def test_stochastic_episodes_are_seeded_and_leave_the_global_rng_alone(task, earth):
+    # Prepare: an untrained policy, near uniform over the 4 actions
+    model = task.build_model(0)
+    seeds = [11, 12, 13, 11]
+    torch.manual_seed(5)
+    expected_draw = torch.rand(1)
+    torch.manual_seed(5)
+
+    # Execute
+    first = evaluate_episodes(model, earth, seeds, stochastic=True)
+    second = evaluate_episodes(model, earth, seeds, stochastic=True)
+    greedy = evaluate_episodes(model, earth, seeds)
+
+    # Assert: the sampled actions follow from each episode's seed alone ...
+    assert first == second
+    rewards, lengths = first
+    assert rewards[0] == rewards[3] and lengths[0] == lengths[3]
+    assert evaluate_episodes(model, earth, [13], stochastic=True) == ([rewards[2]], [lengths[2]])
+    # ... they are not the most likely actions, and torch's generator was not drawn from
+    assert rewards[:3] != greedy[0][:3]
+    assert torch.equal(torch.rand(1), expected_draw)
+
+
+def test_sampled_actions_follow_the_policys_action_probabilities(task):
+    # Prepare: one observation, its action probabilities, 20 000 seeded draws
+    model = task.build_model(3)
+    obs = np.array([[0.1, 0.8, -0.2, -0.5, 0.05, 0.0, 0.0, 0.0]], dtype=np.float32)
+    with torch.no_grad():
+        probs = model.get_distribution(model.obs_to_tensor(obs)[0]).distribution.probs[0].numpy()
+    draws = 20_000
+    generators = [np.random.default_rng([7, k]) for k in range(draws)]
+
+    # Execute
+    actions = sample_actions(model, np.repeat(obs, draws, axis=0), generators)
+
+    # Assert: every action's frequency within 4 binomial standard errors of its probability
+    counts = np.bincount(actions, minlength=4) / draws
+    assert actions.shape == (draws,) and set(np.unique(actions)) <= {0, 1, 2, 3}
+    np.testing.assert_allclose(counts, probs, atol=4 * np.sqrt(0.25 / draws))
+
+
+def test_eval_policy_stochastic_evaluates_sampled_episodes(earth):
+    # Prepare
+    greedy = LunarLanderTask(TINY | {"ppo.eval-episodes": 3})
+    sampled = LunarLanderTask(TINY | {"ppo.eval-episodes": 3, "ppo.eval-policy": "stochastic"})
+    model = greedy.build_model(0)
+    seeds = greedy.eval_seeds(greedy.clients.index(earth))
+
+    # Execute
+    metrics = sampled.evaluate(model, earth)
+
+    # Assert: the task plays the seeded episodes with sampled actions
+    rewards, lengths = evaluate_episodes(model, earth, seeds, stochastic=True)
+    assert metrics == episode_stats(rewards, lengths)
+    assert metrics != greedy.evaluate(model, earth)
+
+
 def test_eval_seeds_are_the_same_every_round_and_differ_per_environment():
     # Prepare
     task = LunarLanderTask(TINY | {"ppo.eval-episodes": 20})
@@ -900,6 +958,7 @@ def test_reward_scale_must_be_positive_and_finite(scale):
         ("ppo.n-steps", 2.5),
         ("ppo.observe-gravity", "yes"),
         ("ppo.lr-schedule", "cosine"),
+        ("ppo.eval-policy", "greedy"),
         ("ppo.net-width", 0),
     ],
 )
