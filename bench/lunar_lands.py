@@ -62,12 +62,8 @@ from lab.study import StudyError  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
 from tasks.lunar_lander.clients import PLANETS  # noqa: E402
 from tasks.lunar_lander.logs import load_snapshots  # noqa: E402
-from tasks.lunar_lander.ppo import (  # noqa: E402
-    evaluate_episodes,
-    flatten_state_dict,
-    unflatten_state_dict,
-)
-from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  # noqa: E402
+from tasks.lunar_lander.ppo import flatten_state_dict, unflatten_state_dict  # noqa: E402
+from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE  # noqa: E402
 
 LANDED = 200.0  # the goal: mean evaluation reward per planet
 STABLE_FROM, MAX_DROP = 150.0, 50.0  # after first reaching 150, no drop > 50
@@ -156,7 +152,7 @@ def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
     reference = model.state_dict()  # keys, shapes and dtypes to cut snapshots into
     snapshots, weights = load_snapshots(run_dir / "clients")
     rows = []
-    for index, client in enumerate(task.load_central_test()):
+    for client in task.load_central_test():
         mine = snapshots[snapshots["label"] == client.label]
         latest: dict[str, float] | None = None
         for server_round in range(1, int(config["num-server-rounds"]) + 1):
@@ -164,10 +160,7 @@ def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
             if len(trained):  # the policy it kept: the round's last snapshot
                 last = trained.index[int(trained["step"].to_numpy().argmax())]
                 model.load_state_dict(unflatten_state_dict(weights[last], reference))
-                played = evaluate_episodes(
-                    model, client, task.eval_seeds(index), stochastic=task.eval_stochastic
-                )
-                stats_ = episode_stats(*played)
+                stats_ = task.evaluate(model, client)  # the central evaluation's episodes
                 latest = {"reward": stats_[EVAL_REWARD], "se": stats_[EVAL_REWARD_SE]}
             if latest is not None:
                 rows.append({"round": server_round, "planet": client.planet, **latest})
