@@ -24,7 +24,7 @@ Runs presets x seeds through :mod:`lab.comparison`, then reads every run the sam
   with a 95 % confidence interval (Student t, n - 1 degrees of freedom), plus the mean
   per-run standard error of the episodes.
 * **Stability**: after a run first reaches 150 on a planet, the largest drop between
-  consecutive rounds (the issue's bound: 50).
+  consecutive rounds (the issue's bound: 50) and its standard error.
 * **Curves**: reward against env steps, mean over seeds with the 95 % band.
 
 ::
@@ -240,17 +240,28 @@ def final_table(rounds: pd.DataFrame, final: pd.DataFrame | None = None) -> pd.D
 
 def stability(rounds: pd.DataFrame) -> pd.DataFrame:
     """Per run and planet: the round it first reached 150 and the largest drop between
-    consecutive rounds after that (NaN if it never did)."""
+    consecutive rounds after that (NaN if it never did), with that drop's standard
+    error, ``max-drop-se`` = sqrt(se₁² + se₂²) of its two rounds' episode means (NaN
+    when nothing dropped).
+
+    The standard error treats the two rounds' episodes as independent. They share their
+    seeds, which for two similar policies correlates their returns positively, so it
+    overstates the measurement noise of such a drop: a drop several times it is the
+    policy's, not the measurement's."""
     rows = []
     for (name, seed, planet), group in rounds.groupby(["experiment", "seed", "planet"]):
         ordered = group.sort_values("round")
-        rewards = ordered["reward"].to_numpy()
+        rewards, errors = ordered["reward"].to_numpy(), ordered["se"].to_numpy()
         reached = np.flatnonzero(rewards >= STABLE_FROM)
-        first, drop = np.nan, np.nan
+        first, drop, drop_se = np.nan, np.nan, np.nan
         if reached.size:
             first = int(ordered["round"].iloc[reached[0]])
-            after = rewards[reached[0] :]
-            drop = float(np.max(after[:-1] - after[1:], initial=0.0))
+            after, after_se = rewards[reached[0] :], errors[reached[0] :]
+            drops = after[:-1] - after[1:]
+            drop = float(np.max(drops, initial=0.0))
+            if drops.size and drop > 0:
+                worst = int(np.argmax(drops))
+                drop_se = float(np.hypot(after_se[worst], after_se[worst + 1]))
         rows.append(
             {
                 "experiment": name,
@@ -258,6 +269,7 @@ def stability(rounds: pd.DataFrame) -> pd.DataFrame:
                 "planet": planet,
                 "first-150-round": first,
                 "max-drop": drop,
+                "max-drop-se": drop_se,
                 "stable": bool(reached.size) and drop <= MAX_DROP,
             }
         )

@@ -45,7 +45,23 @@ def test_stability_measures_the_largest_drop_after_first_reaching_150():
     # Assert
     assert table.loc[0, "first-150-round"] == 3
     assert table.loc[0, "max-drop"] == 60.0 and not table.loc[0, "stable"]
+    assert table.loc[0, "max-drop-se"] == pytest.approx(200**0.5)  # se 10 in both rounds
     assert pd.isna(table.loc[1, "max-drop"]) and not table.loc[1, "stable"]
+    assert pd.isna(table.loc[1, "max-drop-se"])
+
+
+def test_stability_standard_error_is_that_of_the_largest_drop():
+    # Prepare: drops of 30 (se 3 and 4) and 40 (se 6 and 8); nothing drops in seed 1
+    rounds = pd.concat([_rounds([200, 170, 190, 150]), _rounds([160, 170], seed=1)])
+    rounds["se"] = [1.0, 3.0, 6.0, 8.0, 5.0, 5.0]
+
+    # Execute
+    table = lunar_lands.stability(rounds).set_index("seed")
+
+    # Assert: the 40-point drop's, sqrt(36 + 64) = 10
+    assert table.loc[0, "max-drop"] == 40.0
+    assert table.loc[0, "max-drop-se"] == pytest.approx(10.0)
+    assert table.loc[1, "max-drop"] == 0.0 and pd.isna(table.loc[1, "max-drop-se"])
 
 
 def test_final_table_and_overlap_verdicts():
