@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
@@ -13,6 +14,7 @@ from tasks.base import Task
 # Metric-name parts that say which way is better (tasks' EVAL_* keys).
 HIGHER_IS_BETTER = ("reward", "accuracy", "r2", "auc", "hr10")
 LOWER_IS_BETTER = ("loss", "mse")
+SPREADS = ("std", "se")  # key parts of a metric's spread, which follows its model
 
 
 def central_eval(
@@ -58,18 +60,30 @@ def best_of_clusters(per_model: list[dict[str, float]]) -> dict[str, float]:
     Every model's metrics appear as ``cluster-<k>-<key>``. The plain keys are the
     best model's per key (highest reward, accuracy, R², AUC or hit rate; lowest loss
     or squared error): for a per-planet reward, that is the cluster model the planet's
-    clients would pick with perfect assignment. Other keys (counts, stds, gaps) are
-    model 0's.
+    clients would pick with perfect assignment. A spread (a key with a ``std`` or
+    ``se`` part, e.g. ``eval-reward-se-moon``) is that of the model picked for its
+    headline key (the same key without that part, ``eval-reward-moon``), so a mean and
+    its standard error describe one model. Other keys (counts, gaps, and spreads
+    without a headline) are model 0's.
     """
     merged = _prefixed(per_model, "cluster")
-    for key, first in per_model[0].items():
+    best: dict[str, int] = {}  # key -> index of the model picked for it
+    for key in per_model[0]:
         values = [metrics[key] for metrics in per_model]
-        if "std" in key:
-            merged[key] = first
-        elif any(word in key for word in HIGHER_IS_BETTER):
-            merged[key] = max(values)
+        if _spread_headline(key) is not None:
+            continue
+        if any(word in key for word in HIGHER_IS_BETTER):
+            best[key] = int(np.argmax(values))
         elif any(word in key for word in LOWER_IS_BETTER):
-            merged[key] = min(values)
-        else:
-            merged[key] = first
+            best[key] = int(np.argmin(values))
+    for key in per_model[0]:
+        k = best.get(key, best.get(_spread_headline(key) or key, 0))
+        merged[key] = per_model[k][key]
     return merged
+
+
+def _spread_headline(key: str) -> str | None:
+    """``key`` without its ``std``/``se`` parts, if it has any (else None)."""
+    parts = key.split("-")
+    kept = [part for part in parts if part not in SPREADS]
+    return "-".join(kept) if len(kept) < len(parts) else None

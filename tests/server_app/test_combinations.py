@@ -140,6 +140,8 @@ def test_best_of_clusters_takes_each_metrics_best_model():
                 "eval-reward-mars": 10.0,
                 "eval-loss": 2.0,
                 "eval-reward-std-moon": 3.0,
+                "eval-reward-se-mars": 0.5,
+                "eval-length-std": 7.0,
                 "num-examples": 5,
             },
             {
@@ -147,6 +149,8 @@ def test_best_of_clusters_takes_each_metrics_best_model():
                 "eval-reward-mars": -80.0,
                 "eval-loss": 1.5,
                 "eval-reward-std-moon": 9.0,
+                "eval-reward-se-mars": 4.0,
+                "eval-length-std": 8.0,
                 "num-examples": 5,
             },
         ]
@@ -154,10 +158,13 @@ def test_best_of_clusters_takes_each_metrics_best_model():
     assert merged["eval-reward-moon"] == 20.0  # cluster 1 is best on the moon
     assert merged["eval-reward-mars"] == 10.0  # cluster 0 on mars
     assert merged["eval-loss"] == 1.5
-    assert merged["eval-reward-std-moon"] == 3.0 and merged["num-examples"] == 5
+    # A spread is its headline's model's: the moon's std is cluster 1's, mars' SE cluster
+    # 0's; a spread without a headline key, and a count, are cluster 0's
+    assert merged["eval-reward-std-moon"] == 9.0 and merged["eval-reward-se-mars"] == 0.5
+    assert merged["eval-length-std"] == 7.0 and merged["num-examples"] == 5
     assert merged["cluster-0-eval-reward-moon"] == -50.0
     assert merged["cluster-1-eval-reward-mars"] == -80.0
-    assert len(merged) == 5 + 2 * 5
+    assert len(merged) == 7 + 2 * 7
 
 
 def test_best_of_clusters_takes_the_best_r2_and_mse_of_a_regression():
