@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from lab import comparison  # noqa: E402
 from lab.study import StudyError  # noqa: E402
+from server_app.evaluation import best_of_clusters  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
 from tasks.lunar_lander.clients import PLANETS  # noqa: E402
 from tasks.lunar_lander.logs import load_snapshots  # noqa: E402
@@ -84,20 +85,39 @@ def env_steps(run_dir: Path) -> pd.Series:
 
 
 def central_rewards(run_dir: Path) -> pd.DataFrame:
-    """``round, planet, reward, se`` of the central evaluation in ``metrics.csv``."""
+    """``round, planet, reward, se`` of the central evaluation in ``metrics.csv``.
+
+    Rounds with cluster models (``cluster-<k>-…`` columns) are merged again by
+    :func:`~server_app.evaluation.best_of_clusters`, so runs written before its SE
+    followed the picked model read the same as new ones."""
     metrics = pd.read_csv(run_dir / "metrics.csv")
     central = metrics[metrics["scope"] == "central-eval"]
-    rows = [
-        {
-            "round": int(row["round"]),
-            "planet": planet,
-            "reward": float(row[f"eval-reward-{planet}"]),
-            "se": float(row.get(f"eval-reward-se-{planet}", np.nan)),
-        }
-        for _, row in central.iterrows()
-        for planet in PLANETS
-    ]
+    rows = []
+    for _, row in central.iterrows():
+        merged = _merged_clusters(row.dropna().to_dict())
+        for planet in PLANETS:
+            rows.append(
+                {
+                    "round": int(row["round"]),
+                    "planet": planet,
+                    "reward": float(merged[f"{EVAL_REWARD}-{planet}"]),
+                    "se": float(merged.get(f"{EVAL_REWARD_SE}-{planet}", np.nan)),
+                }
+            )
     return pd.DataFrame(rows)
+
+
+def _merged_clusters(row: dict) -> dict:
+    """``row`` with its plain keys re-merged from its ``cluster-<k>-<key>`` columns."""
+    per_model: dict[int, dict[str, float]] = {}
+    for key, value in row.items():
+        head, _, rest = str(key).partition("-")
+        number, _, metric = rest.partition("-")
+        if head == "cluster" and number.isdigit() and metric:
+            per_model.setdefault(int(number), {})[metric] = value
+    if not per_model:
+        return row
+    return row | best_of_clusters([per_model[k] for k in sorted(per_model)])
 
 
 def _last_uploads(run_dir: Path, labels: Sequence[str]) -> dict[str, np.ndarray]:

@@ -100,3 +100,28 @@ def test_env_steps_count_the_replies_of_every_round(tmp_path):
 
     # Assert
     assert steps.to_dict() == {0: 0, 1: 6144, 2: 7168}
+
+
+def test_central_rewards_take_the_se_of_the_cluster_model_picked_per_planet(tmp_path):
+    # Prepare: a clustered run's metrics.csv as written before the SE followed the
+    # picked model (plain SE columns: the largest of the two); round 0 has no clusters
+    planets = {"moon": (120.0, 4.0, 230.0, 30.0), "earth": (210.0, 5.0, 90.0, 40.0)}
+    planets["mars"] = (200.0, 6.0, 199.0, 7.0)
+    row = {"round": 1, "scope": "central-eval"}
+    for planet, (r0, se0, r1, se1) in planets.items():
+        row |= {f"cluster-0-eval-reward-{planet}": r0, f"cluster-0-eval-reward-se-{planet}": se0}
+        row |= {f"cluster-1-eval-reward-{planet}": r1, f"cluster-1-eval-reward-se-{planet}": se1}
+        row |= {f"eval-reward-{planet}": max(r0, r1), f"eval-reward-se-{planet}": max(se0, se1)}
+    first = {"round": 0, "scope": "central-eval"}
+    first |= {f"eval-reward-{p}": -150.0 for p in planets}
+    first |= {f"eval-reward-se-{p}": 9.0 for p in planets}
+    pd.DataFrame([first, row]).to_csv(tmp_path / "metrics.csv", index=False)
+
+    # Execute
+    rewards = lunar_lands.central_rewards(tmp_path).set_index(["round", "planet"])
+
+    # Assert: each planet's best model, with that model's SE
+    assert rewards.loc[(1, "moon"), "reward"] == 230.0 and rewards.loc[(1, "moon"), "se"] == 30.0
+    assert rewards.loc[(1, "earth"), "reward"] == 210.0 and rewards.loc[(1, "earth"), "se"] == 5.0
+    assert rewards.loc[(1, "mars"), "reward"] == 200.0 and rewards.loc[(1, "mars"), "se"] == 6.0
+    assert rewards.loc[(0, "moon"), "reward"] == -150.0 and rewards.loc[(0, "moon"), "se"] == 9.0
