@@ -124,7 +124,7 @@ def test_lunar_presets_need_one_supernode_per_client(prefix, clients):
     others = [p for p in presets if p not in base_only]
     expected = {clients: others, 3: base_only} if base_only else {clients: others}
     assert study.group_by_size(presets, 10) == expected
-    assert len(base_only) == (12 if prefix == "lunar" else 0)
+    assert len(base_only) == (13 if prefix == "lunar" else 0)
 
 
 def test_presets_are_grouped_by_the_supernodes_they_need():
