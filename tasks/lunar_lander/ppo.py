@@ -89,6 +89,9 @@ class PPOConfig:
     """``num-server-rounds``: the run's length, which ``linear`` decays over."""
     reward_scale: float = 1.0
     """``ppo.reward-scale``: PPO learns from the rewards times this (logs stay raw)."""
+    target_kl: float = 0.0
+    """``ppo.target-kl``: SB3's ``target_kl`` (0: none), which ends a rollout's update
+    epochs early once a minibatch's approximate KL exceeds 1.5x it."""
 
     @property
     def rollout_size(self) -> int:
@@ -118,6 +121,7 @@ class PPOConfig:
             "ent_coef": self.ent_coef,
             "vf_coef": self.vf_coef,
             "max_grad_norm": self.max_grad_norm,
+            "target_kl": self.target_kl or None,
         }
 
 

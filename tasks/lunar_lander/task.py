@@ -94,6 +94,9 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.reward-scale", 1.0,
            "PPO learns from the rewards times this (value targets shrink with it; "
            "logged and evaluated rewards stay raw).", low=0.0, low_open=True),
+    Option("ppo.target-kl", 0.0,
+           "Stop a rollout's update epochs early once a minibatch's approximate KL from "
+           "the rollout's policy exceeds 1.5x this (SB3's target_kl; 0: never).", low=0.0),
     Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
            low=1),
     Option("ppo.eval-episodes", 20,
@@ -198,6 +201,7 @@ class LunarLanderTask(Task):
             keep_optimizer=bool(opts["ppo.keep-optimizer"]),
             lr_schedule=str(opts["ppo.lr-schedule"]),
             reward_scale=float(opts["ppo.reward-scale"]),
+            target_kl=float(opts["ppo.target-kl"]),
             num_rounds=int(NUM_SERVER_ROUNDS.parse(
                 run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
         )  # fmt: skip

@@ -982,3 +982,26 @@ def test_options_have_one_line_help():
     assert all(opt.key.startswith("ppo.") for opt in LunarLanderTask.OPTIONS)
     assert all(opt.help and "\n" not in opt.help for opt in LunarLanderTask.OPTIONS)
     assert LunarLanderTask({}).config.device == "cpu"
+
+
+def test_target_kl_ends_the_update_epochs_early(task, earth):
+    # Prepare: one rollout of 2 x 128 steps, 4 minibatches of 64, 5 epochs over it; a
+    # target KL no update can stay under once the policy has moved
+    cfg = replace(task.config, n_steps=128, n_epochs=5)
+    stopping = replace(cfg, target_kl=1e-9)
+
+    # Execute
+    runs = [train_ppo(build_policy(0), earth, c, seed=5) for c in (cfg, stopping)]
+
+    # Assert: SB3 counts the epochs it began; the first minibatch leaves the policy
+    # unchanged (KL 0), the second exceeds 1.5e-9 and ends the first epoch
+    assert cfg.ppo_kwargs()["target_kl"] is None
+    assert stopping.ppo_kwargs()["target_kl"] == 1e-9
+    assert runs[0].train_values["train/n_updates"] == 5
+    assert runs[1].train_values["train/n_updates"] == 1
+
+
+@pytest.mark.parametrize("target", [-0.01, float("nan")])
+def test_target_kl_must_be_non_negative(target):
+    with pytest.raises(ConfigError, match=r"ppo\.target-kl"):
+        LunarLanderTask(TINY | {"ppo.target-kl": target})
