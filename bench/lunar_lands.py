@@ -61,7 +61,7 @@ from lab import comparison  # noqa: E402
 from lab.study import StudyError  # noqa: E402
 from server_app.evaluation import best_of_clusters  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
-from tasks.lunar_lander.clients import PLANETS  # noqa: E402
+from tasks.lunar_lander.clients import PLANETS, ClientEnv  # noqa: E402
 from tasks.lunar_lander.logs import load_snapshots  # noqa: E402
 from tasks.lunar_lander.ppo import flatten_state_dict, unflatten_state_dict  # noqa: E402
 from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE  # noqa: E402
@@ -132,25 +132,33 @@ def _last_uploads(run_dir: Path, labels: Sequence[str]) -> dict[str, np.ndarray]
     return last
 
 
+def assigned_clusters(run_dir: Path, bases: Sequence[ClientEnv]) -> dict[str, Path]:
+    """Per base client label, the final cluster model's checkpoint nearest (L2) its
+    last upload, as the strategy's L2 rule would assign it next (clients that never
+    uploaded are left out)."""
+    uploads = _last_uploads(run_dir, [c.label for c in bases])
+    models = sorted((run_dir / "checkpoint").glob("cluster-*.pt"))
+    flat = [flatten_state_dict(torch.load(path)) for path in models]
+    return {
+        label: models[int(np.argmin([np.sum((upload - model) ** 2) for model in flat]))]
+        for label, upload in uploads.items()
+    }
+
+
 def clustered_assigned_rewards(run_dir: Path) -> pd.DataFrame:
     """``round, planet, reward, se`` of the final round: per planet, the final cluster
     model nearest (L2) the base client's last upload, as the strategy assigns models,
     read from that model's central evaluation."""
     config = _run_config(run_dir)
-    task = LunarLanderTask(config)
-    bases = task.load_central_test()
-    uploads = _last_uploads(run_dir, [c.label for c in bases])
-    models = sorted((run_dir / "checkpoint").glob("cluster-*.pt"))
-    flat = [flatten_state_dict(torch.load(path)) for path in models]
+    bases = LunarLanderTask(config).load_central_test()
+    assigned = assigned_clusters(run_dir, bases)
     metrics = pd.read_csv(run_dir / "metrics.csv")
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round").iloc[-1]
     rows = []
     for client in bases:
-        if client.label not in uploads:
+        if client.label not in assigned:
             continue
-        upload = uploads[client.label]
-        nearest = int(np.argmin([np.sum((upload - model) ** 2) for model in flat]))
-        k = int(models[nearest].stem.removeprefix("cluster-"))
+        k = int(assigned[client.label].stem.removeprefix("cluster-"))
         rows.append(
             {
                 "round": int(central["round"]),
@@ -161,6 +169,28 @@ def clustered_assigned_rewards(run_dir: Path) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def final_policies(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Per planet, the weights its base client ends the run with: the assigned cluster
+    model (clustered), its own last snapshot (single agents), else the global model."""
+    config = _run_config(run_dir)
+    task = LunarLanderTask(config)
+    bases = task.load_central_test()
+    strategy = config["strategy"]
+    if strategy == CLUSTERED:
+        assigned = assigned_clusters(run_dir, bases)
+        return {c.planet: torch.load(assigned[c.label]) for c in bases if c.label in assigned}
+    if strategy == SINGLE_AGENT:
+        reference = task.build_model(0).state_dict()
+        last = _last_uploads(run_dir, [c.label for c in bases])
+        return {
+            c.planet: unflatten_state_dict(last[c.label], reference)
+            for c in bases
+            if c.label in last
+        }
+    weights = torch.load(run_dir / "checkpoint" / "global.pt")
+    return {c.planet: weights for c in bases}
 
 
 def single_agent_rewards(run_dir: Path) -> pd.DataFrame:

@@ -13,8 +13,8 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 * :func:`proximal_gradient_hooks`: the FedProx term (Li et al., 2020) inside SB3's
   own update.
 * :class:`WeightStorageCallback`: seed 000's callback (episodes and weight snapshots).
-* :func:`evaluate_episodes`: evaluation episodes (deterministic or sampled actions),
-  one seed each.
+* :func:`play_episodes` / :func:`evaluate_episodes`: evaluation episodes
+  (deterministic or sampled actions), one seed each, with how each ended.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -473,15 +473,30 @@ def sample_actions(
     return np.minimum((cdf <= draws[:, None]).sum(axis=1), probs.shape[1] - 1)
 
 
-def evaluate_episodes(
+# How an episode ended: LunarLander terminates with a last reward of -100 when the body
+# touches the ground or the lander leaves the screen, of +100 when it comes to rest
+# (anywhere); the time limit (1 000 steps) truncates an episode that does neither.
+CRASHED, AT_REST, TIME_LIMIT = "crashed", "at-rest", "time-limit"
+OUTCOMES = (CRASHED, AT_REST, TIME_LIMIT)
+
+
+class Episodes(NamedTuple):
+    """Per-episode results of :func:`play_episodes`, in the order of its seeds."""
+
+    returns: list[float]
+    lengths: list[int]
+    outcomes: list[str]
+
+
+def play_episodes(
     policy: ActorCriticPolicy,
     client: ClientEnv,
     seeds: Sequence[int],
     *,
     stochastic: bool = False,
-) -> tuple[list[float], list[int]]:
-    """Returns and lengths of one episode of ``policy`` per seed in ``seeds``, on
-    ``client``'s environment.
+) -> Episodes:
+    """One episode of ``policy`` per seed in ``seeds``, on ``client``'s environment:
+    its return, length and how it ended (:data:`OUTCOMES`).
 
     Actions are the policy's most likely ones (``stochastic=False``, SB3's
     ``deterministic=True``), or sampled from its action distribution, the policy PPO
@@ -511,6 +526,7 @@ def evaluate_episodes(
         obs = np.stack(starts)
         returns = np.zeros(len(envs))
         lengths = np.zeros(len(envs), dtype=np.int64)
+        outcomes = [TIME_LIMIT] * len(envs)
         running = np.ones(len(envs), dtype=bool)
         samplers = [np.random.default_rng([int(seed), 1]) for seed in seeds]
         while running.any():
@@ -524,8 +540,22 @@ def evaluate_episodes(
                 returns[index] += float(reward)
                 lengths[index] += 1
                 running[index] = not (terminated or truncated)
+                if terminated:  # LunarLander's last reward: -100 crashed, +100 at rest
+                    outcomes[index] = CRASHED if reward < 0 else AT_REST
     finally:
         torch.set_num_threads(threads)
         for env in envs:
             env.close()
-    return [float(r) for r in returns], [int(n) for n in lengths]
+    return Episodes([float(r) for r in returns], [int(n) for n in lengths], outcomes)
+
+
+def evaluate_episodes(
+    policy: ActorCriticPolicy,
+    client: ClientEnv,
+    seeds: Sequence[int],
+    *,
+    stochastic: bool = False,
+) -> tuple[list[float], list[int]]:
+    """Returns and lengths of :func:`play_episodes`."""
+    episodes = play_episodes(policy, client, seeds, stochastic=stochastic)
+    return episodes.returns, episodes.lengths

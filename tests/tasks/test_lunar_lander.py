@@ -23,6 +23,7 @@ from stable_baselines3.common.env_util import make_vec_env
 
 from tasks.base import DPSGD, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.lunar_lander import ClientEnv, LunarLanderTask, client_from_node_config, client_table
+from tasks.lunar_lander import ppo as ppo_module
 from tasks.lunar_lander.clients import PLANETS, make_env
 from tasks.lunar_lander.logs import ClientRoundLog, load_episodes, load_snapshots
 from tasks.lunar_lander.ppo import (
@@ -34,6 +35,7 @@ from tasks.lunar_lander.ppo import (
     load_optimizer_tensors,
     observes_gravity,
     optimizer_tensors,
+    play_episodes,
     proximal_gradient_hooks,
     sample_actions,
     train_ppo,
@@ -553,6 +555,62 @@ def test_seeded_episodes_are_the_same_when_evaluated_twice(task, earth):
     assert len(set(rewards[:3])) == 3
     alone = evaluate_episodes(model, earth, [13])
     assert alone == ([rewards[2]], [lengths[2]])
+
+
+def _always(model: torch.nn.Module, action: int) -> torch.nn.Module:
+    """``model`` made to pick ``action`` in every state (its action logits' bias)."""
+    with torch.no_grad():
+        model.action_net.weight.zero_()
+        model.action_net.bias.zero_()
+        model.action_net.bias[action] = 10.0
+    return model
+
+
+def _replayed_outcome(model, client: ClientEnv, seed: int) -> tuple[str, int]:
+    """An episode played by hand with gymnasium: how it ended, read off the last step."""
+    env = make_env(client)
+    obs, _ = env.reset(seed=seed)
+    steps, done = 0, False
+    while not done:
+        action, _ = model.predict(obs, deterministic=True)
+        obs, reward, terminated, truncated, _ = env.step(int(action))
+        steps, done = steps + 1, terminated or truncated
+    env.close()
+    if truncated and not terminated:
+        return "time-limit", steps
+    return ("crashed" if reward == -100 else "at-rest" if reward == 100 else "?"), steps
+
+
+def test_play_episodes_says_how_each_episode_ended(task):
+    # Prepare: a lander that never fires its engines, on the Moon, where it sometimes
+    # falls softly enough to come to rest (seeds picked by hand: 1 crashes, 2 rests)
+    moon = next(c for c in task.clients if c.planet == "moon")
+    model = _always(task.build_model(0), 0)
+    seeds = [1, 2, 3, 4]
+
+    # Execute
+    episodes = play_episodes(model, moon, seeds)
+
+    # Assert: the outcomes and lengths of episodes replayed by hand, both kinds present
+    assert [_replayed_outcome(model, moon, s) for s in seeds] == list(
+        zip(episodes.outcomes, episodes.lengths, strict=True)
+    )
+    assert {"crashed", "at-rest"} <= set(episodes.outcomes)
+    assert evaluate_episodes(model, moon, seeds) == (episodes.returns, episodes.lengths)
+
+
+def test_play_episodes_counts_a_truncated_episode_as_time_limit(task, monkeypatch):
+    # Prepare: a 20-step time limit; the idle lander needs ~200 steps to fall on the Moon
+    moon = next(c for c in task.clients if c.planet == "moon")
+    model = _always(task.build_model(0), 0)
+    short = lambda client, **kw: gym.wrappers.TimeLimit(make_env(client, **kw), 20)  # noqa: E731
+    monkeypatch.setattr(ppo_module, "make_env", short)
+
+    # Execute
+    episodes = play_episodes(model, moon, [1, 2])
+
+    # Assert
+    assert episodes.outcomes == ["time-limit", "time-limit"] and episodes.lengths == [20, 20]
 
 
 def test_stochastic_episodes_are_seeded_and_leave_the_global_rng_alone(task, earth):

@@ -1,0 +1,130 @@
+"""How do the final policies' episodes end? (issue 28)
+
+A mean evaluation reward hides how it is made: LunarLander's episodes end in a crash
+(last reward −100: the body touches the ground or the lander leaves the screen), at
+rest (+100: it settles, anywhere), or at the 1 000-step time limit (hovering without
+settling). For each run, each planet's final policy (:func:`lunar_lands.final_policies`:
+the cluster model the L2 rule assigns its base client, the single agent's own policy,
+or the global model) plays ``--episodes`` seeded episodes of the central evaluation
+(:meth:`~tasks.lunar_lander.LunarLanderTask.eval_seeds`, whose first
+``ppo.eval-episodes`` are the run's own) on its most likely actions and on sampled
+actions, and this counts the outcomes::
+
+    python bench/lunar_outcomes.py --from results/lunar-lands/comparison.json \\
+        --episodes 100 --out results/lunar-outcomes
+    python bench/lunar_outcomes.py --runs clustered:0=runs/<run> --out results/lunar-outcomes
+
+Writes ``outcomes.csv`` (``experiment, seed, planet, policy, episodes, reward, se,
+crashed, at-rest, time-limit``; counts of episodes) and ``outcomes.md`` into ``--out``
+and prints the table, with the sums over seeds per experiment, planet and policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.lunar_lands import _markdown, _run_config, final_policies  # noqa: E402
+from lab import comparison  # noqa: E402
+from lab.study import StudyError  # noqa: E402
+from tasks.lunar_lander import LunarLanderTask  # noqa: E402
+from tasks.lunar_lander.ppo import OUTCOMES, play_episodes  # noqa: E402
+
+POLICIES = {"most-likely": False, "sampled": True}  # label -> play_episodes' stochastic
+
+
+def run_outcomes(run_dir: Path, episodes: int) -> pd.DataFrame:
+    """One row per planet and policy of ``run_dir``'s final policies."""
+    config = _run_config(run_dir) | {"ppo.eval-episodes": episodes}
+    task = LunarLanderTask(config)
+    model = task.build_model(0)
+    weights = final_policies(run_dir)
+    rows = []
+    for index, client in enumerate(task.load_central_test()):
+        if client.planet not in weights:
+            continue
+        model.load_state_dict(weights[client.planet])
+        for label, stochastic in POLICIES.items():
+            played = play_episodes(model, client, task.eval_seeds(index), stochastic=stochastic)
+            returns = np.asarray(played.returns)
+            rows.append(
+                {
+                    "planet": client.planet,
+                    "policy": label,
+                    "episodes": len(returns),
+                    "reward": float(returns.mean()),
+                    "se": float(returns.std(ddof=1) / np.sqrt(len(returns))),
+                    **{outcome: played.outcomes.count(outcome) for outcome in OUTCOMES},
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def outcomes(runs: Mapping[str, Mapping[int, Path]], episodes: int) -> pd.DataFrame:
+    frames = []
+    for name, seeds in runs.items():
+        for seed, run_dir in seeds.items():
+            frame = run_outcomes(run_dir, episodes)
+            frame.insert(0, "experiment", name)
+            frame.insert(1, "seed", seed)
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def totals(table: pd.DataFrame) -> pd.DataFrame:
+    """Per experiment, planet and policy: episodes and outcome counts summed over seeds,
+    and the mean of the per-seed rewards."""
+    keys = ["experiment", "planet", "policy"]
+    summed = table.groupby(keys, sort=False)[["episodes", *OUTCOMES]].sum()
+    summed.insert(1, "reward", table.groupby(keys, sort=False)["reward"].mean())
+    summed.insert(1, "seeds", table.groupby(keys, sort=False)["seed"].nunique())
+    return summed.reset_index()
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from", dest="from_json", type=Path, metavar="COMPARISON.json")
+    source.add_argument("--runs", nargs="+", metavar="NAME:SEED=RUN_DIR")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.episodes < 2:
+        parser.error(f"--episodes = {args.episodes}: give 2 or more (the SE needs two)")
+    try:
+        if args.runs:
+            runs = comparison.parse_runs(args.runs)
+        else:
+            runs, _ = comparison.read_comparison_json(args.from_json)
+    except StudyError as err:
+        raise SystemExit(f"lunar_outcomes: {err}") from None
+    table = outcomes(runs, args.episodes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out / "outcomes.csv", index=False)
+    text = "\n".join(
+        [
+            f"## How the final policies' episodes end ({args.episodes} per planet and policy)",
+            "",
+            _markdown(table),
+            "",
+            "## Summed over seeds",
+            "",
+            _markdown(totals(table)),
+            "",
+        ]
+    )
+    (args.out / "outcomes.md").write_text(text)
+    print(text)
+    return table
+
+
+if __name__ == "__main__":
+    main()
