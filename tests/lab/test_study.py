@@ -117,14 +117,17 @@ def test_the_study_refuses_other_tasks():
 @pytest.mark.skipif("lunar-lander" not in tasks.REGISTRY, reason="lunar-lander not registered")
 @pytest.mark.parametrize(("prefix", "clients"), [("lunar", 9), ("seed-lunar", 33)])
 def test_lunar_presets_need_one_supernode_per_client(prefix, clients):
-    # The base-clients presets federate the three planets' base clients alone.
+    # The base-clients presets federate the three planets' base clients alone, the
+    # pairs presets one derived client per planet beside them.
     paths = sorted(str(p) for p in (REPO / "experiments").glob(f"{prefix}-*.toml"))
     presets = study.load_presets(paths)
     base_only = [p for p in presets if p.name.startswith("lunar-fl-lands-base-clients")]
-    others = [p for p in presets if p not in base_only]
-    expected = {clients: others, 3: base_only} if base_only else {clients: others}
+    pairs = [p for p in presets if p.name.startswith("lunar-fl-lands-pairs")]
+    others = [p for p in presets if p not in base_only + pairs]
+    expected = {clients: others, 3: base_only, 6: pairs} if base_only else {clients: others}
     assert study.group_by_size(presets, 10) == expected
     assert len(base_only) == (13 if prefix == "lunar" else 0)
+    assert len(pairs) == (1 if prefix == "lunar" else 0)
 
 
 def test_presets_are_grouped_by_the_supernodes_they_need():
