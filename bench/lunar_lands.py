@@ -127,9 +127,18 @@ def _last_uploads(run_dir: Path, labels: Sequence[str]) -> dict[str, np.ndarray]
     for label in labels:
         mine = snapshots[snapshots["label"] == label]
         if len(mine):
-            latest = mine.sort_values(["server_round", "step"]).index[-1]
-            last[label] = weights[latest]
+            last[label] = weights[kept_snapshot(mine)]
     return last
+
+
+def kept_snapshot(snapshots: pd.DataFrame) -> int:
+    """Index of the weights a client kept among ``snapshots`` (its rows of
+    :func:`~tasks.lunar_lander.logs.load_snapshots`): the last one logged in its
+    latest round. That is the training-end snapshot, which shares its step with an
+    in-rollout one (taken before the rollout's update) whenever a check falls on the
+    last step, so ties on the step go to the row logged later."""
+    order = snapshots.sort_values(["server_round", "step"], kind="stable")
+    return int(order.index[-1])
 
 
 def assigned_clusters(run_dir: Path, bases: Sequence[ClientEnv]) -> dict[str, Path]:
@@ -208,7 +217,7 @@ def single_agent_rewards(run_dir: Path) -> pd.DataFrame:
         for server_round in range(1, int(config["num-server-rounds"]) + 1):
             trained = mine[mine["server_round"] == server_round]
             if len(trained):  # the policy it kept: the round's last snapshot
-                last = trained.index[int(trained["step"].to_numpy().argmax())]
+                last = kept_snapshot(trained)
                 model.load_state_dict(unflatten_state_dict(weights[last], reference))
                 stats_ = task.evaluate(model, client)  # the central evaluation's episodes
                 latest = {"reward": stats_[EVAL_REWARD], "se": stats_[EVAL_REWARD_SE]}

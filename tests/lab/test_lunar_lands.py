@@ -125,3 +125,16 @@ def test_central_rewards_take_the_se_of_the_cluster_model_picked_per_planet(tmp_
     assert rewards.loc[(1, "earth"), "reward"] == 210.0 and rewards.loc[(1, "earth"), "se"] == 5.0
     assert rewards.loc[(1, "mars"), "reward"] == 200.0 and rewards.loc[(1, "mars"), "se"] == 6.0
     assert rewards.loc[(0, "moon"), "reward"] == -150.0 and rewards.loc[(0, "moon"), "se"] == 9.0
+
+
+def test_kept_snapshot_is_the_last_logged_of_the_latest_round():
+    # Prepare: round 2 ends with an in-rollout snapshot and the training-end one at the
+    # same step (rows 3 and 4, logged in that order); round 1's rows come after them
+    snapshots = pd.DataFrame(
+        {"server_round": [2, 2, 2, 2, 1, 1], "step": [10, 20, 30, 30, 5, 9]},
+        index=[7, 8, 3, 4, 5, 6],
+    )
+
+    # Execute / Assert: the training-end snapshot of round 2
+    assert lunar_lands.kept_snapshot(snapshots) == 4
+    assert lunar_lands.kept_snapshot(snapshots[snapshots["server_round"] == 1]) == 6
