@@ -26,7 +26,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +36,7 @@ from lab import comparison  # noqa: E402
 from lab.study import StudyError  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
 from tasks.lunar_lander.ppo import OUTCOMES, play_episodes  # noqa: E402
+from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  # noqa: E402
 
 POLICIES = {"most-likely": False, "sampled": True}  # label -> play_episodes' stochastic
 
@@ -54,14 +54,14 @@ def run_outcomes(run_dir: Path, episodes: int) -> pd.DataFrame:
         model.load_state_dict(weights[client.planet])
         for label, stochastic in POLICIES.items():
             played = play_episodes(model, client, task.eval_seeds(index), stochastic=stochastic)
-            returns = np.asarray(played.returns)
+            stats = episode_stats(played.returns, played.lengths)  # the run's own statistics
             rows.append(
                 {
                     "planet": client.planet,
                     "policy": label,
-                    "episodes": len(returns),
-                    "reward": float(returns.mean()),
-                    "se": float(returns.std(ddof=1) / np.sqrt(len(returns))),
+                    "episodes": len(played.returns),
+                    "reward": stats[EVAL_REWARD],
+                    "se": stats[EVAL_REWARD_SE],
                     **{outcome: played.outcomes.count(outcome) for outcome in OUTCOMES},
                 }
             )
