@@ -238,20 +238,35 @@ class CifarCNN3Conv(nn.Module):
         return self.classifier(self.features(x))
 
 
-def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """torchvision ResNet-18 with GroupNorm and a stem fitted to the image size."""
-    import torchvision  # here, not at the top: its import costs ~1.5 s per process
+def out_of_place(model: nn.Module) -> nn.Module:
+    """``model`` with every in-place module (torchvision's ``ReLU(inplace=True)`` and
+    ``ReLU6``) computing out of place, in place; returns it.
 
-    model = torchvision.models.resnet18(
-        weights=None, num_classes=num_classes, norm_layer=group_norm
-    )
+    Opacus' per-example gradient hooks are full backward hooks: each hooked layer's
+    output is a view made by a custom autograd Function, and modifying it in place
+    fails PyTorch's check ("Output 0 of BackwardHookFunction is a view and is being
+    modified inplace"), so DP-SGD could not train these models.
+    """
+    for module in model.modules():
+        if getattr(module, "inplace", False):
+            module.inplace = False
+    return model
+
+
+def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """torchvision ResNet-18 with GroupNorm and a stem fitted to the image size, its
+    residual sums out of place (:mod:`tasks.vision.resnet`: Opacus needs that)."""
+    # Here, not at the top: torchvision's import costs ~1.5 s per process.
+    from tasks.vision.resnet import resnet18_out_of_place
+
+    model = resnet18_out_of_place(num_classes, group_norm)
     if image_size <= SMALL_IMAGE_MAX:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     else:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
-    return model
+    return out_of_place(model)
 
 
 def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
@@ -268,7 +283,7 @@ def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Modu
     )
     nn.init.kaiming_normal_(conv.weight, mode="fan_out")
     model.features[0][0] = conv
-    return model
+    return out_of_place(model)
 
 
 class MLP(nn.Module):

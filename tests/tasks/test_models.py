@@ -1,11 +1,15 @@
-"""Models: output shape on digits and CIFAR-sized inputs, seeded initialisation."""
+"""Models: output shape on digits and CIFAR-sized inputs, seeded initialisation, a DP-SGD
+epoch of each."""
 
 import pytest
 import torch
 from torch import nn
 
+from tasks.base import DPSGD, LocalTraining
 from tasks.dpsgd import check_compatible
+from tasks.vision.data import ClientPartition, TensorSplit
 from tasks.vision.models import MODEL_NAMES, build_model
+from tasks.vision.task import CIFAR10Task
 
 INPUTS = [(1, 8), (3, 32)]  # (channels, image side): digits and CIFAR-10
 
@@ -135,3 +139,50 @@ def test_mlp_is_the_peer_workloads_64_64_10():
         assert torch.equal(mine, theirs)
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
     check_compatible(model, "mlp")  # DP-SGD works on it
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_model_trains_a_dp_sgd_epoch(name):
+    # Prepare: a CIFAR-shaped client of 16 random examples; Opacus' hooks on the model.
+    # (torchvision's in-place ReLUs failed here before models.out_of_place.)
+    gen = torch.Generator().manual_seed(0)
+    split = TensorSplit(torch.randn(16, 3, 32, 32, generator=gen), torch.arange(16) % 10)
+    task = CIFAR10Task({"model.name": name, "train.local-epochs": 1, "data.batch-size": 8})
+    model = task.build_model(0)
+    before = _weights(model)
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+
+    # Execute
+    metrics = task.train(
+        model, ClientPartition(0, 1, split, split), LocalTraining(1, seed=1, dp_sgd=dp)
+    )
+
+    # Assert: noisy steps moved the weights, and the accountant charged them.
+    assert metrics["local-epsilon"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    assert not any(getattr(m, "inplace", False) for m in model.modules())
+
+
+def test_resnet18_is_torchvisions_with_the_same_weights_and_outputs():
+    # Prepare: torchvision's resnet18 as models.resnet18 built it before the out-of-place
+    # block (GroupNorm, CIFAR stem), from the same seed.
+    import torchvision
+
+    from tasks.vision.models import group_norm
+
+    torch.manual_seed(3)
+    reference = torchvision.models.resnet18(weights=None, num_classes=10, norm_layer=group_norm)
+    reference.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    reference.maxpool = nn.Identity()
+    nn.init.kaiming_normal_(reference.conv1.weight, mode="fan_out", nonlinearity="relu")
+    x = torch.randn(2, 3, 32, 32)
+
+    # Execute
+    model = build_model("resnet18", 3, 10, 32, seed=3)
+
+    # Assert
+    assert list(model.state_dict()) == list(reference.state_dict())
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(model), _weights(reference), strict=True)
+    )
+    assert torch.allclose(model.eval()(x), reference.eval()(x), atol=1e-6)
