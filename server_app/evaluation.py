@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from strategies.capabilities import MultiModel
+from strategies.capabilities import MultiModel, provides
 from tasks.base import Task
 
 # Metric-name parts that say which way is better (tasks' EVAL_* keys).
@@ -36,7 +36,7 @@ def central_eval(
         return task.evaluate(model, test_set)
 
     def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        if not isinstance(strategy, MultiModel) or not strategy.models:  # none before round 1
+        if not provides(strategy, MultiModel) or not strategy.models:  # none before round 1
             return MetricRecord(evaluate_one(arrays))
         per_model = [evaluate_one(m) for m in strategy.models]
         if strategy.MODEL_LABEL == "cluster":

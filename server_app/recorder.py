@@ -12,7 +12,14 @@ from server_app.audit import RunAudit
 from server_app.config import RunConfig
 from server_app.results import RunDirectory
 from server_app.rounds import RoundResult
-from strategies.capabilities import MultiModel, Resumable, WritesTables, innermost, ledger_of
+from strategies.capabilities import (
+    MultiModel,
+    Resumable,
+    WritesTables,
+    innermost,
+    ledger_of,
+    provides,
+)
 from strategies.checkpoint import (
     decode,
     encode,
@@ -58,12 +65,12 @@ class RoundRecorder:
             self.last_recorded = result.server_round
             self.auditor.interim(result.server_round, result.arrays)
         models = None
-        if isinstance(self.base, MultiModel) and self.base.models:
+        if provides(self.base, MultiModel) and self.base.models:
             label = self.base.MODEL_LABEL
             models = {
                 f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(self.base.models)
             }
-        if isinstance(self.base, WritesTables):
+        if provides(self.base, WritesTables):
             for name, rows in self.base.tables().items():
                 self.run_dir.write_rows(self.run_dir.table(name), rows)
         self.run_dir.record_round(result, None, models)
@@ -83,7 +90,7 @@ def restore(saved: dict, strategy: Strategy, grid: Grid, cfg: RunConfig) -> Roun
     node_of.pop(None, None)
     load_strategy_state(strategy, saved["strategy"], node_of)
     set_global_rng_state(saved["rng"])
-    if isinstance(strategy, Resumable):
+    if provides(strategy, Resumable):
         strategy.on_resume()
     result = saved["result"]
     train = MetricRecord(result["train"]) if result["train"] is not None else None

@@ -31,6 +31,7 @@ from protocol.records import non_finite_array
 from protocol.replies import unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
+from strategies.capabilities import provides
 from strategies.errors import BudgetExhausted
 from strategies.messaging import send_and_receive
 from strategies.partitions import PartitionMap, partition_map
@@ -239,7 +240,7 @@ def _train(
             server_round,
             len(messages),
         )
-    if isinstance(strategy, SecureExchange):  # SecAgg+: several exchanges
+    if provides(strategy, SecureExchange):  # SecAgg+: several exchanges
         replies = strategy.exchange_train(grid, messages, timeout)
     else:
         replies = _exchange(grid, messages, timeout, f"round {server_round} train")

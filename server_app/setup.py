@@ -14,7 +14,7 @@ import strategies
 import tasks
 from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
-from strategies.capabilities import Accounted
+from strategies.capabilities import Accounted, provides
 from tasks.base import Task
 from tasks.options import ConfigError
 
@@ -51,7 +51,7 @@ def load(run_config: dict) -> Setup:
         strategy = strategies.build(cfg.privacy, settings)
         subspace_setup.check(cfg, task)
         # Under a privacy mechanism the run directory keeps apart what no epsilon covers.
-        released = strategy.releases_metric if isinstance(strategy, Accounted) else None
+        released = strategy.releases_metric if provides(strategy, Accounted) else None
         saved = None
         if cfg.resume_from:
             path = resolve_output_dir(cfg.resume_from)

@@ -1,14 +1,22 @@
 """What the ServerApp may ask of a strategy beyond Flower's ``Strategy``.
 
-Small Protocols, checked with ``isinstance``, name each optional capability once
-instead of the app probing attributes with ``getattr``. Wrappers that forward unknown
-attributes to the strategy they wrap (server optimizer, secure aggregation) satisfy
-the wrapped strategy's Protocols too.
+Small Protocols name each optional capability once instead of the app probing
+attributes with ``getattr``; :func:`provides` checks one. Wrappers that forward unknown
+attributes to the strategy they wrap (server optimizer, secure aggregation) provide
+the wrapped strategy's capabilities too.
+
+The Protocols are deliberately not ``runtime_checkable``: since Python 3.12,
+``isinstance`` against such a Protocol looks members up with
+``inspect.getattr_static``, which skips a wrapper's forwarding ``__getattr__``. A
+server-optimizer or secure-aggregation wrapper around a DP strategy then looked like
+no privacy mechanism at all: no ``ledger.json`` or privacy summary, client metrics
+written as if released, nothing charged on resume. ``isinstance`` against them now
+raises ``TypeError`` on every Python, so the mistake cannot come back unnoticed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from flwr.serverapp.strategy import Strategy
 
@@ -18,7 +26,6 @@ if TYPE_CHECKING:
     from privacy.accounting import PrivacyLedger
 
 
-@runtime_checkable
 class MultiModel(Protocol):
     """Keeps several global models (K clusters, E edges), each written and evaluated
     as ``<MODEL_LABEL>-<k>``; ``models`` is empty before round 1."""
@@ -27,7 +34,6 @@ class MultiModel(Protocol):
     models: list[ArrayRecord]
 
 
-@runtime_checkable
 class WritesTables(Protocol):
     """Keeps per-client records (``clusters.csv``, ``selection.csv``, ``edges.csv``)."""
 
@@ -36,7 +42,6 @@ class WritesTables(Protocol):
         ...
 
 
-@runtime_checkable
 class Accounted(Protocol):
     """A privacy mechanism: owns the run's ledger and says which metrics it releases."""
 
@@ -47,7 +52,6 @@ class Accounted(Protocol):
         ...
 
 
-@runtime_checkable
 class Resumable(Protocol):
     """Acts once when a run resumes, before its first round (privacy wrappers charge
     what the interrupted round may have released)."""
@@ -70,6 +74,20 @@ def innermost(strategy: Strategy) -> Strategy:
     return layers(strategy)[-1]
 
 
+def protocol_members(capability: type) -> tuple[str, ...]:
+    """The attributes and public methods the Protocol ``capability`` declares."""
+    names = set(vars(capability).get("__annotations__", {}))
+    names |= {n for n, v in vars(capability).items() if callable(v) and not n.startswith("_")}
+    return tuple(sorted(names))
+
+
+def provides(strategy: object, capability: type) -> bool:
+    """Whether ``strategy`` has every member of the Protocol ``capability``, looked up
+    with ``hasattr``, which follows a wrapper's forwarding ``__getattr__`` (the module
+    docstring says why not ``isinstance``)."""
+    return all(hasattr(strategy, name) for name in protocol_members(capability))
+
+
 def ledger_of(strategy: Strategy) -> PrivacyLedger | None:
     """The run's ledger (None without a privacy mechanism)."""
-    return strategy.ledger if isinstance(strategy, Accounted) else None
+    return strategy.ledger if provides(strategy, Accounted) else None

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from logging import INFO
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -62,7 +62,6 @@ from strategies.secagg import SecAggSettings, SecureSum, secure_sum
 from strategies.secure_noise import DROPPED, SURVIVORS, SecureNoise
 
 
-@runtime_checkable
 class SecureExchange(Protocol):
     """A strategy whose train round is a protocol of several exchanges, not one."""
 
