@@ -34,6 +34,9 @@ TINY = {
     # Tests of mechanics use noise that swamps 4 clients' updates (eval loss 1e4-1e5 after
     # a round): no ratio check here; test_failure_policy.py tests the divergence guard.
     "run.divergence-factor": 0.0,
+    # Bitwise comparisons of two runs hold on a CUDA machine too, where train.device =
+    # auto trains on the GPU (cuDNN's default kernels are not reproducible).
+    "train.deterministic": True,
 }
 
 

@@ -37,7 +37,7 @@ def test_defaults_and_parsed_config():
     assert (cfg.batch_size, cfg.local_epochs, cfg.lr, cfg.bn) == (64, 3, 1e-3, "average")
     assert cfg.norm == "batch"  # finance.norm = auto without privacy = dp-sgd
     assert (cfg.synthetic_rows, cfg.central_test_fraction, cfg.test_fraction) == (20000, 0.2, 0.2)
-    assert cfg.seed == 42 and cfg.device == "cpu"  # this test machine has no CUDA
+    assert cfg.seed == 42 and cfg.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert task.data_source == "synthetic (seed 42, 20000 rows)"
     assert FinanceTask.name == "finance"
     assert FinanceTask.EPOCHS_KEY == "finance.local-epochs"
@@ -268,8 +268,8 @@ def test_perfect_predictor_has_r2_one():
 
 
 def test_r2_matches_sklearn_and_rupees():
-    # Prepare
-    task = FinanceTask(IID)
+    # Prepare: on the CPU, where the test's own prediction below runs
+    task = FinanceTask({**IID, "finance.device": "cpu"})
     model = task.build_model(0)
     task.train(model, task.load_partition(0, 4), LocalTraining(1, seed=0))
     central = task.load_central_test()

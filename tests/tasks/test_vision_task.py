@@ -65,7 +65,15 @@ def test_digits_end_to_end():
 
 def test_training_is_reproducible_from_local_seed():
     # Prepare
-    task = DigitsTask({**DIGITS_CONFIG, "model.name": "cnn", "train.local-epochs": 1})
+    # (deterministic kernels: on a CUDA machine train.device = auto trains on the GPU)
+    task = DigitsTask(
+        {
+            **DIGITS_CONFIG,
+            "model.name": "cnn",
+            "train.local-epochs": 1,
+            "train.deterministic": True,
+        }
+    )
     partition = task.load_partition(1, 5)
     models = [task.build_model(seed=0) for _ in range(3)]
 
@@ -107,7 +115,7 @@ def test_defaults_and_parsed_config():
     assert task.config.partitioner == "iid"
     assert task.config.model_name == "lenet"
     assert task.config.seed == 42
-    assert task.config.device == "cpu"  # this test machine has no CUDA
+    assert task.config.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert cifar.config.model_name == "cnn"
     assert (task.config.lr_decay, task.config.lr_decay_epochs) == (1.0, 1)
     assert task.config.deterministic is False
@@ -277,6 +285,7 @@ def test_more_classes_per_client_than_classes_raises():
         DigitsTask({"data.partitioner": "pathological", "data.classes-per-client": 11})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_raises_config_error():
     with pytest.raises(ConfigError, match=r"train\.device"):
         DigitsTask({"train.device": "cuda"})
