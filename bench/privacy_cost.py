@@ -169,10 +169,17 @@ class ServerStandIn:
 
     mechanism: GaussianMechanism
     rng: np.random.Generator
+    num_sampled_clients: int
     noise_site: str = "server"
 
     def _mechanism(self) -> GaussianMechanism:
         return self.mechanism
+
+
+def private_mean(server: ServerStandIn, deltas: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """``DPFedAvgFixed._private_mean`` of ``deltas`` (every client replied), as the app
+    calls it: the global model's arrays (here the first delta's) give shapes and dtypes."""
+    return DPFedAvgFixed._private_mean(server, deltas, 0, deltas[0])
 
 
 def noise_sum_once(deltas: list[list[np.ndarray]], server: ServerStandIn) -> list:
@@ -189,7 +196,7 @@ def measure_update(dim: int, clients: int, repeats: int) -> dict[str, object]:
     gen = torch.Generator().manual_seed(dim)
     x, y = torch.randn(EXAMPLES, FEATURES, generator=gen), torch.randint(0, CLASSES, (EXAMPLES,))
     mech = GaussianMechanism(clip_norm=CLIP_NORM, noise_multiplier=NOISE_MULTIPLIER)
-    server = ServerStandIn(mech, rng)
+    server = ServerStandIn(mech, rng, clients)
     deltas = [random_update(model, 10 * CLIP_NORM, rng) for _ in range(clients)]
     small = random_update(model, CLIP_NORM / 2, rng)
     clipped = mech.clip(deltas[0]).arrays
@@ -197,7 +204,7 @@ def measure_update(dim: int, clients: int, repeats: int) -> dict[str, object]:
     export = median_ms(lambda: ArrayRecord(model.state_dict()), repeats)
     clip = median_ms(lambda: clip_by_l2_norm(deltas[0], clip_norm=CLIP_NORM), repeats)
     noise = median_ms(lambda: mech.noise_client(clipped, num_clients=clients, rng=rng), repeats)
-    agg = median_ms(lambda: DPFedAvgFixed._private_mean(server, deltas), repeats)
+    agg = median_ms(lambda: private_mean(server, deltas), repeats)
     return {
         "d": sum(a.size for a in small),
         "train+export ms": train,
@@ -319,12 +326,12 @@ def measure_model(name: str, clients: int, repeats: int) -> dict[str, object]:
     epoch = step * steps
     rng = make_generator(0, len(name))
     mech = GaussianMechanism(clip_norm=CLIP_NORM, noise_multiplier=NOISE_MULTIPLIER)
-    server = ServerStandIn(mech, rng)
+    server = ServerStandIn(mech, rng, clients)
     deltas = [random_update(model, 10 * CLIP_NORM, rng) for _ in range(clients)]
     clipped = mech.clip(deltas[0]).arrays
     clip = median_ms(lambda: clip_by_l2_norm(deltas[0], clip_norm=CLIP_NORM), repeats)
     noise = median_ms(lambda: mech.noise_client(clipped, num_clients=clients, rng=rng), repeats)
-    agg = median_ms(lambda: DPFedAvgFixed._private_mean(server, deltas), repeats)
+    agg = median_ms(lambda: private_mean(server, deltas), repeats)
     return {
         "model": name,
         "data": f"{spec.name} {spec.in_channels}x{spec.image_size}x{spec.image_size}",
