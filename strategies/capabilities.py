@@ -9,9 +9,10 @@ The Protocols are deliberately not ``runtime_checkable``: since Python 3.12,
 ``isinstance`` against such a Protocol looks members up with
 ``inspect.getattr_static``, which skips a wrapper's forwarding ``__getattr__``. A
 server-optimizer or secure-aggregation wrapper around a DP strategy then looked like
-no privacy mechanism at all: no ``ledger.json`` or privacy summary, client metrics
-written as if released, nothing charged on resume. ``isinstance`` against them now
-raises ``TypeError`` on every Python, so the mistake cannot come back unnoticed.
+no privacy mechanism at all: no ``ledger.json`` or privacy summary, what no epsilon
+covers not kept apart under ``curator/``, nothing charged on resume. ``isinstance``
+against them now raises ``TypeError`` on every Python, so the mistake cannot come back
+unnoticed.
 """
 
 from __future__ import annotations
