@@ -78,3 +78,7 @@ def test_plain_strategies_provide_no_privacy_and_clustered_its_models():
     clustered = _build(strategy="clustered", **{"cluster.k": 2})
     assert provides(clustered, MultiModel) and provides(clustered, WritesTables)
     assert provides(_build(**{"secagg.enabled": True}), SecureExchange)
+    behind_optimizer = _build(**{"secagg.enabled": True, "server.optimizer": "momentum"})
+    with pytest.raises(AttributeError):  # forwarded: what 3.12's isinstance missed
+        inspect.getattr_static(behind_optimizer, "exchange_train")
+    assert provides(behind_optimizer, SecureExchange)
