@@ -44,7 +44,6 @@ import torch
 from timing import machine_info, median_ms  # bench/timing.py
 
 from privacy.mechanisms import GaussianMechanism, make_generator
-from strategies.dp_fedavg import DPFedAvgFixed
 from tasks.base import DPSGD, LocalTraining
 from tasks.finance import FinanceTask
 from tasks.lunar_lander import LunarLanderTask
@@ -131,13 +130,13 @@ def random_cifar_partition(examples: int) -> ClientPartition:
 def aggregate_ms(model: torch.nn.Module, repeats: int) -> float:
     """The server's DP aggregate of m = 10 updates of ``model``'s shapes (float32,
     norm 10 C, so each is clipped), as bench/privacy_cost.py times it."""
-    from privacy_cost import ServerStandIn, random_update  # bench/privacy_cost.py
+    from privacy_cost import ServerStandIn, private_mean, random_update  # bench/
 
     rng = make_generator(0, 1)
     mech = GaussianMechanism(clip_norm=1.0, noise_multiplier=1.0)
     server = ServerStandIn(mech, rng, CLIENTS)
     deltas = [random_update(model, 10.0, rng) for _ in range(CLIENTS)]
-    return median_ms(lambda: DPFedAvgFixed._private_mean(server, deltas, 0, deltas[0]), repeats)
+    return median_ms(lambda: private_mean(server, deltas), repeats)
 
 
 def section_epochs(
