@@ -382,16 +382,16 @@ class SubspaceDP(DPFedAvgFixed):
             for t, a in zip(total, arrays, strict=True):
                 t += a
         noised = mech.noise_sum(total, rng=self.rng)
-        self._stats = {
-            "subspace-clip-fraction": clipped / max(len(deltas), 1),
-            "subspace-mean-pnorm": float(np.mean(norms)) if norms else 0.0,
-            "subspace-rank": float(self.metric.rank),
-        }
+        self._stats = {"subspace-rank": float(self.metric.rank)}
         if quantizer is not None:
             self._stats["subspace-quant-bits-per-update"] = float(
                 quantizer.bits_per_update(self.metric.dim)
             )
-            self._stats["subspace-quant-error"] = float(np.mean(errors))
+        if deltas:  # an empty Poisson cohort has no update to average these over
+            self._stats["subspace-clip-fraction"] = clipped / len(deltas)
+            self._stats["subspace-mean-pnorm"] = float(np.mean(norms))
+            if errors:
+                self._stats["subspace-quant-error"] = float(np.mean(errors))
         if sketch is not None:
             self._metric_update(sketch)
         return [n / m for n in noised]

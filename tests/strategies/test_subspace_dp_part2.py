@@ -147,3 +147,16 @@ def test_spi_values_of_isotropic_and_elliptical_runs():
     expected = spi([4.0, 4.0], floor=1.0, dim=8, noise_multiplier=strategy.z_train)
     assert strategy.spi_values() == pytest.approx(expected)
     assert strategy.spi_values()[2] < 2 * strategy.z_train**2  # below the isotropic k·σ²
+
+
+def test_a_round_with_no_update_reports_no_statistics_over_updates():
+    """No reply (or an empty Poisson cohort): the noise alone is released and charged;
+    the clip fraction, mean P-norm and quantization error are over no update, so they
+    are left out of the round's metrics instead of reported as NaN or 0."""
+    strategy = _wrapper(m=3, z=2.0, clip=1.0, tau=1.0, quantize_bits=4)
+    _, (arrays, metrics) = _round(strategy, {"w": np.zeros(10)}, [], nodes=[1, 2, 3])
+    assert len(strategy.ledger.releases) == 1
+    assert np.all(np.isfinite(arrays["w"].numpy())) and np.any(arrays["w"].numpy() != 0)
+    assert metrics["subspace-quant-bits-per-update"] == 10 * 4
+    for key in ("subspace-clip-fraction", "subspace-mean-pnorm", "subspace-quant-error"):
+        assert key not in metrics
