@@ -10,13 +10,21 @@ whose heartbeat stopped) to test faults, and the node ids are chosen by the test
 
 from __future__ import annotations
 
+import io
+import logging
+import time
 import tomllib
+import traceback
 from pathlib import Path
 
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.config import parse_config_args
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import FLOWER_LOGGER
+from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as client_app
+from lab.launcher import _RUN_DIR_LINE, RunOutcome
 from server_app import app as server_app
 from strategies.private import NOISE_PARAMETER
 
@@ -116,3 +124,54 @@ def run_server(config: dict, grid: InProcessGrid) -> None:
     whose partition map knows nothing of a previous run's nodes."""
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     server_app._run(grid, context)
+
+
+def run_like_flwr(run_config: str, num_supernodes: int = 4) -> RunOutcome:
+    """The run ``flwr run . local-simulation --stream --run-config run_config`` makes on
+    ``num_supernodes`` virtual SuperNodes, made in this process: the pyproject defaults
+    with ``run_config`` (parsed as Flower parses it) on top, each SuperNode the real
+    ClientApp, a ClientApp that raises answering with Flower's error reply.
+
+    For the end-to-end tests' checks of what the app computes; what only the Flower
+    runtime does (the SuperLink, Ray, serialisation, SecAgg+ over the wire) stays in
+    ``tests/e2e``. The output is the app's log (Flower's logger, as ``--stream`` shows
+    it); a ServerApp that raises gives return code 1 and the traceback, as a run that
+    ends ``finished:failed``."""
+    defaults = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    config = {**defaults, **parse_config_args([run_config])}
+    grid = InProcessGrid(config, [1000 + i for i in range(num_supernodes)])
+    grid.errors_as_replies = True
+    # What Flower's runtime sets for a ServerApp (tests/conftest.py sets it per test; a
+    # module-scoped fixture runs before that).
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s : %(message)s"))
+    handler.setLevel(logging.INFO)
+    FLOWER_LOGGER.addHandler(handler)
+    started, returncode = time.monotonic(), 0
+    try:
+        run_server(config, grid)
+    except Exception:  # the run failed: the test reads why in the output
+        returncode = 1
+        stream.write(traceback.format_exc())
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)
+    output = stream.getvalue()
+    match = _RUN_DIR_LINE.search(output)
+    run_dir = Path(match.group(1)) if match else None
+    status = "finished:failed" if returncode else "finished:completed"
+    return RunOutcome(returncode, output, run_dir, time.monotonic() - started, status)
+
+
+def make_run(
+    flower, run_config: str, *, in_process: bool, federation_config: str = ""
+) -> RunOutcome:
+    """``flower.run(run_config, federation_config=...)`` (a
+    :class:`lab.launcher.LocalSimulation`), or with ``in_process`` the same run made by
+    :func:`run_like_flwr` on as many SuperNodes as ``federation_config`` names
+    (``num-supernodes``, else the end-to-end harness's 4)."""
+    if not in_process:
+        return flower.run(run_config, federation_config=federation_config)
+    federation = parse_config_args([federation_config]) if federation_config else {}
+    return run_like_flwr(run_config, num_supernodes=int(federation.get("num-supernodes", 4)))
