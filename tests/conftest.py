@@ -22,9 +22,9 @@ def pytest_collection_modifyitems(items):
     """Under ``pytest -n 2 --dist loadgroup`` (the README's command) the end-to-end tests
     go to three groups, each run in order on one worker: a group's modules share that
     worker's local SuperLink (``tests/e2e/conftest.py``; each on its own port), and
-    the deployment tests start their own SuperLink. A `flwr run` mostly waits (Ray
-    start-up, ClientApp imports, polls: CI measured 15 CPU-minutes in 25 minutes on 2
-    cores), so two groups at once fit the 2 cores; single-threaded unit tests fill in."""
+    the deployment tests start their own SuperLink. Both cores are busy (95 % over a
+    whole local run on 2026-11-27): what shortens the suite is less work, such as the
+    variants made in process (``tests.inprocess.run_like_flwr``), not more workers."""
     for item in items:
         if item.get_closest_marker("e2e"):
             module = item.module.__name__.rsplit(".", 1)[-1]

@@ -1,7 +1,11 @@
 """`flwr run` of the tabular regression task (seed 001) on 4 SuperNodes: SmartFedProx
 with hybrid selection after a one-round cold start, the same under DP-FedAvg with
 adaptive clipping (noised divergence reports), FedAvg with FedBN layers, and FedAvg
-with sample-level DP-SGD on the LayerNorm MLP."""
+with sample-level DP-SGD on the LayerNorm MLP.
+
+The private SmartFedProx run goes through `flwr run`; the others are made in process
+(:func:`tests.inprocess.run_like_flwr`: the same ServerApp and ClientApp without the
+Flower runtime), which keeps CI within its time."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 import torch
 
 from tasks.finance import FinanceTask
+from tests.inprocess import make_run
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +35,7 @@ VARIANTS = {
     "dpsgd": "strategy='fedavg' privacy='dp-sgd' dp.noise-multiplier=1.0",
 }
 LEARNS = ("smart", "fedbn")
+THROUGH_FLOWER = {"smart-dp"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,9 @@ def finance_runs(flower, tmp_path_factory):
     root = tmp_path_factory.mktemp("finance-runs")
     runs = {}
     for name, options in VARIANTS.items():
-        result = flower.run(f"{TINY} {options} output-dir='{root}'")
+        result = make_run(
+            flower, f"{TINY} {options} output-dir='{root}'", in_process=name not in THROUGH_FLOWER
+        )
         assert result.returncode == 0 and result.run_dir is not None, result.output
         runs[name] = result
     return runs

@@ -20,6 +20,7 @@ import pytest
 from nbclient import NotebookClient
 
 from lab.launcher import APP_DIR as REPO
+from tests.inprocess import make_run
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +53,11 @@ def runs(flower, tmp_path_factory) -> dict[str, Run]:
     made = {}
     for strategy, extra in (("fedavg", ""), ("fedprox", "fedprox.mu=0.5"), ("local", "")):
         out = root / strategy
-        result = flower.run(f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}")
+        result = make_run(
+            flower,
+            f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}",
+            in_process=strategy != "fedavg",
+        )
         assert result.returncode == 0, result.output
         (path,) = list(out.iterdir())
         assert result.run_dir == path

@@ -1,7 +1,12 @@
 """`flwr run` of the federated PPO task (seed 000) on 3 SuperNodes (one per planet):
 fedavg, clustered FedAvg, the Laplace mechanism and the options of issue 28 (kept Adam
 state, the gravity input, a server optimizer, seeded evaluation with standard errors),
-each for 2 tiny rounds."""
+each for 2 tiny rounds.
+
+The issue-28 run ("lands": client state kept across rounds in Flower's Context) goes
+through `flwr run`; the others are made in process (:func:`tests.inprocess.run_like_flwr`:
+the same ServerApp and ClientApp without the Flower runtime), which keeps CI within
+its time. ``tests/e2e/test_reproducibility.py`` runs fedavg's PPO through Ray too."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from flwr.app import Context, RecordDict
 from client_app import state
 from server_app.results import load_metrics
 from tasks.lunar_lander.logs import load_snapshots
+from tests.inprocess import make_run
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +46,7 @@ VARIANTS = {
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
     "ppo.ent-coef=0.01 ppo.reward-scale=0.01 ppo.eval-episodes=3",
 }
+THROUGH_FLOWER = {"lands"}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +54,10 @@ def lunar_runs(flower, tmp_path_factory):
     root = tmp_path_factory.mktemp("lunar-runs")
     runs = {}
     for name, options in VARIANTS.items():
-        result = flower.run(
+        result = make_run(
+            flower,
             f"{TINY} {options} output-dir='{root}'",
+            in_process=name not in THROUGH_FLOWER,
             federation_config="num-supernodes=3 client-resources-num-cpus=1",
         )
         assert result.returncode == 0 and result.run_dir is not None, result.output
