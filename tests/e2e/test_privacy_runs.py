@@ -11,8 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from server_app.results import load_metrics
-from tests.server_app.test_privacy_runs import TINY, check_epsilon_grows_and_reloads
+from tests.server_app.test_privacy_runs import TINY, check_epsilon_grows_and_reloads, finished
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +43,7 @@ def dp_runs(flower, tmp_path_factory):
             f"{TINY} {options} output-dir='{root}'",
             federation_config=FEDERATION.get(privacy, ""),
         )
-        assert result.returncode == 0 and result.run_dir is not None, result.output
-        runs[privacy] = (
-            result,
-            load_metrics(result.run_dir),  # with curator/metrics.csv (raw diagnostics)
-            json.loads((result.run_dir / "ledger.json").read_text()),
-        )
+        runs[privacy] = finished(result)
     return runs
 
 

@@ -47,13 +47,19 @@ def dp_runs(tmp_path_factory):
     runs = {}
     for privacy, options in RUNS.items():
         result = run_like_flwr(f"{TINY} privacy='{privacy}' {options} output-dir='{root}'")
-        assert result.returncode == 0 and result.run_dir is not None, result.output
-        runs[privacy] = (
-            result,
-            load_metrics(result.run_dir),  # with curator/metrics.csv (raw diagnostics)
-            json.loads((result.run_dir / "ledger.json").read_text()),
-        )
+        runs[privacy] = finished(result)
     return runs
+
+
+def finished(result):
+    """(the run, its metrics with curator/metrics.csv's raw diagnostics, ledger.json) of
+    a run that completed."""
+    assert result.returncode == 0 and result.run_dir is not None, result.output
+    return (
+        result,
+        load_metrics(result.run_dir),
+        json.loads((result.run_dir / "ledger.json").read_text()),
+    )
 
 
 def check_epsilon_grows_and_reloads(result, metrics, ledger_doc) -> None:
