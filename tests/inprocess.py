@@ -5,7 +5,9 @@ directly, each with its own ``Context`` (node config ``partition-id`` /
 ``num-partitions``, a ``state`` that persists across messages as in a simulation).
 Nodes can be killed (they stop answering and leave ``get_node_ids``, as a SuperNode
 whose heartbeat stopped) to test faults, and the node ids are chosen by the test, so a
-"new run" can get new ids as Flower gives them.
+"new run" can get new ids as Flower gives them. :func:`run_like_flwr` makes the run a
+`flwr run` run-config string makes, for the end-to-end modules' variants that need no
+part of the Flower runtime (``make_run`` picks one or the other).
 """
 
 from __future__ import annotations
