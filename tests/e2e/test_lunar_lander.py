@@ -3,10 +3,12 @@ fedavg, clustered FedAvg, the Laplace mechanism and the options of issue 28 (kep
 state, the gravity input, a server optimizer, seeded evaluation with standard errors),
 each for 2 tiny rounds.
 
-The issue-28 run ("lands": client state kept across rounds in Flower's Context) goes
-through `flwr run`; the others are made in process (:func:`tests.inprocess.run_like_flwr`:
-the same ServerApp and ClientApp without the Flower runtime), which keeps CI within
-its time. ``tests/e2e/test_reproducibility.py`` runs fedavg's PPO through Ray too."""
+The issue-28 run ("lands": client state kept across rounds in Flower's Context) and
+clustered FedAvg (K global models, each client sent the one it is assigned to: the
+suite's only clustered `flwr run`) go through `flwr run`; the others are made in process
+(:func:`tests.inprocess.run_like_flwr`: the same ServerApp and ClientApp without the
+Flower runtime), which keeps CI within its time. ``tests/e2e/test_reproducibility.py``
+runs fedavg's PPO through Ray too."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ VARIANTS = {
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
     "ppo.ent-coef=0.01 ppo.reward-scale=0.01 ppo.eval-episodes=3",
 }
-THROUGH_FLOWER = {"lands"}
+THROUGH_FLOWER = {"lands", "clustered"}
 
 
 @pytest.fixture(scope="module")
