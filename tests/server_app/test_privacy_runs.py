@@ -33,7 +33,8 @@ RUNS = {
     # Head-only after a 2-epoch warm start on the public split; PMU in rounds 1 and 3;
     # the public U split by the fairness program over two label groups; 8-bit updates.
     # Poisson cohorts of 3 expected of 4: a round samples nobody with probability
-    # 0.25^4. z = 0.5: PLD accounting costs about 1/z (20 s per event at z = 0.1).
+    # 0.25^4. z = 0.5: a PLD event costs more as z falls (here 18 s at z = 0.1, 2 s
+    # at z = 0.5).
     "subspace-dp": "dp.num-sampled-clients=3 dp.noise-multiplier=0.5 dp.clip-norm=0.5 "
     "subspace.head-only=true subspace.warm-start=2 subspace.rank=2 subspace.sketch-dim=8 "
     "subspace.pmu-every=2 subspace.init='public' subspace.allocation='fairness' "
