@@ -53,8 +53,12 @@ TINY = {
 def run_config(**overrides) -> dict:
     """The pyproject defaults with ``TINY`` and ``overrides`` on top (and the test noise,
     :func:`with_test_noise`)."""
-    defaults = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
-    return with_test_noise({**defaults, **TINY, **overrides})
+    return with_test_noise({**pyproject_defaults(), **TINY, **overrides})
+
+
+def pyproject_defaults() -> dict:
+    """The app's run-config defaults (``[tool.flwr.app.config]``)."""
+    return tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
 
 
 def with_test_noise(config: dict) -> dict:
@@ -139,8 +143,7 @@ def run_like_flwr(run_config: str, num_supernodes: int = 4) -> RunOutcome:
     ``tests/e2e``. The output is the app's log (Flower's logger, as ``--stream`` shows
     it); a ServerApp that raises gives return code 1 and the traceback, as a run that
     ends ``finished:failed``."""
-    defaults = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
-    config = {**defaults, **parse_config_args([run_config])}
+    config = {**pyproject_defaults(), **parse_config_args([run_config])}
     grid = InProcessGrid(config, [1000 + i for i in range(num_supernodes)])
     grid.errors_as_replies = True
     # What Flower's runtime sets for a ServerApp (tests/conftest.py sets it per test; a
