@@ -387,7 +387,7 @@ class SubspaceDP(DPFedAvgFixed):
             self._stats["subspace-quant-bits-per-update"] = float(
                 quantizer.bits_per_update(self.metric.dim)
             )
-        if deltas:  # an empty Poisson cohort has no update to average these over
+        if deltas:  # none to average over: an empty Poisson cohort, or every client failed
             self._stats["subspace-clip-fraction"] = clipped / len(deltas)
             self._stats["subspace-mean-pnorm"] = float(np.mean(norms))
             if errors:

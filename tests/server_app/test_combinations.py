@@ -5,12 +5,11 @@ import pytest
 from server_app import config
 from server_app.evaluation import best_of_clusters
 from tasks.options import ConfigError
-from tests.inprocess import with_test_noise
-from tests.server_app.test_config import _pyproject_defaults
+from tests.inprocess import pyproject_defaults, with_test_noise
 
 
 def _load(**overrides):
-    return config.load(with_test_noise({**_pyproject_defaults(), **overrides}))
+    return config.load(with_test_noise({**pyproject_defaults(), **overrides}))
 
 
 @pytest.mark.parametrize(

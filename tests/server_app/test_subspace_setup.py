@@ -7,7 +7,7 @@ import pytest
 from server_app import config, subspace_setup
 from tasks.options import ConfigError
 from tasks.vision import DigitsTask
-from tests.server_app.test_config import _pyproject_defaults
+from tests.inprocess import pyproject_defaults
 
 FAIR = {
     "privacy": "subspace-dp",
@@ -19,7 +19,7 @@ FAIR = {
 
 
 def test_fairness_allocation_needs_two_label_groups():
-    run_config = {**_pyproject_defaults(), **FAIR}
+    run_config = {**pyproject_defaults(), **FAIR}
     with pytest.raises(ConfigError, match=r"'data\.groups'.*'low-high'"):
         subspace_setup.check(config.load(run_config), DigitsTask(run_config))
     grouped = {**run_config, "data.groups": "low-high"}
@@ -27,6 +27,6 @@ def test_fairness_allocation_needs_two_label_groups():
 
 
 def test_allocation_without_public_data_is_refused_at_load():
-    run_config = {**_pyproject_defaults(), **FAIR, "subspace.warm-start": 0}
+    run_config = {**pyproject_defaults(), **FAIR, "subspace.warm-start": 0}
     with pytest.raises(ConfigError, match=r"'subspace\.allocation' = 'fairness' needs public"):
         config.load(run_config)
