@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -93,9 +94,37 @@ def stage_app(source: Path, dest: Path) -> int:
     return len(kept)
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (outgoing connections, port 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; macOS picks from 49152-65535
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (the OS's choice for port 0)."""
-    with socket.socket() as sock:
+    """A TCP port free on loopback now, for a process we start to listen on later.
+
+    Not the OS's choice for port 0: that comes from the ephemeral range, from which the
+    kernel also hands out the local ports of outgoing connections, so in the seconds a
+    SuperNode or SuperLink takes to import and bind, another process's connection can
+    take it (a CI run failed on "address already in use" this way). We draw at random
+    below the ephemeral range, where only an explicit bind can collide.
+    """
+    low, _ = ephemeral_range()
+    first = 10_000  # above the well-known and most registered service ports
+    if low - first >= 1_000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(first, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    with socket.socket() as sock:  # no room below the range: the OS's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

@@ -92,9 +92,10 @@ def _is_free(port: int) -> bool:
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive free ports (the guide numbers SuperNode ports
     ``base + K``)."""
+    below_ephemeral, _ = launcher.ephemeral_range()
     while True:
         base = free_port()
-        if base + count < 65536 and all(_is_free(base + k) for k in range(1, count)):
+        if base + count <= below_ephemeral and all(_is_free(base + k) for k in range(1, count)):
             return base
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
+from lab import launcher
 from lab.launcher import LocalSimulation
 
 
@@ -34,3 +36,35 @@ def test_no_run_or_no_listing_gives_no_status():
     assert _simulation([])._status("Successfully started run 3") == ""
     error = subprocess.CalledProcessError(1, ["flwr", "list"])
     assert _simulation(error)._status("Successfully started run 3") == ""
+
+
+def test_free_port_lies_below_the_kernelsephemeral_range_and_is_bindable():
+    # The kernel hands out ephemeral ports to outgoing connections at any moment; a
+    # port we pick for a process to bind seconds later must not come from there.
+    low, high = launcher.ephemeral_range()
+    assert 1024 < low <= high
+    ports = [launcher.free_port() for _ in range(50)]
+    assert all(10_000 <= port < low for port in ports)
+    assert len(set(ports)) > 40  # drawn at random, not the first free one each time
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    with socket.socket() as taken, socket.socket() as probe:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        probe.bind(("127.0.0.1", 0))
+        busy, free = taken.getsockname()[1], probe.getsockname()[1]
+        probe.close()
+        top = max(busy, free) + 1
+        monkeypatch.setattr(launcher, "ephemeral_range", lambda: (top, 60999))
+        draws = iter([busy, busy, free])
+
+        class Draws:
+            def randrange(self, start, stop):
+                assert (start, stop) == (10_000, top)
+                return next(draws)
+
+        monkeypatch.setattr(launcher.random, "SystemRandom", Draws)
+        assert launcher.free_port() == free
