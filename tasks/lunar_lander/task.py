@@ -81,6 +81,13 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.vec-env", "dummy", "Vectorisation: `dummy` (one process) or `subproc`.",
            choices=tuple(VEC_ENVS)),
     Option("ppo.learning-rate", 3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True),
+    *(
+        Option(f"ppo.learning-rate-{planet}", 0.0,
+               f"PPO's Adam learning rate on each {planet} client (its base and derived "
+               "ones); 0: ppo.learning-rate. ppo.lr-schedule decays it alike.",
+               low=0.0)
+        for planet in PLANETS
+    ),
     Option("ppo.n-steps", 2048, "Steps per environment copy per PPO rollout.", low=1),
     Option("ppo.batch-size", 64, "PPO minibatch size.", low=1, low_open=True),
     Option("ppo.n-epochs", 10, "PPO passes over each rollout.", low=1),
@@ -210,6 +217,11 @@ class LunarLanderTask(Task):
             planet: int(opts[f"ppo.local-steps-{planet}"]) or self.config.local_steps
             for planet in PLANETS
         }
+        # ... and their learning rate (ppo.learning-rate-<planet>, 0: the default)
+        self.planet_rates = {
+            planet: float(opts[f"ppo.learning-rate-{planet}"]) or self.config.learning_rate
+            for planet in PLANETS
+        }
         self.observe_gravity = bool(opts["ppo.observe-gravity"])
         self.net_width = int(opts["ppo.net-width"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
@@ -264,7 +276,8 @@ class LunarLanderTask(Task):
         self, model: torch.nn.Module, partition: ClientEnv, local: LocalTraining
     ) -> dict[str, float]:
         """``ppo.local-steps`` env steps of PPO on the client's environment, in place
-        (``ppo.local-steps-<planet>`` where that is set for the client's planet).
+        (``ppo.local-steps-<planet>`` and ``ppo.learning-rate-<planet>`` where they are
+        set for the client's planet).
 
         PPO and the environments are fresh every round; the received weights are the
         FedProx anchor. Adam starts from zero moments, or with ``ppo.keep-optimizer``
@@ -285,7 +298,11 @@ class LunarLanderTask(Task):
         start_step = int(local.state.get(TIMESTEPS_KEY, 0))
         architecture = parameter_shapes(model)
         kept = local.state.get(OPTIMIZER_PARAMS_KEY) == architecture
-        config = dataclasses.replace(self.config, local_steps=self.planet_steps[partition.planet])
+        config = dataclasses.replace(
+            self.config,
+            local_steps=self.planet_steps[partition.planet],
+            learning_rate=self.planet_rates[partition.planet],
+        )
         result = train_ppo(
             model, partition, config, seed=local.seed,
             proximal_mu=local.proximal_mu, start_step=start_step,

@@ -41,7 +41,7 @@ from tasks.lunar_lander.ppo import (
     train_ppo,
     unflatten_state_dict,
 )
-from tasks.lunar_lander.task import OPTIMIZER_PARAMS_KEY, episode_stats
+from tasks.lunar_lander.task import OPTIMIZER_PARAMS_KEY, TRAIN_LEARNING_RATE, episode_stats
 from tasks.options import ConfigError
 from tasks.proximal import proximal_term
 
@@ -479,6 +479,44 @@ def test_a_planets_own_local_steps_apply_to_its_clients_only():
         "moon-00": (384, 384), "earth-00": (256, 256), "mars-00": (128, 128),
         "moon-01": (384, 384), "earth-01": (256, 256), "mars-01": (128, 128),
     }  # fmt: skip
+
+
+def test_a_planets_own_learning_rate_applies_to_its_clients_only():
+    # Prepare: the moon's clients at 6e-4, earth's and mars' at ppo.learning-rate 1e-3
+    # (TINY's rollout of 128 in batches of 64: two updates a round, so the rate is set)
+    task = LunarLanderTask({**TINY, "ppo.learning-rate": 1e-3, "ppo.learning-rate-moon": 6e-4})
+    rates = {}
+    for client in task.clients:
+        model = task.build_model(0)
+
+        # Execute
+        metrics = task.train(model, client, LocalTraining(1, seed=0, state={}))
+        rates[client.label] = metrics[TRAIN_LEARNING_RATE]
+
+    # Assert
+    assert rates == pytest.approx({
+        "moon-00": 6e-4, "earth-00": 1e-3, "mars-00": 1e-3,
+        "moon-01": 6e-4, "earth-01": 1e-3, "mars-01": 1e-3,
+    })  # fmt: skip
+
+
+def test_a_planets_learning_rate_decays_with_the_schedule():
+    # Prepare: 4 rounds, linear decay, 2 rollouts a round: round 2's last update runs
+    # at 2/4 of the planet's start (as test_ppo_trains_with_the_scheduled_learning_rate)
+    task = LunarLanderTask(TINY | {"num-server-rounds": 4, "ppo.lr-schedule": "linear",
+                                   "ppo.learning-rate-mars": 8e-4})  # fmt: skip
+    earth, mars = task.clients[1], task.clients[2]
+
+    # Execute
+    rates = {
+        client.label: task.train(task.build_model(0), client, LocalTraining(2, seed=5))[
+            TRAIN_LEARNING_RATE
+        ]
+        for client in (earth, mars)
+    }
+
+    # Assert
+    assert rates == pytest.approx({"earth-00": 3e-4 / 2, "mars-00": 8e-4 / 2}, rel=1e-9)
 
 
 def test_a_negative_planet_local_steps_is_refused():
