@@ -124,7 +124,7 @@ def free_port() -> int:
                 except OSError:
                     continue
             return port
-    with socket.socket() as sock:  # no room below the range: the OS's choice
+    with socket.socket() as sock:  # no room below the range, or none bound: the OS's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
