@@ -38,7 +38,7 @@ def test_no_run_or_no_listing_gives_no_status():
     assert _simulation(error)._status("Successfully started run 3") == ""
 
 
-def test_free_port_lies_below_the_kernelsephemeral_range_and_is_bindable():
+def test_free_port_lies_below_the_kernels_ephemeral_range_and_is_bindable():
     # The kernel hands out ephemeral ports to outgoing connections at any moment; a
     # port we pick for a process to bind seconds later must not come from there.
     low, high = launcher.ephemeral_range()

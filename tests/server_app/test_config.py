@@ -7,7 +7,7 @@ from tasks.options import ConfigError
 from tests.inprocess import pyproject_defaults
 
 
-def testpyproject_defaults_equal_declared_defaults():
+def test_pyproject_defaults_equal_declared_defaults():
     declared = {opt.key: opt.default for opt in config.all_options()}
     assert pyproject_defaults() == declared
 
