@@ -10,10 +10,16 @@ Every round:
    in L2 to the weights it uploaded last time it trained (``assign="l2"``), or the one
    with the lowest score in its own evaluation of all K (``assign="loss"``, IFCA).
 2. Local training from that model.
-3. Clustering. The valid uploads, flattened, go through k-means with min(K, n)
-   clusters; the clusters are matched to the current global models (Hungarian
-   assignment on the squared distance between centroids and models) so a model's
-   index is stable across rounds.
+3. Clustering. The valid uploads go through k-means with min(K, n) clusters, and the
+   clusters are matched to the current global models so a model's index is stable
+   across rounds. With ``space="weights"`` (the seed's rule) the points are the
+   uploaded weights, flattened, and a cluster goes to the model nearest its centroid
+   (Hungarian assignment on the squared distance). With ``space="directions"`` the
+   points are each client's update, its upload minus the model it trained from,
+   scaled to unit length (the cosine similarity of updates that clustered FL of
+   Sattler et al. 2020, arXiv:1910.01991, splits on): how far a client moved no longer
+   matters, only which way. A cluster then goes to the model most of its members
+   trained from (Hungarian assignment on those counts).
 4. Update. Each matched global model becomes the unweighted mean of its cluster;
    unmatched models stay as they are.
 """
@@ -48,6 +54,7 @@ _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
 _KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round
 
 ASSIGN_RULES = ("l2", "loss")
+SPACES = ("weights", "directions")
 QUERY_TYPE = f"{MessageType.EVALUATE}.{keys.CLUSTER_QUERY}"  # "evaluate.cluster"
 # One history row per sampled client per round: the model it trained from, the
 # cluster its upload fell into (-1: invalid reply), how it was assigned and the
@@ -115,6 +122,25 @@ def match_to_models(points: np.ndarray, labels: np.ndarray, models: np.ndarray) 
     return np.asarray([to_model[int(label)] for label in labels])
 
 
+def unit_rows(points: np.ndarray) -> np.ndarray:
+    """Each row scaled to unit L2 norm; a zero row (a client that did not move) stays 0."""
+    norms = np.linalg.norm(points, axis=1, keepdims=True)
+    return np.divide(points, norms, out=np.zeros_like(points), where=norms > 0)
+
+
+def match_by_members(labels: np.ndarray, assigned: np.ndarray, k: int) -> np.ndarray:
+    """The global model index of every point: each non-empty cluster is matched to one
+    of the ``k`` models, maximising how many points keep the model they trained from
+    (``assigned``). Ties go to the lower cluster label and model index."""
+    from scipy.optimize import linear_sum_assignment  # on use, as KMeans above
+
+    present = np.unique(labels)
+    counts = np.stack([np.bincount(assigned[labels == c], minlength=k) for c in present])
+    rows, cols = linear_sum_assignment(-counts)
+    to_model = {int(present[r]): int(c) for r, c in zip(rows, cols, strict=True)}
+    return np.asarray([to_model[int(label)] for label in labels])
+
+
 def mean_arrays(uploads: list[list[np.ndarray]]) -> list[np.ndarray]:
     """The unweighted float64 mean of the uploads, array by array."""
     return [
@@ -157,6 +183,10 @@ class ClusteredFedAvg(Strategy):
     assign : str
         ``"l2"`` (closest model to the client's last upload; unseen clients and ties
         draw uniformly) or ``"loss"`` (IFCA: lowest score in the client's query reply).
+    space : str
+        What k-means clusters: ``"weights"`` (the uploads) or ``"directions"`` (each
+        update's unit direction, so clients that train more or at a larger rate than
+        others in the same direction stay in one cluster).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes :
         FedAvg's sampling, drawn with a generator seeded from ``seed``.
@@ -176,6 +206,7 @@ class ClusteredFedAvg(Strategy):
         *,
         k: int,
         assign: str,
+        space: str = "weights",
         fraction_train: float,
         fraction_evaluate: float,
         min_train_nodes: int,
@@ -189,7 +220,9 @@ class ClusteredFedAvg(Strategy):
             raise ValueError(f"k = {k} must be at least 1")
         if assign not in ASSIGN_RULES:
             raise ValueError(f"assign = {assign!r}; valid values: {ASSIGN_RULES}")
-        self.k, self.assign, self.seed = k, assign, seed
+        if space not in SPACES:
+            raise ValueError(f"space = {space!r}; valid values: {SPACES}")
+        self.k, self.assign, self.space, self.seed = k, assign, space, seed
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
@@ -222,6 +255,7 @@ class ClusteredFedAvg(Strategy):
         return {
             "k": self.k,
             "assign": self.assign,
+            "space": self.space,
             "seed": self.seed,
             "round": self._round,
             "cluster-sizes": list(self._sizes),
@@ -261,7 +295,12 @@ class ClusteredFedAvg(Strategy):
         log(INFO, "\t├──> Clustered FedAvg: K = %d global models", self.k)
         rule = {"l2": "closest to last upload (L2)", "loss": "lowest client score (IFCA)"}
         log(INFO, "\t├──> Assignment: %s; ties and unseen clients at random", rule[self.assign])
-        log(INFO, "\t├──> Update: k-means (n_init=10), clusters matched to models, mean")
+        space = {"weights": "the uploads", "directions": "unit update directions"}
+        log(
+            INFO,
+            "\t├──> Update: k-means (n_init=10) on %s, clusters matched to models, mean",
+            space[self.space],
+        )
         log(INFO, "\t└──> Sampling (seed %d):", self.seed)
         log(
             INFO,
@@ -313,8 +352,7 @@ class ClusteredFedAvg(Strategy):
             return None, None
         nodes = sorted(valid)
         points = np.stack([flatten(valid[n][0]) for n in nodes])
-        labels = kmeans_labels(points, min(self.k, len(nodes)), self._kmeans_seed(server_round))
-        to_model = match_to_models(points, labels, self._flat_models())
+        to_model = self._cluster(server_round, points, [pending[n][0] for n in nodes])
         matched = dict(zip(nodes, to_model.tolist(), strict=True))
         for k in set(matched.values()):
             members = [valid[n][0] for n in nodes if matched[n] == k]
@@ -458,6 +496,18 @@ class ClusteredFedAvg(Strategy):
             group_id=str(server_round),
         )
 
+    def _cluster(self, server_round: int, points: np.ndarray, assigned: list[int]) -> np.ndarray:
+        """The model index each upload (a row of ``points``) is averaged into."""
+        n_clusters, seed = min(self.k, len(points)), self._kmeans_seed(server_round)
+        models_flat = self._flat_models()
+        if self.space == "weights":
+            return match_to_models(points, kmeans_labels(points, n_clusters, seed), models_flat)
+        assigned_ = np.asarray(assigned)
+        directions = unit_rows(points - models_flat[assigned_])
+        # k-means on unit vectors: the Euclidean distance between two of them is
+        # sqrt(2 - 2 cos), so it splits on the cosine (scikit-learn has no spherical k-means).
+        return match_by_members(kmeans_labels(directions, n_clusters, seed), assigned_, self.k)
+
     def _valid_uploads(
         self, replies: Iterable[Message], pending: dict[int, tuple[int, str, float]]
     ) -> dict[int, tuple[list[np.ndarray], MetricRecord]]:
@@ -516,7 +566,15 @@ class ClusterSettings(Settings):
         "l2",
         "Clustered FedAvg: how a client picks its model: `l2` (closest weights to its"
         " last upload, the seed's rule) or `loss` (best local evaluation, IFCA).",
-        choices=("l2", "loss"),
+        choices=ASSIGN_RULES,
+    )
+    space: str = setting(
+        "weights",
+        "Clustered FedAvg: what k-means clusters each round: `weights` (the uploaded"
+        " weights, the seed's rule) or `directions` (each update's unit direction, the"
+        " cosine of clustered FL; clients that move farther in the same direction, e.g."
+        " with more local steps, stay together).",
+        choices=SPACES,
     )
 
     @staticmethod
@@ -530,6 +588,13 @@ class ClusterSettings(Settings):
                 "valid values with clustered: " + listed(CLUSTERED_PRIVACY)
             )
         if choice.privacy in CENTRAL_CLUSTERED:
+            if choice.options["cluster.space"] != "weights":
+                raise SettingsError(
+                    f"'cluster.space' = {choice.options['cluster.space']!r} has no effect with "
+                    f"'privacy' = {choice.privacy!r}: no k-means runs there (each client's "
+                    "update enters the private mean of the model it was assigned); "
+                    "valid value: 'weights'"
+                )
             if choice.options["dp.noise-site"] != "server":
                 raise SettingsError(
                     f"'strategy' = 'clustered' with 'privacy' = {choice.privacy!r} needs "

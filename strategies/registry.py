@@ -93,6 +93,7 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
         **_sampling(s),
         k=int(s.options["cluster.k"]),
         assign=str(s.options["cluster.assign"]),
+        space=str(s.options["cluster.space"]),
         seed=s.seed,
         query_timeout=s.round_timeout,
     ),

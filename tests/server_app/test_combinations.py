@@ -39,6 +39,16 @@ def _load(**overrides):
             "'privacy' = 'dp-sgd' is not available for 'task' = 'lunar-lander'",
         ),
         ({"cluster.assign": "nearest"}, "valid values: 'l2', 'loss'"),
+        ({"cluster.space": "cosine"}, "valid values: 'weights', 'directions'"),
+        (
+            {
+                "strategy": "clustered",
+                "privacy": "dp-fedavg-fixed",
+                "dp.noise-site": "server",
+                "cluster.space": "directions",
+            },
+            "'cluster.space' = 'directions' has no effect with 'privacy' = 'dp-fedavg-fixed'",
+        ),
         (
             {"strategy": "smart-fedprox", "privacy": "laplace"},
             "valid values with smart-fedprox: 'none', 'dp-sgd', 'dp-fedavg-fixed', "
@@ -98,6 +108,7 @@ def test_impossible_combinations_are_refused(overrides, expected):
     [
         {"strategy": "clustered", "privacy": "none", "cluster.assign": "loss"},
         {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "l2"},
+        {"strategy": "clustered", "privacy": "laplace", "cluster.space": "directions"},
         {"strategy": "clustered", "privacy": "dp-sgd"},
         {"strategy": "clustered", "privacy": "dp-fedavg-adaptive", "cluster.assign": "loss"},
         {"strategy": "clustered", "privacy": "dp-fedavg-fixed", "cluster.assign": "l2"},
