@@ -131,7 +131,7 @@ def unit_rows(points: np.ndarray) -> np.ndarray:
 def match_by_members(labels: np.ndarray, assigned: np.ndarray, k: int) -> np.ndarray:
     """The global model index of every point: each non-empty cluster is matched to one
     of the ``k`` models, maximising how many points keep the model they trained from
-    (``assigned``). Ties go to the lower cluster label and model index."""
+    (``assigned``). Ties are broken by scipy's solver, the same way for the same input."""
     from scipy.optimize import linear_sum_assignment  # on use, as KMeans above
 
     present = np.unique(labels)
