@@ -112,14 +112,10 @@ def kmeans_labels(points: np.ndarray, n_clusters: int, random_state: int) -> np.
 def match_to_models(points: np.ndarray, labels: np.ndarray, models: np.ndarray) -> np.ndarray:
     """The global model index of every point: each non-empty cluster is matched to one
     model (rows of ``models``), minimising the total squared centroid-model distance."""
-    from scipy.optimize import linear_sum_assignment  # on use, as KMeans above
-
     present = np.unique(labels)
     centroids = np.stack([points[labels == c].mean(axis=0) for c in present])
     cost = np.stack([((centroids - m) ** 2).sum(axis=1) for m in models], axis=1)
-    rows, cols = linear_sum_assignment(cost)
-    to_model = {int(present[r]): int(c) for r, c in zip(rows, cols, strict=True)}
-    return np.asarray([to_model[int(label)] for label in labels])
+    return _matched(labels, present, cost)
 
 
 def unit_rows(points: np.ndarray) -> np.ndarray:
@@ -132,11 +128,17 @@ def match_by_members(labels: np.ndarray, assigned: np.ndarray, k: int) -> np.nda
     """The global model index of every point: each non-empty cluster is matched to one
     of the ``k`` models, maximising how many points keep the model they trained from
     (``assigned``). Ties are broken by scipy's solver, the same way for the same input."""
-    from scipy.optimize import linear_sum_assignment  # on use, as KMeans above
-
     present = np.unique(labels)
     counts = np.stack([np.bincount(assigned[labels == c], minlength=k) for c in present])
-    rows, cols = linear_sum_assignment(-counts)
+    return _matched(labels, present, -counts)
+
+
+def _matched(labels: np.ndarray, present: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Each label's model under the Hungarian assignment of minimum total ``cost``
+    (rows: the ``present`` labels, columns: the models)."""
+    from scipy.optimize import linear_sum_assignment  # on use, as KMeans above
+
+    rows, cols = linear_sum_assignment(cost)
     to_model = {int(present[r]): int(c) for r, c in zip(rows, cols, strict=True)}
     return np.asarray([to_model[int(label)] for label in labels])
 
