@@ -6,7 +6,7 @@ update, the norm of the gradient on the policy's parameters and on the value net
 (the actor-critic's two networks share no weights), before the clip, with the
 preset's PPO settings on one base client's environment, at each reward scale given::
 
-    python bench/ppo_gradients.py experiments/lunar-fl-lands.toml --planet moon \\
+    python bench/ppo_gradients.py experiments/lunar-fl-lands-fedavg.toml --planet moon \\
         --scales 1 0.01 --steps 65536 --seed 0
 
 Per 16 384-step chunk it prints the medians of both norms, the share of updates the

@@ -24,7 +24,7 @@ its optimizer anyway).
 
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 5
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 3 \
-        --preset experiments/lunar-fl-lands.toml
+        --preset experiments/lunar-fl-lands-fedavg.toml
 
 Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
 working tree, so editing the app while it runs changes what is measured.

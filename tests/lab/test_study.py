@@ -118,11 +118,12 @@ def test_the_study_refuses_other_tasks():
 @pytest.mark.parametrize(("prefix", "clients"), [("lunar", 9), ("seed-lunar", 33)])
 def test_lunar_presets_need_one_supernode_per_client(prefix, clients):
     # The base-clients presets federate the three planets' base clients alone, the
-    # pairs presets one derived client per planet beside them.
+    # pairs presets (lunar-fl-lands among them) one derived client per planet beside them.
     paths = sorted(str(p) for p in (REPO / "experiments").glob(f"{prefix}-*.toml"))
     presets = study.load_presets(paths)
     base_only = [p for p in presets if p.name.startswith("lunar-fl-lands-base-clients")]
     pairs = [p for p in presets if p.name.startswith("lunar-fl-lands-pairs")]
+    pairs += [p for p in presets if p.name == "lunar-fl-lands"]  # the pairs that landed
     others = [p for p in presets if p not in base_only + pairs]
     expected = {clients: others, 3: base_only, 6: pairs} if base_only else {clients: others}
     assert study.group_by_size(presets, 10) == expected
