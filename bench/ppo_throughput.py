@@ -38,20 +38,18 @@ import signal
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 from stable_baselines3 import PPO
-from stable_baselines3.common.env_util import make_vec_env
 
 from lab import study
 from lab.launcher import LocalSimulation
 from tasks.lunar_lander import LunarLanderTask
-from tasks.lunar_lander.clients import client_table, make_env
-from tasks.lunar_lander.ppo import silent_logger
+from tasks.lunar_lander.clients import client_table
+from tasks.lunar_lander.ppo import silent_logger, training_env
 
 # Keys of a preset that describe the federation or the evaluation, not local PPO.
 NOT_PPO = ("ppo.local-steps", "ppo.derived-per-base", "ppo.eval-episodes", "ppo.n-envs")
@@ -67,26 +65,33 @@ def preset_ppo(path: Path | None) -> dict:
 
 def standalone_steps_per_second(
     total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict
-) -> tuple[int, float]:
-    """(steps taken, steps/s) of plain SB3 PPO on the moon client's environment.
+) -> tuple[int, float, float]:
+    """(steps taken, steps/s, update epochs per rollout) of plain SB3 PPO on the moon
+    client's environment.
 
-    The environment is built as the task builds it (``make_env``, no render mode):
+    The environments are built as local training builds them (``training_env``: no
+    render mode, the preset's gravity input and reward scale):
     ``make_vec_env("LunarLander-v3")`` would default to ``render_mode="rgb_array"``,
     with which LunarLander adds a Box2D body per engine particle and steps about 25 %
-    slower, flattering the federated side.
+    slower, flattering the federated side. Under a KL stop the epochs per rollout
+    differ between the two sides with what each learns, and the work per step with
+    them, so both are reported.
     """
     torch.set_num_threads(threads)
     moon = client_table(seed, derived_per_base=0)[0]
+    cfg = LunarLanderTask({**ppo, "ppo.n-envs": n_envs}).config
     observe = bool(ppo.get("ppo.observe-gravity", False))  # the preset's gravity input too
-    env = make_vec_env(partial(make_env, moon, observe_gravity=observe), n_envs=n_envs, seed=seed)
-    kwargs = LunarLanderTask({**ppo, "ppo.n-envs": n_envs}).config.ppo_kwargs() if ppo else {}
+    env = training_env(moon, cfg, seed=seed, observe_gravity=observe)
+    kwargs = cfg.ppo_kwargs() if ppo else {}
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
     model.set_logger(silent_logger())  # as the clients: no log folder, nothing printed
     started = time.perf_counter()
     model.learn(total_timesteps=total_steps)
     seconds = time.perf_counter() - started
     env.close()
-    return model.num_timesteps, model.num_timesteps / seconds
+    rollouts = model.num_timesteps // (model.n_steps * model.n_envs)
+    epochs = model.logger.name_to_value["train/n_updates"] / rollouts  # as the clients log it
+    return model.num_timesteps, model.num_timesteps / seconds, epochs
 
 
 def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
@@ -116,6 +121,7 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     elapsed = train["elapsed-s"].to_numpy()  # since the run directory was created
     return {
         "cpus": cpus,
+        "epochs": float(train["train-epochs"].mean()),  # each round's mean over its clients
         "steps": int(steps_per_round.sum()),
         "all": steps_per_round.sum() / elapsed[-1],
         "steady": steps_per_round[1:].sum() / (elapsed[-1] - elapsed[0]),
@@ -140,17 +146,19 @@ def main() -> None:
     total = args.rounds * args.clients_per_round * args.local_steps
     cores = os.cpu_count() or 1
     plain_runs: dict[int, list[float]] = {threads: [] for threads in sorted({1, cores})}
+    plain_epochs: dict[int, list[float]] = {threads: [] for threads in plain_runs}
     federated_runs: dict[int, list[dict]] = {cpus: [] for cpus in sorted({cores, 1}, reverse=True)}
     with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
         for repeat in range(args.repeats):
             for threads, rates in plain_runs.items():
-                steps, rate = standalone_steps_per_second(
+                steps, rate, epochs = standalone_steps_per_second(
                     total, args.n_envs, args.seed, threads, args.ppo
                 )
                 rates.append(rate)
+                plain_epochs[threads].append(epochs)
                 print(
                     f"#{repeat} plain SB3 PPO, {threads} torch thread(s): {steps} steps, "
-                    f"{rate:.0f} steps/s",
+                    f"{rate:.0f} steps/s, {epochs:.2f} epochs per rollout",
                     flush=True,
                 )
             for cpus, runs in federated_runs.items():
@@ -160,6 +168,7 @@ def main() -> None:
                     f"#{repeat} federated, {cores // cpus} ClientApp(s) at once: "
                     f"{row['steps']} steps, {row['all']:.0f} steps/s (all rounds), "
                     f"{row['steady']:.0f} steps/s (rounds 2..{args.rounds}), "
+                    f"{row['epochs']:.2f} epochs per rollout, "
                     f"whole `flwr run` {row['wall']:.1f} s",
                     flush=True,
                 )
@@ -168,19 +177,26 @@ def main() -> None:
         {
             "cpus": cpus,
             "steps": runs[0]["steps"],
-            **{key: float(np.median([r[key] for r in runs])) for key in ("all", "steady", "wall")},
+            **{
+                key: float(np.median([r[key] for r in runs]))
+                for key in ("all", "steady", "wall", "epochs")
+            },
         }
         for cpus, runs in federated_runs.items()
     ]
 
     # Ray gives each ClientApp OMP_NUM_THREADS = num-cpus torch threads: compare each
     # ClientApp's share of the throughput with plain SB3 on as many threads.
-    print("\n| setting | env steps | steps/s | per process | plain SB3, same threads | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    epochs = {threads: float(np.median(values)) for threads, values in plain_epochs.items()}
+    print(
+        "\n| setting | env steps | epochs per rollout | steps/s | per process "
+        "| plain SB3, same threads | ratio |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for threads, rate in plain.items():
         print(
-            f"| plain SB3 PPO, {threads} thread(s) | {steps} | {rate:.0f} | {rate:.0f} | "
-            f"{rate:.0f} | 1.00 |"
+            f"| plain SB3 PPO, {threads} thread(s) | {steps} | {epochs[threads]:.2f} | "
+            f"{rate:.0f} | {rate:.0f} | {rate:.0f} | 1.00 |"
         )
     for row in rows:
         at_once = cores // row["cpus"]
@@ -188,7 +204,8 @@ def main() -> None:
             share = row[key] / at_once
             print(
                 f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU, {label} | "
-                f"{row['steps']} | {row[key]:.0f} | {share:.0f} | {plain[row['cpus']]:.0f} | "
+                f"{row['steps']} | {row['epochs']:.2f} | {row[key]:.0f} | {share:.0f} | "
+                f"{plain[row['cpus']]:.0f} | "
                 f"{share / plain[row['cpus']]:.2f} |"
             )
 

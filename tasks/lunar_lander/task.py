@@ -60,6 +60,8 @@ TRAIN_EPISODES = "train-episodes"
 TRAIN_ENTROPY_LOSS = "train-entropy-loss"
 TRAIN_APPROX_KL = "train-approx-kl"
 TRAIN_LEARNING_RATE = "train-learning-rate"
+# Update epochs PPO ran per rollout, on average: ppo.n-epochs unless the KL stop fired.
+TRAIN_EPOCHS = "train-epochs"
 EVAL_REWARD_STD = "eval-reward-std"
 EVAL_REWARD_SE = "eval-reward-se"
 EVAL_LENGTH = "eval-length"
@@ -103,7 +105,8 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            "logged and evaluated rewards stay raw).", low=0.0, low_open=True),
     Option("ppo.target-kl", 0.0,
            "Stop a rollout's update epochs early once a minibatch's approximate KL from "
-           "the rollout's policy exceeds 1.5x this (SB3's target_kl; 0: never).", low=0.0),
+           "the rollout's policy exceeds 1.5x this (SB3's target_kl; 0: never); the "
+           "epochs run per rollout are logged as `train-epochs`.", low=0.0),
     Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
            low=1),
     Option("ppo.eval-episodes", 20,
@@ -319,12 +322,16 @@ class LunarLanderTask(Task):
             self._round_log(partition, local, result).save(local.artifacts_dir)
         rewards = result.log.episode_rewards
         values = result.train_values
+        rollouts = result.timesteps // self.config.rollout_size
+        # SB3 counts the epochs of a PPO object's whole life; ours lives one round.
+        epochs = values.get("train/n_updates")
         defined = {  # None: undefined this round (no episode ended, no PPO update ran)
             TRAIN_LOSS: values.get("train/loss"),
             TRAIN_REWARD: float(np.mean(rewards)) if rewards else None,
             TRAIN_ENTROPY_LOSS: values.get("train/entropy_loss"),
             TRAIN_APPROX_KL: values.get("train/approx_kl"),
             TRAIN_LEARNING_RATE: values.get("train/learning_rate"),  # of the last update
+            TRAIN_EPOCHS: epochs / rollouts if epochs is not None and rollouts else None,
         }
         # Left out rather than sent as NaN: the server rejects a reply with a non-finite
         # metric, so a round too short to end an episode would aggregate nothing.

@@ -46,7 +46,7 @@ VARIANTS = {
     "lands": "strategy='fedavg' ppo.keep-optimizer=true ppo.observe-gravity=true "
     "ppo.lr-schedule='linear' server.optimizer='momentum' "
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
-    "ppo.ent-coef=0.01 ppo.reward-scale=0.01 ppo.eval-episodes=3",
+    "ppo.ent-coef=0.01 ppo.reward-scale=0.01 ppo.target-kl=0.015 ppo.eval-episodes=3",
 }
 THROUGH_FLOWER = {"lands", "clustered"}
 

@@ -53,6 +53,7 @@ TRAIN_KEYS = {
     "train-entropy-loss",
     "train-approx-kl",
     "train-learning-rate",
+    "train-epochs",
 }
 EVAL_KEYS = {NUM_EXAMPLES, "eval-reward", "eval-reward-std", "eval-reward-se", "eval-length"}
 # Rollouts of 2 envs x 64 steps = 128 env steps; 256 local steps = 2 rollouts, 2 updates.
@@ -350,6 +351,7 @@ def test_train_changes_the_policy_and_reports_the_same_keys(two_rounds):
         assert all(type(v) in (int, float) for v in round_metrics.values())
         assert np.isfinite(round_metrics[TRAIN_LOSS])
         assert round_metrics["train-approx-kl"] >= 0
+        assert round_metrics["train-epochs"] == 1.0  # 2 rollouts, 1 epoch each, no KL stop
         # entropy loss = -entropy, entropy of 4 actions in (0, log 4]
         assert -np.log(4) - 1e-6 <= round_metrics["train-entropy-loss"] < 0
     assert two_rounds["state"] == {"ppo-timesteps": 512}
@@ -1095,6 +1097,24 @@ def test_target_kl_ends_the_update_epochs_early(task, earth):
     assert stopping.ppo_kwargs()["target_kl"] == 1e-9
     assert runs[0].train_values["train/n_updates"] == 5
     assert runs[1].train_values["train/n_updates"] == 1
+
+
+def test_the_epochs_the_kl_stop_leaves_are_reported_per_rollout(earth):
+    # Prepare: 2 rollouts of 2 x 64 steps, 3 epochs over each; a target KL no update can
+    # stay under once the policy has moved (as in the test above)
+    options = TINY | {"ppo.n-epochs": 3}
+
+    # Execute
+    metrics = [
+        LunarLanderTask(options | extra).train(
+            LunarLanderTask(options).build_model(0), earth, LocalTraining(1, seed=5)
+        )
+        for extra in ({}, {"ppo.target-kl": 1e-9})
+    ]
+
+    # Assert: every epoch ran without the stop; with it, each rollout's first epoch ended
+    assert metrics[0]["train-epochs"] == 3.0
+    assert metrics[1]["train-epochs"] == 1.0
 
 
 @pytest.mark.parametrize("target", [-0.01, float("nan")])
