@@ -89,7 +89,7 @@ def standalone_steps_per_second(
     model.learn(total_timesteps=total_steps)
     seconds = time.perf_counter() - started
     env.close()
-    rollouts = model.num_timesteps // (model.n_steps * model.n_envs)
+    rollouts = model.num_timesteps // cfg.rollout_size
     epochs = model.logger.name_to_value["train/n_updates"] / rollouts  # as the clients log it
     return model.num_timesteps, model.num_timesteps / seconds, epochs
 
