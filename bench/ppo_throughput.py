@@ -16,6 +16,17 @@ time) and = 1 (as many ClientApps at once as there are cores). Ray sets each
 ClientApp's ``OMP_NUM_THREADS`` to its num-cpus, so each ClientApp's share of the
 throughput is compared with plain SB3 on that many torch threads.
 
+The ratio of the two is a ratio of runs minutes apart. Its two factors are reported
+too. The first is measured within each federated run, on its own clock: the share of
+each ClientApp process's time that its clients spent in SB3's ``PPO.learn`` (their
+``train-seconds``), the rest being what the app adds (messages, building PPO and its
+environments, the server's round). It holds however fast the machine runs that
+minute, which on a shared VM swings by 20 % and more. The second is SB3's speed inside
+``PPO.learn`` against plain SB3. It is a ratio across runs, so it swings with the
+machine. It also compares different work: the federated clients fly every planet,
+from policies that learn differently, while plain SB3 flies the moon client alone. The
+env step and the epochs per rollout (under a KL stop) vary with both.
+
 Every number is the median of ``--repeats`` runs (plain and federated interleaved).
 ``--preset FILE.toml`` takes the PPO hyperparameters (its ``ppo.*`` keys other than the
 federation's) from a preset, for both sides (``ppo.observe-gravity``: both observe
@@ -119,12 +130,19 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     per_client = -(-args.local_steps // rollout) * rollout
     steps_per_round = np.full(len(train), args.clients_per_round * per_client)
     elapsed = train["elapsed-s"].to_numpy()  # since the run directory was created
+    # Each client's seconds in SB3's PPO.learn, rounds 2..R (`train-seconds`)
+    clients = pd.read_csv(result.run_dir / "participation.csv")
+    learn = clients.loc[clients["round"] > train["round"].iloc[0], "train-seconds"].sum()
+    processes = min(os.cpu_count() // cpus, args.clients_per_round)  # ClientApps at once
+    steady_seconds = elapsed[-1] - elapsed[0]
     return {
         "cpus": cpus,
         "epochs": float(train["train-epochs"].mean()),  # each round's mean over its clients
         "steps": int(steps_per_round.sum()),
         "all": steps_per_round.sum() / elapsed[-1],
-        "steady": steps_per_round[1:].sum() / (elapsed[-1] - elapsed[0]),
+        "steady": steps_per_round[1:].sum() / steady_seconds,
+        "in-learn": learn / (processes * steady_seconds),
+        "learn-rate": steps_per_round[1:].sum() / learn,
         "wall": result.seconds,
     }
 
@@ -169,6 +187,8 @@ def main() -> None:
                     f"{row['steps']} steps, {row['all']:.0f} steps/s (all rounds), "
                     f"{row['steady']:.0f} steps/s (rounds 2..{args.rounds}), "
                     f"{row['epochs']:.2f} epochs per rollout, "
+                    f"{row['in-learn']:.1%} of rounds 2..{args.rounds} in PPO.learn "
+                    f"({row['learn-rate']:.0f} steps/s there), "
                     f"whole `flwr run` {row['wall']:.1f} s",
                     flush=True,
                 )
@@ -179,7 +199,7 @@ def main() -> None:
             "steps": runs[0]["steps"],
             **{
                 key: float(np.median([r[key] for r in runs]))
-                for key in ("all", "steady", "wall", "epochs")
+                for key in ("all", "steady", "wall", "epochs", "in-learn", "learn-rate")
             },
         }
         for cpus, runs in federated_runs.items()
@@ -208,6 +228,20 @@ def main() -> None:
                 f"{plain[row['cpus']]:.0f} | "
                 f"{share / plain[row['cpus']]:.2f} |"
             )
+    print(
+        f"\nEach ClientApp process's time, rounds 2..{args.rounds}: the share in SB3's "
+        "PPO.learn (the rest: receiving, building PPO and its environments, replying, "
+        "the server's round) and SB3's speed there\n"
+    )
+    print("| setting | in PPO.learn | steps/s in PPO.learn | plain SB3, same threads | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        at_once = cores // row["cpus"]
+        print(
+            f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "
+            f"{row['in-learn']:.1%} | {row['learn-rate']:.0f} | {plain[row['cpus']]:.0f} | "
+            f"{row['learn-rate'] / plain[row['cpus']]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

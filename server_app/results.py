@@ -58,13 +58,14 @@ import torch
 
 from protocol.keys import STATE_DIR
 from server_app.failures import OUTCOME_FILE
+from tasks.base import TRAIN_SECONDS
 from tasks.options import ConfigError
 
 DIST_NAME = "flower-privacy-lab"
 SCOPES = ("train", "federated-eval", "central-eval")
 ROUND_SECONDS = "round-seconds"  # train row: the round's wall time, messages to aggregate
 # Columns that differ between identical runs by design (wall-clock time).
-TIMING_COLUMNS = ("elapsed-s", ROUND_SECONDS)
+TIMING_COLUMNS = ("elapsed-s", ROUND_SECONDS, TRAIN_SECONDS)
 SERVER_CHECKPOINT = "server.pt"
 CHECKPOINT_FORMAT = 3  # 3: each strategy layer's own state_dict(); 2: attribute lists
 CURATOR_DIR = "curator"  # under a privacy mechanism: what no epsilon covers

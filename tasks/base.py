@@ -34,6 +34,9 @@ EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
 TRAIN_REWARD = "train-reward"  # RL tasks: mean return of the episodes played in training
 EVAL_REWARD = "eval-reward"  # RL tasks: mean return of the evaluation episodes
+# Wall-clock seconds of a client's own training work in a round, where its task reports
+# them (lunar-lander: SB3's PPO.learn); differs between identical runs.
+TRAIN_SECONDS = "train-seconds"
 
 
 def local_seed(run_seed: int, server_round: int, partition_id: int, *more: int) -> int:

@@ -20,6 +20,7 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -390,6 +391,9 @@ class LocalPPOResult:
     optimizer_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Adam's state after the round (:func:`optimizer_tensors`); empty unless
     ``cfg.keep_optimizer``."""
+    learn_seconds: float = 0.0
+    """Wall-clock seconds in SB3's ``PPO.learn`` (rollouts and updates: what plain SB3
+    does too), not building PPO and its environments or loading the weights."""
 
 
 @contextmanager
@@ -444,7 +448,9 @@ def train_ppo(
                 load_optimizer_tensors(ppo.policy.optimizer, optimizer_state)
             log = WeightStorageCallback(cfg.check_freq, start_step)
             with proximal_gradient_hooks(ppo.policy, proximal_mu):
+                started = time.perf_counter()
                 ppo.learn(total_timesteps=cfg.local_steps, callback=log)
+                learn_seconds = time.perf_counter() - started
         policy.load_state_dict(ppo.policy.state_dict(), strict=True)
     finally:
         vec_env.close()
@@ -456,7 +462,7 @@ def train_ppo(
     kept = optimizer_tensors(ppo.policy.optimizer) if cfg.keep_optimizer else {}
     return LocalPPOResult(
         timesteps=int(ppo.num_timesteps), train_values=values, log=log,
-        optimizer_state=kept,
+        optimizer_state=kept, learn_seconds=learn_seconds,
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from tasks.base import (
     SEED,
     TRAIN_LOSS,
     TRAIN_REWARD,
+    TRAIN_SECONDS,
     LocalTraining,
     Task,
     resolve_device,
@@ -332,6 +333,7 @@ class LunarLanderTask(Task):
             TRAIN_APPROX_KL: values.get("train/approx_kl"),
             TRAIN_LEARNING_RATE: values.get("train/learning_rate"),  # of the last update
             TRAIN_EPOCHS: epochs / rollouts if epochs is not None and rollouts else None,
+            TRAIN_SECONDS: result.learn_seconds,  # SB3's own work, for bench/ppo_throughput
         }
         # Left out rather than sent as NaN: the server rejects a reply with a non-finite
         # metric, so a round too short to end an episode would aggregate nothing.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import tempfile
+import time
 from dataclasses import replace
 from functools import partial
 
@@ -54,6 +55,7 @@ TRAIN_KEYS = {
     "train-approx-kl",
     "train-learning-rate",
     "train-epochs",
+    "train-seconds",
 }
 EVAL_KEYS = {NUM_EXAMPLES, "eval-reward", "eval-reward-std", "eval-reward-se", "eval-length"}
 # Rollouts of 2 envs x 64 steps = 128 env steps; 256 local steps = 2 rollouts, 2 updates.
@@ -448,6 +450,8 @@ def test_subprocess_environments_train_the_same_policy(task, earth):
 
     # Assert
     assert _same_weights(_weights(models[0]), _weights(models[1]))
+    timing = "train-seconds"  # the one metric of the clock, not of what was learnt
+    assert subproc_metrics.pop(timing) > 0 and dummy_metrics.pop(timing) > 0
     assert subproc_metrics == dummy_metrics
 
 
@@ -1115,6 +1119,27 @@ def test_the_epochs_the_kl_stop_leaves_are_reported_per_rollout(earth):
     # Assert: every epoch ran without the stop; with it, each rollout's first epoch ended
     assert metrics[0]["train-epochs"] == 3.0
     assert metrics[1]["train-epochs"] == 1.0
+
+
+def test_train_seconds_time_ppo_learn_alone(earth, monkeypatch):
+    # Prepare: building the round's environments takes 0.3 s longer than it does
+    build = ppo_module.training_env
+
+    def slow_build(*args, **kwargs):
+        time.sleep(0.3)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(ppo_module, "training_env", slow_build)
+    task = LunarLanderTask(TINY)
+    model = task.build_model(0)
+
+    # Execute
+    started = time.perf_counter()
+    metrics = task.train(model, earth, LocalTraining(1, seed=5))
+    seconds = time.perf_counter() - started
+
+    # Assert: the environments' build is left out, PPO's own work is counted
+    assert 0 < metrics["train-seconds"] <= seconds - 0.3
 
 
 @pytest.mark.parametrize("target", [-0.01, float("nan")])
