@@ -14,7 +14,9 @@ only training is timed. Two federated throughputs are reported:
 and each with ``client-resources-num-cpus`` = the machine's cores (one ClientApp at a
 time) and = 1 (as many ClientApps at once as there are cores). Ray sets each
 ClientApp's ``OMP_NUM_THREADS`` to its num-cpus, so each ClientApp's share of the
-throughput is compared with plain SB3 on that many torch threads.
+throughput is compared with plain SB3 on that many torch threads: alone on the
+machine, and with as many plain processes learning at once as ClientApps train at
+once (one per core), which share the machine as those ClientApps do.
 
 The ratio of the two is a ratio of runs minutes apart. Its two factors are reported
 too. The first is measured within each federated run, on its own clock: the share of
@@ -44,11 +46,13 @@ working tree, so editing the app while it runs changes what is measured.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +79,7 @@ def preset_ppo(path: Path | None) -> dict:
 
 
 def standalone_steps_per_second(
-    total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict
+    total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict, start=None
 ) -> tuple[int, float, float]:
     """(steps taken, steps/s, update epochs per rollout) of plain SB3 PPO on the moon
     client's environment.
@@ -86,7 +90,8 @@ def standalone_steps_per_second(
     with which LunarLander adds a Box2D body per engine particle and steps about 25 %
     slower, flattering the federated side. Under a KL stop the epochs per rollout
     differ between the two sides with what each learns, and the work per step with
-    them, so both are reported.
+    them, so both are reported. ``start`` (a barrier): wait on it before the clock
+    starts, so that concurrent copies learn at the same time.
     """
     torch.set_num_threads(threads)
     moon = client_table(seed, derived_per_base=0)[0]
@@ -96,6 +101,8 @@ def standalone_steps_per_second(
     kwargs = cfg.ppo_kwargs() if ppo else {}
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
     model.set_logger(silent_logger())  # as the clients: no log folder, nothing printed
+    if start is not None:
+        start.wait()
     started = time.perf_counter()
     model.learn(total_timesteps=total_steps)
     seconds = time.perf_counter() - started
@@ -103,6 +110,41 @@ def standalone_steps_per_second(
     rollouts = model.num_timesteps // cfg.rollout_size
     epochs = model.logger.name_to_value["train/n_updates"] / rollouts  # as the clients log it
     return model.num_timesteps, model.num_timesteps / seconds, epochs
+
+
+_START = None  # the barrier of concurrent_standalone's worker processes
+
+
+def _set_start(barrier) -> None:
+    global _START
+    _START = barrier
+
+
+def _concurrent_worker(*args) -> tuple[int, float, float]:
+    return standalone_steps_per_second(*args, start=_START)
+
+
+def concurrent_standalone(
+    processes: int, total_steps: int, n_envs: int, seed: int, ppo: dict
+) -> tuple[int, float, float]:
+    """``processes`` copies of plain SB3 PPO at 1 torch thread each, learning at once
+    (the same run each): steps, mean steps/s per process, epochs per rollout.
+
+    The control for ClientApps training side by side: they share the machine's
+    caches, memory bandwidth and whatever else its cores share, which one plain
+    process alone on the machine does not.
+    """
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    with ProcessPoolExecutor(
+        processes, mp_context=context, initializer=_set_start, initargs=(barrier,)
+    ) as pool:
+        jobs = [
+            pool.submit(_concurrent_worker, total_steps, n_envs, seed, 1, ppo)
+            for _ in range(processes)
+        ]
+        results = [job.result() for job in jobs]
+    return results[0][0], float(np.mean([r[1] for r in results])), results[0][2]
 
 
 def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
@@ -163,20 +205,29 @@ def main() -> None:
 
     total = args.rounds * args.clients_per_round * args.local_steps
     cores = os.cpu_count() or 1
-    plain_runs: dict[int, list[float]] = {threads: [] for threads in sorted({1, cores})}
-    plain_epochs: dict[int, list[float]] = {threads: [] for threads in plain_runs}
+    # Plain SB3 as (processes at once, torch threads each): alone on 1 and on every
+    # core, and one process per core side by side.
+    settings = sorted({(1, 1), (1, cores), (cores, 1)})
+    plain_runs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
+    plain_epochs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
     federated_runs: dict[int, list[dict]] = {cpus: [] for cpus in sorted({cores, 1}, reverse=True)}
     with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
         for repeat in range(args.repeats):
-            for threads, rates in plain_runs.items():
-                steps, rate, epochs = standalone_steps_per_second(
-                    total, args.n_envs, args.seed, threads, args.ppo
-                )
+            for (processes, threads), rates in plain_runs.items():
+                if processes == 1:
+                    steps, rate, epochs = standalone_steps_per_second(
+                        total, args.n_envs, args.seed, threads, args.ppo
+                    )
+                else:
+                    steps, rate, epochs = concurrent_standalone(
+                        processes, total, args.n_envs, args.seed, args.ppo
+                    )
                 rates.append(rate)
-                plain_epochs[threads].append(epochs)
+                plain_epochs[processes, threads].append(epochs)
                 print(
-                    f"#{repeat} plain SB3 PPO, {threads} torch thread(s): {steps} steps, "
-                    f"{rate:.0f} steps/s, {epochs:.2f} epochs per rollout",
+                    f"#{repeat} plain SB3 PPO, {processes} process(es) at once x {threads} "
+                    f"torch thread(s): {steps} steps, {rate:.0f} steps/s per process, "
+                    f"{epochs:.2f} epochs per rollout",
                     flush=True,
                 )
             for cpus, runs in federated_runs.items():
@@ -192,7 +243,8 @@ def main() -> None:
                     f"whole `flwr run` {row['wall']:.1f} s",
                     flush=True,
                 )
-    plain = {threads: float(np.median(rates)) for threads, rates in plain_runs.items()}
+    plain = {setting: float(np.median(rates)) for setting, rates in plain_runs.items()}
+    epochs = {setting: float(np.median(values)) for setting, values in plain_epochs.items()}
     rows = [
         {
             "cpus": cpus,
@@ -206,41 +258,44 @@ def main() -> None:
     ]
 
     # Ray gives each ClientApp OMP_NUM_THREADS = num-cpus torch threads: compare each
-    # ClientApp's share of the throughput with plain SB3 on as many threads.
-    epochs = {threads: float(np.median(values)) for threads, values in plain_epochs.items()}
+    # ClientApp's share of the throughput with plain SB3 on as many threads, alone and
+    # with as many processes at once as there are ClientApps at once.
     print(
         "\n| setting | env steps | epochs per rollout | steps/s | per process "
-        "| plain SB3, same threads | ratio |"
+        "| plain SB3 alone, same threads | ratio | plain SB3, as many at once | ratio |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for threads, rate in plain.items():
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (processes, threads), rate in plain.items():
         print(
-            f"| plain SB3 PPO, {threads} thread(s) | {steps} | {epochs[threads]:.2f} | "
-            f"{rate:.0f} | {rate:.0f} | {rate:.0f} | 1.00 |"
+            f"| plain SB3 PPO, {processes} process(es) x {threads} thread(s) | {steps} | "
+            f"{epochs[processes, threads]:.2f} | {rate * processes:.0f} | {rate:.0f} | "
+            f"{plain[1, threads]:.0f} | {rate / plain[1, threads]:.2f} | | |"
         )
     for row in rows:
         at_once = cores // row["cpus"]
+        alone, side_by_side = plain[1, row["cpus"]], plain[at_once, row["cpus"]]
         for key, label in (("all", "all rounds"), ("steady", "rounds 2..R")):
             share = row[key] / at_once
             print(
                 f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU, {label} | "
                 f"{row['steps']} | {row['epochs']:.2f} | {row[key]:.0f} | {share:.0f} | "
-                f"{plain[row['cpus']]:.0f} | "
-                f"{share / plain[row['cpus']]:.2f} |"
+                f"{alone:.0f} | {share / alone:.2f} | {side_by_side:.0f} | "
+                f"{share / side_by_side:.2f} |"
             )
     print(
         f"\nEach ClientApp process's time, rounds 2..{args.rounds}: the share in SB3's "
         "PPO.learn (the rest: receiving, building PPO and its environments, replying, "
         "the server's round) and SB3's speed there\n"
     )
-    print("| setting | in PPO.learn | steps/s in PPO.learn | plain SB3, same threads | ratio |")
+    print("| setting | in PPO.learn | steps/s in PPO.learn | plain SB3, as many at once | ratio |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
         at_once = cores // row["cpus"]
+        side_by_side = plain[at_once, row["cpus"]]
         print(
             f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "
-            f"{row['in-learn']:.1%} | {row['learn-rate']:.0f} | {plain[row['cpus']]:.0f} | "
-            f"{row['learn-rate'] / plain[row['cpus']]:.2f} |"
+            f"{row['in-learn']:.1%} | {row['learn-rate']:.0f} | {side_by_side:.0f} | "
+            f"{row['learn-rate'] / side_by_side:.2f} |"
         )
 
 
