@@ -21,9 +21,11 @@ once (one per core), which share the machine as those ClientApps do.
 The ratio of the two is a ratio of runs minutes apart. Its two factors are reported
 too. The first is measured within each federated run, on its own clock: the share of
 each ClientApp process's time that its clients spent in SB3's ``PPO.learn`` (their
-``train-seconds``), the rest being what the app adds (messages, building PPO and its
-environments, the server's round). It holds however fast the machine runs that
-minute, which on a shared VM swings by 20 % and more. The second is SB3's speed inside
+``train-seconds``). With a round's clients all training at once, each of them but the
+slowest then waits for the slowest (rounds are synchronous), which is split out as
+waiting; the rest is what the app adds (messages, building PPO and its environments,
+the server's round). These shares hold however fast the machine runs that minute,
+which on a shared VM swings by 20 % and more. The second is SB3's speed inside
 ``PPO.learn`` against plain SB3. It is a ratio across runs, so it swings with the
 machine. It also compares different work: the federated clients fly every planet,
 from policies that learn differently, while plain SB3 flies the moon client alone. The
@@ -38,6 +40,8 @@ its optimizer anyway).
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 5
     python bench/ppo_throughput.py --rounds 4 --local-steps 16384 --repeats 3 \
         --preset experiments/lunar-fl-lands-fedavg.toml
+    python bench/ppo_throughput.py --rounds 3 --local-steps 16384 --repeats 3 \
+        --preset experiments/lunar-fl-lands.toml
 
 Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
 working tree, so editing the app while it runs changes what is measured.
@@ -46,6 +50,7 @@ working tree, so editing the app while it runs changes what is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -174,17 +179,26 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     elapsed = train["elapsed-s"].to_numpy()  # since the run directory was created
     # Each client's seconds in SB3's PPO.learn, rounds 2..R (`train-seconds`)
     clients = pd.read_csv(result.run_dir / "participation.csv")
-    learn = clients.loc[clients["round"] > train["round"].iloc[0], "train-seconds"].sum()
+    learn = clients.loc[clients["round"] > train["round"].iloc[0]]
+    learn = learn.groupby("round")["train-seconds"].agg(["sum", "max"])
     processes = min(os.cpu_count() // cpus, args.clients_per_round)  # ClientApps at once
     steady_seconds = elapsed[-1] - elapsed[0]
+    if processes == 1:  # one client after another: nobody waits
+        waiting = 0.0
+    elif processes == args.clients_per_round:  # a round's clients at once: all but the
+        # slowest wait for it (synchronous rounds) for the rest of its PPO.learn
+        waiting = (processes * learn["max"] - learn["sum"]).sum() / (processes * steady_seconds)
+    else:  # some at once, some after: how they queue is Ray's
+        waiting = float("nan")
     return {
         "cpus": cpus,
         "epochs": float(train["train-epochs"].mean()),  # each round's mean over its clients
         "steps": int(steps_per_round.sum()),
         "all": steps_per_round.sum() / elapsed[-1],
         "steady": steps_per_round[1:].sum() / steady_seconds,
-        "in-learn": learn / (processes * steady_seconds),
-        "learn-rate": steps_per_round[1:].sum() / learn,
+        "in-learn": learn["sum"].sum() / (processes * steady_seconds),
+        "waiting": waiting,
+        "learn-rate": steps_per_round[1:].sum() / learn["sum"].sum(),
         "wall": result.seconds,
     }
 
@@ -199,6 +213,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--preset", type=Path, help="take the ppo.* settings from this preset")
+    parser.add_argument("--out", type=Path, help="keep the federated runs' directories here")
     args = parser.parse_args()
     args.ppo = preset_ppo(args.preset)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
@@ -211,7 +226,8 @@ def main() -> None:
     plain_runs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
     plain_epochs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
     federated_runs: dict[int, list[dict]] = {cpus: [] for cpus in sorted({cores, 1}, reverse=True)}
-    with tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
+    kept = contextlib.nullcontext(str(args.out)) if args.out else None
+    with kept or tempfile.TemporaryDirectory() as out, LocalSimulation() as sim:
         for repeat in range(args.repeats):
             for (processes, threads), rates in plain_runs.items():
                 if processes == 1:
@@ -239,7 +255,8 @@ def main() -> None:
                     f"{row['steady']:.0f} steps/s (rounds 2..{args.rounds}), "
                     f"{row['epochs']:.2f} epochs per rollout, "
                     f"{row['in-learn']:.1%} of rounds 2..{args.rounds} in PPO.learn "
-                    f"({row['learn-rate']:.0f} steps/s there), "
+                    f"({row['learn-rate']:.0f} steps/s there), {row['waiting']:.1%} "
+                    "waiting for the round's slowest client, "
                     f"whole `flwr run` {row['wall']:.1f} s",
                     flush=True,
                 )
@@ -251,7 +268,7 @@ def main() -> None:
             "steps": runs[0]["steps"],
             **{
                 key: float(np.median([r[key] for r in runs]))
-                for key in ("all", "steady", "wall", "epochs", "in-learn", "learn-rate")
+                for key in ("all", "steady", "wall", "epochs", "in-learn", "waiting", "learn-rate")
             },
         }
         for cpus, runs in federated_runs.items()
@@ -283,18 +300,24 @@ def main() -> None:
                 f"{share / side_by_side:.2f} |"
             )
     print(
-        f"\nEach ClientApp process's time, rounds 2..{args.rounds}: the share in SB3's "
-        "PPO.learn (the rest: receiving, building PPO and its environments, replying, "
-        "the server's round) and SB3's speed there\n"
+        f"\nEach ClientApp process's time, rounds 2..{args.rounds}: in SB3's PPO.learn, "
+        "waiting for the round's slowest client (synchronous rounds), and the app's "
+        "(receiving, building PPO and its environments, replying, the server's round); "
+        "and SB3's speed in PPO.learn\n"
     )
-    print("| setting | in PPO.learn | steps/s in PPO.learn | plain SB3, as many at once | ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| setting | in PPO.learn | waiting | the app's | steps/s in PPO.learn "
+        "| plain SB3, as many at once | ratio |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         at_once = cores // row["cpus"]
         side_by_side = plain[at_once, row["cpus"]]
+        app = 1 - row["in-learn"] - row["waiting"]
         print(
             f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "
-            f"{row['in-learn']:.1%} | {row['learn-rate']:.0f} | {side_by_side:.0f} | "
+            f"{row['in-learn']:.1%} | {row['waiting']:.1%} | {app:.1%} | "
+            f"{row['learn-rate']:.0f} | {side_by_side:.0f} | "
             f"{row['learn-rate'] / side_by_side:.2f} |"
         )
 
