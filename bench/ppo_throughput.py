@@ -181,7 +181,7 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     clients = pd.read_csv(result.run_dir / "participation.csv")
     learn = clients.loc[clients["round"] > train["round"].iloc[0]]
     learn = learn.groupby("round")["train-seconds"].agg(["sum", "max"])
-    processes = min(os.cpu_count() // cpus, args.clients_per_round)  # ClientApps at once
+    processes = min((os.cpu_count() or 1) // cpus, args.clients_per_round)  # at once
     steady_seconds = elapsed[-1] - elapsed[0]
     if processes == 1:  # one client after another: nobody waits
         waiting = 0.0
