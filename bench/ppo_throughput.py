@@ -31,6 +31,18 @@ machine. It also compares different work: the federated clients fly every planet
 from policies that learn differently, while plain SB3 flies the moon client alone. The
 env step and the epochs per rollout (under a KL stop) vary with both.
 
+A third control settles what differs: right after each federated run, the bench trains
+the run's client-rounds again outside Ray (:func:`replay`), in as many plain processes
+at once as ClientApps trained at once, on as many threads. Each client-round starts
+from the weights its round sent (rebuilt from the clients' logs as FedAvg averages
+them, and checked against the run's checkpoint), with the seed its ClientApp used and
+the Adam state it carried, through the same ``task.train`` call. PPO is deterministic
+given all that, so the replay plays the very episodes the run played (the bench counts
+the client-rounds whose episodes match), and its speed in ``PPO.learn`` against the
+ClientApps' is a ratio of the same work, taken a minute apart. Ray runs its workers at
+niceness 15 (its ``worker_niceness``); ``RAY_worker_niceness=0`` in the bench's
+environment runs the ClientApps at the replay's.
+
 Every number is the median of ``--repeats`` runs (plain and federated interleaved).
 ``--preset FILE.toml`` takes the PPO hyperparameters (its ``ppo.*`` keys other than the
 federation's) from a preset, for both sides (``ppo.observe-gravity``: both observe
@@ -51,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -67,9 +80,17 @@ from stable_baselines3 import PPO
 
 from lab import study
 from lab.launcher import LocalSimulation
+from tasks.base import NUM_EXAMPLES, TRAIN_REWARD, TRAIN_SECONDS, LocalTraining, local_seed
 from tasks.lunar_lander import LunarLanderTask
 from tasks.lunar_lander.clients import client_table
-from tasks.lunar_lander.ppo import silent_logger, training_env
+from tasks.lunar_lander.logs import ClientRoundLog
+from tasks.lunar_lander.ppo import (
+    flatten_state_dict,
+    silent_logger,
+    training_env,
+    unflatten_state_dict,
+)
+from tasks.lunar_lander.task import TRAIN_EPISODES
 
 # Keys of a preset that describe the federation or the evaluation, not local PPO.
 NOT_PPO = ("ppo.local-steps", "ppo.derived-per-base", "ppo.eval-episodes", "ppo.n-envs")
@@ -152,6 +173,122 @@ def concurrent_standalone(
     return results[0][0], float(np.mean([r[1] for r in results])), results[0][2]
 
 
+# -- the same work outside Ray ---------------------------------------------------------
+_TASKS: dict[str, LunarLanderTask] = {}  # a replay worker's task, per run config
+
+
+def _replay_client(
+    run_config: dict, job: dict, weights: np.ndarray, state: dict, tensors: dict
+) -> tuple[dict, dict, dict]:
+    """One client-round of a federated run, as its ClientApp trained it (the same
+    ``task.train`` call on the same received weights, seed and kept state), in this
+    process: (metrics, state, tensors) as the ClientApp would keep them."""
+    key = repr(sorted(run_config.items()))
+    task = _TASKS.setdefault(key, LunarLanderTask(run_config))
+    model = task.build_model(0)
+    model.load_state_dict(unflatten_state_dict(weights, model.state_dict()), strict=True)
+    partition = task.load_partition(job["partition"], task.num_partitions())
+    local = LocalTraining(
+        server_round=job["round"],
+        seed=local_seed(task.seed, job["round"], job["partition"]),
+        state=state,
+        state_tensors=tensors,
+        partition_id=job["partition"],
+        dp_seed=0,  # no DP: unused
+    )
+    if _START is not None:
+        _START.wait()  # a round's clients learn at the same time, as in the simulation
+    metrics = task.train(model, partition, local)
+    return metrics, local.state, local.state_tensors
+
+
+def _set_replay_worker(barrier, threads: int) -> None:
+    _set_start(barrier)
+    torch.set_num_threads(threads)
+
+
+def federated_rounds(run_dir: Path) -> tuple[dict, dict[int, list[dict]], dict[int, np.ndarray]]:
+    """A federated run's config, its client-rounds and the weights each round sent.
+
+    Client-rounds come from the clients' logs (``clients/*-round-*.npz``): partition,
+    episodes and trained weights. Round 1 sent the server's initial model
+    (``build_model(seed)``); round r > 1 sent the FedAvg of round r - 1's trained
+    weights, computed as the strategy computes it (equal ``num-examples`` here, so
+    each weighs 1/n; products summed in float32). The last round's mean is checked
+    against the run's ``checkpoint/global.pt``, bit for bit.
+    """
+    run_config = json.loads((run_dir / "config.json").read_text())["run-config"]
+    if run_config["strategy"] != "fedavg" or run_config.get("server.optimizer", "sgd") != "sgd":
+        raise ValueError("the replay rebuilds plain FedAvg rounds only")
+    examples = pd.read_csv(run_dir / "participation.csv").groupby("round")["num-examples"]
+    if (examples.nunique() != 1).any():
+        raise ValueError("the replay weighs a round's clients equally: unequal num-examples")
+    jobs: dict[int, list[dict]] = {}
+    for path in sorted((run_dir / "clients").glob("*-round-*.npz")):
+        log = ClientRoundLog.load(path)
+        rewards = log.episode_rewards
+        jobs.setdefault(log.server_round, []).append(
+            {
+                "round": log.server_round,
+                "partition": log.partition_id,
+                # as the client reports them: how many, their mean return (if any)
+                "episodes": (len(rewards), float(np.mean(rewards)) if rewards else None),
+                "trained": log.weights[-1],
+            }
+        )
+    task = LunarLanderTask(run_config)
+    sent = {1: flatten_state_dict(task.build_model(task.seed).state_dict())}
+    for server_round in sorted(jobs):
+        clients = jobs[server_round]
+        mean = clients[0]["trained"] * np.float32(1 / len(clients))
+        for client in clients[1:]:
+            mean += client["trained"] * np.float32(1 / len(clients))
+        sent[server_round + 1] = mean
+    final = torch.load(run_dir / "checkpoint" / "global.pt", weights_only=True)
+    if not np.array_equal(flatten_state_dict(final), sent.pop(max(jobs) + 1)):
+        raise ValueError(f"{run_dir}: the rebuilt last round differs from checkpoint/global.pt")
+    return run_config, jobs, sent
+
+
+def replay(run_dir: Path, processes: int, threads: int) -> dict:
+    """Every client-round of a federated run again, outside Ray: ``processes`` plain
+    processes at ``threads`` torch threads each, a round's clients at once when there
+    are as many processes, each client's kept state (Adam's moments) carried from its
+    replayed previous round. Returns the rounds 2..R speed in ``PPO.learn`` and how
+    many client-rounds played the very episodes the federated run played (the same
+    work, step for step, where PPO is deterministic given its seed)."""
+    run_config, jobs, sent = federated_rounds(run_dir)
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    kept: dict[int, tuple[dict, dict]] = {}
+    seconds = steps = same = 0
+    with ProcessPoolExecutor(
+        processes, mp_context=context, initializer=_set_replay_worker,
+        initargs=(barrier, threads),
+    ) as pool:  # fmt: skip
+        for server_round in sorted(jobs):
+            clients = jobs[server_round]
+            if len(clients) % processes:
+                raise ValueError(
+                    f"round {server_round}: {len(clients)} clients, {processes} at a time"
+                )
+            futures = []
+            for client in clients:
+                state, tensors = kept.get(client["partition"], ({}, {}))
+                args = (run_config, client, sent[server_round], state, tensors)
+                futures.append(pool.submit(_replay_client, *args))
+            for client, future in zip(clients, futures, strict=True):
+                metrics, state, tensors = future.result()
+                kept[client["partition"]] = (state, tensors)
+                if server_round > min(jobs):
+                    seconds += metrics[TRAIN_SECONDS]
+                    steps += metrics[NUM_EXAMPLES]
+                    played = (metrics[TRAIN_EPISODES], metrics.get(TRAIN_REWARD))
+                    same += played == client["episodes"]
+    later = sum(len(c) for r, c in jobs.items() if r > min(jobs))
+    return {"learn-rate": steps / seconds, "same": same, "client-rounds": later}
+
+
 def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     num_clients = 3 + 3 * args.derived_per_base
     fraction = (args.clients_per_round + 0.5) / num_clients  # int(n * f) = clients/round
@@ -200,6 +337,7 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
         "waiting": waiting,
         "learn-rate": steps_per_round[1:].sum() / learn["sum"].sum(),
         "wall": result.seconds,
+        "run-dir": result.run_dir,
     }
 
 
@@ -248,6 +386,11 @@ def main() -> None:
                 )
             for cpus, runs in federated_runs.items():
                 row = federated(sim, args, cpus, f"{out}/{repeat}")
+                # The same client-rounds at once, outside Ray, right after: same minute
+                same = replay(row["run-dir"], min(cores // cpus, args.clients_per_round), cpus)
+                row["replay-rate"] = same["learn-rate"]
+                row["in-ray"] = row["learn-rate"] / same["learn-rate"]
+                row["identical"] = f"{same['same']}/{same['client-rounds']}"
                 runs.append(row)
                 print(
                     f"#{repeat} federated, {cores // cpus} ClientApp(s) at once: "
@@ -260,15 +403,34 @@ def main() -> None:
                     f"whole `flwr run` {row['wall']:.1f} s",
                     flush=True,
                 )
+                print(
+                    f"#{repeat} the same client-rounds outside Ray, as many at once: "
+                    f"{same['learn-rate']:.0f} steps/s in PPO.learn (in the ClientApps / "
+                    f"outside Ray: {row['in-ray']:.2f}); {same['same']} of "
+                    f"{same['client-rounds']} client-rounds played the federated "
+                    "run's episodes exactly",
+                    flush=True,
+                )
     plain = {setting: float(np.median(rates)) for setting, rates in plain_runs.items()}
     epochs = {setting: float(np.median(values)) for setting, values in plain_epochs.items()}
     rows = [
         {
             "cpus": cpus,
             "steps": runs[0]["steps"],
+            "identical": ", ".join(r["identical"] for r in runs),
             **{
                 key: float(np.median([r[key] for r in runs]))
-                for key in ("all", "steady", "wall", "epochs", "in-learn", "waiting", "learn-rate")
+                for key in (
+                    "all",
+                    "steady",
+                    "wall",
+                    "epochs",
+                    "in-learn",
+                    "waiting",
+                    "learn-rate",
+                    "replay-rate",
+                    "in-ray",
+                )
             },
         }
         for cpus, runs in federated_runs.items()
@@ -319,6 +481,25 @@ def main() -> None:
             f"{row['in-learn']:.1%} | {row['waiting']:.1%} | {app:.1%} | "
             f"{row['learn-rate']:.0f} | {side_by_side:.0f} | "
             f"{row['learn-rate'] / side_by_side:.2f} |"
+        )
+
+    print(
+        "\nSB3's speed in PPO.learn on the very same work: the federated run's client-rounds "
+        f"(rounds 2..{args.rounds}) replayed outside Ray right after it, from the weights "
+        "each round sent and each client's kept state, as many at once; the ratio is the "
+        "median of each repeat's\n"
+    )
+    print(
+        "| setting | in the ClientApps | the same outside Ray | ratio "
+        "| client-rounds identical, per repeat |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        at_once = cores // row["cpus"]
+        print(
+            f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "
+            f"{row['learn-rate']:.0f} | {row['replay-rate']:.0f} | {row['in-ray']:.2f} | "
+            f"{row['identical']} |"
         )
 
 
