@@ -31,17 +31,18 @@ machine. It also compares different work: the federated clients fly every planet
 from policies that learn differently, while plain SB3 flies the moon client alone. The
 env step and the epochs per rollout (under a KL stop) vary with both.
 
-A third control settles what differs: right after each federated run, the bench trains
-the run's client-rounds again outside Ray (:func:`replay`), in as many plain processes
-at once as ClientApps trained at once, on as many threads. Each client-round starts
-from the weights its round sent (rebuilt from the clients' logs as FedAvg averages
-them, and checked against the run's checkpoint), with the seed its ClientApp used and
-the Adam state it carried, through the same ``task.train`` call. PPO is deterministic
-given all that, so the replay plays the very episodes the run played (the bench counts
-the client-rounds whose episodes match), and its speed in ``PPO.learn`` against the
-ClientApps' is a ratio of the same work, taken a minute apart. Ray runs its workers at
-niceness 15 (its ``worker_niceness``); ``RAY_worker_niceness=0`` in the bench's
-environment runs the ClientApps at the replay's.
+A third control takes the work out of that ratio: right after each federated run, the
+bench trains the run's client-rounds again outside Ray (:func:`replay`), in as many
+plain processes at once as ClientApps trained at once, on as many threads. Each
+client-round starts from the weights its round sent (rebuilt from the clients' logs as
+FedAvg averages them, and checked against the run's checkpoint), with the seed its
+ClientApp used and the Adam state it carried, through the same ``task.train`` call.
+PPO is deterministic given all that, so the replay plays the very episodes the run
+played (the bench counts the client-rounds whose episodes match), and its speed in
+``PPO.learn`` against the ClientApps' is a ratio of the same work, taken a minute
+apart. Ray runs its workers at niceness 15 (its ``worker_niceness``);
+``RAY_worker_niceness=0`` in the bench's environment runs the ClientApps at the
+replay's.
 
 Every number is the median of ``--repeats`` runs (plain and federated interleaved).
 ``--preset FILE.toml`` takes the PPO hyperparameters (its ``ppo.*`` keys other than the
