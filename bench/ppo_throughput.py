@@ -93,6 +93,10 @@ from tasks.lunar_lander.ppo import (
 )
 from tasks.lunar_lander.task import TRAIN_EPISODES
 
+# Seconds a worker waits at a barrier for the others: a worker that failed before it
+# breaks the barrier (BrokenBarrierError) instead of leaving the rest waiting forever.
+BARRIER_TIMEOUT = 600.0
+
 # Keys of a preset that describe the federation or the evaluation, not local PPO.
 NOT_PPO = ("ppo.local-steps", "ppo.derived-per-base", "ppo.eval-episodes", "ppo.n-envs")
 
@@ -129,7 +133,7 @@ def standalone_steps_per_second(
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
     model.set_logger(silent_logger())  # as the clients: no log folder, nothing printed
     if start is not None:
-        start.wait()
+        start.wait(timeout=BARRIER_TIMEOUT)
     started = time.perf_counter()
     model.learn(total_timesteps=total_steps)
     seconds = time.perf_counter() - started
@@ -198,7 +202,8 @@ def _replay_client(
         dp_seed=0,  # no DP: unused
     )
     if _START is not None:
-        _START.wait()  # a round's clients learn at the same time, as in the simulation
+        # a round's clients learn at the same time, as in the simulation
+        _START.wait(timeout=BARRIER_TIMEOUT)
     metrics = task.train(model, partition, local)
     return metrics, local.state, local.state_tensors
 
