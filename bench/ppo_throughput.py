@@ -179,17 +179,13 @@ def concurrent_standalone(
 
 
 # -- the same work outside Ray ---------------------------------------------------------
-_TASKS: dict[str, LunarLanderTask] = {}  # a replay worker's task, per run config
-
-
 def _replay_client(
     run_config: dict, job: dict, weights: np.ndarray, state: dict, tensors: dict
 ) -> tuple[dict, dict, dict]:
     """One client-round of a federated run, as its ClientApp trained it (the same
     ``task.train`` call on the same received weights, seed and kept state), in this
     process: (metrics, state, tensors) as the ClientApp would keep them."""
-    key = repr(sorted(run_config.items()))
-    task = _TASKS.setdefault(key, LunarLanderTask(run_config))
+    task = LunarLanderTask(run_config)  # as each ClientApp message builds it
     model = task.build_model(0)
     model.load_state_dict(unflatten_state_dict(weights, model.state_dict()), strict=True)
     partition = task.load_partition(job["partition"], task.num_partitions())
