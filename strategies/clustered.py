@@ -1,4 +1,5 @@
-"""Clustered FedAvg: K global models, k-means over the clients' uploads.
+"""Clustered FedAvg: K global models, updated by k-means over the clients' uploads or
+by each client's assignment (IFCA).
 
 Seed 000, section 5 ("Clustered Federated Learning", ``cluster_and_average_models`` and
 ``find_closest_model``), with the loss-based assignment of IFCA (Ghosh et al. 2020,
@@ -22,6 +23,12 @@ Every round:
    trained from (Hungarian assignment on those counts).
 4. Update. Each matched global model becomes the unweighted mean of its cluster;
    unmatched models stay as they are.
+
+With ``update="assignment"`` steps 3 and 4 are IFCA's instead: no k-means; each model
+becomes the unweighted mean of the valid uploads of the clients assigned to it this
+round, and a model no valid client was assigned stays as it is. A client's assignment
+then decides its cluster, so a planet whose clients pick their own model keeps it,
+however close other planets' uploads lie in weight space.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ _KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round
 
 ASSIGN_RULES = ("l2", "loss")
 SPACES = ("weights", "directions")
+UPDATE_RULES = ("kmeans", "assignment")
 QUERY_TYPE = f"{MessageType.EVALUATE}.{keys.CLUSTER_QUERY}"  # "evaluate.cluster"
 # One history row per sampled client per round: the model it trained from, the
 # cluster its upload fell into (-1: invalid reply), how it was assigned and the
@@ -152,7 +160,8 @@ def mean_arrays(uploads: list[list[np.ndarray]]) -> list[np.ndarray]:
 
 
 class ClusteredFedAvg(Strategy):
-    """K global models; clients are assigned to one, uploads are clustered by k-means.
+    """K global models; clients are assigned to one, and each model becomes the mean of
+    a k-means cluster of the uploads, or of the uploads of the clients assigned to it.
 
     Contract with the client. Train and evaluate messages are FedAvg's: the model to
     start from in ``content["arrays"]``, and ``config["cluster-id"]`` = k, the index of
@@ -189,6 +198,10 @@ class ClusteredFedAvg(Strategy):
         What k-means clusters: ``"weights"`` (the uploads) or ``"directions"`` (each
         update's unit direction, so clients that train more or at a larger rate than
         others in the same direction stay in one cluster).
+    update : str
+        How the models are updated from the uploads: ``"kmeans"`` (steps 3 and 4 above,
+        the seed's rule) or ``"assignment"`` (IFCA: each model the mean of its
+        assignees' uploads; ``space`` must then be ``"weights"``, which it ignores).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes :
         FedAvg's sampling, drawn with a generator seeded from ``seed``.
@@ -209,6 +222,7 @@ class ClusteredFedAvg(Strategy):
         k: int,
         assign: str,
         space: str = "weights",
+        update: str = "kmeans",
         fraction_train: float,
         fraction_evaluate: float,
         min_train_nodes: int,
@@ -224,7 +238,15 @@ class ClusteredFedAvg(Strategy):
             raise ValueError(f"assign = {assign!r}; valid values: {ASSIGN_RULES}")
         if space not in SPACES:
             raise ValueError(f"space = {space!r}; valid values: {SPACES}")
+        if update not in UPDATE_RULES:
+            raise ValueError(f"update = {update!r}; valid values: {UPDATE_RULES}")
+        if update == "assignment" and space != "weights":
+            raise ValueError(
+                f"space = {space!r} has no effect with update = 'assignment' (no k-means "
+                "runs); valid value: 'weights'"
+            )
         self.k, self.assign, self.space, self.seed = k, assign, space, seed
+        self.update = update
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
@@ -258,6 +280,7 @@ class ClusteredFedAvg(Strategy):
             "k": self.k,
             "assign": self.assign,
             "space": self.space,
+            "update": self.update,
             "seed": self.seed,
             "round": self._round,
             "cluster-sizes": list(self._sizes),
@@ -297,12 +320,15 @@ class ClusteredFedAvg(Strategy):
         log(INFO, "\t├──> Clustered FedAvg: K = %d global models", self.k)
         rule = {"l2": "closest to last upload (L2)", "loss": "lowest client score (IFCA)"}
         log(INFO, "\t├──> Assignment: %s; ties and unseen clients at random", rule[self.assign])
-        space = {"weights": "the uploads", "directions": "unit update directions"}
-        log(
-            INFO,
-            "\t├──> Update: k-means (n_init=10) on %s, clusters matched to models, mean",
-            space[self.space],
-        )
+        if self.update == "assignment":
+            log(INFO, "\t├──> Update: each model the mean of its assignees' uploads (IFCA)")
+        else:
+            space = {"weights": "the uploads", "directions": "unit update directions"}
+            log(
+                INFO,
+                "\t├──> Update: k-means (n_init=10) on %s, clusters matched to models, mean",
+                space[self.space],
+            )
         log(INFO, "\t└──> Sampling (seed %d):", self.seed)
         log(
             INFO,
@@ -343,7 +369,8 @@ class ClusteredFedAvg(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """k-means over the valid uploads; each matched model becomes its cluster's mean."""
+        """Each model becomes the mean of its cluster of the valid uploads: a k-means
+        cluster matched to it, or (``update="assignment"``) its assignees'."""
         pending, self._pending = self._pending, None
         if pending is None or self.models is None:
             return None, None
@@ -354,7 +381,11 @@ class ClusteredFedAvg(Strategy):
             return None, None
         nodes = sorted(valid)
         points = np.stack([flatten(valid[n][0]) for n in nodes])
-        to_model = self._cluster(server_round, points, [pending[n][0] for n in nodes])
+        assigned = [pending[n][0] for n in nodes]
+        if self.update == "assignment":
+            to_model = np.asarray(assigned)
+        else:
+            to_model = self._cluster(server_round, points, assigned)
         matched = dict(zip(nodes, to_model.tolist(), strict=True))
         for k in set(matched.values()):
             members = [valid[n][0] for n in nodes if matched[n] == k]
@@ -578,6 +609,14 @@ class ClusterSettings(Settings):
         " with more local steps, stay together).",
         choices=SPACES,
     )
+    update: str = setting(
+        "kmeans",
+        "Clustered FedAvg: how the K models are updated each round: `kmeans` (k-means"
+        " over the uploads, clusters matched to the models, the seed's rule) or"
+        " `assignment` (each model the mean of the uploads of the clients assigned to it,"
+        " IFCA). Under DP-FedAvg no k-means runs: always by assignment.",
+        choices=UPDATE_RULES,
+    )
 
     @staticmethod
     def check(choice: Choice) -> None:
@@ -588,6 +627,14 @@ class ClusterSettings(Settings):
             raise SettingsError(
                 f"'privacy' = {choice.privacy!r} cannot protect 'strategy' = 'clustered': "
                 "valid values with clustered: " + listed(CLUSTERED_PRIVACY)
+            )
+        if choice.options["cluster.update"] == "assignment" and (
+            choice.options["cluster.space"] != "weights"
+        ):
+            raise SettingsError(
+                f"'cluster.space' = {choice.options['cluster.space']!r} has no effect with "
+                "'cluster.update' = 'assignment': no k-means runs there (each model is the "
+                "mean of its assignees' uploads); valid value: 'weights'"
             )
         if choice.privacy in CENTRAL_CLUSTERED:
             if choice.options["cluster.space"] != "weights":

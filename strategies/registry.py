@@ -94,6 +94,7 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
         k=int(s.options["cluster.k"]),
         assign=str(s.options["cluster.assign"]),
         space=str(s.options["cluster.space"]),
+        update=str(s.options["cluster.update"]),
         seed=s.seed,
         query_timeout=s.round_timeout,
     ),

@@ -37,6 +37,8 @@ TINY = (
 VARIANTS = {
     "fedavg": "strategy='fedavg' ppo.eval-episodes=1",
     "clustered": "strategy='clustered' cluster.k=2 cluster.assign='l2' ppo.eval-episodes=1",
+    "ifca": "strategy='clustered' cluster.k=2 cluster.assign='loss' "
+    "cluster.update='assignment' ppo.eval-episodes=1",
     # With the clients' own metrics (written to curator/), which DP runs do not collect
     # unless asked: the PPO mechanics are checked here, not the privacy.
     # Fixed-size cohorts (fraction-train): every round trains 2 clients, which the
@@ -111,6 +113,21 @@ def test_clustered_keeps_and_checkpoints_k_models(lunar_runs):
             central.loc[2, f"cluster-1-eval-reward-{planet}"],
         )
         assert central.loc[2, f"eval-reward-{planet}"] == pytest.approx(best)
+
+
+def test_ifca_trains_the_model_each_client_scores_best_and_averages_by_assignment(lunar_runs):
+    run_dir = lunar_runs["ifca"].run_dir
+    clusters = pd.read_csv(run_dir / "clusters.csv")
+    assert len(clusters) == 4
+    # Round 1: both models are the initial one, so the assignment is drawn; round 2:
+    # each client's lowest score (negative mean return) on its own planet.
+    assert set(clusters.loc[clusters["round"] == 1, "how"]) == {"random"}
+    assert set(clusters.loc[clusters["round"] == 2, "how"]) <= {"loss", "random"}
+    assert (clusters["cluster"] == clusters["assigned"]).all()  # no k-means moved anyone
+    train = pd.read_csv(run_dir / "metrics.csv").query("scope == 'train'")
+    assert (train["clusters-changed"] == 0).all()
+    for k in range(2):
+        assert (train[f"cluster-{k}-size"] == train[f"assigned-{k}"]).all()
 
 
 def test_laplace_ledger_names_the_unit_of_privacy(lunar_runs):

@@ -40,6 +40,15 @@ def _load(**overrides):
         ),
         ({"cluster.assign": "nearest"}, "valid values: 'l2', 'loss'"),
         ({"cluster.space": "cosine"}, "valid values: 'weights', 'directions'"),
+        ({"cluster.update": "ifca"}, "valid values: 'kmeans', 'assignment'"),
+        (
+            {
+                "strategy": "clustered",
+                "cluster.update": "assignment",
+                "cluster.space": "directions",
+            },
+            "'cluster.space' = 'directions' has no effect with 'cluster.update' = 'assignment'",
+        ),
         (
             {
                 "strategy": "clustered",
@@ -109,6 +118,8 @@ def test_impossible_combinations_are_refused(overrides, expected):
         {"strategy": "clustered", "privacy": "none", "cluster.assign": "loss"},
         {"strategy": "clustered", "privacy": "laplace", "cluster.assign": "l2"},
         {"strategy": "clustered", "privacy": "laplace", "cluster.space": "directions"},
+        {"strategy": "clustered", "privacy": "laplace", "cluster.update": "assignment"},
+        {"strategy": "clustered", "cluster.assign": "loss", "cluster.update": "assignment"},
         {"strategy": "clustered", "privacy": "dp-sgd"},
         {"strategy": "clustered", "privacy": "dp-fedavg-adaptive", "cluster.assign": "loss"},
         {"strategy": "clustered", "privacy": "dp-fedavg-fixed", "cluster.assign": "l2"},

@@ -427,3 +427,63 @@ def test_rejects_an_unknown_space():
         ValueError, match="space = 'cosine'; valid values: \\('weights', 'directions'\\)"
     ):
         _strategy(space="cosine")
+
+
+def test_assignment_update_averages_each_models_assignees_without_kmeans():
+    # IFCA's update: node 1 (group A) and node 4 (group B) were sent model 0, nodes 2 and
+    # 3 (group A) model 1, node 5 model 1 but its reply is an error. k-means would split
+    # by group; by assignment model 0 averages 1 and 4 across the groups.
+    strategy = _strategy(update="assignment")
+    _configure(strategy, nodes=range(1, 6))
+    strategy.models = [record(m) for m in DISTINCT]
+    strategy._pending = {
+        1: (0, "loss", -3.0),
+        4: (0, "loss", -2.0),
+        2: (1, "loss", -1.0),
+        3: (1, "loss", -1.5),
+        5: (1, "loss", -4.0),
+    }
+
+    arrays, metrics = strategy.aggregate_train(
+        1, [_upload(1), _upload(4), _upload(2), _upload(3), error_from(5)]
+    )
+
+    _assert_model(strategy.models[0], [5.25, 5.0], [2.5])  # (0.3 + 10.2) / 2, ...
+    _assert_model(strategy.models[1], [-0.15, 0.45], [2.5])
+    _assert_model(strategy.models[2], *DISTINCT[2].values())  # no assignee: unchanged
+    _assert_model(arrays, [5.25, 5.0], [2.5])  # sizes 2/2/0: the lowest index
+    assert [metrics[f"cluster-{k}-size"] for k in range(3)] == [2, 2, 0]
+    assert [metrics[f"assigned-{k}"] for k in range(3)] == [2, 3, 0]  # node 5 too
+    assert metrics["clusters-changed"] == 0
+    clusters = {r["node-id"]: r["cluster"] for r in strategy.history}
+    assert clusters == {1: 0, 2: 1, 3: 1, 4: 0, 5: -1}
+    assert strategy.state()["update"] == "assignment"
+
+
+def test_assignment_update_keeps_a_loss_assigned_group_on_its_own_model():
+    # IFCA's round: every node scores its group's model lowest, trains it, and each
+    # model becomes the mean of its group's uploads.
+    strategy = _strategy(assign="loss", update="assignment")
+    _configure(strategy)
+    strategy.models = [record(m) for m in DISTINCT]
+    answers = {}
+    for n in range(1, 10):
+        scores = {f"cluster-score-{k}": float(k != INDEX[_group_of(n)]) for k in range(3)}
+        answers[n] = reply_from(n, None, scores, kind="evaluate.cluster")
+    grid = QueryGrid(range(1, 10), answers)
+    sent = _sent_ids(_configure(strategy, server_round=2, grid=grid))
+    assert sent == {n: INDEX[_group_of(n)] for n in range(1, 10)}
+
+    strategy.aggregate_train(2, [_upload(n) for n in range(1, 10)])
+
+    for group, (w, b) in MEANS.items():
+        _assert_model(strategy.models[INDEX[group]], w, b)
+
+
+def test_rejects_an_unknown_update_and_a_space_it_ignores():
+    with pytest.raises(
+        ValueError, match="update = 'ifca'; valid values: \\('kmeans', 'assignment'\\)"
+    ):
+        _strategy(update="ifca")
+    with pytest.raises(ValueError, match="space = 'directions' has no effect with update"):
+        _strategy(update="assignment", space="directions")
