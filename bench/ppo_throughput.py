@@ -12,11 +12,14 @@ only training is timed. Two federated throughputs are reported:
   actor's first import of torch/SB3).
 
 and each with ``client-resources-num-cpus`` = the machine's cores (one ClientApp at a
-time) and = 1 (as many ClientApps at once as there are cores). Ray sets each
-ClientApp's ``OMP_NUM_THREADS`` to its num-cpus, so each ClientApp's share of the
-throughput is compared with plain SB3 on that many torch threads: alone on the
-machine, and with as many plain processes learning at once as ClientApps train at
-once (one per core), which share the machine as those ClientApps do.
+time) and = 1 (as many ClientApps at once as there are cores). A ClientApp's PPO
+learns on ``ppo.torch-threads`` torch threads (the app's default 1; 0: its num-cpus,
+which Ray sets as its ``OMP_NUM_THREADS``). Each ClientApp's share of the throughput
+is compared with plain SB3 on as many torch threads: alone on the machine, and with as
+many plain processes learning at once as ClientApps train at once (one per core),
+which share the machine as those ClientApps do. It is also compared with plain SB3
+alone on torch's default for the ClientApp's CPUs (one thread per core), what SB3 run
+by itself on those cores gets; the goal's ratio is against the faster of the two.
 
 The ratio of the two is a ratio of runs minutes apart. Its two factors are reported
 too. The first is measured within each federated run, on its own clock: the share of
@@ -55,6 +58,8 @@ its optimizer anyway).
         --preset experiments/lunar-fl-lands-fedavg.toml
     python bench/ppo_throughput.py --rounds 3 --local-steps 16384 --repeats 3 \
         --preset experiments/lunar-fl-lands.toml
+    python bench/ppo_throughput.py --rounds 3 --local-steps 8192 --repeats 3 \
+        --preset experiments/lunar-fl-lands.toml --torch-threads 0  # before the default 1
 
 Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
 working tree, so editing the app while it runs changes what is measured.
@@ -156,9 +161,9 @@ def _concurrent_worker(*args) -> tuple[int, float, float]:
 
 
 def concurrent_standalone(
-    processes: int, total_steps: int, n_envs: int, seed: int, ppo: dict
+    processes: int, total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict
 ) -> tuple[int, float, float]:
-    """``processes`` copies of plain SB3 PPO at 1 torch thread each, learning at once
+    """``processes`` copies of plain SB3 PPO at ``threads`` torch threads each, learning at once
     (the same run each): steps, mean steps/s per process, epochs per rollout.
 
     The control for ClientApps training side by side: they share the machine's
@@ -171,7 +176,7 @@ def concurrent_standalone(
         processes, mp_context=context, initializer=_set_start, initargs=(barrier,)
     ) as pool:
         jobs = [
-            pool.submit(_concurrent_worker, total_steps, n_envs, seed, 1, ppo)
+            pool.submit(_concurrent_worker, total_steps, n_envs, seed, threads, ppo)
             for _ in range(processes)
         ]
         results = [job.result() for job in jobs]
@@ -254,11 +259,13 @@ def federated_rounds(run_dir: Path) -> tuple[dict, dict[int, list[dict]], dict[i
 
 def replay(run_dir: Path, processes: int, threads: int) -> dict:
     """Every client-round of a federated run again, outside Ray: ``processes`` plain
-    processes at ``threads`` torch threads each, a round's clients at once when there
-    are as many processes, each client's kept state (Adam's moments) carried from its
-    replayed previous round. Returns the rounds 2..R speed in ``PPO.learn`` and how
-    many client-rounds played the very episodes the federated run played (the same
-    work, step for step, where PPO is deterministic given its seed)."""
+    processes at ``threads`` torch threads each (a ClientApp's num-cpus; ``PPO.learn``
+    then runs on the run's ``ppo.torch-threads``, as in the ClientApp), a round's
+    clients at once when there are as many processes, each client's kept state (Adam's
+    moments) carried from its replayed previous round. Returns the rounds 2..R speed
+    in ``PPO.learn`` and how many client-rounds played the very episodes the federated
+    run played (the same work, step for step, where PPO is deterministic given its
+    seed)."""
     run_config, jobs, sent = federated_rounds(run_dir)
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
@@ -354,15 +361,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--preset", type=Path, help="take the ppo.* settings from this preset")
     parser.add_argument("--out", type=Path, help="keep the federated runs' directories here")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="the federated run's ppo.torch-threads (default: the preset's, else the app's)",
+    )
     args = parser.parse_args()
     args.ppo = preset_ppo(args.preset)
+    if args.torch_threads is not None:
+        args.ppo["ppo.torch-threads"] = args.torch_threads
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
 
     total = args.rounds * args.clients_per_round * args.local_steps
     cores = os.cpu_count() or 1
-    # Plain SB3 as (processes at once, torch threads each): alone on 1 and on every
-    # core, and one process per core side by side.
-    settings = sorted({(1, 1), (1, cores), (cores, 1)})
+    # The torch threads a ClientApp of `cpus` CPUs learns on (ppo.torch-threads, 0: cpus)
+    default_threads = LunarLanderTask({}).config.torch_threads
+    configured = int(args.ppo.get("ppo.torch-threads", default_threads))
+    learn_threads = {cpus: configured or cpus for cpus in {cores, 1}}
+    # Plain SB3 as (processes at once, torch threads each): alone on the ClientApps'
+    # threads and on each setting's CPUs (torch's default: one thread per core), and as
+    # many processes side by side as ClientApps learn at once, on their threads.
+    settings = sorted(
+        {(1, cpus) for cpus in learn_threads}
+        | {(1, t) for t in learn_threads.values()}
+        | {(cores // cpus, t) for cpus, t in learn_threads.items()}
+    )
     plain_runs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
     plain_epochs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
     federated_runs: dict[int, list[dict]] = {cpus: [] for cpus in sorted({cores, 1}, reverse=True)}
@@ -376,7 +399,7 @@ def main() -> None:
                     )
                 else:
                     steps, rate, epochs = concurrent_standalone(
-                        processes, total, args.n_envs, args.seed, args.ppo
+                        processes, total, args.n_envs, args.seed, threads, args.ppo
                     )
                 rates.append(rate)
                 plain_epochs[processes, threads].append(epochs)
@@ -438,30 +461,37 @@ def main() -> None:
         for cpus, runs in federated_runs.items()
     ]
 
-    # Ray gives each ClientApp OMP_NUM_THREADS = num-cpus torch threads: compare each
-    # ClientApp's share of the throughput with plain SB3 on as many threads, alone and
-    # with as many processes at once as there are ClientApps at once.
+    # Each ClientApp's share of the throughput against plain SB3 alone on the threads
+    # the ClientApp learns on and on one thread per CPU (torch's default: what SB3 gets
+    # by itself on those cores), and with as many processes at once as ClientApps at
+    # once. The goal's ratio is against the faster of the two alone.
+    print(f"\nClientApps learn on ppo.torch-threads = {configured} (0: their num-cpus)\n")
     print(
-        "\n| setting | env steps | epochs per rollout | steps/s | per process "
-        "| plain SB3 alone, same threads | ratio | plain SB3, as many at once | ratio |"
+        "| setting | env steps | epochs per rollout | steps/s | per process "
+        "| plain SB3 alone, the ClientApp's threads | ratio "
+        "| plain SB3 alone, a thread per CPU | ratio "
+        "| plain SB3, as many at once | ratio | goal: against the faster alone |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (processes, threads), rate in plain.items():
         print(
             f"| plain SB3 PPO, {processes} process(es) x {threads} thread(s) | {steps} | "
             f"{epochs[processes, threads]:.2f} | {rate * processes:.0f} | {rate:.0f} | "
-            f"{plain[1, threads]:.0f} | {rate / plain[1, threads]:.2f} | | |"
+            f"{plain[1, threads]:.0f} | {rate / plain[1, threads]:.2f} | | | | | |"
         )
     for row in rows:
-        at_once = cores // row["cpus"]
-        alone, side_by_side = plain[1, row["cpus"]], plain[at_once, row["cpus"]]
+        cpus, threads = row["cpus"], learn_threads[row["cpus"]]
+        at_once = cores // cpus
+        same, per_cpu = plain[1, threads], plain[1, cpus]
+        side_by_side = plain[at_once, threads]
         for key, label in (("all", "all rounds"), ("steady", "rounds 2..R")):
             share = row[key] / at_once
             print(
-                f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU, {label} | "
-                f"{row['steps']} | {row['epochs']:.2f} | {row[key]:.0f} | {share:.0f} | "
-                f"{alone:.0f} | {share / alone:.2f} | {side_by_side:.0f} | "
-                f"{share / side_by_side:.2f} |"
+                f"| federated, {at_once} ClientApp(s) x {cpus} CPU ({threads} thread(s)), "
+                f"{label} | {row['steps']} | {row['epochs']:.2f} | {row[key]:.0f} | "
+                f"{share:.0f} | {same:.0f} | {share / same:.2f} | {per_cpu:.0f} | "
+                f"{share / per_cpu:.2f} | {side_by_side:.0f} | {share / side_by_side:.2f} | "
+                f"{share / max(same, per_cpu):.2f} |"
             )
     print(
         f"\nEach ClientApp process's time, rounds 2..{args.rounds}: in SB3's PPO.learn, "
@@ -476,7 +506,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         at_once = cores // row["cpus"]
-        side_by_side = plain[at_once, row["cpus"]]
+        side_by_side = plain[at_once, learn_threads[row["cpus"]]]
         app = 1 - row["in-learn"] - row["waiting"]
         print(
             f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "

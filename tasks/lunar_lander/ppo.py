@@ -93,6 +93,9 @@ class PPOConfig:
     target_kl: float = 0.0
     """``ppo.target-kl``: SB3's ``target_kl`` (0: none), which ends a rollout's update
     epochs early once a minibatch's approximate KL exceeds 1.5x it."""
+    torch_threads: int = 1
+    """``ppo.torch-threads``: torch's intra-op threads while PPO learns (0: as many as
+    the process has, e.g. the ClientApp's num-cpus under Ray)."""
 
     @property
     def rollout_size(self) -> int:
@@ -397,6 +400,18 @@ class LocalPPOResult:
 
 
 @contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` (0: left as they are), restored on exit."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
 def preserved_global_rngs(cuda: bool = False) -> Iterator[None]:
     """Restore Python's, numpy's and torch's global RNGs on exit (SB3 seeds them all)."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
@@ -430,11 +445,13 @@ def train_ppo(
     state. Optimizer state is never federated. The learning rate is
     ``cfg.learning_rate_at(server_round)``. PPO learns from the rewards times
     ``cfg.reward_scale`` (:class:`ScaledReward`); the logged episodes stay raw.
-    The environments are closed whatever happens; global RNGs are restored on return.
+    PPO learns on ``cfg.torch_threads`` torch threads.
+    The environments are closed whatever happens; global RNGs and torch's thread count
+    are restored on return.
     """
     vec_env = training_env(client, cfg, seed=seed, observe_gravity=observes_gravity(policy))
     try:
-        with preserved_global_rngs(cuda=cfg.device == "cuda"):
+        with preserved_global_rngs(cuda=cfg.device == "cuda"), torch_threads(cfg.torch_threads):
             kwargs = cfg.ppo_kwargs(server_round)
             ppo = PPO(
                 POLICY, vec_env, seed=seed, device=cfg.device, verbose=0,
@@ -522,34 +539,32 @@ def play_episodes(
     """
     observe = observes_gravity(policy)
     envs = [make_env(client, observe_gravity=observe) for _ in seeds]
-    threads = torch.get_num_threads()
     # One thread: a forward pass of this MLP on at most a few dozen observations is
     # microseconds of work, which more threads only slow down (22x measured while the
     # cores were busy with training: spinning OpenMP workers).
-    torch.set_num_threads(1)
     try:
-        starts = [env.reset(seed=int(seed))[0] for env, seed in zip(envs, seeds, strict=True)]
-        obs = np.stack(starts)
-        returns = np.zeros(len(envs))
-        lengths = np.zeros(len(envs), dtype=np.int64)
-        outcomes = [TIME_LIMIT] * len(envs)
-        running = np.ones(len(envs), dtype=bool)
-        samplers = [np.random.default_rng([int(seed), 1]) for seed in seeds]
-        while running.any():
-            playing = np.flatnonzero(running)
-            if stochastic:
-                actions = sample_actions(policy, obs[playing], [samplers[i] for i in playing])
-            else:
-                actions, _ = policy.predict(obs[playing], deterministic=True)
-            for index, action in zip(playing, actions, strict=True):
-                obs[index], reward, terminated, truncated, _ = envs[index].step(int(action))
-                returns[index] += float(reward)
-                lengths[index] += 1
-                running[index] = not (terminated or truncated)
-                if terminated:  # LunarLander's last reward: -100 crashed, +100 at rest
-                    outcomes[index] = CRASHED if reward < 0 else AT_REST
+        with torch_threads(1):
+            starts = [env.reset(seed=int(seed))[0] for env, seed in zip(envs, seeds, strict=True)]
+            obs = np.stack(starts)
+            returns = np.zeros(len(envs))
+            lengths = np.zeros(len(envs), dtype=np.int64)
+            outcomes = [TIME_LIMIT] * len(envs)
+            running = np.ones(len(envs), dtype=bool)
+            samplers = [np.random.default_rng([int(seed), 1]) for seed in seeds]
+            while running.any():
+                playing = np.flatnonzero(running)
+                if stochastic:
+                    actions = sample_actions(policy, obs[playing], [samplers[i] for i in playing])
+                else:
+                    actions, _ = policy.predict(obs[playing], deterministic=True)
+                for index, action in zip(playing, actions, strict=True):
+                    obs[index], reward, terminated, truncated, _ = envs[index].step(int(action))
+                    returns[index] += float(reward)
+                    lengths[index] += 1
+                    running[index] = not (terminated or truncated)
+                    if terminated:  # LunarLander's last reward: -100 crashed, +100 at rest
+                        outcomes[index] = CRASHED if reward < 0 else AT_REST
     finally:
-        torch.set_num_threads(threads)
         for env in envs:
             env.close()
     return Episodes([float(r) for r in returns], [int(n) for n in lengths], outcomes)

@@ -142,6 +142,12 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            choices=LR_SCHEDULES),
     Option("ppo.device", "cpu", "Device of local PPO; `auto`: cuda when available.",
            choices=("cpu", "cuda", "auto")),
+    Option("ppo.torch-threads", 1,
+           "torch's intra-op threads while a client's PPO learns; 0: as many as its "
+           "process has (under Ray, the ClientApp's num-cpus). One by default: a second "
+           "thread speeds up SB3's 64-unit MLP little or not at all, and spins on the core "
+           "the simulation's own processes need (bench/BENCHMARKS.md, torch threads).",
+           low=0),
 )  # fmt: skip
 
 
@@ -213,6 +219,7 @@ class LunarLanderTask(Task):
             lr_schedule=str(opts["ppo.lr-schedule"]),
             reward_scale=float(opts["ppo.reward-scale"]),
             target_kl=float(opts["ppo.target-kl"]),
+            torch_threads=int(opts["ppo.torch-threads"]),
             num_rounds=int(NUM_SERVER_ROUNDS.parse(
                 run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
         )  # fmt: skip

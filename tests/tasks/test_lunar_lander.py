@@ -1029,6 +1029,36 @@ def test_reward_scale_shrinks_the_value_loss_and_logs_raw_episode_returns(task, 
     assert value_losses[1] < value_losses[0] / 100
 
 
+@pytest.mark.parametrize(("threads", "learning"), [(1, 1), (2, 2), (0, 3)])
+def test_ppo_learns_on_its_torch_threads_and_restores_the_processs(
+    task, earth, monkeypatch, threads, learning
+):
+    # The process has 3 threads (as a ClientApp of num-cpus 3 under Ray); 0 keeps them.
+    seen = []
+    learn = PPO.learn
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return learn(self, *args, **kwargs)
+
+    monkeypatch.setattr(PPO, "learn", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert (
+            LunarLanderTask(TINY | {"ppo.torch-threads": threads}).config.torch_threads == threads
+        )
+        train_ppo(build_policy(0), earth, replace(task.config, torch_threads=threads), seed=5)
+        assert seen == [learning]
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_default_is_one_torch_thread():
+    assert LunarLanderTask({}).config.torch_threads == 1
+
+
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
 def test_reward_scale_must_be_positive_and_finite(scale):
     with pytest.raises(ConfigError, match=r"ppo\.reward-scale"):
@@ -1062,6 +1092,7 @@ def test_reward_scale_must_be_positive_and_finite(scale):
         ("ppo.lr-schedule", "cosine"),
         ("ppo.eval-policy", "greedy"),
         ("ppo.net-width", 0),
+        ("ppo.torch-threads", -1),
     ],
 )
 def test_invalid_option_names_its_key(key, value):
