@@ -21,7 +21,8 @@ on ``cpu`` and on ``cuda`` on the same machine, from the same weights and seeds:
   the other (``agg/round``, the goal of bench/privacy_cost.py: <= 5 %).
 * ``ppo``: ``LunarLanderTask.train`` of one client for ``--ppo-steps`` env steps with
   ``ppo.device`` cpu and cuda (SB3's MlpPolicy, the PPO settings of
-  experiments/lunar-fl-lands-fedavg.toml), env steps per second.
+  experiments/lunar-fl-lands-fedavg.toml, the app's ``ppo.torch-threads``), env steps
+  per second.
 
 Reproduce on a machine with a CUDA GPU (CPU-only machines stop with a message)::
 

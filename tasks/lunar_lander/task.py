@@ -145,8 +145,9 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
     Option("ppo.torch-threads", 1,
            "torch's intra-op threads while a client's PPO learns; 0: as many as its "
            "process has (under Ray, the ClientApp's num-cpus). One by default: a second "
-           "thread speeds up SB3's 64-unit MLP little or not at all, and spins on the core "
-           "the simulation's own processes need (bench/BENCHMARKS.md, torch threads).",
+           "thread speeds up SB3's small MLPs little or not at all, and spins on the core "
+           "the simulation's own processes need (bench/BENCHMARKS.md, \"One torch thread "
+           "for PPO.learn\").",
            low=0),
 )  # fmt: skip
 
