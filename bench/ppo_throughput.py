@@ -12,7 +12,9 @@ only training is timed. Two federated throughputs are reported:
   actor's first import of torch/SB3).
 
 and each with ``client-resources-num-cpus`` = the machine's cores (one ClientApp at a
-time) and = 1 (as many ClientApps at once as there are cores). A ClientApp's PPO
+time) and = 1 (as many ClientApps at once as there are cores, at most a round's
+clients: ``--clients-per-round 1`` leaves that ClientApp a core to spare for the
+simulation's own processes). A ClientApp's PPO
 learns on ``ppo.torch-threads`` torch threads (the app's default 1; 0: its num-cpus,
 which Ray sets as its ``OMP_NUM_THREADS``). Each ClientApp's share of the throughput
 is compared with plain SB3 on as many torch threads: alone on the machine, and with as
@@ -378,13 +380,16 @@ def main() -> None:
     default_threads = LunarLanderTask({}).config.torch_threads
     configured = int(args.ppo.get("ppo.torch-threads", default_threads))
     learn_threads = {cpus: configured or cpus for cpus in {cores, 1}}
+    # ClientApps that train at once: one per `cpus` CPUs, at most a round's clients
+    # (`--clients-per-round 1` leaves the 1-CPU ClientApp a core to spare)
+    at_once = {cpus: min(cores // cpus, args.clients_per_round) for cpus in learn_threads}
     # Plain SB3 as (processes at once, torch threads each): alone on the ClientApps'
     # threads and on each setting's CPUs (torch's default: one thread per core), and as
     # many processes side by side as ClientApps learn at once, on their threads.
     settings = sorted(
         {(1, cpus) for cpus in learn_threads}
         | {(1, t) for t in learn_threads.values()}
-        | {(cores // cpus, t) for cpus, t in learn_threads.items()}
+        | {(at_once[cpus], t) for cpus, t in learn_threads.items()}
     )
     plain_runs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
     plain_epochs: dict[tuple[int, int], list[float]] = {setting: [] for setting in settings}
@@ -412,13 +417,13 @@ def main() -> None:
             for cpus, runs in federated_runs.items():
                 row = federated(sim, args, cpus, f"{out}/{repeat}")
                 # The same client-rounds at once, outside Ray, right after: same minute
-                same = replay(row["run-dir"], min(cores // cpus, args.clients_per_round), cpus)
+                same = replay(row["run-dir"], at_once[cpus], cpus)
                 row["replay-rate"] = same["learn-rate"]
                 row["in-ray"] = row["learn-rate"] / same["learn-rate"]
                 row["identical"] = f"{same['same']}/{same['client-rounds']}"
                 runs.append(row)
                 print(
-                    f"#{repeat} federated, {cores // cpus} ClientApp(s) at once: "
+                    f"#{repeat} federated, {at_once[cpus]} ClientApp(s) at once: "
                     f"{row['steps']} steps, {row['all']:.0f} steps/s (all rounds), "
                     f"{row['steady']:.0f} steps/s (rounds 2..{args.rounds}), "
                     f"{row['epochs']:.2f} epochs per rollout, "
@@ -481,13 +486,12 @@ def main() -> None:
         )
     for row in rows:
         cpus, threads = row["cpus"], learn_threads[row["cpus"]]
-        at_once = cores // cpus
         same, per_cpu = plain[1, threads], plain[1, cpus]
-        side_by_side = plain[at_once, threads]
+        side_by_side = plain[at_once[cpus], threads]
         for key, label in (("all", "all rounds"), ("steady", "rounds 2..R")):
-            share = row[key] / at_once
+            share = row[key] / at_once[cpus]
             print(
-                f"| federated, {at_once} ClientApp(s) x {cpus} CPU ({threads} thread(s)), "
+                f"| federated, {at_once[cpus]} ClientApp(s) x {cpus} CPU ({threads} thread(s)), "
                 f"{label} | {row['steps']} | {row['epochs']:.2f} | {row[key]:.0f} | "
                 f"{share:.0f} | {same:.0f} | {share / same:.2f} | {per_cpu:.0f} | "
                 f"{share / per_cpu:.2f} | {side_by_side:.0f} | {share / side_by_side:.2f} | "
@@ -505,11 +509,10 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        at_once = cores // row["cpus"]
-        side_by_side = plain[at_once, learn_threads[row["cpus"]]]
+        side_by_side = plain[at_once[row["cpus"]], learn_threads[row["cpus"]]]
         app = 1 - row["in-learn"] - row["waiting"]
         print(
-            f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "
+            f"| federated, {at_once[row['cpus']]} ClientApp(s) x {row['cpus']} CPU | "
             f"{row['in-learn']:.1%} | {row['waiting']:.1%} | {app:.1%} | "
             f"{row['learn-rate']:.0f} | {side_by_side:.0f} | "
             f"{row['learn-rate'] / side_by_side:.2f} |"
@@ -527,9 +530,8 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
-        at_once = cores // row["cpus"]
         print(
-            f"| federated, {at_once} ClientApp(s) x {row['cpus']} CPU | "
+            f"| federated, {at_once[row['cpus']]} ClientApp(s) x {row['cpus']} CPU | "
             f"{row['learn-rate']:.0f} | {row['replay-rate']:.0f} | {row['in-ray']:.2f} | "
             f"{row['identical']} |"
         )
