@@ -8,13 +8,15 @@ from logging import ERROR, INFO
 from typing import Any
 
 import torch
+from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 import strategies
 import tasks
 from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
-from strategies.capabilities import Accounted, provides
+from strategies.capabilities import Accounted, innermost, provides
+from strategies.clustered import ClusteredFedAvg, model_seeds
 from tasks.base import Task
 from tasks.options import ConfigError
 
@@ -89,4 +91,17 @@ def initial_model(run: Setup) -> torch.nn.Module:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
     released = task.head_keys() if _head_only(cfg) else tuple(model.state_dict())
     subspace_setup.prepare(cfg, task, model, run.strategy, released)
+    _distinct_cluster_models(run)
     return model
+
+
+def _distinct_cluster_models(run: Setup) -> None:
+    """Clustered FedAvg with ``cluster.init = "distinct"``: models 1..K-1 are the task's
+    model drawn from their own seeds (public: no client is touched)."""
+    strategy = innermost(run.strategy)
+    if not isinstance(strategy, ClusteredFedAvg) or strategy.init != "distinct":
+        return
+    seeds = model_seeds(run.cfg.seed, strategy.k)
+    models = [ArrayRecord(run.task.build_model(s).state_dict()) for s in seeds]
+    strategy.set_distinct_models(models)
+    log(INFO, "Clustered FedAvg: models 1..%d start from seeds %s", strategy.k - 1, seeds)

@@ -29,6 +29,13 @@ becomes the unweighted mean of the valid uploads of the clients assigned to it t
 round, and a model no valid client was assigned stays as it is. A client's assignment
 then decides its cluster, so a planet whose clients pick their own model keeps it,
 however close other planets' uploads lie in weight space.
+
+The K models start as K copies of the run's initial model (``init="shared"``, the
+seed's), or (``init="distinct"``) as K different ones: model 0 the run's initial model
+and model k >= 1 the task's model drawn from its own seed (:func:`model_seeds`; the
+ServerApp hands them over with :meth:`ClusteredFedAvg.set_distinct_models`), IFCA's
+random initialisation. Identical models give a loss-based assignment nothing to tell
+them apart by in round 1.
 """
 
 from __future__ import annotations
@@ -59,10 +66,12 @@ from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
 _KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round
+_INIT_STREAM = 0xC3  # init="distinct": the weight seeds of models 1..K-1
 
 ASSIGN_RULES = ("l2", "loss")
 SPACES = ("weights", "directions")
 UPDATE_RULES = ("kmeans", "assignment")
+INIT_RULES = ("shared", "distinct")
 QUERY_TYPE = f"{MessageType.EVALUATE}.{keys.CLUSTER_QUERY}"  # "evaluate.cluster"
 # One history row per sampled client per round: the model it trained from, the
 # cluster its upload fell into (-1: invalid reply), how it was assigned and the
@@ -151,6 +160,14 @@ def _matched(labels: np.ndarray, present: np.ndarray, cost: np.ndarray) -> np.nd
     return np.asarray([to_model[int(label)] for label in labels])
 
 
+def model_seeds(seed: int, k: int) -> list[int]:
+    """The weight seeds of models 1..K-1 under ``init="distinct"`` (model 0 is the run's
+    initial model, drawn from ``seed`` itself): one stream per run seed, so a run and
+    its rerun start from the same K models."""
+    states = np.random.SeedSequence([seed, _INIT_STREAM]).generate_state(k - 1)
+    return [int(s) for s in states]
+
+
 def mean_arrays(uploads: list[list[np.ndarray]]) -> list[np.ndarray]:
     """The unweighted float64 mean of the uploads, array by array."""
     return [
@@ -202,6 +219,10 @@ class ClusteredFedAvg(Strategy):
         How the models are updated from the uploads: ``"kmeans"`` (steps 3 and 4 above,
         the seed's rule) or ``"assignment"`` (IFCA: each model the mean of its
         assignees' uploads; ``space`` must then be ``"weights"``, which it ignores).
+    init : str
+        What the K models start as: ``"shared"`` (K copies of the model the first round
+        is given) or ``"distinct"`` (model 0 that model, models 1..K-1 those handed
+        over with :meth:`set_distinct_models` before round 1).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes :
         FedAvg's sampling, drawn with a generator seeded from ``seed``.
@@ -223,6 +244,7 @@ class ClusteredFedAvg(Strategy):
         assign: str,
         space: str = "weights",
         update: str = "kmeans",
+        init: str = "shared",
         fraction_train: float,
         fraction_evaluate: float,
         min_train_nodes: int,
@@ -240,13 +262,16 @@ class ClusteredFedAvg(Strategy):
             raise ValueError(f"space = {space!r}; valid values: {SPACES}")
         if update not in UPDATE_RULES:
             raise ValueError(f"update = {update!r}; valid values: {UPDATE_RULES}")
+        if init not in INIT_RULES:
+            raise ValueError(f"init = {init!r}; valid values: {INIT_RULES}")
         if update == "assignment" and space != "weights":
             raise ValueError(
                 f"space = {space!r} has no effect with update = 'assignment' (no k-means "
                 "runs); valid value: 'weights'"
             )
         self.k, self.assign, self.space, self.seed = k, assign, space, seed
-        self.update = update
+        self.update, self.init = update, init
+        self._distinct: list[ArrayRecord] | None = None  # init="distinct": models 1..K-1
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
@@ -281,6 +306,7 @@ class ClusteredFedAvg(Strategy):
             "assign": self.assign,
             "space": self.space,
             "update": self.update,
+            "init": self.init,
             "seed": self.seed,
             "round": self._round,
             "cluster-sizes": list(self._sizes),
@@ -318,6 +344,8 @@ class ClusteredFedAvg(Strategy):
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
         log(INFO, "\t├──> Clustered FedAvg: K = %d global models", self.k)
+        start = {"shared": "one initial model", "distinct": "K distinct initial models"}
+        log(INFO, "\t├──> Start: %s", start[self.init])
         rule = {"l2": "closest to last upload (L2)", "loss": "lowest client score (IFCA)"}
         log(INFO, "\t├──> Assignment: %s; ties and unseen clients at random", rule[self.assign])
         if self.update == "assignment":
@@ -400,10 +428,33 @@ class ClusteredFedAvg(Strategy):
         log(INFO, "aggregate_train: cluster sizes %s", self._sizes)
         return self.models[self.largest_cluster()], metrics
 
+    def set_distinct_models(self, models: list[ArrayRecord]) -> None:
+        """Models 1..K-1 to start from under ``init="distinct"`` (model 0 is the one the
+        first round is given); each with the keys and shapes of the others."""
+        if self.init != "distinct":
+            raise ValueError(f"distinct initial models need init = 'distinct', not {self.init!r}")
+        if len(models) != self.k - 1:
+            raise ValueError(f"K = {self.k} needs {self.k - 1} distinct models, got {len(models)}")
+        self._distinct = [copy_record(m) for m in models]
+
     def start_models(self, arrays: ArrayRecord) -> None:
-        """K copies of ``arrays`` as the global models, unless there are models already."""
-        if self.models is None:
+        """The K global models, unless there are models already: K copies of ``arrays``,
+        or (``init="distinct"``) ``arrays`` and the K-1 distinct models."""
+        if self.models is not None:
+            return
+        if self.init == "shared":
             self.models = [copy_record(arrays) for _ in range(self.k)]
+            return
+        if self._distinct is None:
+            raise ValueError(
+                "init = 'distinct' needs models 1..K-1 before round 1 (set_distinct_models)"
+            )
+        for k, model in enumerate(self._distinct, start=1):
+            try:
+                arrays_of(model, arrays)  # the same keys, shapes and dtypes, all finite
+            except InvalidReply as err:
+                raise ValueError(f"distinct initial model {k}: {err}") from None
+        self.models = [copy_record(arrays), *self._distinct]
 
     def take_private_models(
         self,
@@ -617,6 +668,15 @@ class ClusterSettings(Settings):
         " IFCA). Under DP-FedAvg no k-means runs: always by assignment.",
         choices=UPDATE_RULES,
     )
+    init: str = setting(
+        "shared",
+        "Clustered FedAvg: what the K models start as: `shared` (K copies of the run's"
+        " initial model, the seed's rule) or `distinct` (model 0 the run's initial model,"
+        " model k the task's model drawn from its own seed, derived from `seed`; IFCA's"
+        " random initialisation, so a loss-based assignment can tell them apart in"
+        " round 1).",
+        choices=INIT_RULES,
+    )
 
     @staticmethod
     def check(choice: Choice) -> None:
@@ -635,6 +695,14 @@ class ClusterSettings(Settings):
                 f"'cluster.space' = {choice.options['cluster.space']!r} has no effect with "
                 "'cluster.update' = 'assignment': no k-means runs there (each model is the "
                 "mean of its assignees' uploads); valid value: 'weights'"
+            )
+        if choice.options["cluster.init"] == "distinct" and (
+            int(choice.options.get("subspace.warm-start", 0)) > 0
+        ):
+            raise SettingsError(
+                "'cluster.init' = 'distinct' draws models 1..K-1 afresh, which would skip "
+                f"'subspace.warm-start' = {choice.options['subspace.warm-start']}; valid "
+                "values with a warm start: 'shared'"
             )
         if choice.privacy in CENTRAL_CLUSTERED:
             if choice.options["cluster.space"] != "weights":

@@ -95,6 +95,7 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
         assign=str(s.options["cluster.assign"]),
         space=str(s.options["cluster.space"]),
         update=str(s.options["cluster.update"]),
+        init=str(s.options["cluster.init"]),
         seed=s.seed,
         query_timeout=s.round_timeout,
     ),

@@ -38,7 +38,7 @@ VARIANTS = {
     "fedavg": "strategy='fedavg' ppo.eval-episodes=1",
     "clustered": "strategy='clustered' cluster.k=2 cluster.assign='l2' ppo.eval-episodes=1",
     "ifca": "strategy='clustered' cluster.k=2 cluster.assign='loss' "
-    "cluster.update='assignment' ppo.eval-episodes=1",
+    "cluster.update='assignment' cluster.init='distinct' ppo.eval-episodes=1",
     # With the clients' own metrics (written to curator/), which DP runs do not collect
     # unless asked: the PPO mechanics are checked here, not the privacy.
     # Fixed-size cohorts (fraction-train): every round trains 2 clients, which the
@@ -119,10 +119,10 @@ def test_ifca_trains_the_model_each_client_scores_best_and_averages_by_assignmen
     run_dir = lunar_runs["ifca"].run_dir
     clusters = pd.read_csv(run_dir / "clusters.csv")
     assert len(clusters) == 4
-    # Round 1: both models are the initial one, so the assignment is drawn; round 2:
-    # each client's lowest score (negative mean return) on its own planet.
-    assert set(clusters.loc[clusters["round"] == 1, "how"]) == {"random"}
-    assert set(clusters.loc[clusters["round"] == 2, "how"]) <= {"loss", "random"}
+    # Distinct initial models (the ServerApp drew model 1 from its own seed): already in
+    # round 1 each client takes its lowest score (negative mean return) on its planet.
+    assert set(clusters["how"]) == {"loss"}
+    assert "models 1..1 start from seeds" in lunar_runs["ifca"].output
     assert (clusters["cluster"] == clusters["assigned"]).all()  # no k-means moved anyone
     train = pd.read_csv(run_dir / "metrics.csv").query("scope == 'train'")
     assert (train["clusters-changed"] == 0).all()

@@ -41,6 +41,12 @@ def _load(**overrides):
         ({"cluster.assign": "nearest"}, "valid values: 'l2', 'loss'"),
         ({"cluster.space": "cosine"}, "valid values: 'weights', 'directions'"),
         ({"cluster.update": "ifca"}, "valid values: 'kmeans', 'assignment'"),
+        ({"cluster.init": "random"}, "valid values: 'shared', 'distinct'"),
+        (
+            {"strategy": "clustered", "cluster.init": "distinct", "subspace.warm-start": 1},
+            "'cluster.init' = 'distinct' draws models 1..K-1 afresh, which would skip "
+            "'subspace.warm-start' = 1",
+        ),
         (
             {
                 "strategy": "clustered",
@@ -120,6 +126,8 @@ def test_impossible_combinations_are_refused(overrides, expected):
         {"strategy": "clustered", "privacy": "laplace", "cluster.space": "directions"},
         {"strategy": "clustered", "privacy": "laplace", "cluster.update": "assignment"},
         {"strategy": "clustered", "cluster.assign": "loss", "cluster.update": "assignment"},
+        {"strategy": "clustered", "cluster.assign": "loss", "cluster.init": "distinct"},
+        {"strategy": "clustered", "privacy": "dp-fedavg-fixed", "cluster.init": "distinct"},
         {"strategy": "clustered", "privacy": "dp-sgd"},
         {"strategy": "clustered", "privacy": "dp-fedavg-adaptive", "cluster.assign": "loss"},
         {"strategy": "clustered", "privacy": "dp-fedavg-fixed", "cluster.assign": "l2"},

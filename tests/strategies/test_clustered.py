@@ -11,7 +11,7 @@ from flwr.app import ConfigRecord
 
 from protocol import keys
 from strategies import StopTraining
-from strategies.clustered import ClusteredFedAvg, match_by_members, unit_rows
+from strategies.clustered import ClusteredFedAvg, match_by_members, model_seeds, unit_rows
 from strategies.partitions import QUERY_TYPE as PARTITION_QUERY
 from tests.fakes import FakeGrid, error_from, partition_reply, record, reply_from
 
@@ -487,3 +487,76 @@ def test_rejects_an_unknown_update_and_a_space_it_ignores():
         _strategy(update="ifca")
     with pytest.raises(ValueError, match="space = 'directions' has no effect with update"):
         _strategy(update="assignment", space="directions")
+
+
+def test_distinct_init_queries_in_round_one_and_sends_each_node_its_pick():
+    def scores(node, values):
+        metrics = {f"cluster-score-{k}": v for k, v in enumerate(values)}
+        return reply_from(node, None, metrics, kind="evaluate.cluster")
+
+    strategy = _strategy(assign="loss", init="distinct")
+    strategy.set_distinct_models([record(DISTINCT[1]), record(DISTINCT[2])])
+    grid = QueryGrid(range(1, 4))
+    grid.answers = {
+        1: scores(1, [0.0, 1.0, 2.0]),
+        2: scores(2, [5.0, -3.0, 2.0]),
+        3: scores(3, [5.0, 4.0, 1.5]),
+    }
+
+    sent = _configure(strategy, nodes=range(1, 4), grid=grid)
+
+    # Model 0 is the model the round was given; models 1 and 2 the distinct ones
+    assert [_model(m) for m in strategy.models] == [INITIAL, DISTINCT[1], DISTINCT[2]]
+    assert len(grid.sent) == 3  # round 1 asks: the models differ
+    for query in grid.sent:
+        assert [_model(query.content[f"cluster-model-{k}"]) for k in range(3)] == [
+            INITIAL,
+            DISTINCT[1],
+            DISTINCT[2],
+        ]
+    assert _sent_ids(sent) == {1: 0, 2: 1, 3: 2}
+    _assert_model(sent[1].content[keys.ARRAYS], [0.0, 0.0], [0.0])
+    _assert_model(sent[3].content[keys.ARRAYS], [9.0, 9.0], [5.0])
+    strategy.aggregate_train(1, [_upload(n) for n in range(1, 4)])
+    rows = {r["node-id"]: (r["how"], r["score"]) for r in strategy.history}
+    assert rows == {1: ("loss", 0.0), 2: ("loss", -3.0), 3: ("loss", 1.5)}
+    assert strategy.state()["init"] == "distinct"
+
+
+def test_distinct_models_are_copies_and_the_shared_init_ignores_none():
+    given = [record(DISTINCT[1]), record(DISTINCT[2])]
+    strategy = _strategy(update="assignment", init="distinct")
+    strategy.set_distinct_models(given)
+    given[0]["w"] = record({"w": [7.0, 7.0]})["w"]  # the caller's record, changed after
+    _configure(strategy, nodes=range(1, 4))
+    assert _model(strategy.models[1]) == DISTINCT[1]
+    shared = _strategy()
+    _configure(shared, nodes=range(1, 4))
+    assert all(_model(m) == INITIAL for m in shared.models)
+
+
+def test_distinct_init_refuses_missing_wrong_and_unasked_models():
+    with pytest.raises(ValueError, match=r"init = 'random'; valid values: \('shared', 'di"):
+        _strategy(init="random")
+    with pytest.raises(ValueError, match="need init = 'distinct', not 'shared'"):
+        _strategy().set_distinct_models([record(DISTINCT[1]), record(DISTINCT[2])])
+    with pytest.raises(ValueError, match="K = 3 needs 2 distinct models, got 1"):
+        _strategy(init="distinct").set_distinct_models([record(DISTINCT[1])])
+    with pytest.raises(ValueError, match=r"needs models 1\.\.K-1 before round 1"):
+        _configure(_strategy(init="distinct"), nodes=range(1, 4))
+    strategy = _strategy(init="distinct")
+    strategy.set_distinct_models([record(DISTINCT[1]), record({"w": [1.0, 2.0, 3.0], "b": [0.0]})])
+    with pytest.raises(ValueError, match="distinct initial model 2: array 'w' has shape"):
+        _configure(strategy, nodes=range(1, 4))
+    strategy = _strategy(init="distinct")
+    strategy.set_distinct_models([record(DISTINCT[1]), record({"w": [np.nan, 0.0], "b": [0.0]})])
+    with pytest.raises(ValueError, match="distinct initial model 2: array 'w' contains NaN"):
+        _configure(strategy, nodes=range(1, 4))
+
+
+def test_model_seeds_are_reproducible_distinct_and_per_run_seed():
+    assert model_seeds(0, 3) == model_seeds(0, 3)
+    assert len(model_seeds(0, 3)) == 2 and len(set(model_seeds(0, 5))) == 4
+    assert model_seeds(0, 3) != model_seeds(1, 3)
+    assert model_seeds(0, 3) == model_seeds(0, 4)[:2]  # K does not reseed the first ones
+    assert model_seeds(0, 1) == []
