@@ -9,8 +9,10 @@ and federated accuracy, and the final client-level epsilon (medians over repeats
     python bench/default_run.py --repeats 3 --config "fedavg=strategy='fedavg'" \\
         --config "local=strategy='local'"
 
-Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
-working tree, so editing the app while it runs changes what is measured.
+Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
+``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``; without ``PYTHONPATH`` an
+editable install imports, and ``flwr run`` packages, the installed checkout instead):
+editing the app while it runs changes what is measured.
 """
 
 from __future__ import annotations

@@ -63,8 +63,10 @@ its optimizer anyway).
     python bench/ppo_throughput.py --rounds 3 --local-steps 8192 --repeats 3 \
         --preset experiments/lunar-fl-lands.toml --torch-threads 0  # before the default 1
 
-Run it from a clean checkout (e.g. a `git worktree`): `flwr run .` packages the
-working tree, so editing the app while it runs changes what is measured.
+Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
+``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``; without ``PYTHONPATH`` an
+editable install imports, and ``flwr run`` packages, the installed checkout instead):
+editing the app while it runs changes what is measured.
 """
 
 from __future__ import annotations
