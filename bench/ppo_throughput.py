@@ -119,7 +119,7 @@ def preset_ppo(path: Path | None) -> dict:
 
 
 def standalone_steps_per_second(
-    total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict, start=None
+    total_steps: int, n_envs: int, seed: int, threads: int, ppo: dict, start=None, callback=None
 ) -> tuple[int, float, float]:
     """(steps taken, steps/s, update epochs per rollout) of plain SB3 PPO on the moon
     client's environment.
@@ -131,7 +131,8 @@ def standalone_steps_per_second(
     slower, flattering the federated side. Under a KL stop the epochs per rollout
     differ between the two sides with what each learns, and the work per step with
     them, so both are reported. ``start`` (a barrier): wait on it before the clock
-    starts, so that concurrent copies learn at the same time.
+    starts, so that concurrent copies learn at the same time. ``callback``: SB3's, passed
+    to ``learn``.
     """
     torch.set_num_threads(threads)
     moon = client_table(seed, derived_per_base=0)[0]
@@ -144,7 +145,7 @@ def standalone_steps_per_second(
     if start is not None:
         start.wait(timeout=BARRIER_TIMEOUT)
     started = time.perf_counter()
-    model.learn(total_timesteps=total_steps)
+    model.learn(total_timesteps=total_steps, callback=callback)
     seconds = time.perf_counter() - started
     env.close()
     rollouts = model.num_timesteps // cfg.rollout_size
