@@ -34,8 +34,15 @@ it learns), the share of the run's time in ``PPO.learn``, and the federated thro
 against the speedometer at the same moment (other work: the moon client alone, from
 scratch). Cores A and B swap between repeats, in case they differ.
 
-    python bench/ppo_side_by_side.py --rounds 4 --local-steps 16384 --repeats 4 \
+``--apart`` moves each ClientApp's threads to core A as the bench sees them (within a
+second of their start) and leaves the simulation's own processes on core B, with no
+speedometer: what the ClientApps' PPO does when nothing shares its core. The machine's
+drift between run and replay then stays in the ratio.
+
+    python bench/ppo_side_by_side.py --rounds 4 --local-steps 16384 --repeats 6 \\
         --preset experiments/lunar-fl-lands.toml
+    python bench/ppo_side_by_side.py --rounds 4 --local-steps 16384 --repeats 4 \\
+        --preset experiments/lunar-fl-lands.toml --apart
 
 Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
 ``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``) with nothing else running,
@@ -44,7 +51,6 @@ on a machine with at least two cores.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import multiprocessing
@@ -63,7 +69,13 @@ from scipy import stats
 from stable_baselines3.common.callbacks import BaseCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.ppo_throughput import federated, preset_ppo, replay, standalone_steps_per_second
+from bench.ppo_throughput import (
+    federated,
+    federation_arguments,
+    preset_ppo,
+    replay,
+    standalone_steps_per_second,
+)
 from lab.launcher import LocalSimulation
 
 
@@ -123,11 +135,30 @@ def _process_name(pid: str) -> str:
     return program
 
 
-def watch(core: int, snapshots: list, seen: dict, done: threading.Event) -> None:
+def _move_clientapps(core: int) -> None:
+    """Every thread of every ClientApp process onto ``core`` (``--apart``)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if b"ClientAppActor" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if os.sched_getaffinity(int(tid)) != {core}:
+                    os.sched_setaffinity(int(tid), {core})
+        except OSError:  # gone meanwhile
+            continue
+
+
+def watch(
+    core: int, snapshots: list, seen: dict, done: threading.Event, move: bool = False
+) -> None:
     """Every second while the run lasts: the CPU time (user + system, in clock ticks) of
     each process that may run on ``core`` and, for ClientApp processes, the CPUs they
-    may run on."""
+    may run on; with ``move``, each ClientApp's threads moved onto ``core`` first."""
     while not done.wait(1.0):
+        if move:
+            _move_clientapps(core)
         now, cpu = time.time(), {}
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
@@ -135,7 +166,7 @@ def watch(core: int, snapshots: list, seen: dict, done: threading.Event) -> None
             try:
                 allowed = sorted(os.sched_getaffinity(int(pid)))
                 if core not in allowed:
-                    continue  # the speedometer
+                    continue  # the speedometer, or (--apart) the simulation's processes
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 fields = stat[stat.rindex(")") + 2 :].split()
                 name = _process_name(pid)
@@ -181,24 +212,29 @@ def machine_speed(marks: list, start: float, end: float, what: str) -> float:
 
 
 def one_repeat(args, core_a: int, core_b: int, out: str) -> dict:
+    """One federated run and its replay on ``core_a``; the speedometer on ``core_b``, or
+    with ``args.apart`` the simulation's own processes there instead."""
     context = multiprocessing.get_context("spawn")
     stop, marks = context.Event(), context.Queue()
     settings = {"n_envs": args.n_envs, "seed": args.seed, "ppo": args.ppo}
     meter = context.Process(
         target=speedometer, args=(core_b, args.speedometer_steps, settings, stop, marks)
     )
-    meter.start()
+    if not args.apart:
+        meter.start()
     everyone = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {core_a})  # the simulation's processes and the replay inherit it
+    # the simulation's processes inherit this; the replay runs on core A
+    os.sched_setaffinity(0, {core_b if args.apart else core_a})
     seen: dict = {}
     snapshots: list = []
     done = threading.Event()
-    watcher = threading.Thread(target=watch, args=(core_a, snapshots, seen, done))
+    watcher = threading.Thread(target=watch, args=(core_a, snapshots, seen, done, args.apart))
     watcher.start()
     try:
         with LocalSimulation() as sim:
             row = federated(sim, args, os.cpu_count() or 1, out)
         done.set()
+        os.sched_setaffinity(0, {core_a})
         replay_start = time.time()
         same = replay(row["run-dir"], 1, os.cpu_count() or 1)
         replay_end = time.time()
@@ -207,19 +243,23 @@ def one_repeat(args, core_a: int, core_b: int, out: str) -> dict:
         watcher.join()
         os.sched_setaffinity(0, everyone)
         stop.set()
-    meter_marks = marks.get(timeout=600)
-    meter.join()
     if not seen:
         raise SystemExit("no ClientApp process seen: cannot check where it ran")
     if any(cpus != [core_a] for cpus in seen.values()):
         raise SystemExit(f"a ClientApp ran outside core {core_a}: {seen}")
     fed_start, fed_end = window(row["run-dir"])
-    during_run = machine_speed(meter_marks, fed_start, fed_end, "the run's rounds 2..R")
-    during_replay = machine_speed(meter_marks, replay_start, replay_end, "the replay")
     shares = cpu_shares(snapshots, fed_start, fed_end)
     clientapp = shares.pop("ray::ClientAppActor", 0.0)
-    # plain SB3's speed on the same work, at the machine's speed during the run
-    plain = same["learn-rate"] * during_run / during_replay
+    if args.apart:  # no speedometer: the machine's drift stays in the ratio
+        during_run = during_replay = float("nan")
+        plain = same["learn-rate"]
+    else:
+        meter_marks = marks.get(timeout=600)
+        meter.join()
+        during_run = machine_speed(meter_marks, fed_start, fed_end, "the run's rounds 2..R")
+        during_replay = machine_speed(meter_marks, replay_start, replay_end, "the replay")
+        # plain SB3's speed on the same work, at the machine's speed during the run
+        plain = same["learn-rate"] * during_run / during_replay
     return {
         "core A": core_a,
         "federated steps/s": row["steady"],
@@ -248,16 +288,14 @@ def interval(values: np.ndarray) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--clients-per-round", type=int, default=2)
-    parser.add_argument("--derived-per-base", type=int, default=1)
-    parser.add_argument("--local-steps", type=int, default=16384)
-    parser.add_argument("--n-envs", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=4)
+    parser = federation_arguments(__doc__.split("\n\n")[0], repeats=4)
     parser.add_argument("--speedometer-steps", type=int, default=8192)
-    parser.add_argument("--preset", type=Path, help="take the ppo.* settings from this preset")
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="the ClientApps alone on core A, the simulation's own processes on core B "
+        "(no speedometer: the ratio keeps the machine's drift between run and replay)",
+    )
     args = parser.parse_args()
     args.ppo = preset_ppo(args.preset)
     if args.ppo.get("ppo.torch-threads", 1) != 1:
@@ -265,6 +303,8 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs two cores: one for the runs, one for the speedometer")
+    if args.apart and args.repeats % 2:
+        raise SystemExit("--apart: an even --repeats, so that both cores run both sides")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
     rows = []
     with TemporaryDirectory() as out:
@@ -277,8 +317,13 @@ def main() -> None:
                 f"(rounds 2..{args.rounds}; {row['in PPO.learn']:.1%} in PPO.learn, at "
                 f"{row['learn steps/s']:.0f}), the same client-rounds replayed "
                 f"{row['replay learn steps/s']:.0f} ({row['identical']} identical); "
-                f"speedometer on core {core_b}: {row['speedometer, run']:.0f} during the "
-                f"run, {row['speedometer, replay']:.0f} during the replay; ratio "
+                + (
+                    f"the simulation's own processes on core {core_b}; "
+                    if args.apart
+                    else f"speedometer on core {core_b}: {row['speedometer, run']:.0f} during "
+                    f"the run, {row['speedometer, replay']:.0f} during the replay; "
+                )
+                + f"ratio "
                 f"{row['ratio']:.3f} (in PPO.learn {row['learn ratio']:.3f}); core {core_a}'s "
                 f"time, rounds 2..{args.rounds}: ClientApp {row['ClientApp CPU']:.1%}, the "
                 f"rest {row['others CPU']:.1%} ({row['busiest others']})",

@@ -355,16 +355,22 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def federation_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of :func:`federated`'s run (shared with ``ppo_side_by_side.py``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--clients-per-round", type=int, default=2)
     parser.add_argument("--derived-per-base", type=int, default=1)
     parser.add_argument("--local-steps", type=int, default=16384)
     parser.add_argument("--n-envs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--preset", type=Path, help="take the ppo.* settings from this preset")
+    return parser
+
+
+def main() -> None:
+    parser = federation_arguments(__doc__.split("\n\n")[0], repeats=5)
     parser.add_argument("--out", type=Path, help="keep the federated runs' directories here")
     parser.add_argument(
         "--torch-threads",
