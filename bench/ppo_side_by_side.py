@@ -21,12 +21,13 @@ ratios are ratios of two moments. This bench divides the moment out.
   are paid for on the ClientApps' core.
 * Plain SB3 on the same work, on core A right after: the run's client-rounds again,
   outside Ray (`bench/ppo_throughput.py`'s replay: the weights each round sent, the
-  seeds and kept Adam state of its ClientApps, through the same ``task.train``, so
-  the very same episodes, which the bench counts), one after another, nothing else
-  on core A.
+  seeds and kept Adam state of its ClientApps, through the same ``task.train``: the
+  same episodes where PPO is deterministic, and the bench counts the client-rounds
+  that match), one after another, nothing else on core A.
 
 The goal's ratio, per repeat: the federated throughput over the replay's speed in
-``PPO.learn``, each first divided by the speedometer's speed in its own window. That is
+``PPO.learn``, each first divided by the speedometer's speed in its own window (the
+run's rounds 2..R; the whole replay, its start-up included). That is
 plain SB3 doing the same PPO work on the same core, with the machine's drift between
 the two windows divided out. Also reported: the same for the ClientApps' speed inside
 ``PPO.learn`` (what the simulation's own processes take from a ClientApp's core while
