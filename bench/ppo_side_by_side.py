@@ -204,6 +204,8 @@ def window(run_dir: Path) -> tuple[float, float]:
 
 
 def machine_speed(marks: list, start: float, end: float, what: str) -> float:
+    """The speedometer's steps/s within [start, end] (``what`` names the window), if it
+    learned for at least half of it."""
     steps, seconds = rate_within(marks, start, end)
     if seconds < 0.5 * (end - start):
         raise SystemExit(
@@ -218,10 +220,11 @@ def one_repeat(args, core_a: int, core_b: int, out: str) -> dict:
     context = multiprocessing.get_context("spawn")
     stop, marks = context.Event(), context.Queue()
     settings = {"n_envs": args.n_envs, "seed": args.seed, "ppo": args.ppo}
-    meter = context.Process(
-        target=speedometer, args=(core_b, args.speedometer_steps, settings, stop, marks)
-    )
+    meter = None
     if not args.apart:
+        meter = context.Process(
+            target=speedometer, args=(core_b, args.speedometer_steps, settings, stop, marks)
+        )
         meter.start()
     everyone = os.sched_getaffinity(0)
     # the simulation's processes inherit this; the replay runs on core A
@@ -251,7 +254,7 @@ def one_repeat(args, core_a: int, core_b: int, out: str) -> dict:
     fed_start, fed_end = window(row["run-dir"])
     shares = cpu_shares(snapshots, fed_start, fed_end)
     clientapp = shares.pop("ray::ClientAppActor", 0.0)
-    if args.apart:  # no speedometer: the machine's drift stays in the ratio
+    if meter is None:  # --apart: the machine's drift stays in the ratio
         during_run = during_replay = float("nan")
         plain = same["learn-rate"]
     else:
