@@ -136,19 +136,11 @@ def _process_name(pid: str) -> str:
     return program
 
 
-def _move_clientapps(core: int) -> None:
-    """Every thread of every ClientApp process onto ``core`` (``--apart``)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if b"ClientAppActor" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                if os.sched_getaffinity(int(tid)) != {core}:
-                    os.sched_setaffinity(int(tid), {core})
-        except OSError:  # gone meanwhile
-            continue
+def _move_threads(pid: str, core: int) -> None:
+    """Every thread of process ``pid`` onto ``core`` (``--apart``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if os.sched_getaffinity(int(tid)) != {core}:
+            os.sched_setaffinity(int(tid), {core})
 
 
 def watch(
@@ -158,21 +150,22 @@ def watch(
     each process that may run on ``core`` and, for ClientApp processes, the CPUs they
     may run on; with ``move``, each ClientApp's threads moved onto ``core`` first."""
     while not done.wait(1.0):
-        if move:
-            _move_clientapps(core)
         now, cpu = time.time(), {}
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
             try:
+                name = _process_name(pid)
+                clientapp = name == "ray::ClientAppActor"
+                if clientapp and move:
+                    _move_threads(pid, core)
                 allowed = sorted(os.sched_getaffinity(int(pid)))
                 if core not in allowed:
                     continue  # the speedometer, or (--apart) the simulation's processes
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 fields = stat[stat.rindex(")") + 2 :].split()
-                name = _process_name(pid)
                 cpu[pid] = (name, int(fields[11]) + int(fields[12]))
-                if name == "ray::ClientAppActor":
+                if clientapp:
                     seen[int(pid)] = allowed
             except (OSError, ValueError, IndexError):  # gone meanwhile
                 continue
