@@ -89,7 +89,7 @@ import torch
 from stable_baselines3 import PPO
 
 from lab import study
-from lab.launcher import LocalSimulation
+from lab.launcher import APP_DIR, LocalSimulation
 from tasks.base import NUM_EXAMPLES, TRAIN_REWARD, TRAIN_SECONDS, LocalTraining, local_seed
 from tasks.lunar_lander import LunarLanderTask
 from tasks.lunar_lander.clients import client_table
@@ -303,7 +303,10 @@ def replay(run_dir: Path, processes: int, threads: int) -> dict:
     return {"learn-rate": steps / seconds, "same": same, "client-rounds": later}
 
 
-def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
+def federated(sim: LocalSimulation, args, cpus: int, out: str, app: Path = APP_DIR) -> dict:
+    """A fedavg run of ``args``' federation at ``cpus`` CPUs per ClientApp, of the app
+    staged from ``app``: its throughput, all rounds and rounds 2..R, and its share of
+    rounds 2..R in ``PPO.learn``."""
     num_clients = 3 + 3 * args.derived_per_base
     fraction = (args.clients_per_round + 0.5) / num_clients  # int(n * f) = clients/round
     run_config = (
@@ -319,6 +322,7 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str) -> dict:
     result = sim.run(
         run_config,
         federation_config=f"num-supernodes={num_clients} client-resources-num-cpus={cpus}",
+        app=app,
     )
     if result.returncode != 0 or result.run_dir is None:
         raise SystemExit(result.output)

@@ -1,0 +1,192 @@
+"""Federated PPO against plain SB3 PPO on the same work, at the same moment, on the same
+core: every client-round trained twice, by its ClientApp and by a plain process.
+
+`bench/ppo_side_by_side.py` replays a run after it, and divides both windows by a
+speedometer on the other core. On this VM the two cores do not drift together: the
+correction adds as much spread as it removes (its six repeats: 0.70 to 0.94). Here
+nothing is divided out. Each client-round's twin learns within seconds of it, on its
+core:
+
+* The whole simulation is pinned to one core (``flwr run``, the SuperLink, the
+  ServerApp, Ray and every ClientApp; cores swap between repeats), one ClientApp at a
+  time (``client-resources-num-cpus`` = the machine's cores).
+* Its ClientApp is the app's own with `LunarLanderTask.train` wrapped
+  (`bench/twin_clientapp.py`, named in the staged app's ``pyproject.toml``): before each
+  client-round, deep copies of its inputs go to the ClientApp's twin, a plain Python
+  process it started, which makes the same ``task.train`` call (the same episodes where
+  PPO is deterministic; the bench counts those that match). The two take turns going
+  first, so a drift within a pair cancels over pairs.
+
+The goal's ratio, per repeat: plain SB3's speed (the twins' env steps over their
+seconds in ``PPO.learn``, rounds 2..R) against the federated run's throughput (the same
+steps over rounds 2..R's wall time, less what the pairing added to it: the copies and
+the twins' calls), so the simulation's own processes and the ClientApp's work outside
+``PPO.learn`` count against it. Its two factors are also reported: the ClientApp's speed
+inside ``PPO.learn`` over its twin's (geometric mean over client-rounds, with a 95 %
+interval over all repeats' pairs), and the share of the run's wall time the ClientApp
+spends in ``PPO.learn``.
+
+    python bench/ppo_twin.py --rounds 6 --local-steps 16384 --repeats 4 \\
+        --preset experiments/lunar-fl-lands.toml
+
+Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
+``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``) with nothing else running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.ppo_side_by_side import window
+from bench.ppo_throughput import federated, federation_arguments, preset_ppo
+from lab.launcher import APP_DIR, LocalSimulation, stage_app
+from tasks.base import NUM_EXAMPLES, TRAIN_REWARD, TRAIN_SECONDS
+from tasks.lunar_lander.task import TRAIN_EPISODES
+
+# The staged pyproject.toml's lines, and what replaces them
+TWIN_APP = {
+    'clientapp = "client_app.app:app"': 'clientapp = "bench.twin_clientapp:app"',
+    "fab-include = [": 'fab-include = [\n    "bench/twin_clientapp.py",',  # shipped too
+}
+
+
+def stage_twin_app(dest: Path) -> Path:
+    """The app staged in ``dest`` with `bench/twin_clientapp.py` as its ClientApp."""
+    stage_app(APP_DIR, dest)
+    pyproject = dest / "pyproject.toml"
+    text = pyproject.read_text()
+    for line, twin in TWIN_APP.items():
+        if text.count(line) != 1:
+            raise SystemExit(f"{pyproject}: no single line {line!r} to replace")
+        text = text.replace(line, twin)
+    pyproject.write_text(text)
+    return dest
+
+
+def pairs(run_dir: Path) -> pd.DataFrame:
+    """The run's client-rounds, each with its twin's (``clients/twin-*.json``)."""
+    rows = []
+    for path in sorted((run_dir / "clients").glob("twin-round-*-partition-*.json")):
+        record = json.loads(path.read_text())
+        ours, theirs = record["clientapp"], record["twin"]
+
+        def played(side: dict) -> tuple:
+            return side["metrics"][TRAIN_EPISODES], side["metrics"].get(TRAIN_REWARD)
+
+        rows.append(
+            {
+                "round": record["round"],
+                "partition": record["partition"],
+                "first": record["first"],
+                "steps": ours["metrics"][NUM_EXAMPLES],
+                "clientapp-learn": ours["metrics"][TRAIN_SECONDS],
+                "twin-learn": theirs["metrics"][TRAIN_SECONDS],
+                "same": played(ours) == played(theirs),
+                "added": record["added-seconds"],
+                "clientapp-cpu": tuple(ours["cpu"]),
+                "twin-cpu": tuple(theirs["cpu"]),
+            }
+        )
+    if not rows:
+        raise SystemExit(f"{run_dir}: no twin records: did bench.twin_clientapp run?")
+    return pd.DataFrame(rows).sort_values(["round", "partition"], ignore_index=True)
+
+
+def summary(paired: pd.DataFrame, seconds: float) -> dict:
+    """The goal's ratio over rounds 2..R, whose wall time is ``seconds``, and its two
+    factors (see the module's docstring)."""
+    later = paired[paired["round"] > paired["round"].min()]
+    run_seconds = seconds - later["added"].sum()  # the federated run's own
+    plain_seconds = later["twin-learn"].sum()
+    speed = later["twin-learn"] / later["clientapp-learn"]  # ClientApp's over twin's
+    return {
+        "ratio": plain_seconds / run_seconds,
+        "learn-ratio": float(np.exp(np.log(speed).mean())),
+        "in-learn": later["clientapp-learn"].sum() / run_seconds,
+        "run-rate": later["steps"].sum() / run_seconds,
+        "plain-rate": later["steps"].sum() / plain_seconds,
+        "same": int(later["same"].sum()),
+        "client-rounds": len(later),
+    }
+
+
+def interval(values) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % Student-t interval (nan for one value)."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return float(values.mean()), float("nan")
+    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return float(values.mean()), float(half)
+
+
+def one_repeat(args, core: int, out: str) -> tuple[dict, pd.DataFrame]:
+    """One federated run with twins, everything pinned to ``core``."""
+    everyone = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})  # the simulation's processes inherit it
+    try:
+        with tempfile.TemporaryDirectory() as app, LocalSimulation() as sim:
+            row = federated(sim, args, os.cpu_count() or 1, out, app=stage_twin_app(Path(app)))
+    finally:
+        os.sched_setaffinity(0, everyone)
+    paired = pairs(row["run-dir"])
+    cpus = set(paired["clientapp-cpu"]) | set(paired["twin-cpu"])
+    if cpus != {(core,)}:
+        raise SystemExit(f"a ClientApp or twin ran outside core {core}: {sorted(cpus)}")
+    expected = args.rounds * args.clients_per_round
+    if len(paired) != expected:
+        raise SystemExit(f"{len(paired)} twin records, {expected} client-rounds")
+    start, end = window(row["run-dir"])
+    return {**summary(paired, end - start), "core": core, "epochs": row["epochs"]}, paired
+
+
+def main() -> None:
+    parser = federation_arguments(__doc__.split("\n\n")[0], repeats=4)
+    parser.add_argument("--out", type=Path, help="keep the federated runs' directories here")
+    args = parser.parse_args()
+    args.ppo = preset_ppo(args.preset)
+    if (os.cpu_count() or 1) < 2:
+        raise SystemExit("needs two cores: the simulation pinned to one, the bench on another")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the SuperLink
+    rows, all_pairs = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        out = str(args.out or scratch)
+        for repeat in range(args.repeats):
+            row, paired = one_repeat(args, repeat % 2, out)
+            rows.append(row)
+            all_pairs.append(paired.assign(repeat=repeat))
+            print(
+                f"repeat {repeat + 1}/{args.repeats}, core {row['core']}: "
+                f"ratio {row['ratio']:.2f} (federated {row['run-rate']:.0f} steps/s, "
+                f"plain {row['plain-rate']:.0f}); in PPO.learn the ClientApp at "
+                f"{row['learn-ratio']:.2f} of its twin's speed, there "
+                f"{row['in-learn']:.1%} of the run; {row['same']}/{row['client-rounds']} "
+                f"client-rounds played the same episodes; {row['epochs']:.2f} epochs/rollout",
+                flush=True,
+            )
+    pooled = pd.concat(all_pairs)
+    later = pooled[pooled["round"] > pooled["round"].min()]
+    logs = np.log(later["twin-learn"] / later["clientapp-learn"])
+    learn, learn_half = interval(logs)
+    ratio, ratio_half = interval([r["ratio"] for r in rows])
+    share, share_half = interval([r["in-learn"] for r in rows])
+    print(
+        f"\n| {args.repeats} repeats | federated / plain SB3 | ClientApp / twin in PPO.learn "
+        f"({len(later)} client-rounds) | share in PPO.learn |\n|---|---:|---:|---:|\n"
+        f"| mean, 95 % interval | {ratio:.2f} ± {ratio_half:.2f} | {np.exp(learn):.2f} "
+        f"[{np.exp(learn - learn_half):.2f}, {np.exp(learn + learn_half):.2f}] | "
+        f"{share:.1%} ± {share_half:.1%} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
