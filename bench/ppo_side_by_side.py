@@ -45,6 +45,9 @@ drift between run and replay then stays in the ratio.
     python bench/ppo_side_by_side.py --rounds 4 --local-steps 16384 --repeats 4 \\
         --preset experiments/lunar-fl-lands.toml --apart
 
+`bench/ppo_twin.py` leaves no time between the two sides instead: each client-round's
+twin learns within seconds of it, on its core.
+
 Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
 ``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``) with nothing else running,
 on a machine with at least two cores.

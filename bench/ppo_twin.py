@@ -26,8 +26,20 @@ inside ``PPO.learn`` over its twin's (geometric mean over client-rounds, with a 
 interval over all repeats' pairs), and the share of the run's wall time the ClientApp
 spends in ``PPO.learn``.
 
-    python bench/ppo_twin.py --rounds 6 --local-steps 16384 --repeats 4 \\
+    python bench/ppo_twin.py --rounds 6 --local-steps 16384 --repeats 8 \\
         --preset experiments/lunar-fl-lands.toml
+
+``--at-once`` measures the preset's own layout instead: ClientApps of one CPU, as many
+training at once as there are cores, nothing pinned, a round's clients queued on them
+by Ray. Twins then overlap other ClientApps' training, so the run's wall time cannot
+be split between the two. Each repeat makes two runs of the same seeded work: the
+app's own, whose clock gives each process's share of rounds 2..R in ``PPO.learn`` (the
+rest is the app's work and the wait for the round's slowest client), and one with
+twins, which gives the ClientApps' seconds in ``PPO.learn`` against their twins'. The
+ratio is the product of the two:
+
+    python bench/ppo_twin.py --rounds 3 --clients-per-round 6 --local-steps 16384 \\
+        --repeats 3 --preset experiments/lunar-fl-lands.toml --at-once
 
 Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
 ``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``) with nothing else running.
@@ -138,20 +150,61 @@ def one_repeat(args, core: int, out: str) -> tuple[dict, pd.DataFrame]:
             row = federated(sim, args, os.cpu_count() or 1, out, app=stage_twin_app(Path(app)))
     finally:
         os.sched_setaffinity(0, everyone)
-    paired = pairs(row["run-dir"])
+    paired = check_count(args, pairs(row["run-dir"]))
     cpus = set(paired["clientapp-cpu"]) | set(paired["twin-cpu"])
     if cpus != {(core,)}:
         raise SystemExit(f"a ClientApp or twin ran outside core {core}: {sorted(cpus)}")
+    start, end = window(row["run-dir"])
+    return {**summary(paired, end - start), "core": core, "epochs": row["epochs"]}, paired
+
+
+def at_once_repeat(args, out: str) -> tuple[dict, pd.DataFrame]:
+    """``--at-once``: two runs of the same seeded work, nothing pinned, ClientApps of one
+    CPU, as many at once as there are cores. The app's own run gives each process's
+    share of rounds 2..R in ``PPO.learn`` (from its own clock: the rest is the app's
+    work and the wait for the round's slowest client); the run with twins gives the
+    ClientApps' time in ``PPO.learn`` against their twins'. The ratio is their product:
+    plain SB3's time for the work over the run's."""
+    with LocalSimulation() as sim:
+        own = federated(sim, args, 1, out)
+    with tempfile.TemporaryDirectory() as app, LocalSimulation() as sim:
+        twinned = federated(sim, args, 1, out, app=stage_twin_app(Path(app)))
+    paired = check_count(args, pairs(twinned["run-dir"]))
+    later = paired[paired["round"] > paired["round"].min()]
+    speed = later["twin-learn"] / later["clientapp-learn"]
+    factor = later["twin-learn"].sum() / later["clientapp-learn"].sum()
+    processes = min(os.cpu_count() or 1, args.clients_per_round)
+    row = {
+        "ratio": own["in-learn"] * factor,
+        "learn-ratio": float(np.exp(np.log(speed).mean())),
+        "in-learn": own["in-learn"],
+        "waiting": own["waiting"],
+        "run-rate": own["steady"] / processes,
+        "plain-rate": later["steps"].sum() / later["twin-learn"].sum(),
+        "same": int(later["same"].sum()),
+        "client-rounds": len(later),
+        "core": "all",
+        "epochs": own["epochs"],
+    }
+    return row, paired
+
+
+def check_count(args, paired: pd.DataFrame) -> pd.DataFrame:
+    """``paired``, if it holds every client-round of the run."""
     expected = args.rounds * args.clients_per_round
     if len(paired) != expected:
         raise SystemExit(f"{len(paired)} twin records, {expected} client-rounds")
-    start, end = window(row["run-dir"])
-    return {**summary(paired, end - start), "core": core, "epochs": row["epochs"]}, paired
+    return paired
 
 
 def main() -> None:
     parser = federation_arguments(__doc__.split("\n\n")[0], repeats=4)
     parser.add_argument("--out", type=Path, help="keep the federated runs' directories here")
+    parser.add_argument(
+        "--at-once",
+        action="store_true",
+        help="ClientApps of one CPU, as many at once as cores, nothing pinned",
+    )
     args = parser.parse_args()
     args.ppo = preset_ppo(args.preset)
     if (os.cpu_count() or 1) < 2:
@@ -161,15 +214,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         out = str(args.out or scratch)
         for repeat in range(args.repeats):
-            row, paired = one_repeat(args, repeat % 2, out)
+            if args.at_once:
+                row, paired = at_once_repeat(args, out)
+            else:
+                row, paired = one_repeat(args, repeat % 2, out)
             rows.append(row)
             all_pairs.append(paired.assign(repeat=repeat))
             print(
-                f"repeat {repeat + 1}/{args.repeats}, core {row['core']}: "
+                f"repeat {repeat + 1}/{args.repeats}, cores {row['core']}: "
                 f"ratio {row['ratio']:.2f} (federated {row['run-rate']:.0f} steps/s, "
                 f"plain {row['plain-rate']:.0f}); in PPO.learn the ClientApp at "
                 f"{row['learn-ratio']:.2f} of its twin's speed, there "
-                f"{row['in-learn']:.1%} of the run; {row['same']}/{row['client-rounds']} "
+                f"{row['in-learn']:.1%} of the run ({row.get('waiting', 0):.1%} waiting); "
+                f"{row['same']}/{row['client-rounds']} "
                 f"client-rounds played the same episodes; {row['epochs']:.2f} epochs/rollout",
                 flush=True,
             )

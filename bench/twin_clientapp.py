@@ -78,8 +78,20 @@ class Twin:
         Path(f"{job}.json").unlink()
         return result
 
+    def close(self) -> None:
+        """End the twin (it also ends when this process does: its input closes)."""
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log.close()
+
 
 _TWIN: list[Twin] = []  # one per ClientApp process, started by its first client-round
+
+
+def close_twin() -> None:
+    """End this process's twin, if it has one."""
+    while _TWIN:
+        _TWIN.pop().close()
 
 
 def _metrics(metrics: dict, seconds: float) -> dict:
