@@ -308,7 +308,8 @@ def federated(sim: LocalSimulation, args, cpus: int, out: str, app: Path = APP_D
     staged from ``app``: its throughput, all rounds and rounds 2..R, and its share of
     rounds 2..R in ``PPO.learn``."""
     num_clients = 3 + 3 * args.derived_per_base
-    fraction = (args.clients_per_round + 0.5) / num_clients  # int(n * f) = clients/round
+    # int(n * f) = clients/round; every client: f = 1
+    fraction = min(1.0, (args.clients_per_round + 0.5) / num_clients)
     run_config = (
         f"task='lunar-lander' strategy='fedavg' num-server-rounds={args.rounds} "
         f"fraction-train={fraction:.6f} min-train-nodes={args.clients_per_round} "
