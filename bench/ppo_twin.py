@@ -220,12 +220,14 @@ def main() -> None:
                 row, paired = one_repeat(args, repeat % 2, out)
             rows.append(row)
             all_pairs.append(paired.assign(repeat=repeat))
+            waiting = row.get("waiting", 0.0)  # one ClientApp at a time: none
             print(
                 f"repeat {repeat + 1}/{args.repeats}, cores {row['core']}: "
-                f"ratio {row['ratio']:.2f} (federated {row['run-rate']:.0f} steps/s, "
-                f"plain {row['plain-rate']:.0f}); in PPO.learn the ClientApp at "
-                f"{row['learn-ratio']:.2f} of its twin's speed, there "
-                f"{row['in-learn']:.1%} of the run ({row.get('waiting', 0):.1%} waiting); "
+                f"ratio {row['ratio']:.2f} (per process: federated {row['run-rate']:.0f} "
+                f"steps/s{', the run without twins' if args.at_once else ''}, plain SB3 "
+                f"{row['plain-rate']:.0f}); in PPO.learn the ClientApp at "
+                f"{row['learn-ratio']:.2f} of its twin's speed, there {row['in-learn']:.1%} "
+                f"of the run{f' ({waiting:.1%} waiting)' if np.isfinite(waiting) else ''}; "
                 f"{row['same']}/{row['client-rounds']} "
                 f"client-rounds played the same episodes; {row['epochs']:.2f} epochs/rollout",
                 flush=True,
