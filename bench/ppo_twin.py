@@ -21,7 +21,7 @@ The goal's ratio, per repeat: plain SB3's speed (the twins' env steps over their
 seconds in ``PPO.learn``, rounds 2..R) against the federated run's throughput (the same
 steps over rounds 2..R's wall time, less what the pairing added to it: the copies and
 the twins' calls), so the simulation's own processes and the ClientApp's work outside
-``PPO.learn`` count against it. Its two factors are also reported: the ClientApp's speed
+``PPO.learn`` count against it. Also reported, what the ratio is made of: the ClientApp's speed
 inside ``PPO.learn`` over its twin's (geometric mean over client-rounds, with a 95 %
 interval over all repeats' pairs), and the share of the run's wall time the ClientApp
 spends in ``PPO.learn``.
