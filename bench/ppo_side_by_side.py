@@ -69,10 +69,10 @@ from tempfile import TemporaryDirectory
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 from stable_baselines3.common.callbacks import BaseCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.lunar_lands import confidence_interval
 from bench.ppo_throughput import (
     federated,
     federation_arguments,
@@ -281,10 +281,8 @@ def one_repeat(args, core_a: int, core_b: int, out: str) -> dict:
 
 def interval(values: np.ndarray) -> str:
     """mean ± the half-width of its 95 % Student t interval (none for one value)."""
-    if len(values) < 2:
-        return f"{values.mean():.3f}"
-    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
-    return f"{values.mean():.3f} ± {half:.3f}"
+    mean, half = confidence_interval(values)
+    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {half:.3f}"
 
 
 def main() -> None:

@@ -56,9 +56,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.lunar_lands import confidence_interval
 from bench.ppo_side_by_side import window
 from bench.ppo_throughput import federated, federation_arguments, preset_ppo
 from lab.launcher import APP_DIR, LocalSimulation, stage_app
@@ -130,15 +130,6 @@ def summary(paired: pd.DataFrame, seconds: float) -> dict:
         "same": int(later["same"].sum()),
         "client-rounds": len(later),
     }
-
-
-def interval(values) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % Student-t interval (nan for one value)."""
-    values = np.asarray(values, dtype=float)
-    if len(values) < 2:
-        return float(values.mean()), float("nan")
-    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
-    return float(values.mean()), float(half)
 
 
 def one_repeat(args, core: int, out: str) -> tuple[dict, pd.DataFrame]:
@@ -235,9 +226,9 @@ def main() -> None:
     pooled = pd.concat(all_pairs)
     later = pooled[pooled["round"] > pooled["round"].min()]
     logs = np.log(later["twin-learn"] / later["clientapp-learn"])
-    learn, learn_half = interval(logs)
-    ratio, ratio_half = interval([r["ratio"] for r in rows])
-    share, share_half = interval([r["in-learn"] for r in rows])
+    learn, learn_half = confidence_interval(logs)
+    ratio, ratio_half = confidence_interval([r["ratio"] for r in rows])
+    share, share_half = confidence_interval([r["in-learn"] for r in rows])
     print(
         f"\n| {args.repeats} repeats | federated / plain SB3 | ClientApp / twin in PPO.learn "
         f"({len(later)} client-rounds) | share in PPO.learn |\n|---|---:|---:|---:|\n"
