@@ -108,9 +108,7 @@ def twin_train(self: LunarLanderTask, model, partition, local) -> dict:
         raise ValueError("bench.twin_clientapp needs the client logs (artifacts-dir)")
     added = time.monotonic()
     twin_local = dataclasses.replace(copy.deepcopy(local), artifacts_dir=None)
-    twin_task = copy.copy(self)
-    twin_task.trainer_process = False  # the twin is the plain process (no child of its own)
-    blob = pickle.dumps((twin_task, copy.deepcopy(model), partition, twin_local))
+    blob = pickle.dumps((self, copy.deepcopy(model), partition, twin_local))
     if not _TWIN:
         _TWIN.append(Twin(Path(local.artifacts_dir) / "twins" / f"clientapp-{os.getpid()}"))
     twin = _TWIN[0]

@@ -292,19 +292,6 @@ class WeightStorageCallback(BaseCallback):
         self.weight_steps.append(self.start_step + self.num_timesteps)
         self.weights.append(flatten_state_dict(self.model.policy.state_dict()))
 
-    def detached(self) -> WeightStorageCallback:
-        """A copy of the record alone, without SB3's model and locals (which a finished
-        callback still holds): what crosses a process boundary."""
-        record = WeightStorageCallback(self.check_freq, self.start_step)
-        record._last_step = self._last_step
-        record.num_timesteps = self.num_timesteps
-        record.episode_rewards = list(self.episode_rewards)
-        record.episode_lengths = list(self.episode_lengths)
-        record.episode_end_steps = list(self.episode_end_steps)
-        record.weight_steps = list(self.weight_steps)
-        record.weights = list(self.weights)
-        return record
-
 
 OPTIMIZER_PREFIX = "adam"
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")  # torch.optim.Adam's per-parameter state

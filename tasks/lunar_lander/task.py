@@ -51,7 +51,6 @@ from tasks.lunar_lander.ppo import (
     evaluate_episodes,
     train_ppo,
 )
-from tasks.lunar_lander.trainer import train_in_trainer_process
 from tasks.options import ConfigError, Option
 
 TIMESTEPS_KEY = "ppo-timesteps"  # the client's cumulative env steps, in its persistent state
@@ -150,12 +149,6 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            "the simulation's own processes need (bench/BENCHMARKS.md, \"One torch thread "
            "for PPO.learn\").",
            low=0),
-    Option("ppo.trainer-process", False,
-           "Run each round's PPO in a warm child process of the ClientApp, started by its "
-           "first round: under Ray's simulation SB3 learns about 7 % faster there than in "
-           "the ClientApp's own process (bench/BENCHMARKS.md, \"Twins\"). Only worth it "
-           "where the ClientApp's process lives across rounds; elsewhere each round "
-           "starts a cold child."),
 )  # fmt: skip
 
 
@@ -245,7 +238,6 @@ class LunarLanderTask(Task):
         self.net_width = int(opts["ppo.net-width"])
         self.eval_episodes = int(opts["ppo.eval-episodes"])
         self.eval_stochastic = opts["ppo.eval-policy"] == "stochastic"
-        self.trainer_process = bool(opts["ppo.trainer-process"])
         self.clients = client_table(
             self.seed,
             derived_per_base=int(opts["ppo.derived-per-base"]),
@@ -306,9 +298,7 @@ class LunarLanderTask(Task):
         policy's parameters it belongs to: a policy whose architecture differs gets
         fresh moments. ``local.state["ppo-timesteps"]`` accumulates the client's env
         steps; with ``local.artifacts_dir`` the round's episodes and weight snapshots
-        are written there (:class:`~tasks.lunar_lander.logs.ClientRoundLog`). With
-        ``ppo.trainer-process`` PPO runs in this process's warm trainer process
-        (:mod:`tasks.lunar_lander.trainer`), with the same result.
+        are written there (:class:`~tasks.lunar_lander.logs.ClientRoundLog`).
         """
         if local.dp_sgd is not None:
             raise ValueError(
@@ -325,8 +315,7 @@ class LunarLanderTask(Task):
             local_steps=self.planet_steps[partition.planet],
             learning_rate=self.planet_rates[partition.planet],
         )
-        train = train_in_trainer_process if self.trainer_process else train_ppo
-        result = train(
+        result = train_ppo(
             model, partition, config, seed=local.seed,
             proximal_mu=local.proximal_mu, start_step=start_step,
             optimizer_state=local.state_tensors if kept else None,
