@@ -41,6 +41,15 @@ ratio is the product of the two:
     python bench/ppo_twin.py --rounds 3 --clients-per-round 6 --local-steps 16384 \\
         --repeats 3 --preset experiments/lunar-fl-lands.toml --at-once
 
+``--control`` checks the bench itself: the ClientApp's side of each pair is played by a
+second twin, fed the same pickled call as the first (`bench/twin_clientapp.py`'s
+``control_app``; the ClientApp trains nothing). Both sides are then the same kind of
+process fed the same way, so their speeds in ``PPO.learn`` should agree; what the ratio
+reads is the pairing's own bias (turns, order of creation, the core's moments):
+
+    python bench/ppo_twin.py --rounds 6 --local-steps 16384 --repeats 4 \\
+        --preset experiments/lunar-fl-lands.toml --control
+
 Run it from a clean checkout (``git worktree add /tmp/wt HEAD``, then
 ``PYTHONPATH=/tmp/wt python bench/...`` from ``/tmp/wt``) with nothing else running.
 """
@@ -65,19 +74,22 @@ from lab.launcher import APP_DIR, LocalSimulation, stage_app
 from tasks.base import NUM_EXAMPLES, TRAIN_REWARD, TRAIN_SECONDS
 from tasks.lunar_lander.task import TRAIN_EPISODES
 
-# The staged pyproject.toml's lines, and what replaces them
-TWIN_APP = {
-    'clientapp = "client_app.app:app"': 'clientapp = "bench.twin_clientapp:app"',
-    "fab-include = [": 'fab-include = [\n    "bench/twin_clientapp.py",',  # shipped too
-}
+
+def twin_lines(component: str) -> dict[str, str]:
+    """The staged pyproject.toml's lines, and what replaces them."""
+    return {
+        'clientapp = "client_app.app:app"': f'clientapp = "bench.twin_clientapp:{component}"',
+        "fab-include = [": 'fab-include = [\n    "bench/twin_clientapp.py",',  # shipped too
+    }
 
 
-def stage_twin_app(dest: Path) -> Path:
-    """The app staged in ``dest`` with `bench/twin_clientapp.py` as its ClientApp."""
+def stage_twin_app(dest: Path, component: str = "app") -> Path:
+    """The app staged in ``dest`` with `bench/twin_clientapp.py`'s ``component`` as its
+    ClientApp (``control_app``: the bench's control)."""
     stage_app(APP_DIR, dest)
     pyproject = dest / "pyproject.toml"
     text = pyproject.read_text()
-    for line, twin in TWIN_APP.items():
+    for line, twin in twin_lines(component).items():
         if text.count(line) != 1:
             raise SystemExit(f"{pyproject}: no single line {line!r} to replace")
         text = text.replace(line, twin)
@@ -138,7 +150,8 @@ def one_repeat(args, core: int, out: str) -> tuple[dict, pd.DataFrame]:
     os.sched_setaffinity(0, {core})  # the simulation's processes inherit it
     try:
         with tempfile.TemporaryDirectory() as app, LocalSimulation() as sim:
-            row = federated(sim, args, os.cpu_count() or 1, out, app=stage_twin_app(Path(app)))
+            staged = stage_twin_app(Path(app), "control_app" if args.control else "app")
+            row = federated(sim, args, os.cpu_count() or 1, out, app=staged)
     finally:
         os.sched_setaffinity(0, everyone)
     paired = check_count(args, pairs(row["run-dir"]))
@@ -196,7 +209,15 @@ def main() -> None:
         action="store_true",
         help="ClientApps of one CPU, as many at once as cores, nothing pinned",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="the bench's control: the ClientApp's side of each pair is a second twin "
+        "(the ratio inside PPO.learn is then the pairing's own bias; one ClientApp at a time)",
+    )
     args = parser.parse_args()
+    if args.control and args.at_once:
+        parser.error("--control runs one ClientApp at a time: leave out --at-once")
     args.ppo = preset_ppo(args.preset)
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores: the simulation pinned to one, the bench on another")
@@ -216,7 +237,8 @@ def main() -> None:
                 f"repeat {repeat + 1}/{args.repeats}, cores {row['core']}: "
                 f"ratio {row['ratio']:.2f} (per process: federated {row['run-rate']:.0f} "
                 f"steps/s{', the run without twins' if args.at_once else ''}, plain SB3 "
-                f"{row['plain-rate']:.0f}); in PPO.learn the ClientApp at "
+                f"{row['plain-rate']:.0f}); in PPO.learn the "
+                f"{'second twin (control)' if args.control else 'ClientApp'} at "
                 f"{row['learn-ratio']:.2f} of its twin's speed, there {row['in-learn']:.1%} "
                 f"of the run{f' ({waiting:.1%} waiting)' if np.isfinite(waiting) else ''}; "
                 f"{row['same']}/{row['client-rounds']} "
@@ -227,6 +249,13 @@ def main() -> None:
     later = pooled[pooled["round"] > pooled["round"].min()]
     logs = np.log(later["twin-learn"] / later["clientapp-learn"])
     learn, learn_half = confidence_interval(logs)
+    if args.control:  # no federated training ran: only the pairing's bias means anything
+        print(
+            f"\ncontrol: second twin / twin in PPO.learn {np.exp(learn):.2f} "
+            f"[{np.exp(learn - learn_half):.2f}, {np.exp(learn + learn_half):.2f}] over "
+            f"{len(later)} client-rounds (1: the pairing favours neither side)"
+        )
+        return
     ratio, ratio_half = confidence_interval([r["ratio"] for r in rows])
     share, share_half = confidence_interval([r["in-learn"] for r in rows])
     print(

@@ -86,6 +86,7 @@ class Twin:
 
 
 _TWIN: list[Twin] = []  # one per ClientApp process, started by its first client-round
+_CONTROL = False  # set where `control_app` runs: the ClientApp's side is a second twin
 
 
 def close_twin() -> None:
@@ -119,7 +120,12 @@ def twin_train(self: LunarLanderTask, model, partition, local) -> dict:
         theirs = twin.train(blob)
         added += time.monotonic() - started
     started = time.monotonic()
-    metrics = _train(self, model, partition, local)
+    if _CONTROL:  # the ClientApp's side played by a second twin, fed the same call
+        if len(_TWIN) < 2:
+            _TWIN.append(Twin(Path(local.artifacts_dir) / "twins" / f"control-{os.getpid()}"))
+        metrics = _TWIN[1].train(blob)["metrics"]
+    else:
+        metrics = _train(self, model, partition, local)
     ours = _metrics(metrics, time.monotonic() - started)
     if not twin_first:
         started = time.monotonic()
@@ -138,8 +144,10 @@ def twin_train(self: LunarLanderTask, model, partition, local) -> dict:
     return metrics
 
 
-def install() -> None:
-    """Wrap `LunarLanderTask.train` in this process."""
+def install(control: bool = False) -> None:
+    """Wrap `LunarLanderTask.train` in this process (``control``: as `control_app`)."""
+    global _CONTROL
+    _CONTROL = control
     LunarLanderTask.train = twin_train
 
 
@@ -152,6 +160,20 @@ app = copy.copy(clientapp)
 @app.lifespan()
 def _twin_lifespan(_context) -> Iterator[None]:
     install()
+    yield
+
+
+# The bench's control (``ppo_twin.py --control``): the ClientApp's side of each pair is
+# a second twin, fed the same pickled call as the first. Both sides are then the same
+# kind of process fed the same way, so their speeds should agree: a ratio away from 1
+# is the pairing's own bias. The ClientApp trains nothing (its model goes back as it
+# came, its state unchanged), so every round repeats round 1's call.
+control_app = copy.copy(clientapp)
+
+
+@control_app.lifespan()
+def _control_lifespan(_context) -> Iterator[None]:
+    install(control=True)
     yield
 
 

@@ -133,6 +133,52 @@ def test_the_component_is_a_copy_that_installs_the_wrapper_where_it_runs(monkeyp
     assert twin_clientapp.app._registered_funcs is clientapp._registered_funcs  # its handlers
 
 
+def test_the_control_pairs_two_twins_on_the_same_call_and_trains_nothing(monkeypatch, tmp_path):
+    # Prepare
+    monkeypatch.setattr(LunarLanderTask, "train", twin_clientapp._train)  # restored after
+    monkeypatch.setattr(twin_clientapp, "_CONTROL", False)
+    task = LunarLanderTask(CONFIG)
+    partition = task.load_partition(1, task.num_partitions())
+    model = task.build_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    twin_clientapp.install(control=True)
+    try:
+        # Execute: two rounds of one client under the control
+        for server_round in (1, 2):
+            local = LocalTraining(
+                server_round=server_round, seed=local_seed(task.seed, server_round, 1),
+                partition_id=1, artifacts_dir=str(tmp_path / "clients"), dp_seed=0,
+            )  # fmt: skip
+            metrics = twin_clientapp.twin_train(task, model, partition, local)
+        processes = [twin.process.pid for twin in twin_clientapp._TWIN]
+    finally:
+        twin_clientapp.close_twin()
+
+    # Assert: two twins played the same episodes; the ClientApp's model and state as
+    # they came, and no episode log of its own
+    paired = ppo_twin.pairs(tmp_path)
+    assert len(set(processes)) == 2 and paired["same"].all() and len(paired) == 2
+    assert metrics["num-examples"] == 256 and not local.state and not local.state_tensors
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not list((tmp_path / "clients").glob("*.npz"))
+
+
+def test_the_control_stages_its_own_component(monkeypatch, tmp_path):
+    # Prepare
+    monkeypatch.setattr(LunarLanderTask, "train", twin_clientapp._train)  # restored after
+    monkeypatch.setattr(twin_clientapp, "_CONTROL", False)
+
+    # Execute
+    ppo_twin.stage_twin_app(tmp_path, "control_app")
+
+    # Assert
+    text = (tmp_path / "pyproject.toml").read_text()
+    assert 'clientapp = "bench.twin_clientapp:control_app"' in text
+    assert validate("bench.twin_clientapp:control_app", project_dir=tmp_path) == (True, None)
+    with twin_clientapp.control_app._lifespan(None):
+        assert twin_clientapp._CONTROL and LunarLanderTask.train is twin_clientapp.twin_train
+
+
 def test_at_once_the_ratio_is_the_apps_share_in_learn_times_the_twins_time_over_its(
     monkeypatch, tmp_path
 ):
