@@ -233,12 +233,20 @@ def main() -> None:
             rows.append(row)
             all_pairs.append(paired.assign(repeat=repeat))
             waiting = row.get("waiting", 0.0)  # one ClientApp at a time: none
+            if args.control:  # nothing federated was trained: only the pairs mean anything
+                print(
+                    f"repeat {repeat + 1}/{args.repeats}, core {row['core']}: in PPO.learn "
+                    f"the second twin at {row['learn-ratio']:.2f} of the twin's speed; "
+                    f"{row['same']}/{row['client-rounds']} client-rounds played the same "
+                    "episodes",
+                    flush=True,
+                )
+                continue
             print(
                 f"repeat {repeat + 1}/{args.repeats}, cores {row['core']}: "
                 f"ratio {row['ratio']:.2f} (per process: federated {row['run-rate']:.0f} "
                 f"steps/s{', the run without twins' if args.at_once else ''}, plain SB3 "
-                f"{row['plain-rate']:.0f}); in PPO.learn the "
-                f"{'second twin (control)' if args.control else 'ClientApp'} at "
+                f"{row['plain-rate']:.0f}); in PPO.learn the ClientApp at "
                 f"{row['learn-ratio']:.2f} of its twin's speed, there {row['in-learn']:.1%} "
                 f"of the run{f' ({waiting:.1%} waiting)' if np.isfinite(waiting) else ''}; "
                 f"{row['same']}/{row['client-rounds']} "
