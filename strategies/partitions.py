@@ -33,7 +33,7 @@ from flwr.common.logger import log
 
 from protocol import keys
 from strategies.errors import DuplicatePartitionError
-from strategies.messaging import send_and_receive
+from strategies.messaging import is_simulation_grid, send_and_receive
 
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
 SPOT_CHECKS = 8  # simulation: nodes asked to confirm the registration order
@@ -208,7 +208,7 @@ class PartitionMap:
 def _registration_order(grid) -> list[int] | None:
     """The node ids of a Flower simulation in the order it registered them, or None
     (not a simulation, or a LinkState that does not tell)."""
-    if type(grid).__name__ != "InMemoryGrid":  # Flower's simulation grid
+    if not is_simulation_grid(grid):
         return None
     try:
         return [int(info.node_id) for info in grid.state.get_node_info()]

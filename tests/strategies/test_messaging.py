@@ -94,6 +94,24 @@ def test_waits_back_off_to_max_poll(clock):
     assert len(grid.pulls) < 65
 
 
+class InMemoryGrid(PollingGrid):
+    """Named as Flower's simulation grid, whose pulls are in-process."""
+
+
+@pytest.mark.parametrize(
+    ("grid_class", "cap"),
+    [(PollingGrid, messaging.MAX_POLL), (InMemoryGrid, messaging.SIMULATION_MAX_POLL)],
+)
+def test_the_longest_wait_between_pulls_is_the_grids(clock, grid_class, cap):
+    # One reply, ready 20 s after the push: a long client-round
+    grid = grid_class([20.0], clock)
+    messaging.send_and_receive(grid, [object()], timeout=None)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert max(gaps) == pytest.approx(cap, abs=1e-9)
+    # Found within one capped interval of arriving: 0.5 s deployed, 0.05 s simulated
+    assert 20.0 <= grid.pulls[-1] <= 20.0 + cap + 1e-9
+
+
 def test_a_grid_without_push_and_pull_is_asked_with_send_and_receive():
     class Double:
         def send_and_receive(self, messages, *, timeout=None):
