@@ -53,12 +53,19 @@ def stage(dest: Path, old_polling: bool) -> Path:
     return dest
 
 
-def gaps(run_dir: Path) -> pd.Series:
-    """Per round 2..R, its wall time less its clients' seconds in ``PPO.learn``."""
+def later_rounds(run_dir: Path) -> pd.DataFrame:
+    """Rounds 2..R: each one's wall time (``round-seconds``), its clients' seconds in
+    ``PPO.learn`` (``learn``) and the difference (``gap``)."""
     train = pd.read_csv(run_dir / "metrics.csv").query("scope == 'train'").set_index("round")
     learn = pd.read_csv(run_dir / "participation.csv").groupby("round")[TRAIN_SECONDS].sum()
-    gap = (train["round-seconds"] - learn).sort_index()
-    return gap.iloc[1:]
+    rounds = pd.DataFrame({"round-seconds": train["round-seconds"], "learn": learn})
+    rounds["gap"] = rounds["round-seconds"] - rounds["learn"]
+    return rounds.sort_index().iloc[1:]
+
+
+def gaps(run_dir: Path) -> pd.Series:
+    """Per round 2..R, its wall time less its clients' seconds in ``PPO.learn``."""
+    return later_rounds(run_dir)["gap"]
 
 
 def main() -> None:
@@ -76,9 +83,9 @@ def main() -> None:
             for way in order:
                 with tempfile.TemporaryDirectory() as app, LocalSimulation() as sim:
                     row = federated(sim, args, cpus, out, app=stage(Path(app), way == "0.5 s"))
-                gap = gaps(row["run-dir"])
-                train = pd.read_csv(row["run-dir"] / "metrics.csv").query("scope == 'train'")
-                seconds = train.sort_values("round")["round-seconds"].iloc[1:].sum()
+                rounds = later_rounds(row["run-dir"])
+                gap = rounds["gap"]
+                seconds = rounds["round-seconds"].sum()
                 per_round[way] += gap.tolist()
                 shares[way].append(gap.sum() / seconds)
                 print(
