@@ -19,6 +19,14 @@ ended, on average, 0.25 s after its last reply (a 4 096-step PPO round of two cl
 ran 6.04, 8.04, 7.54 s: whole half-seconds after the polls settled), 1–5 % of the
 round; at 0.05 s, 0.025 s, for 20 pulls a second.
 
+A pull's cost grows with the replies still pending: Flower's in-memory LinkState checks
+every pending ID under the lock its engine needs to fetch messages and store replies.
+So each wait also lasts at least ``1 / MAX_PULL_SHARE - 1`` times the last pull that
+found nothing, and such pulls take at most :data:`MAX_PULL_SHARE` of the time spent
+waiting, of the ServerApp's thread and of that lock, however many replies are pending
+(``bench/pull_cost.py``). A pull that brought replies is not counted: its time went
+to them (a deployed grid downloads them), not to asking.
+
 The SuperLink answers a message to a node that went offline itself, with an error
 reply whose sender is the SuperLink (``SUPERLINK_NODE_ID`` = 1). Such a reply is
 attributed here to the node the message was sent to, so that logs, participation
@@ -37,6 +45,7 @@ FIRST_POLL = 0.002  # seconds before the first pull
 MAX_POLL = 0.5  # the longest wait between two pulls, on a deployed SuperLink
 SIMULATION_MAX_POLL = 0.05  # ... and in Flower's simulation, where a pull is in-process
 BACKOFF = 1.1  # each wait is this much longer than the previous one
+MAX_PULL_SHARE = 0.1  # pulls' share of the time spent waiting for replies, at most
 
 
 def send_and_receive(
@@ -50,7 +59,8 @@ def send_and_receive(
     """Push ``messages`` and return the replies that arrive within ``timeout`` seconds
     (``None``: wait for all of them), as ``Grid.send_and_receive`` does. ``max_poll``
     (``None``: by the grid, :data:`SIMULATION_MAX_POLL` in a simulation, else
-    :data:`MAX_POLL`) caps the wait between two pulls.
+    :data:`MAX_POLL`) caps the wait between two pulls, unless the last pull that found
+    nothing took more than :data:`MAX_PULL_SHARE` of that wait.
 
     A grid without ``push_messages``/``pull_messages`` (a test double) is asked with
     its own ``send_and_receive``.
@@ -64,9 +74,12 @@ def send_and_receive(
     dst_of = dict(zip(pushed, messages, strict=False))
     pending = set(pushed)
     deadline = None if timeout is None else time.monotonic() + timeout
-    wait, replies = first_poll, []
+    wait, replies, polling = first_poll, [], 0.0
     while pending:
+        started = time.monotonic()
         got = [_attributed(reply, dst_of) for reply in grid.pull_messages(pending)]
+        if not got:  # what asking costs; a pull that brought replies spent its time
+            polling = time.monotonic() - started  # on them (a deployed grid downloads)
         replies += got
         pending -= {reply.metadata.reply_to_message_id for reply in got}
         if not pending:
@@ -74,7 +87,10 @@ def send_and_receive(
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             break
-        time.sleep(wait if left is None else min(wait, left))
+        # The floor is the last empty pull's cost, not the schedule's: one slow pull
+        # (the lock held by the engine) lengthens the waits until a faster one.
+        nap = max(wait, polling * (1 / MAX_PULL_SHARE - 1))
+        time.sleep(nap if left is None else min(nap, left))
         wait = min(wait * BACKOFF, max_poll)
     return replies
 

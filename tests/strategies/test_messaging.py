@@ -112,6 +112,81 @@ def test_the_longest_wait_between_pulls_is_the_grids(clock, grid_class, cap):
     assert 20.0 <= grid.pulls[-1] <= 20.0 + cap + 1e-9
 
 
+class CostlyGrid(PollingGrid):
+    """A grid whose pull takes ``per_pending`` seconds for each message still pending,
+    as Flower's in-memory LinkState checks each one under its lock."""
+
+    def __init__(self, ready_after, clock, per_pending: float) -> None:
+        super().__init__(ready_after, clock)
+        self.per_pending = per_pending
+        self.pulling = 0.0  # seconds spent inside pulls
+
+    def pull_messages(self, message_ids):
+        message_ids = list(message_ids)
+        out = super().pull_messages(message_ids)
+        cost = self.per_pending * len(message_ids)
+        self.time.now += cost
+        self.pulling += cost
+        return out
+
+
+def test_pulls_take_at_most_their_share_of_the_wait_however_many_are_pending(clock):
+    # 2 000 clients, all replying at 30 s; a pull costs 5 us per pending ID: 10 ms,
+    # what Flower's in-memory LinkState took on this VM (bench/pull_cost.py: 9.5 ms)
+    grid = CostlyGrid([30.0] * 2000, clock, per_pending=5e-6)
+    started = clock.monotonic()
+    cap = messaging.SIMULATION_MAX_POLL
+    replies = messaging.send_and_receive(grid, [object()] * 2000, timeout=None, max_poll=cap)
+    assert len(replies) == 2000
+    elapsed = clock.monotonic() - started
+    # Each wait is at least 9 pulls long: pulls take 10 % of the time, hand-computed
+    # from the steady schedule (a 10 ms pull, then 90 ms asleep), not 17 % at the cap
+    assert grid.pulling / elapsed == pytest.approx(0.1, abs=0.005)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert max(gaps) == pytest.approx(0.01 * 10, abs=1e-9)
+    # ... and the replies are seen within one such gap of arriving
+    assert 30.0 <= grid.pulls[-1] <= 30.0 + 0.1 + 1e-9
+
+
+def test_a_cheap_pull_keeps_the_caps_schedule(clock):
+    # 1 000 pending at 5 us: a 5 ms pull, whose floor (45 ms) is below the 50 ms cap
+    grid = CostlyGrid([20.0] * 1000, clock, per_pending=5e-6)
+    cap = messaging.SIMULATION_MAX_POLL
+    messaging.send_and_receive(grid, [object()] * 1000, timeout=None, max_poll=cap)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert max(gaps) == pytest.approx(cap + 0.005, abs=1e-9)  # the pull, then the cap
+
+
+def test_a_slow_pull_delays_the_next_pull_only(clock):
+    class OneSlowPull(PollingGrid):
+        def pull_messages(self, message_ids):
+            out = super().pull_messages(message_ids)
+            if len(self.pulls) == 30:  # the engine held the lock for a second
+                self.time.now += 1.0
+            return out
+
+    grid = OneSlowPull([20.0], clock)
+    messaging.send_and_receive(grid, [object()], timeout=None, max_poll=0.2)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert gaps[29] == pytest.approx(1.0 + 9.0)  # the pull's second, then nine asleep
+    assert max(gaps[31:]) == pytest.approx(0.2, abs=1e-9)  # then back to the cap
+
+
+def test_a_pull_that_brings_replies_does_not_lengthen_the_wait(clock):
+    class SlowDownload(PollingGrid):
+        def pull_messages(self, message_ids):
+            out = super().pull_messages(message_ids)
+            self.time.now += 2.0 * len(out)  # each reply takes 2 s to download
+            return out
+
+    grid = SlowDownload([10.0, 20.0, 30.0], clock)
+    messaging.send_and_receive(grid, [object()] * 3, timeout=None, max_poll=0.2)
+    # after each download the next pull comes at the cap, not 18 s later
+    assert grid.pulls[-1] == pytest.approx(30.0, abs=0.2 + 1e-9)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert max(gaps) == pytest.approx(2.0 + 0.2, abs=1e-9)
+
+
 def test_a_grid_without_push_and_pull_is_asked_with_send_and_receive():
     class Double:
         def send_and_receive(self, messages, *, timeout=None):
