@@ -20,12 +20,13 @@ ran 6.04, 8.04, 7.54 s: whole half-seconds after the polls settled), 1–5 % of 
 round; at 0.05 s, 0.025 s, for 20 pulls a second.
 
 A pull's cost grows with the replies still pending: Flower's in-memory LinkState checks
-every pending ID under the lock its engine needs to fetch messages and store replies.
-So each wait also lasts at least ``1 / MAX_PULL_SHARE - 1`` times the last pull that
-found nothing, and such pulls take at most :data:`MAX_PULL_SHARE` of the time spent
-waiting, of the ServerApp's thread and of that lock, however many replies are pending
-(``bench/pull_cost.py``). A pull that brought replies is not counted: its time went
-to them (a deployed grid downloads them), not to asking.
+every pending ID, in the ServerApp's thread, under the lock its engine needs to hand
+out messages and store replies (about 5 µs each, ``bench/pull_cost.py``). So each wait
+also lasts at least ``1 / MAX_PULL_SHARE - 1`` times the CPU time of the last pull that
+found nothing: such pulls use at most :data:`MAX_PULL_SHARE` of a core, however many
+replies are pending. CPU time, not wall time: a pull that waited for the lock or for
+the network cost nothing while it waited, and a slow network should not slow the
+polls. A pull that brought replies is not counted either: its time went to them.
 
 The SuperLink answers a message to a node that went offline itself, with an error
 reply whose sender is the SuperLink (``SUPERLINK_NODE_ID`` = 1). Such a reply is
@@ -45,7 +46,7 @@ FIRST_POLL = 0.002  # seconds before the first pull
 MAX_POLL = 0.5  # the longest wait between two pulls, on a deployed SuperLink
 SIMULATION_MAX_POLL = 0.05  # ... and in Flower's simulation, where a pull is in-process
 BACKOFF = 1.1  # each wait is this much longer than the previous one
-MAX_PULL_SHARE = 0.1  # pulls' share of the time spent waiting for replies, at most
+MAX_PULL_SHARE = 0.1  # the share of a core that pulls for replies use, at most
 
 
 def send_and_receive(
@@ -60,7 +61,7 @@ def send_and_receive(
     (``None``: wait for all of them), as ``Grid.send_and_receive`` does. ``max_poll``
     (``None``: by the grid, :data:`SIMULATION_MAX_POLL` in a simulation, else
     :data:`MAX_POLL`) caps the wait between two pulls, unless the last pull that found
-    nothing took more than :data:`MAX_PULL_SHARE` of that wait.
+    nothing used more CPU time than :data:`MAX_PULL_SHARE` of that wait.
 
     A grid without ``push_messages``/``pull_messages`` (a test double) is asked with
     its own ``send_and_receive``.
@@ -76,10 +77,10 @@ def send_and_receive(
     deadline = None if timeout is None else time.monotonic() + timeout
     wait, replies, polling = first_poll, [], 0.0
     while pending:
-        started = time.monotonic()
+        started = time.thread_time()
         got = [_attributed(reply, dst_of) for reply in grid.pull_messages(pending)]
-        if not got:  # what asking costs; a pull that brought replies spent its time
-            polling = time.monotonic() - started  # on them (a deployed grid downloads)
+        if not got:  # what asking costs (a pull that brought replies spent on them)
+            polling = time.thread_time() - started
         replies += got
         pending -= {reply.metadata.reply_to_message_id for reply in got}
         if not pending:
@@ -87,8 +88,8 @@ def send_and_receive(
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             break
-        # The floor is the last empty pull's cost, not the schedule's: one slow pull
-        # (the lock held by the engine) lengthens the waits until a faster one.
+        # The floor is the last empty pull's cost, not the schedule's: one costly
+        # pull lengthens the waits until a cheaper one.
         nap = max(wait, polling * (1 / MAX_PULL_SHARE - 1))
         time.sleep(nap if left is None else min(nap, left))
         wait = min(wait * BACKOFF, max_poll)

@@ -14,13 +14,22 @@ from strategies import messaging
 
 
 class Clock:
-    """``time.monotonic`` and ``time.sleep`` on a virtual clock."""
+    """``time.monotonic``, ``time.sleep`` and ``time.thread_time`` on a virtual clock:
+    sleeping costs no CPU time, a grid's pull may cost some (``work``)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
+        self.cpu = 0.0
 
     def monotonic(self) -> float:
         return self.now
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+        self.cpu += seconds
 
     def sleep(self, seconds: float) -> None:
         assert seconds >= 0
@@ -113,8 +122,8 @@ def test_the_longest_wait_between_pulls_is_the_grids(clock, grid_class, cap):
 
 
 class CostlyGrid(PollingGrid):
-    """A grid whose pull takes ``per_pending`` seconds for each message still pending,
-    as Flower's in-memory LinkState checks each one under its lock."""
+    """A grid whose pull takes ``per_pending`` seconds of CPU for each message still
+    pending, as Flower's in-memory LinkState checks each one in the caller's thread."""
 
     def __init__(self, ready_after, clock, per_pending: float) -> None:
         super().__init__(ready_after, clock)
@@ -125,7 +134,7 @@ class CostlyGrid(PollingGrid):
         message_ids = list(message_ids)
         out = super().pull_messages(message_ids)
         cost = self.per_pending * len(message_ids)
-        self.time.now += cost
+        self.time.work(cost)
         self.pulling += cost
         return out
 
@@ -157,19 +166,32 @@ def test_a_cheap_pull_keeps_the_caps_schedule(clock):
     assert max(gaps) == pytest.approx(cap + 0.005, abs=1e-9)  # the pull, then the cap
 
 
-def test_a_slow_pull_delays_the_next_pull_only(clock):
-    class OneSlowPull(PollingGrid):
+def test_a_costly_pull_delays_the_next_pull_only(clock):
+    class OneCostlyPull(PollingGrid):
         def pull_messages(self, message_ids):
             out = super().pull_messages(message_ids)
-            if len(self.pulls) == 30:  # the engine held the lock for a second
-                self.time.now += 1.0
+            if len(self.pulls) == 30:  # a second of CPU
+                self.time.work(1.0)
             return out
 
-    grid = OneSlowPull([20.0], clock)
+    grid = OneCostlyPull([20.0], clock)
     messaging.send_and_receive(grid, [object()], timeout=None, max_poll=0.2)
     gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
     assert gaps[29] == pytest.approx(1.0 + 9.0)  # the pull's second, then nine asleep
     assert max(gaps[31:]) == pytest.approx(0.2, abs=1e-9)  # then back to the cap
+
+
+def test_a_pull_that_waits_without_working_does_not_lengthen_the_wait(clock):
+    class SlowNetwork(PollingGrid):
+        def pull_messages(self, message_ids):
+            out = super().pull_messages(message_ids)
+            self.time.now += 0.3  # a 300 ms round trip: wall time, no CPU here
+            return out
+
+    grid = SlowNetwork([60.0], clock)
+    messaging.send_and_receive(grid, [object()], timeout=None, max_poll=0.5)
+    gaps = [b - a for a, b in zip(grid.pulls, grid.pulls[1:], strict=False)]
+    assert max(gaps) == pytest.approx(0.3 + 0.5, abs=1e-9)  # the trip, then the cap
 
 
 def test_a_pull_that_brings_replies_does_not_lengthen_the_wait(clock):
