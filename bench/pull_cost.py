@@ -5,8 +5,9 @@ LinkState in its own process. Each pull runs ``get_message_res`` over every pend
 message ID, under the lock the engine's workers need to fetch messages and store
 replies, so its cost grows with the clients a round still waits for.
 `strategies.messaging.send_and_receive` polls at most ``SIMULATION_MAX_POLL`` (0.05 s)
-apart, and waits at least ``1 / MAX_PULL_SHARE - 1`` pulls' time (9), so that pulls
-take at most ``MAX_PULL_SHARE`` (10 %) of the wait. This bench builds the LinkState and
+apart, and waits at least ``1 / MAX_PULL_SHARE - 1`` times (9) an empty pull's CPU
+time, so that pulls use at most ``MAX_PULL_SHARE`` (10 %) of a core. Alone in this
+process, a pull's wall time (timed here) is its CPU time. This bench builds the LinkState and
 grid as Flower's simulation does (``flwr.simulation.run_simulation._main_loop`` and
 ``vce_api._register_nodes``, Flower 1.41), pushes one message to each of N nodes, and
 times pulls of all N while none has replied: the middle of a long round.
