@@ -24,6 +24,7 @@ each scanning the stored messages (once every node has taken its own):
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -47,7 +48,8 @@ from flwr.superlink.grid import InMemoryGrid
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strategies.messaging import MAX_PULL_SHARE, SIMULATION_MAX_POLL
 
-FLOWER_INTERVAL = 0.1  # InMemoryGrid.send_and_receive's pull_interval
+# the interval of Flower's own InMemoryGrid.send_and_receive (0.1 s in Flower 1.41)
+FLOWER_INTERVAL = inspect.signature(InMemoryGrid).parameters["pull_interval"].default
 
 
 def simulation_grid(num_nodes: int) -> tuple[InMemoryGrid, list[int]]:
