@@ -16,6 +16,16 @@ The collect stage is ours: Flower's expects a legacy ``FitRes`` and masks with a
    DP w·Δ with coordinates clipped, and the weight w itself; under adaptive clipping
    the norm bit as one more integer;
 4. answers only ``x + PRG(b_i) + Σ_j ±PRG(s_ij) mod M``: no metrics, no arrays.
+
+**Secrets** (sk1, sk2, b_i, the shared keys, the shares received) live in
+``context.state`` for one round only, the one carrier Flower keeps in memory between
+the stages (a simulation may run them in different actors, a SuperNode in different
+ClientApp processes): tagged with the round, hidden from the rest of the ClientApp
+while it trains (so no saved client state holds them), and dropped when the unmask
+stage ends, on any refusal, and on any message outside a secure round.
+**Refusals**: a request an honest server never sends (:func:`check_unmask`: a survivor
+also listed as dropped, a node that shared no keys with this client, ...) gets an error
+reply, and the secrets are dropped first. Rationale: ``docs/privacy.md``.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from protocol import keys
 from protocol.masking import mask, masked_record, pairwise_seed, reduce
 from protocol.records import InvalidReply, arrays_of
 
+ROUND = "secagg-round"  # the state record's tag: the group id (server round) it belongs to
+
 
 def encoding_of(config) -> SecureSumEncoding:
     """The encoding the server's train config asks for."""
@@ -64,13 +76,77 @@ def encoding_of(config) -> SecureSumEncoding:
     )
 
 
+class Refused(ValueError):
+    """A SecAgg+ request that an honest server never sends."""
+
+
+def check_setup(configs: ConfigRecord) -> None:
+    """Refuse parameters no honest server sends: 2 <= t <= shares <= cohort (t = 1 would
+    make every share the secret itself)."""
+    cohort = int(configs[Key.SAMPLE_NUMBER])
+    shares, threshold = int(configs[Key.SHARE_NUMBER]), int(configs[Key.THRESHOLD])
+    if not 2 <= threshold <= shares <= cohort:
+        raise Refused(
+            f"setup asks for threshold {threshold}, {shares} shares, cohort {cohort}; "
+            "an honest server sends 2 <= threshold <= shares <= cohort"
+        )
+
+
+def check_neighbours(state: SecAggPlusState, configs: ConfigRecord) -> None:
+    """Refuse a share-keys request naming more neighbours than the shares set up."""
+    if len(configs) > state.share_num:
+        raise Refused(
+            f"share-keys lists {len(configs)} neighbours (this client included), "
+            f"more than the {state.share_num} shares set up"
+        )
+
+
+def check_unmask(state: SecAggPlusState, configs: ConfigRecord) -> None:
+    """Refuse an unmask request an honest server never sends.
+
+    The server's lists partition the nodes this client exchanged shares with in this
+    round (itself and every neighbour whose shares the collect stage forwarded):
+    ``active`` those whose masked vector reached the sum (this client among them),
+    ``dead`` the others. A node in both would get its mask seed b_j *and* its key
+    sk1_j revealed, and with them its vector; a node outside that set, or one left
+    out, is a list this client never saw the round produce."""
+    active = cast(list[int], configs[Key.ACTIVE_NODE_ID_LIST])
+    dead = cast(list[int], configs[Key.DEAD_NODE_ID_LIST])
+    both = sorted(set(active) & set(dead))
+    if both:
+        raise Refused(
+            f"unmask lists node(s) {both} as both surviving and dropped: answering would "
+            "reveal both secrets of each, and with them its vector"
+        )
+    if len(set(active)) != len(active) or len(set(dead)) != len(dead):
+        raise Refused("unmask lists a node twice")
+    if state.nid not in active:
+        raise Refused(f"unmask does not list this client ({state.nid}) as surviving")
+    shared = set(state.rd_seed_share_dict)  # itself and the neighbours whose shares arrived
+    listed = set(active) | set(dead)
+    if listed - shared:
+        raise Refused(
+            f"unmask lists node(s) {sorted(listed - shared)} that exchanged no shares with "
+            "this client in this round"
+        )
+    if shared - listed:
+        raise Refused(
+            f"unmask leaves out node(s) {sorted(shared - listed)} that exchanged shares "
+            "with this client in this round"
+        )
+
+
 def _receive_shares(state: SecAggPlusState, configs: ConfigRecord) -> list[int]:
     """Store the shares forwarded to this client; the neighbours that sent them."""
     sources = cast(list[int], configs[Key.SOURCE_LIST])
     ciphertexts = cast(list[bytes], configs[Key.CIPHERTEXT_LIST])
     if len(ciphertexts) + 1 < state.threshold:
         raise ValueError("SecAgg+: fewer neighbours than the reconstruction threshold")
+    if len(set(sources)) != len(sources) or state.nid in sources:
+        raise Refused("collect forwards shares from a node twice, or from this client")
     for src, ciphertext in zip(sources, ciphertexts, strict=True):
+        if src not in state.ss2_dict:
+            raise Refused(f"collect forwards shares from node {src}, not a neighbour")
         actual, dst, seed_share, sk1_share = share_keys_plaintext_separate(
             decrypt(state.ss2_dict[src], ciphertext)
         )
@@ -130,6 +206,10 @@ def _collect(
     call_next: ClientAppCallable,
 ) -> RecordDict:
     neighbours = _receive_shares(state, configs)
+    # The rest of the ClientApp trains without the round's secrets in its context (what
+    # it keeps, and saves: client_app.state, never holds them); secagg_mod stores the
+    # state again once the masked vector is made.
+    forget(ctxt)
     try:
         reply = call_next(msg, ctxt)
     except Exception as err:
@@ -151,31 +231,74 @@ def _collect(
     return content
 
 
-def secagg_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
-    """Answer a SecAgg+ stage (TRAIN messages carrying its record); pass anything else on."""
-    if (
-        msg.metadata.message_type != MessageType.TRAIN
-        or RECORD_KEY_CONFIGS not in msg.content.config_records
-    ):
-        return call_next(msg, ctxt)
-    records = ctxt.state.config_records
-    if RECORD_KEY_STATE not in records:
-        records[RECORD_KEY_STATE] = ConfigRecord({})
-    state = SecAggPlusState(**records[RECORD_KEY_STATE])
-    configs = ConfigRecord(dict(msg.content.config_records[RECORD_KEY_CONFIGS]))
-    check_stage(state.current_stage, configs)
-    state.current_stage = cast(str, configs.pop(Key.STAGE))
-    check_configs(state.current_stage, configs)
+def forget(ctxt: Context) -> None:
+    """Drop a secure round's secrets from ``ctxt`` (nothing when it holds none)."""
+    ctxt.state.pop(RECORD_KEY_STATE, None)
+
+
+def _is_stage(msg: Message) -> bool:
+    return (
+        msg.metadata.message_type == MessageType.TRAIN
+        and RECORD_KEY_CONFIGS in msg.content.config_records
+    )
+
+
+def _load(ctxt: Context, stage: object, group: str) -> SecAggPlusState:
+    """This round's protocol state: fresh at setup; else the state set up for the
+    round ``group`` (a stage of another round is refused)."""
+    saved = dict(ctxt.state.config_records.get(RECORD_KEY_STATE, {}))
+    if stage == Stage.SETUP:
+        return SecAggPlusState()
+    if saved.pop(ROUND, None) != group:
+        raise Refused(f"a {stage} request of a round this client did not set up")
+    return SecAggPlusState(**saved)
+
+
+def _answer(
+    state: SecAggPlusState,
+    configs: ConfigRecord,
+    msg: Message,
+    ctxt: Context,
+    call_next: ClientAppCallable,
+) -> RecordDict:
     if state.current_stage == Stage.SETUP:
+        check_setup(configs)
         state.nid = msg.metadata.dst_node_id
-        content = RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(_setup(state, configs), False)})
-    elif state.current_stage == Stage.SHARE_KEYS:
-        content = RecordDict(
-            {RECORD_KEY_CONFIGS: ConfigRecord(_share_keys(state, configs), False)}
-        )
-    elif state.current_stage == Stage.COLLECT_MASKED_VECTORS:
-        content = _collect(state, configs, msg, ctxt, call_next)
+        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(_setup(state, configs), False)})
+    if state.current_stage == Stage.SHARE_KEYS:
+        check_neighbours(state, configs)
+        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(_share_keys(state, configs), False)})
+    if state.current_stage == Stage.COLLECT_MASKED_VECTORS:
+        return _collect(state, configs, msg, ctxt, call_next)
+    check_unmask(state, configs)
+    return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(_unmask(state, configs), False)})
+
+
+def secagg_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Answer a SecAgg+ stage (TRAIN messages carrying its record); pass anything else on
+    (a secure round's secrets do not outlive it: any other message drops them)."""
+    if not _is_stage(msg):
+        forget(ctxt)
+        return call_next(msg, ctxt)
+    configs = ConfigRecord(dict(msg.content.config_records[RECORD_KEY_CONFIGS]))
+    stage = configs.get(Key.STAGE)
+    try:
+        state = _load(ctxt, stage, msg.metadata.group_id)
+        check_stage(state.current_stage, configs)
+        state.current_stage = cast(str, configs.pop(Key.STAGE))
+        check_configs(state.current_stage, configs)
+        content = _answer(state, configs, msg, ctxt, call_next)
+    except Exception as err:  # a refused or failed stage ends this client's round
+        forget(ctxt)
+        log(WARNING, "secagg_mod: SecAgg+ %s refused: %s", stage, err)
+        why = str(err) if isinstance(err, Refused) else f"{type(err).__name__}: {err}"
+        reason = f"SecAgg+ {stage} refused: {why}"
+        error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+        return Message(error, reply_to=msg)
+    if state.current_stage == Stage.UNMASK:
+        forget(ctxt)  # the round's last stage: nothing of it is needed again
     else:
-        content = RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(_unmask(state, configs), False)})
-    records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
+        record = ConfigRecord(state.to_dict())
+        record[ROUND] = msg.metadata.group_id
+        ctxt.state[RECORD_KEY_STATE] = record
     return Message(content, reply_to=msg)
