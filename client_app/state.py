@@ -20,7 +20,9 @@ training skips and a resumed server deletes where it can reach it).
 
 In simulation the artifacts directory is inside the run directory. On a deployment
 each SuperNode writes on its own disk, at the path the server names (or its own
-``artifacts-dir`` node-config entry).
+``artifacts-dir`` node-config entry). The files and their directories are the owner's
+alone (0600, 0700, whatever the umask). A secure round's protocol state (SecAgg+ keys,
+mask seed, shares: :mod:`client_app.secagg_mod`) is never written, nor restored.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from flwr.app import Context, RecordDict
 from flwr.common.logger import log
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
@@ -39,6 +42,8 @@ from protocol import keys
 
 KEEP = 2  # files per partition: the round in progress and the last finished one
 _FILE = re.compile(r"round-(\d+)\.bin")
+NEVER_SAVED = frozenset({RECORD_KEY_STATE})  # protocol secrets that live for one round
+FILE_MODE, DIR_MODE = 0o600, 0o700
 
 
 def directory(artifacts_dir: str, partition_id: int) -> Path:
@@ -52,18 +57,37 @@ def _saved_rounds(path: Path) -> list[int]:
     return sorted(int(m.group(1)) for f in path.iterdir() if (m := _FILE.fullmatch(f.name)))
 
 
+def _private_dir(path: Path) -> None:
+    """Make ``path`` (and a missing parent) a directory only its owner can enter."""
+    for directory_ in (path.parent, path):
+        directory_.mkdir(mode=DIR_MODE, exist_ok=True)  # the mode is masked by the umask
+        os.chmod(directory_, DIR_MODE)
+
+
+def _kept(state: RecordDict) -> RecordDict:
+    """``state`` without what must never be saved."""
+    return RecordDict({key: record for key, record in state.items() if key not in NEVER_SAVED})
+
+
 def save(
     context: Context, artifacts_dir: str | None, partition_id: int, server_round: int
 ) -> None:
-    """Write ``context.state`` as of the end of ``server_round``; keep the newest two."""
-    if not artifacts_dir or not len(context.state):
+    """Write ``context.state`` (less :data:`NEVER_SAVED`) as of the end of
+    ``server_round``, owner-only; keep the newest two."""
+    kept = _kept(context.state)
+    if not artifacts_dir or not len(kept):
         return
     path = directory(artifacts_dir, partition_id)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        Path(artifacts_dir).mkdir(parents=True, exist_ok=True)
+        _private_dir(path)
         target = path / f"round-{server_round}.bin"
         tmp = path / f".{target.name}.tmp"
-        tmp.write_bytes(recorddict_to_proto(context.state).SerializeToString())
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), FILE_MODE)  # exactly 0600: the umask only removes bits
+            out.write(recorddict_to_proto(kept).SerializeToString())
         os.replace(tmp, target)
         for old in _saved_rounds(path)[:-KEEP]:
             (path / f"round-{old}.bin").unlink(missing_ok=True)
@@ -92,7 +116,7 @@ def restore(
         return None
     data = (path / f"round-{earlier[-1]}.bin").read_bytes()
     saved: RecordDict = recorddict_from_proto(ProtoRecordDict.FromString(data))
-    for key, record in saved.items():
+    for key, record in _kept(saved).items():
         context.state[key] = record
     log(INFO, "partition %d: client state of round %d restored", partition_id, earlier[-1])
     return earlier[-1]
