@@ -26,19 +26,23 @@ under SHA-256(seed), not Flower's 32-bit-seeded MT19937.
    sk1_j for the neighbours that dropped after step 1; the server reconstructs them
    and removes every mask: Σ_{survivors} x_i mod M.
 
-**What the server sees.** Public keys, ciphertexts it cannot open, masked vectors
-(each uniform on Z_M^d given the others), and shares of b_i *or* sk1_i for each
-client, never both from an honest client. A client's vector stays hidden unless the
-server gets t shares of both of its secrets: it colludes with at least t of the
-client's neighbours (t = ``secagg.reconstruction-threshold``). With
+**What an honest-but-curious server sees.** Public keys, ciphertexts it cannot open,
+masked vectors (each uniform on Z_M^d given the others), and, from each client, a
+share of b_j *or* of sk1_j for each of its neighbours, never both. A client's vector
+stays hidden unless the server gets t shares of both of its secrets: it colludes with
+at least t of the client's neighbours (t = ``secagg.reconstruction-threshold``). With
 ``secagg.num-shares`` below the cohort the neighbour graph is a random ring drawn
 from OS entropy (SecAgg+); with all of them, every client is every client's
 neighbour (SecAgg). Below t survivors among a client's neighbours the round cannot be
 unmasked: it is abandoned before step 3 and nothing is released.
 
-**Outside the threat model**: a malicious server. One that lies in step 3 about who
-dropped could collect both of a client's secrets; SecAgg+'s defences against that
-(consistency checks, signed key lists) are not implemented.
+**A lying server.** Flower's client unmask stage answers whatever lists it is sent;
+ours (``client_app.secagg_mod``) refuses, with an error reply, a request that lists a
+node as both surviving and dropped or any list its own view of the round contradicts.
+Refusals leave the server short of shares: the round is abandoned as above. Not
+defended (outside the threat model): a server that substitutes the clients' public
+keys (they are not signed) or tells different clients different dropout lists (no
+consistency round); either unmasks single uploads (``docs/privacy.md``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ Gaussian's bound covers.
   server, up to the protocol's collusion threshold (:mod:`strategies.secagg`), assuming
   that whether a client drops out does not depend on its data (a lost connection, a
   crash): a client whose training fails still sends its noised zero update
-  (``client_app.secagg_mod``).
+  (``client_app.secagg_mod``); and that no client withholds its noise share or
+  reveals it to the server (each that does lowers the sum's noise below the charge).
 
 Clients send no metrics under secure aggregation (the collect reply is the masked
 vector alone); what the server learns besides the sum (who was sampled, who dropped,

@@ -73,10 +73,18 @@ def _secagg(site: str | None) -> Callable[[Mapping[str, Any]], bool]:
     return applies
 
 
+# SecAgg+ as built protects against a server that follows the protocol; an actively
+# lying one is refused only where one client can see the lie (client_app.secagg_mod).
+_MALICIOUS = (
+    "not against a malicious server, which can substitute the clients' public keys (keys "
+    "are not signed) or tell different clients different dropout lists (no consistency "
+    "round) and unmask single uploads"
+)
 _MASKED = Cell(
     MASKED,
-    "no single upload reaches the server: SecAgg+ shows it only the sum (unless it colludes "
-    "with t of a client's neighbours, t = secagg.reconstruction-threshold)",
+    "no single upload reaches an honest-but-curious server: SecAgg+ shows it only the sum "
+    "(unless it colludes with t of a client's neighbours, t = secagg.reconstruction-"
+    f"threshold); {_MALICIOUS}",
 )
 _SECAGG_ROWS = (
     Row(
@@ -114,8 +122,11 @@ _SECAGG_ROWS = (
             ),
             Cell(
                 CENTRAL,
-                "the same epsilon: the server sees only the noised sum (SecAgg+, up to "
-                "collusion with t of a client's neighbours)",
+                "the same epsilon against an honest-but-curious server, which sees only the "
+                "noised sum (SecAgg+, up to collusion with t of a client's neighbours); it "
+                "assumes that every surviving client adds its noise share and that none "
+                "colludes with the server (each that withholds or reveals its share lowers "
+                f"the noise below what the ledger charges); {_MALICIOUS}",
             ),
             _MASKED,
         ),
