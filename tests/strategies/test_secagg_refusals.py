@@ -4,14 +4,17 @@ A lying server that lists a survivor as both surviving and dropped in the unmask
 would get, from every honest neighbour, a share of its mask seed b_i *and* of its key
 sk1_i, and with them its vector. The clients are the real mod
 (``client_app.secagg_mod``) on :class:`tests.strategies.test_secagg.ModGrid`; the
-server is :func:`strategies.secagg.secure_sum` whose unmask stage lies.
+server is :func:`strategies.secagg.secure_sum` whose unmask stage lies; last, a whole
+private run in process (:mod:`tests.inprocess`) whose second round is refused.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import numpy as np
+import pandas as pd
 import pytest
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.secaggplus_constants import (
@@ -25,6 +28,7 @@ from client_app import secagg_mod
 from protocol.masking import MASKED, mask, pairwise_seed
 from strategies import secagg
 from strategies.secagg import SecAggSettings, secure_sum
+from tests.inprocess import InProcessGrid, run_config, run_server
 from tests.strategies.test_secagg import DIM, SETTINGS, ModGrid, _plain, _run, _train_messages
 
 NODES = [11, 22, 33, 44, 55]
@@ -274,3 +278,45 @@ def test_the_honest_server_is_never_refused():
 
     assert not [r for r in grid.received if r.has_error()]
     assert result.vector is not None and result.survivors == [11, 22, 44, 66, 77]
+
+
+def test_a_refused_round_of_a_private_run_releases_and_charges_nothing(monkeypatch, tmp_path):
+    # Distributed DP, 4 of 5 clients a round; the server lies in round 2's unmask stage.
+    original = secagg._Round.unmask
+    liars: list[LyingServer] = []
+
+    def unmask(state, survivors, dead):
+        if state.server_round != 2:
+            return original(state, survivors, dead)
+        liars.append(LyingServer(survivors[0]))
+        return liars[-1].unmask(state, survivors, dead)
+
+    monkeypatch.setattr(secagg._Round, "unmask", unmask)
+    cfg = run_config(
+        **{
+            "output-dir": str(tmp_path),
+            "secagg.enabled": True,
+            "privacy": "dp-fedavg-fixed",
+            "dp.noise-site": "client",
+            "dp.sampling": "fixed",
+            "dp.num-sampled-clients": 4,
+            "dp.noise-multiplier": 1.0,
+            "dp.clip-norm": 0.5,
+            "min-available-nodes": 5,
+        }
+    )
+
+    run_server(cfg, InProcessGrid(cfg, NODES))
+
+    (liar,) = liars
+    assert liar.stolen == [] and liar.seed_shares == []
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert [r["server_round"] for r in ledger["state"]["releases"]] == [1, 3]
+    released = pd.read_csv(run_dir / "metrics.csv")
+    epsilon = released[released["scope"] == "train"].set_index("round")["dp-epsilon"]
+    assert epsilon.loc[2] == epsilon.loc[1] and epsilon.loc[3] > epsilon.loc[2]
+    # The model did not move in round 2: its central evaluation is round 1's.
+    central = released[released["scope"] == "central-eval"].set_index("round")
+    assert central.loc[2, "eval-loss"] == central.loc[1, "eval-loss"]
+    assert json.loads((run_dir / "outcome.json").read_text())["status"] == "completed"
