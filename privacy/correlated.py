@@ -329,25 +329,40 @@ class BandedNoise:
             raise FactorizationError(f"std must be finite and >= 0, got {std!r}")
         self.std, self.generator = float(std), generator
         self.round = 0
-        self._past: list[np.ndarray] = []  # y_{t-1}, y_{t-2}, ... (at most b-1)
+        # Ring buffer of y_{t-1}..y_{t-b+1}: y_s in row s % (b-1), so a round is one
+        # matrix-vector product (BLAS) and no copy of the b-1 past vectors.
+        self._buffer = np.zeros((self.coefs.size - 1, self.dim))
+
+    def _slots(self, count: int) -> list[int]:
+        """Rows holding y_{t-1}, ..., y_{t-count} (t = self.round)."""
+        m = self._buffer.shape[0]
+        return [(self.round - k) % m for k in range(1, count + 1)]
 
     def next(self) -> np.ndarray:
         """The next round's noise increment, shape (dim,)."""
         y = self.generator.normal(0.0, self.std, self.dim) if self.std else np.zeros(self.dim)
-        for k, past in enumerate(self._past, start=1):
-            y -= self.coefs[k] * past
-        y /= self.coefs[0]
-        self._past = [y, *self._past][: self.coefs.size - 1]
+        m = self._buffer.shape[0]
+        if m:
+            weights = np.zeros(m)
+            for k, slot in enumerate(self._slots(min(self.round, m)), start=1):
+                weights[slot] = self.coefs[k]
+            y -= weights @ self._buffer
+            y /= self.coefs[0]
+            self._buffer[self.round % m] = y
+        else:
+            y /= self.coefs[0]
         self.round += 1
         return y.copy()
 
     def state_dict(self) -> dict:
-        """The stream's state (secret: past noise); the generator is saved by its owner."""
+        """The stream's state (secret: past noise, newest first); the generator is saved
+        by its owner."""
+        m = self._buffer.shape[0]
         return {
             "kind": "banded-mf",
             "coefs": self.coefs.tolist(),
             "round": self.round,
-            "past": [p.copy() for p in self._past],
+            "past": [self._buffer[s].copy() for s in self._slots(min(self.round, m))],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -357,8 +372,13 @@ class BandedNoise:
             raise FactorizationError("noise state was saved for other band coefficients")
         if any(np.shape(p) != (self.dim,) for p in state["past"]):
             raise FactorizationError(f"noise state was saved for another dim than {self.dim}")
+        m, count = self._buffer.shape[0], min(int(state["round"]), self._buffer.shape[0])
+        if len(state["past"]) != count:
+            raise FactorizationError(f"noise state must hold {count} past vectors")
         self.round = int(state["round"])
-        self._past = [np.array(p, dtype=np.float64) for p in state["past"]]
+        self._buffer = np.zeros((m, self.dim))
+        for slot, past in zip(self._slots(count), state["past"], strict=True):
+            self._buffer[slot] = past
 
 
 class TreeNoise:

@@ -266,3 +266,10 @@ def test_tree_beats_identity_for_one_participation():
     identity = cr.prefix_sum_error(cr.prefix_sum_workload(n), noise_std=1.0)
     assert tree == pytest.approx(193 * 7 / 64) and identity == pytest.approx(2080 / 64)
     assert tree < identity
+
+
+def test_one_band_stream_is_plain_gaussian_noise():
+    stream = cr.BandedNoise((1.0,), dim=5, std=0.7, generator=np.random.default_rng(2))
+    got = np.array([stream.next() for _ in range(4)])
+    np.testing.assert_array_equal(got, np.random.default_rng(2).normal(0.0, 0.7, (4, 5)))
+    assert stream.state_dict()["past"] == []
