@@ -65,6 +65,8 @@ def test_factorization_is_cached_as_public_data(tmp_path):
     assert saved["coefs"] == list(first.coefs)
     assert cr.optimize_banded(30, 3, cache=tmp_path) == first
     assert cr.cache_dir().parent.name == "cache"  # the environment variable is honoured
+    path.write_text(json.dumps({**saved, "coefs": [1.0]}))  # not this (n, b): recomputed
+    assert cr.optimize_banded(30, 3, cache=tmp_path).coefs == pytest.approx(first.coefs)
 
 
 @pytest.mark.parametrize(
