@@ -316,18 +316,33 @@ def tree_decoder(n: int) -> np.ndarray:
     return b
 
 
-def tree_sensitivity(n: int, *, participations: int, min_separation: int = 1) -> float:
+def tree_sensitivity(
+    n: int, *, participations: int, min_separation: int = 1, restart_every: int | None = None
+) -> float:
     """Upper bound on the honest tree's L2 sensitivity for k participations.
 
     ||C 1_p||^2 = sum over nodes of m_v^2 (m_v: pattern leaves under node v); per level
     sum_v m_v = k and m_v <= min(k, floor((2^h - 1)/sep) + 1), so the squared norm is at
-    most k * sum_h min(k, floor((2^h - 1)/sep) + 1). k = 1 gives sqrt(levels) exactly;
-    sqrt(k * levels) would NOT be a bound (two leaves under one node add 4, not 2).
+    most g(k) = k * sum_h min(k, floor((2^h - 1)/sep) + 1). k = 1 gives sqrt(levels)
+    exactly; sqrt(k * levels) would NOT be a bound (two leaves under one node add 4,
+    not 2). With a fresh tree every r rounds (Kairouz et al.'s restarts) the trees are
+    disjoint: max of sum_j g_r(k_j) over sum k_j = k, k_j <= the per-tree cap, which
+    for convex g_r (g_r(0) = 0) fills whole trees first (a vertex of the polytope).
     """
     k = _positive_int("participations", participations)
     sep = _positive_int("min_separation", min_separation)
-    levels = tree_levels(n)
-    return math.sqrt(k * sum(min(k, (2**h - 1) // sep + 1) for h in range(levels)))
+    n = _positive_int("n", n)
+    leaves = n if restart_every is None else min(_positive_int("restart_every", restart_every), n)
+    levels = tree_levels(leaves)
+
+    def g(j: int) -> int:
+        return j * sum(min(j, (2**h - 1) // sep + 1) for h in range(levels))
+
+    trees = math.ceil(n / leaves)
+    cap = min(k, (leaves - 1) // sep + 1)
+    full = min(k // cap, trees)
+    rest = k - full * cap if full < trees else 0
+    return math.sqrt(full * g(cap) + g(rest))
 
 
 # -- online noise generators ---------------------------------------------------------------
@@ -405,26 +420,45 @@ class BandedNoise:
 
 class TreeNoise:
     """DP-FTRL honest-tree noise increments: N(t) - N(t-1), N(t) the sum of the node
-    noises of t's dyadic decomposition; one fresh node per round, O(log n) kept."""
+    noises of t's dyadic decomposition; one fresh node per round, O(log n) kept; with
+    ``restart_every`` r, a fresh tree every r rounds."""
 
-    def __init__(self, *, dim: int, std: float, generator: np.random.Generator):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        std: float,
+        generator: np.random.Generator,
+        restart_every: int | None = None,
+    ):
         self.dim = _positive_int("dim", dim)
         if not (math.isfinite(std) and std >= 0):
             raise FactorizationError(f"std must be finite and >= 0, got {std!r}")
+        self.restart_every = (
+            None if restart_every is None else _positive_int("restart_every", restart_every)
+        )
         self.std, self.generator = float(std), generator
         self.round = 0
         self._nodes: dict[int, np.ndarray] = {}  # level -> noise of the open node
 
+    def _leaves(self, rounds: int) -> int:
+        """Leaves of the current tree after ``rounds`` rounds."""
+        if self.restart_every is None or rounds == 0:
+            return rounds
+        return (rounds - 1) % self.restart_every + 1
+
     def next(self) -> np.ndarray:
         """The next round's noise increment, shape (dim,)."""
-        t = self.round + 1
+        if self.restart_every is not None and self.round % self.restart_every == 0:
+            self._nodes = {}  # a new tree; the old one's noise stays in the past prefix
+        t = self._leaves(self.round + 1)
         low = (t & -t).bit_length() - 1  # levels below `low` close into the new node
         fresh = self.generator.normal(0.0, self.std, self.dim) if self.std else np.zeros(self.dim)
         increment = fresh.copy()
         for h in range(low):
             increment -= self._nodes.pop(h)
         self._nodes[low] = fresh
-        self.round = t
+        self.round += 1
         return increment
 
     def state_dict(self) -> dict:
@@ -432,14 +466,21 @@ class TreeNoise:
         return {
             "kind": "dp-ftrl-tree",
             "round": self.round,
+            "restart_every": self.restart_every,
             "nodes": {str(h): v.copy() for h, v in self._nodes.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the stream saved by :meth:`state_dict`."""
-        _check_state(state, "dp-ftrl-tree", {"round", "nodes"})
+        _check_state(state, "dp-ftrl-tree", {"round", "nodes", "restart_every"})
+        if state["restart_every"] != self.restart_every:
+            raise FactorizationError(
+                f"noise state has restart_every={state['restart_every']!r}, this stream "
+                f"{self.restart_every!r}"
+            )
         nodes = {int(h): np.array(v, dtype=np.float64) for h, v in state["nodes"].items()}
-        expected = {h for h in range(64) if (int(state["round"]) >> h) & 1}
+        local = self._leaves(int(state["round"]))
+        expected = {h for h in range(64) if (local >> h) & 1}
         if set(nodes) != expected or any(v.shape != (self.dim,) for v in nodes.values()):
             raise FactorizationError("noise state's open nodes do not match its round or dim")
         self.round, self._nodes = int(state["round"]), nodes

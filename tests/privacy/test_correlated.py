@@ -275,3 +275,45 @@ def test_one_band_stream_is_plain_gaussian_noise():
     got = np.array([stream.next() for _ in range(4)])
     np.testing.assert_array_equal(got, np.random.default_rng(2).normal(0.0, 0.7, (4, 5)))
     assert stream.state_dict()["past"] == []
+
+
+def test_tree_with_restarts_is_a_chain_of_fresh_trees():
+    gen = np.random.default_rng(8)
+    stream = cr.TreeNoise(dim=3, std=1.0, generator=gen, restart_every=4)
+    got = np.array([stream.next() for _ in range(10)])
+    ref_gen = np.random.default_rng(8)
+    expected = []
+    for length in (4, 4, 2):
+        tree = cr.TreeNoise(dim=3, std=1.0, generator=ref_gen)
+        expected += [tree.next() for _ in range(length)]
+    np.testing.assert_array_equal(got, np.array(expected))
+    # resumed at a tree boundary and inside one
+    for cut in (4, 6):
+        gen = np.random.default_rng(8)
+        first = cr.TreeNoise(dim=3, std=1.0, generator=gen, restart_every=4)
+        head = [first.next() for _ in range(cut)]
+        resumed = cr.TreeNoise(dim=3, std=1.0, generator=gen, restart_every=4)
+        resumed.load_state_dict(first.state_dict())
+        tail = [resumed.next() for _ in range(10 - cut)]
+        np.testing.assert_array_equal(np.array(head + tail), got)
+    with pytest.raises(cr.FactorizationError, match="restart_every=4"):
+        cr.TreeNoise(dim=3, std=1.0, generator=gen).load_state_dict(first.state_dict())
+
+
+def test_tree_restart_sensitivity_against_enumeration():
+    from scipy.linalg import block_diag
+
+    n, r = 11, 4
+    strategy = block_diag(cr.tree_strategy(4), cr.tree_strategy(4), cr.tree_strategy(3))
+    for k in (1, 2, 3, 4):
+        for sep in (1, 2, 4):
+            brute = cr.brute_force_sensitivity(strategy, participations=k, min_separation=sep)
+            bound = cr.tree_sensitivity(n, participations=k, min_separation=sep, restart_every=r)
+            assert brute <= bound + 1e-12
+    # once per tree (separation r): sqrt(k * levels) with levels = 3, exactly
+    assert cr.tree_sensitivity(n, participations=3, min_separation=4, restart_every=4) == (
+        pytest.approx(math.sqrt(9))
+    )
+    assert cr.brute_force_sensitivity(strategy, participations=3, min_separation=4) == (
+        pytest.approx(3.0)
+    )
