@@ -69,11 +69,14 @@ def prefix_sum_workload(n: int) -> np.ndarray:
 
 def banded_toeplitz(coefs: np.ndarray, n: int) -> np.ndarray:
     """The n x n lower-triangular Toeplitz C with ``C[i, j] = coefs[i - j]`` (0 <= i-j < b)."""
-    coefs = np.asarray(coefs, dtype=np.float64)
-    c = np.zeros((n, n))
-    for k, value in enumerate(coefs[:n]):
-        c += np.diag(np.full(n - k, value), -k)
-    return c
+    from scipy.linalg import toeplitz
+
+    column = np.zeros(n)
+    coefs = np.asarray(coefs, dtype=np.float64)[:n]
+    column[: coefs.size] = coefs
+    row = np.zeros(n)
+    row[0] = column[0]
+    return toeplitz(column, row)
 
 
 def _inverse_series(coefs: np.ndarray, n: int) -> np.ndarray:
