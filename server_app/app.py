@@ -16,7 +16,6 @@ from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, restore
-from server_app.results import CLIENTS_DIR
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
 from strategies import StopTraining
@@ -66,8 +65,9 @@ def _run(grid: Grid, context: Context) -> None:
             on_round=recorder.record,
             on_commit=recorder.commit,
             # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
-            # filesystem (simulation) that is inside the run directory.
-            train_config={keys.ARTIFACTS_DIR: str(run_dir.path / CLIENTS_DIR)},
+            # filesystem (simulation) that is inside the run directory, under curator/
+            # in a privacy run.
+            train_config={keys.ARTIFACTS_DIR: str(run_dir.clients_dir)},
             resumed=resumed,
             watch=watch,
         )

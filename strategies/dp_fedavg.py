@@ -391,11 +391,11 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         if self.local_view is not None and self.local_view.would_exceed(
             *self.local_releases(server_round)
         ):
-            _, worst = self.local_view.worst()
             raise BudgetExhausted(
-                f"round {server_round} would take a client's epsilon against the server "
-                f"above 'dp.max-epsilon' = {self.ledger.max_epsilon} (worst so far "
-                f"{worst:.4f}); nothing was sent"
+                f"round {server_round} would take the epsilon against the server of a "
+                f"client asked in every round above 'dp.max-epsilon' = "
+                f"{self.ledger.max_epsilon} (so far {self.local_view.bound():.4f}); "
+                "nothing was sent"
             )
 
     def configure_train(
@@ -471,8 +471,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         aggregated.update(extra)
         aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
         aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
-        if self.local_view is not None:
-            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.worst()[1]
+        if self.local_view is not None:  # published: the sample-independent bound
+            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.bound()
+            aggregated[keys.DP_EPSILON_LOCAL_WORST] = self.local_view.worst()[1]
         return MetricRecord(self.mark(aggregated))
 
     def _contributions(

@@ -232,7 +232,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             raise BudgetExhausted(
                 f"round {server_round} would exceed 'dp.max-epsilon' = "
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f}, "
-                f"worst client against the server {self.local_view.worst()[1]:.4f}); "
+                f"against the server {self.local_view.bound():.4f} for a client asked in "
+                "every round); "
                 "nothing was sent"
             )
 
@@ -310,7 +311,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         out = dict(metrics)
         out[keys.DP_FAILED_CLIENTS] = float(len(failed))
         out[keys.DP_EPSILON] = self.ledger.epsilon()
-        out[keys.DP_EPSILON_LOCAL] = self.local_view.worst()[1]
+        out[keys.DP_EPSILON_LOCAL] = self.local_view.bound()  # published: sample-independent
+        out[keys.DP_EPSILON_LOCAL_WORST] = self.local_view.worst()[1]  # curator
         return MetricRecord(self.mark(out))
 
     def on_resume(self) -> None:
