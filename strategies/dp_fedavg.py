@@ -72,6 +72,7 @@ from privacy.mechanisms import (
     GaussianMechanism,
     NonFiniteUpdateError,
     clip_by_l2_norm,
+    is_released,
 )
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, to_record
@@ -554,13 +555,16 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         )
 
     def _released_mask(self, arrays: ArrayRecord) -> list[bool]:
+        """Which arrays are released: floating arrays (of the head, head-only); integer
+        arrays keep the server's value (:func:`privacy.mechanisms.is_released`)."""
         keys_ = list(arrays.keys())
+        floating = [is_released(a) for a in arrays_of(arrays)]
         if self.released_keys is None:
-            return [True] * len(keys_)
+            return floating
         missing = sorted(set(self.released_keys) - set(keys_))
         if missing:
             raise StopTraining(f"head-only arrays {missing} are not in the global model")
-        return [key in self.released_keys for key in keys_]
+        return [key in self.released_keys and f for key, f in zip(keys_, floating, strict=True)]
 
     def _released(self, delta: list[np.ndarray]) -> list[np.ndarray]:
         assert self._mask is not None

@@ -63,7 +63,7 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import PrivacyLedger, Release
 from privacy.local_view import LocalViewLedger
-from privacy.mechanisms import LaplaceMechanism
+from privacy.mechanisms import LaplaceMechanism, is_released
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, to_record
 from protocol.replies import check_reply
@@ -279,8 +279,12 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             for t in total:
                 t += self.rng.laplace(0.0, scale, size=t.shape)
         count = self.expected_clients or max(len(sent), 1)
-        new_arrays = to_record(
-            current, [c + t / count for c, t in zip(reference, total, strict=True)]
+        new_arrays = to_record(  # integer arrays keep the server's value (not released)
+            current,
+            [
+                c + t / count if is_released(c) else c
+                for c, t in zip(reference, total, strict=True)
+            ],
         )
         records = [
             MetricRecord({**m.content[keys.METRICS], keys.NUM_EXAMPLES: 1}) for m, _ in valid
