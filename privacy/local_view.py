@@ -8,9 +8,9 @@ knows whom it asked: no amplification by sampling holds against it. Against the 
 each client's ε is then the composition of the releases of the rounds it was asked to
 train in (the local threat model), counted when the message is sent, answered or not.
 
-:class:`LocalViewLedger` keeps those per-client counts and reports the worst client's ε:
-exact for Gaussian uploads (unsampled Gaussians compose into one Gaussian), the run's
-accountant otherwise. Releases are grouped by mechanism (a
+:class:`LocalViewLedger` keeps those per-client counts and reports the worst client's ε
+and a bound on every client's (below), exact for Gaussian uploads (unsampled Gaussians
+compose into one Gaussian), the run's accountant otherwise. Releases are grouped by mechanism (a
 :class:`~privacy.events.Release` with its round, note and sample sizes blanked), so a
 client's history is a vector of counts; clients with the same counts share one ε
 computation, and with one mechanism the worst client is simply the one asked most often.
