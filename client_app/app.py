@@ -17,12 +17,14 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
+    Error,
     Message,
     MessageType,
     MetricRecord,
     RecordDict,
 )
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 import tasks
 from client_app import canary, hierarchy, proximal_client, state
@@ -219,9 +221,13 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def _canary_reply(msg: Message, context: Context, index: int, metrics: dict) -> Message:
-    """Canary ``index``'s train reply: the received model plus its update."""
-    received = msg.content[keys.ARRAYS]
-    arrays, _ = canary.update(received, msg.content[keys.CONFIG], context.run_config, index)
+    """Canary ``index``'s train reply: the received model plus its update (a held-out
+    canary that must be absent: an error reply, :func:`canary.absent_when_held_out`)."""
+    received, config = msg.content[keys.ARRAYS], msg.content[keys.CONFIG]
+    arrays, inserted = canary.update(received, config, context.run_config, index)
+    if not inserted and canary.absent_when_held_out(config, context.run_config):
+        error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=canary.HELD_OUT)
+        return Message(error, reply_to=msg)
     content = RecordDict({keys.ARRAYS: to_record(received, arrays)})
     content[keys.METRICS] = MetricRecord(metrics)
     return Message(content=content, reply_to=msg)

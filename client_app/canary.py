@@ -20,6 +20,14 @@ client mod sets) it replies without training. Otherwise (``privacy = 'none'``,
 reply carries the metrics every reply carries and its example count (its weight in
 plain FedAvg), then replaces the trained model by its own update. It evaluates on the
 shadow's test split with weight 0 (``num-examples = 0``), moving no average.
+
+In-versus-out must be the neighbouring relation the ledger claims. Under fixed-size
+sampling (replace-one) a held-out canary's zero update is a client like any other.
+Under Poisson sampling (add-or-remove-one) "out" is "absent": a zero update adds nothing
+to the released sum, but under adaptive clipping its norm bit would add ½ to the
+centred count an absent client does not add to, so a held-out canary asked for the bit
+replies with an error instead, which the server counts as it counts a client that is
+not there (:func:`absent_when_held_out`).
 """
 
 from __future__ import annotations
@@ -95,6 +103,25 @@ def _scale(direction: np.ndarray, config, run_config: Mapping[str, Any]) -> floa
     return clip
 
 
+def absent_when_held_out(config, run_config: Mapping[str, Any]) -> bool:
+    """Whether a held-out canary must send nothing this round: under add-or-remove-one
+    (Poisson sampling) any report beyond the zero update, i.e. the adaptive clip's norm
+    bit, would make "out" differ from "absent"."""
+    return bool(config.get(keys.DP_ADAPTIVE)) and run_config.get("dp.sampling") == "poisson"
+
+
+HELD_OUT = "held-out audit canary: absent this round (add-or-remove-one)"
+
+
+def inserted(config, run_config: Mapping[str, Any], index: int) -> bool:
+    """Whether canary ``index`` inserts its direction in this round."""
+    seed = int(run_config.get("seed", 0))
+    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    return bool(audit.inclusion(seed, num_canaries(run_config))[index]) and (
+        audit.inserts_in_round(seed, index, server_round, float(run_config.get(RATE, 1.0)))
+    )
+
+
 def update(
     received, config, run_config: Mapping[str, Any], index: int
 ) -> tuple[list[np.ndarray], bool]:
@@ -102,11 +129,7 @@ def update(
     direction this round."""
     reference = arrays_of(received)
     seed = int(run_config.get("seed", 0))
-    server_round = int(config.get(keys.SERVER_ROUND, 0))
-    inserted = bool(audit.inclusion(seed, num_canaries(run_config))[index]) and (
-        audit.inserts_in_round(seed, index, server_round, float(run_config.get(RATE, 1.0)))
-    )
-    if not inserted:
+    if not inserted(config, run_config, index):
         return [np.array(a, copy=True) for a in reference], False
     flat = audit.flatten(reference)
     direction = audit.canary_direction(seed, index, flat.size)

@@ -40,7 +40,7 @@ from lab.launcher import APP_DIR, LocalSimulation
 from server_app import config
 from server_app.plots import save_figure
 from tasks.lunar_lander import plots
-from tasks.lunar_lander.logs import load_episodes, load_snapshots
+from tasks.lunar_lander.logs import clients_dir, load_episodes, load_snapshots
 from tasks.options import ConfigError, Scalar
 
 STUDY_TASK = "lunar-lander"
@@ -196,7 +196,7 @@ def run_presets(
 
 def _embeddings(name: str, run_dir: Path, out: Path, echo: Callable[[str], None]) -> None:
     try:
-        snapshots, weights = load_snapshots(run_dir / "clients")
+        snapshots, weights = load_snapshots(clients_dir(run_dir))
         for method, label in (("tsne", "t-SNE"), ("umap", "UMAP")):
             distinct = len(np.unique(weights, axis=0))  # PPO updates once per rollout
             title = f"{name}: {label} of {len(weights)} policy snapshots ({distinct} distinct)"
@@ -240,7 +240,7 @@ def analyse(
     episodes = {}
     for name, run_dir in runs.items():
         try:
-            episodes[name] = load_episodes(run_dir / "clients")
+            episodes[name] = load_episodes(clients_dir(run_dir))
         except (FileNotFoundError, ValueError) as err:
             raise StudyError(f"{name}: {err} (is {run_dir} a {STUDY_TASK} run?)") from None
         title = f"{name}: rolling reward of each client"

@@ -8,15 +8,21 @@ knows whom it asked: no amplification by sampling holds against it. Against the 
 each client's ε is then the composition of the releases of the rounds it was asked to
 train in (the local threat model), counted when the message is sent, answered or not.
 
-:class:`LocalViewLedger` keeps those per-client counts and reports the worst client's ε:
-exact for Gaussian uploads (unsampled Gaussians compose into one Gaussian), the run's
-accountant otherwise. Releases are grouped by mechanism (a
+:class:`LocalViewLedger` keeps those per-client counts and reports the worst client's ε
+and a bound on every client's (below), exact for Gaussian uploads (unsampled Gaussians
+compose into one Gaussian), the run's accountant otherwise. Releases are grouped by mechanism (a
 :class:`~privacy.events.Release` with its round, note and sample sizes blanked), so a
 client's history is a vector of counts; clients with the same counts share one ε
 computation, and with one mechanism the worst client is simply the one asked most often.
 ``charge_all`` adds a release to every client, present and future: a resumed run charges
 the round that was under way when the server stopped (its sample is lost with the
 process, and any client may have sent an upload).
+
+Who was sampled is secret whenever the run's central ε claims amplification by
+sampling, so nothing published may depend on it: :meth:`bound` is the ε of a client
+asked in every round charged so far (a function of the rounds run, the same whoever was
+sampled), and the budget (:meth:`would_exceed`) is checked against it. :meth:`worst`,
+the ε of the client actually asked most, is for the curator only.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class LocalViewLedger:
         self._units: list[Release] = []  # the distinct mechanisms, first-charge order
         self._clients: dict[str, list[int]] = {}  # client -> count per unit
         self._all: list[int] = []  # counts charged to every client (resumed rounds)
+        self._rounds: list[int] = []  # counts charged at all (to anyone), per unit
         self._cache: dict[tuple[int, ...], float] = {}
 
     @property
@@ -105,6 +112,8 @@ class LocalViewLedger:
     def charge(self, clients: list[str], release: Release) -> None:
         """Count ``release`` (``release.count`` times) for each of ``clients``."""
         index = self._index(release)
+        self._rounds.extend([0] * (index + 1 - len(self._rounds)))
+        self._rounds[index] += release.count  # whoever was asked (the bound's counts)
         for client in clients:
             counts = self._clients.setdefault(client, [])
             counts.extend([0] * (index + 1 - len(counts)))
@@ -177,23 +186,24 @@ class LocalViewLedger:
         )
         return client, best[signatures[client]]
 
+    def bound(self) -> float:
+        """ε against the server of a client asked in every round charged so far: an
+        upper bound on every client's, independent of who was sampled (publishable)."""
+        return self._epsilon(self._total(self._rounds))
+
     def participations(self, client: str) -> int:
         """Releases counted for ``client`` (its own and those charged to every client)."""
         return sum(self._total(self._clients.get(client, [])))
 
     def would_exceed(self, *releases: Release) -> bool:
-        """Whether one more round of ``releases`` would take any client (one not asked
-        yet included) above ``max_epsilon``; the same for every client, so the answer
-        does not depend on who is sampled next."""
+        """Whether one more round of ``releases`` would take a client asked in every
+        round (:meth:`bound`) above ``max_epsilon``: the answer depends on the rounds
+        run only, not on who was or will be sampled, so the stop it causes is public."""
         if self.max_epsilon is None:
             return False
         for release in releases:
             self._index(release)
-        signatures = {self._total(c) for c in self._clients.values()} | {self._total([])}
-        return any(
-            self._epsilon(self._add(s, releases)) > self.max_epsilon
-            for s in self._maximal(signatures)
-        )
+        return self._epsilon(self._add(self._total(self._rounds), releases)) > self.max_epsilon
 
     def _add(self, signature: tuple[int, ...], releases: tuple[Release, ...]) -> tuple[int, ...]:
         total = list(signature) + [0] * (len(self._units) - len(signature))
@@ -202,9 +212,11 @@ class LocalViewLedger:
         return tuple(total)
 
     def summary(self) -> dict:
-        """The worst client's ε and what it rests on, for ``ledger.json``."""
+        """The worst client's ε and what it rests on (curator only: it depends on who
+        was sampled), beside the publishable :meth:`bound`."""
         client, epsilon = self.worst()
         return {
+            "bound": self.bound(),
             "epsilon": epsilon,
             "target-delta": self.target_delta,
             "worst-client": client,
@@ -223,6 +235,7 @@ class LocalViewLedger:
             "units": [asdict(u) for u in self._units],
             "clients": {c: list(counts) for c, counts in self._clients.items()},
             "all": list(self._all),
+            "rounds": list(self._rounds),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -239,10 +252,15 @@ class LocalViewLedger:
             units = [Release(**u) for u in state["units"]]
             clients = {str(c): [int(n) for n in v] for c, v in state["clients"].items()}
             every = [int(n) for n in state["all"]]
+            rounds = [int(n) for n in state["rounds"]]
         except (KeyError, TypeError, ValueError) as err:
             raise AccountingError(f"malformed {SCHEMA} state: {err}") from None
-        counts = [n for v in clients.values() for n in v] + every
-        if any(n < 0 for n in counts) or any(len(v) > len(units) for v in clients.values()):
+        counts = [n for v in clients.values() for n in v] + every + rounds
+        lists = [*clients.values(), rounds]
+        if any(n < 0 for n in counts) or any(len(v) > len(units) for v in lists):
             raise AccountingError(f"malformed {SCHEMA} state: counts do not fit the units")
-        self._units, self._clients, self._all = units, clients, every
+        for v in clients.values():  # no client is asked more often than rounds ran
+            if any(c > (rounds[i] if i < len(rounds) else 0) for i, c in enumerate(v)):
+                raise AccountingError(f"malformed {SCHEMA} state: a client exceeds the rounds")
+        self._units, self._clients, self._all, self._rounds = units, clients, every, rounds
         self._cache = {}

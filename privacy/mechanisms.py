@@ -13,6 +13,12 @@ computed by :func:`global_l2_norm` / :func:`global_l1_norm` (and by a plain floa
 sum), never exceeds the clip norm, also after casting back to float32. Non-finite
 input raises :class:`NonFiniteUpdateError` instead of producing garbage.
 
+Integer arrays (e.g. BatchNorm's ``num_batches_tracked``, a count of local steps)
+are not released: clipping returns them as zero deltas (the receiver keeps its own,
+public value) and adds nothing of them to the norm, and noise leaves them as they are.
+The ε then covers every array released, and a counter that grows with a client's data
+never reaches the server (docs/privacy.md, "Integer arrays").
+
 Randomness always comes from an explicit :class:`numpy.random.Generator`
 (:func:`make_generator`, :func:`secure_generator`, :func:`noise_generator`); the noise a
 guarantee relies on is secret (OS entropy) unless the run opts into reproducible noise.
@@ -172,8 +178,18 @@ def global_l1_norm(arrays: Sequence[np.ndarray]) -> float:
 
 # -- clipping ---------------------------------------------------------------------
 def _out_dtype(array: np.ndarray) -> np.dtype:
-    dtype = np.asarray(array).dtype
-    return dtype if np.issubdtype(dtype, np.floating) else np.dtype(np.float64)
+    return np.asarray(array).dtype
+
+
+def is_released(array: np.ndarray) -> bool:
+    """Whether an array of an update is released (clipped, noised): floating arrays
+    only; integer (and boolean) arrays are not (module docstring)."""
+    return bool(np.issubdtype(np.asarray(array).dtype, np.floating))
+
+
+def _unreleased_zeroed(arrays: Sequence[np.ndarray]) -> ArrayList:
+    """``arrays`` with every integer array replaced by zeros of its shape and dtype."""
+    return [a if is_released(a) else np.zeros_like(np.asarray(a)) for a in arrays]
 
 
 def _within(arrays64, clip_norm, norm64, plain64) -> bool:
@@ -186,7 +202,8 @@ def _within(arrays64, clip_norm, norm64, plain64) -> bool:
 def _scale_within(arrays, arrays64, scale, clip_norm, norms) -> tuple[ArrayList, float]:
     """Scale and cast back; shrink the scale until every norm check is <= clip_norm."""
     dtypes = [_out_dtype(a) for a in arrays]
-    shrink = 4 * max((float(np.finfo(d).eps) for d in dtypes), default=1e-16)
+    eps = [float(np.finfo(d).eps) for d in dtypes if np.issubdtype(d, np.floating)]
+    shrink = 4 * max(eps, default=1e-16)
     for _ in range(_MAX_SHRINK_STEPS):
         out = [(a * scale).astype(d) for a, d in zip(arrays64, dtypes, strict=True)]
         out64 = [np.asarray(o, dtype=np.float64) for o in out]
@@ -200,6 +217,7 @@ def _scale_within(arrays, arrays64, scale, clip_norm, norms) -> tuple[ArrayList,
 def _clip(arrays, clip_norm, norm64, plain64) -> ClipResult:
     if not (math.isfinite(clip_norm) and clip_norm > 0):
         raise ValueError(f"clip_norm must be positive and finite, got {clip_norm!r}")
+    arrays = _unreleased_zeroed(arrays)
     arrays64 = _float64_checked(arrays)
     norm = norm64(arrays64)
     if norm <= clip_norm:
@@ -216,7 +234,8 @@ def clip_by_l2_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipRe
     Parameters
     ----------
     arrays : sequence of numpy.ndarray
-        One update. Floating arrays keep their dtype; others come back as float64.
+        One update. Floating arrays keep their dtype; integer arrays come back as
+        zeros of theirs (not released, outside the norm).
     clip_norm : float
         C > 0.
 
@@ -286,7 +305,8 @@ def laplace_noise_like(
 
 
 def add_noise(arrays: Sequence[np.ndarray], noise: Sequence[np.ndarray]) -> ArrayList:
-    """``arrays + noise``, summed in float64 and returned in each array's dtype."""
+    """``arrays + noise``, summed in float64 and returned in each array's dtype;
+    integer arrays (not released) are returned as they are, without noise."""
     arrays64 = _float64_checked(arrays)
     if len(arrays64) != len(noise):
         raise ValueError(f"{len(arrays64)} arrays but {len(noise)} noise arrays")
@@ -294,6 +314,9 @@ def add_noise(arrays: Sequence[np.ndarray], noise: Sequence[np.ndarray]) -> Arra
     for array, a64, n in zip(arrays, arrays64, noise, strict=True):
         if a64.shape != np.shape(n):
             raise ValueError(f"noise shape {np.shape(n)} != array shape {a64.shape}")
+        if not is_released(array):
+            out.append(np.array(array, copy=True))
+            continue
         out.append((a64 + n).astype(_out_dtype(array)))
     return out
 

@@ -27,7 +27,11 @@ REPORT_METRICS = "report-metrics"
 
 # Per-round metrics of the privacy wrappers (metrics.csv train rows).
 DP_EPSILON = "dp-epsilon"  # client-level epsilon against observers of the released model
-DP_EPSILON_LOCAL = "dp-epsilon-local"  # worst client's epsilon against the server itself
+# Every client's epsilon against the server itself is at most this: the epsilon of a
+# client asked in every round so far (independent of who was sampled, so published).
+DP_EPSILON_LOCAL = "dp-epsilon-local"
+# The epsilon of the client actually asked most: depends on who was sampled (curator).
+DP_EPSILON_LOCAL_WORST = "dp-epsilon-local-worst"
 DP_NOISE_FROM_SEED = "dp-noise-from-seed"  # 1: dp.reproducible-noise, no epsilon vs seed holders
 DP_FAILED_CLIENTS = "dp-failed-clients"  # sampled clients counted as a zero update (curator)
 

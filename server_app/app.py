@@ -16,7 +16,6 @@ from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, restore
-from server_app.results import CLIENTS_DIR
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
 from strategies import StopTraining
@@ -41,7 +40,7 @@ def _run(grid: Grid, context: Context) -> None:
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
-    _check_federation(grid, run, watch)
+    _check_federation(grid, run)
     initial = ArrayRecord(model.state_dict())
     resumed = restore(run.saved, strategy, grid, cfg) if run.saved is not None else None
     central = None
@@ -66,14 +65,15 @@ def _run(grid: Grid, context: Context) -> None:
             on_round=recorder.record,
             on_commit=recorder.commit,
             # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
-            # filesystem (simulation) that is inside the run directory.
-            train_config={keys.ARTIFACTS_DIR: str(run_dir.path / CLIENTS_DIR)},
+            # filesystem (simulation) that is inside the run directory, under curator/
+            # in a privacy run.
+            train_config={keys.ARTIFACTS_DIR: str(run_dir.clients_dir)},
             resumed=resumed,
             watch=watch,
         )
     except BaseException as err:  # written if the process lives long enough
         reason = f"the ServerApp raised {type(err).__name__}: {err}"
-        write_outcome(run_dir, Outcome("failed", reason, recorder.last_recorded), watch, ledger)
+        write_outcome(run_dir, Outcome("failed", reason, recorder.last_recorded))
         raise
     failed = outcome.status == "failed"
     title = f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}"
@@ -83,17 +83,17 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         certify.finish(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
-    write_outcome(run_dir, outcome, watch, ledger)
+    write_outcome(run_dir, outcome)
     if failed:  # Flower's run status says so too (`flwr list`)
         raise RunFailed(outcome.reason)
 
 
-def _check_federation(grid: Grid, run: setup.Setup, watch: FailureWatch) -> None:
+def _check_federation(grid: Grid, run: setup.Setup) -> None:
     """The start-up checks against the connected nodes; a failure ends the run."""
     try:
         check_federation(grid, run.cfg, run.task, run.strategy)
     except StopTraining as err:
         last = int(run.saved["round"]) if run.saved else 0
         outcome = Outcome("failed", f"start-up check: {err}", last)
-        write_outcome(run.run_dir, outcome, watch, None)
+        write_outcome(run.run_dir, outcome)
         raise RunFailed(outcome.reason) from None

@@ -28,11 +28,13 @@ A run ends in one of three ways, written to ``outcome.json`` in the run director
       ids, a setting that cannot be met);
     * the ServerApp raised (written when the process lives long enough).
 
-Under a privacy mechanism, the divergence guard reads only the central evaluation of
-the released model (post-processing). Whether every sampled client failed in the last
-``run.max-failed-rounds`` rounds is not covered by any ε: a run that stops on it says so
-in ``outcome.json``, whose reason then points to ``curator/outcome.json`` for the
-clients' error texts; ``run.max-failed-rounds = 0`` never stops on failed rounds.
+Under a privacy mechanism no stop reads the clients' outcomes: a failed client is a
+zero update of a charged round (the privacy wrappers), and the failed-round rules
+(``run.max-failed-rounds``, the first-round rule, a run with no contribution) are off,
+since whether clients failed can depend on their data and no ε covers it. What can
+still end a private run is covered or public: the budget, the divergence guard on the
+central evaluation of the released model (post-processing), start-up checks and node
+counts, and errors of the server itself (docs/privacy.md, "Stops under DP").
 """
 
 from __future__ import annotations
@@ -62,18 +64,13 @@ class Outcome:
     """The last round whose global model was recorded (0: none after the initial one)."""
     checkpoint: str | None = None
     """The last good global model (``checkpoint/global.pt``), if a round was recorded."""
-    undisclosed: str = ""
-    """What the way the run ended reveals that no ε covers (under a privacy mechanism)."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
 
     def to_json(self) -> dict[str, Any]:
-        doc = {k.replace("_", "-"): v for k, v in asdict(self).items()}
-        if not self.undisclosed:
-            doc.pop("undisclosed")
-        return doc
+        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
 
     def line(self) -> str:
         """The one-line summary the log ends with."""
@@ -113,7 +110,6 @@ class FailureWatch:
     last_reasons: str = ""
     """The grouped reasons of the last failed round."""
     reference: dict[tuple[str, str], float] = field(default_factory=dict)
-    stopped_on_failed_rounds: bool = False
 
     @classmethod
     def for_run(cls, options: Mapping[str, Any], *, private: bool) -> FailureWatch:
@@ -126,8 +122,9 @@ class FailureWatch:
         )
 
     def after_train(self, server_round: int, rows: list[dict], *, first: bool) -> str | None:
-        """The reason to stop after this round's training, or None."""
-        if not rows or any(contributed(row) for row in rows):
+        """The reason to stop after this round's training, or None (always None under a
+        privacy mechanism: the clients' outcomes are not read)."""
+        if self.private or not rows or any(contributed(row) for row in rows):
             self.failed_streak = 0
             return None
         self.failed_streak += 1
@@ -135,10 +132,8 @@ class FailureWatch:
         errors = {str(row["error"]) for row in rows}
         replied_with_errors = all(row.get("replied") is False and row["error"] for row in rows)
         if first and len(errors) == 1 and "no reply" not in errors and replied_with_errors:
-            self.stopped_on_failed_rounds = True
             return f"round {server_round}, every client failed the same way: {reasons}"
         if self.max_failed_rounds and self.failed_streak >= self.max_failed_rounds:
-            self.stopped_on_failed_rounds = True
             return (
                 f"no client contributed in {self.failed_streak} consecutive rounds "
                 f"('run.max-failed-rounds' = {self.max_failed_rounds}); round "
@@ -150,10 +145,12 @@ class FailureWatch:
         """After a run's last round: the reason to call it failed when no client
         contributed in any of the ``rounds_run`` rounds it ran (fewer than
         ``run.max-failed-rounds``, so the streak rule did not stop it), or None.
-        ``run.max-failed-rounds = 0`` never fails a run on failed rounds."""
-        if not (self.max_failed_rounds and rounds_run and self.failed_streak >= rounds_run):
+        ``run.max-failed-rounds = 0`` never fails a run on failed rounds, nor does a
+        privacy mechanism."""
+        if self.private or not (
+            self.max_failed_rounds and rounds_run and self.failed_streak >= rounds_run
+        ):
             return None
-        self.stopped_on_failed_rounds = True
         return (
             f"no client contributed in any of the run's {rounds_run} round(s), so the global "
             f"model is the one it started from; last round: {self.last_reasons}"
@@ -191,25 +188,11 @@ def _causes(private: bool) -> str:
     return f"likely {causes}"
 
 
-def write_outcome(run_dir, outcome: Outcome, watch: FailureWatch, ledger) -> None:
+def write_outcome(run_dir, outcome: Outcome) -> None:
     """``outcome.json`` and the log's last line: how the run ended."""
     if outcome.last_round > 0:
         outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
     log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
-    if ledger is not None and watch.stopped_on_failed_rounds:
-        # The clients' error texts stay with what no epsilon covers (curator/); the top
-        # level says only that the run stopped, and that no epsilon covers that event.
-        run_dir.write_json(run_dir.table(OUTCOME_FILE), outcome.to_json())
-        outcome.reason = (
-            f"no sampled client contributed; the clients' reasons are in "
-            f"{run_dir.table(OUTCOME_FILE)}"
-        )
-        outcome.undisclosed = (
-            "the run stopped because no sampled client contributed (every client of its "
-            "first round failed alike, no client of its last 'run.max-failed-rounds' "
-            "rounds contributed, or none of a shorter run's rounds had a contribution); "
-            "that event depends on the clients' data and no epsilon covers it"
-        )
     run_dir.write_outcome(outcome)
 
 

@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import Strategy
 from server_app import certify
 from server_app.audit import RunAudit
 from server_app.config import RunConfig
-from server_app.results import RunDirectory
+from server_app.results import CURATOR_DIR, RunDirectory
 from server_app.rounds import RoundResult
 from strategies.capabilities import (
     MultiModel,
@@ -30,6 +30,8 @@ from strategies.checkpoint import (
 )
 from strategies.nodes import wait_for_nodes
 from strategies.partitions import partition_map
+
+LOCAL_VIEW_FILE = f"{CURATOR_DIR}/local-view.json"  # each client's ε against the server
 
 
 class RoundRecorder:
@@ -76,6 +78,9 @@ class RoundRecorder:
         self.run_dir.record_round(result, None, models)
         if self.ledger is not None and result.server_round > 0:
             self.run_dir.write_ledger(self.ledger, certify.ledger_report(self.cfg, self.strategy))
+            view = getattr(self.strategy, "local_view", None)
+            if view is not None:  # who was asked most depends on the secret sample
+                self.run_dir.write_json(LOCAL_VIEW_FILE, view.summary())
 
 
 def restore(saved: dict, strategy: Strategy, grid: Grid, cfg: RunConfig) -> RoundResult:

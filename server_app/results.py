@@ -23,10 +23,13 @@ covers from what it does not. The top level keeps the released outputs: global m
 central evaluation, the ledger, the train metrics the wrapper computes from released
 quantities only (ε, noised counts), config.json. Everything else the server learned goes
 to ``curator/``: ``curator/metrics.csv`` (aggregated client reports, federated
-evaluation, raw diagnostics, wall-clock timing), ``curator/participation.csv`` (who was
-sampled: voids amplification for its reader) and the strategies' per-client tables.
-``checkpoint/server.pt`` holds the secret DP generator state and is written owner-only
-(0600): never publish it.
+evaluation, raw diagnostics, wall-clock timing, anything that depends on who was
+sampled), ``curator/participation.csv`` (who was sampled: voids amplification for its
+reader), ``curator/local-view.json`` (each client's ε against the server), the
+strategies' per-client tables and ``curator/clients/``, the clients' own files (their
+state, accountant histories, logs) in a simulation. ``checkpoint/server.pt`` holds the
+secret DP generator state: never publish it. ``curator/`` and ``checkpoint/`` are
+created owner-only (directories 0700, files 0600) whatever the umask.
 
 A round is committed before anything of it is observable: ``server.pt`` is written
 (atomically, first) right after the round's aggregate, before federated and central
@@ -105,14 +108,33 @@ def resolve_output_dir(output_dir: str) -> Path:
     return (app_source_dir() or Path.cwd()) / path
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def _open_private(path: Path):
+    """``path`` opened for writing, owner-only (0600) from the moment it exists, whatever
+    the umask (``fchmod``: an older file of that name keeps its mode otherwise)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+def private_dir(path: Path) -> Path:
+    """Make (or keep) the directory ``path`` owner-only (0700) whatever the umask."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _atomic_write_bytes(path: Path, data: bytes, *, private: bool = False) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
+    if private:
+        with _open_private(tmp) as file:
+            file.write(data)
+    else:
+        tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write_bytes(path, text.encode("utf-8"))
+def _atomic_write_text(path: Path, text: str, *, private: bool = False) -> None:
+    _atomic_write_bytes(path, text.encode("utf-8"), private=private)
 
 
 def _atomic_torch_save(path: Path, obj: Any, *, private: bool = False) -> None:
@@ -120,9 +142,7 @@ def _atomic_torch_save(path: Path, obj: Any, *, private: bool = False) -> None:
     from the moment the file exists."""
     tmp = path.with_name(f".{path.name}.tmp")
     if private:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # an older temporary file keeps its mode otherwise
-        with os.fdopen(fd, "wb") as file:
+        with _open_private(tmp) as file:
             torch.save(obj, file)
     else:
         torch.save(obj, tmp)
@@ -150,8 +170,22 @@ class RunDirectory:
         self._written: dict[str, tuple[list[str], int, Mapping[str, Any]]] = {}
         self._writer = None  # TensorBoard SummaryWriter, opened with the first row
         self.started = time.monotonic()
+        private_dir(path / "checkpoint")
         if released is not None:
-            (path / CURATOR_DIR).mkdir(exist_ok=True)
+            private_dir(path / CURATOR_DIR)
+
+    @property
+    def clients_dir(self) -> Path:
+        """Where the clients keep their own files in a simulation (``artifacts-dir``):
+        ``curator/clients`` under a privacy mechanism (they hold what the server may not
+        publish: accountant histories, local layers, PPO snapshots), else ``clients``."""
+        base = self.path if self.released is None else self.path / CURATOR_DIR
+        return base / CLIENTS_DIR
+
+    @staticmethod
+    def private(name: str) -> bool:
+        """Whether the file ``name`` (relative to the run directory) is owner-only."""
+        return name.startswith((f"{CURATOR_DIR}/", "checkpoint/"))
 
     def table(self, name: str) -> str:
         """Where a per-client table (participation, clusters, selection, edges) goes:
@@ -173,7 +207,6 @@ class RunDirectory:
             except FileExistsError:
                 n += 1
                 path = base.with_name(f"{base.name}-{n}")
-        (path / "checkpoint").mkdir()
         (path / "plots").mkdir()
         return cls(path, released)
 
@@ -182,8 +215,10 @@ class RunDirectory:
         _atomic_torch_save(self.path / name, dict(state_dict))
 
     def write_json(self, name: str, doc: Mapping[str, Any]) -> None:
-        """Write ``doc`` as ``<name>`` (JSON) in the run directory."""
-        (self.path / name).write_text(json.dumps(dict(doc), indent=2) + "\n")
+        """Write ``doc`` as ``<name>`` (JSON) in the run directory (owner-only under
+        ``curator/`` and ``checkpoint/``)."""
+        text = json.dumps(dict(doc), indent=2) + "\n"
+        _atomic_write_text(self.path / name, text, private=self.private(name))
 
     def write_config(self, run_config: Mapping[str, Any]) -> None:
         """Write the resolved run-config and the software environment."""
@@ -245,9 +280,12 @@ class RunDirectory:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.path / "tensorboard"))
+        # Under a privacy mechanism each event's wall time is its round, not the clock:
+        # the time a round took depends on the clients' data (timing is curator-only).
+        walltime = None if self.released is None else float(server_round)
         for key, value in row.items():
             if key not in ("round", "scope") and isinstance(value, int | float):
-                self._writer.add_scalar(f"{scope}/{key}", value, server_round)
+                self._writer.add_scalar(f"{scope}/{key}", value, server_round, walltime)
         self._writer.flush()
 
     def commit(self, server_round: int, server_state: Mapping[str, Any]) -> None:
@@ -267,11 +305,11 @@ class RunDirectory:
         """Save the global model of ``server_round`` (the latest finished round) and any
         further named global models (e.g. ``cluster-0``: ``checkpoint/cluster-0.pt``)."""
         folder = self.path / "checkpoint"
-        _atomic_torch_save(folder / "global.pt", dict(state_dict))
+        _atomic_torch_save(folder / "global.pt", dict(state_dict), private=True)
         for name, model in (models or {}).items():
-            _atomic_torch_save(folder / f"{name}.pt", dict(model))
+            _atomic_torch_save(folder / f"{name}.pt", dict(model), private=True)
         state = {"round": server_round, "models": sorted(models or {})}
-        _atomic_write_text(folder / "state.json", json.dumps(state) + "\n")
+        _atomic_write_text(folder / "state.json", json.dumps(state) + "\n", private=True)
 
     def write_rows(self, name: str, rows: list[Mapping[str, Any]]) -> None:
         """Bring the CSV file ``name`` up to ``rows`` (metrics, participation, the
@@ -297,7 +335,7 @@ class RunDirectory:
                     self._written[name] = (columns, len(rows), rows[-1])
                 return
         frame = pd.DataFrame(rows)
-        _atomic_write_text(self.path / name, frame.to_csv(index=False))
+        _atomic_write_text(self.path / name, frame.to_csv(index=False), private=self.private(name))
         if rows:
             self._written[name] = (list(frame.columns), len(rows), rows[-1])
 
@@ -357,31 +395,35 @@ class RunDirectory:
         ):
             if rows or (path / name).is_file():
                 run_dir.write_rows(name, rows)
-        for stale in (path / CLIENTS_DIR / STATE_DIR).glob("partition-*/round-*.bin"):
+        for stale in (run_dir.clients_dir / STATE_DIR).glob("partition-*/round-*.bin"):
             if int(stale.stem.removeprefix("round-")) > done:
                 stale.unlink()
         return run_dir, state
 
     def layout(self) -> dict[str, list[str]]:
-        """The files of the run directory by what covers them, for ``ledger.json``."""
+        """The files of the run directory by what covers them, for ``ledger.json``
+        (``tests/server_app/test_published_files.py`` checks every published file and
+        column against it)."""
         released = ["config.json", "metrics.csv", "model.pt", "checkpoint/global.pt",
                     "checkpoint/<model>.pt", "ledger.json", "certificates.json", "audit.json",
-                    "plots/", "tensorboard/", "warm-start.*"]  # fmt: skip
-        curator = [f"{CURATOR_DIR}/"] if self.released is not None else []
+                    "plots/", "tensorboard/", "warm-start.*", "outcome.json"]  # fmt: skip
+        private = self.released is not None
         return {
-            "covered-by-epsilon": released if self.released is not None else [],
+            "covered-by-epsilon": released if private else [],
             "not-covered": [
-                *curator,
-                "outcome.json (whether the failure policy stopped the run because no "
-                "sampled client contributed; the clients' reasons are under curator/; "
-                "see server_app/failures.py)",
+                *([f"{CURATOR_DIR}/"] if private else []),
                 *(
                     []
-                    if self.released is not None
-                    else ["metrics.csv", "participation.csv", "<strategy tables>.csv"]
+                    if private
+                    else [
+                        "metrics.csv",
+                        "participation.csv",
+                        "<strategy tables>.csv",
+                        "outcome.json",
+                        f"{CLIENTS_DIR}/",
+                    ]
                 ),
-                f"{CLIENTS_DIR}/ (the clients' own files: state, logs; never sent to the "
-                "server; in simulation they share this directory)",
+                "modification times of the files (they are rewritten every round)",
             ],
             "secret": [f"checkpoint/{SERVER_CHECKPOINT} (DP generator state; owner-only)"],
         }

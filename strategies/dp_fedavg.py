@@ -72,6 +72,7 @@ from privacy.mechanisms import (
     GaussianMechanism,
     NonFiniteUpdateError,
     clip_by_l2_norm,
+    is_released,
 )
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, to_record
@@ -391,11 +392,11 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         if self.local_view is not None and self.local_view.would_exceed(
             *self.local_releases(server_round)
         ):
-            _, worst = self.local_view.worst()
             raise BudgetExhausted(
-                f"round {server_round} would take a client's epsilon against the server "
-                f"above 'dp.max-epsilon' = {self.ledger.max_epsilon} (worst so far "
-                f"{worst:.4f}); nothing was sent"
+                f"round {server_round} would take the epsilon against the server of a "
+                f"client asked in every round above 'dp.max-epsilon' = "
+                f"{self.ledger.max_epsilon} (so far {self.local_view.bound():.4f}); "
+                "nothing was sent"
             )
 
     def configure_train(
@@ -471,8 +472,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         aggregated.update(extra)
         aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
         aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
-        if self.local_view is not None:
-            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.worst()[1]
+        if self.local_view is not None:  # published: the sample-independent bound
+            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.bound()
+            aggregated[keys.DP_EPSILON_LOCAL_WORST] = self.local_view.worst()[1]
         return MetricRecord(self.mark(aggregated))
 
     def _contributions(
@@ -553,13 +555,16 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         )
 
     def _released_mask(self, arrays: ArrayRecord) -> list[bool]:
+        """Which arrays are released: floating arrays (of the head, head-only); integer
+        arrays keep the server's value (:func:`privacy.mechanisms.is_released`)."""
         keys_ = list(arrays.keys())
+        floating = [is_released(a) for a in arrays_of(arrays)]
         if self.released_keys is None:
-            return [True] * len(keys_)
+            return floating
         missing = sorted(set(self.released_keys) - set(keys_))
         if missing:
             raise StopTraining(f"head-only arrays {missing} are not in the global model")
-        return [key in self.released_keys for key in keys_]
+        return [key in self.released_keys and f for key, f in zip(keys_, floating, strict=True)]
 
     def _released(self, delta: list[np.ndarray]) -> list[np.ndarray]:
         assert self._mask is not None

@@ -63,7 +63,7 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import PrivacyLedger, Release
 from privacy.local_view import LocalViewLedger
-from privacy.mechanisms import LaplaceMechanism
+from privacy.mechanisms import LaplaceMechanism, is_released
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, to_record
 from protocol.replies import check_reply
@@ -232,7 +232,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             raise BudgetExhausted(
                 f"round {server_round} would exceed 'dp.max-epsilon' = "
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f}, "
-                f"worst client against the server {self.local_view.worst()[1]:.4f}); "
+                f"against the server {self.local_view.bound():.4f} for a client asked in "
+                "every round); "
                 "nothing was sent"
             )
 
@@ -278,8 +279,12 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             for t in total:
                 t += self.rng.laplace(0.0, scale, size=t.shape)
         count = self.expected_clients or max(len(sent), 1)
-        new_arrays = to_record(
-            current, [c + t / count for c, t in zip(reference, total, strict=True)]
+        new_arrays = to_record(  # integer arrays keep the server's value (not released)
+            current,
+            [
+                c + t / count if is_released(c) else c
+                for c, t in zip(reference, total, strict=True)
+            ],
         )
         records = [
             MetricRecord({**m.content[keys.METRICS], keys.NUM_EXAMPLES: 1}) for m, _ in valid
@@ -310,7 +315,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         out = dict(metrics)
         out[keys.DP_FAILED_CLIENTS] = float(len(failed))
         out[keys.DP_EPSILON] = self.ledger.epsilon()
-        out[keys.DP_EPSILON_LOCAL] = self.local_view.worst()[1]
+        out[keys.DP_EPSILON_LOCAL] = self.local_view.bound()  # published: sample-independent
+        out[keys.DP_EPSILON_LOCAL_WORST] = self.local_view.worst()[1]  # curator
         return MetricRecord(self.mark(out))
 
     def on_resume(self) -> None:

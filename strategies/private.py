@@ -259,10 +259,17 @@ class DPSettings(Settings):
 
     @staticmethod
     def check(choice: Choice) -> None:
-        """Exactly one of a mechanism's noise parameter and dp.target-epsilon; client-side
-        noise only with fixed-size sampling."""
+        """Exactly one of a mechanism's noise parameter and dp.target-epsilon, a budget
+        not below the target; client-side noise only with fixed-size sampling."""
         o = choice.options
         target = float(o["dp.target-epsilon"])
+        budget = float(o["dp.max-epsilon"])
+        if target and budget and budget < target:
+            raise SettingsError(
+                f"'dp.max-epsilon' = {budget:g} is below 'dp.target-epsilon' = {target:g}: "
+                "the run could not reach its target; set 'dp.max-epsilon' >= "
+                "'dp.target-epsilon' (or 0: the target is the budget)"
+            )
         if choice.privacy in FRONT_LOADED_MODES and target:
             raise SettingsError(
                 f"'dp.target-epsilon' = {target:g} is not available with 'privacy' = "

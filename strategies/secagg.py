@@ -65,6 +65,10 @@ from strategies.messaging import send_and_receive
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding parameters
+# The largest modulus: the largest power of two a run-config integer (64-bit signed, as
+# TOML and Flower's ConfigRecord hold it) can state. The masking works in uint64 up to
+# 2^64 (protocol.masking), so this bound is the config's, not the arithmetic's.
+MAX_MODULUS = 2**62
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,8 @@ class SecAggSettings(Settings):
     )
     modulus_range: int = setting(
         2**32,
-        "M, a power of two up to 2^62: the sum is taken modulo M (Flower's default "
+        "M, a power of two in [4, 2^62] (2^62: the largest power of two a run-config "
+        "integer, 64-bit signed, holds): the sum is taken modulo M (Flower's default "
         "2^32); a round whose sum could wrap around is refused before anything is "
         "sent.",
         low=4,
@@ -222,9 +227,9 @@ class SecAggSettings(Settings):
         if not (math.isfinite(self.clipping_range) and self.clipping_range > 0):
             raise ValueError(f"'secagg.clipping-range' must be > 0, got {self.clipping_range!r}")
         m, q = self.modulus_range, self.quantization_range
-        if not (isinstance(m, int) and 2 <= m <= 2**64 and m & (m - 1) == 0):
+        if not (isinstance(m, int) and 4 <= m <= MAX_MODULUS and m & (m - 1) == 0):
             raise ValueError(
-                f"'secagg.modulus-range' must be a power of two in [2, 2^64], got {m!r}"
+                f"'secagg.modulus-range' must be a power of two in [4, 2^62], got {m!r}"
             )
         if not (isinstance(q, int) and 2 <= q < m):
             raise ValueError(

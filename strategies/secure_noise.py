@@ -18,6 +18,7 @@ from privacy.accounting import (
     Release,
     l2_sensitivity_factor,
 )
+from privacy.mechanisms import is_released
 from privacy.skellam import SecureSumEncoding, centred_lift, l1_bound, rounded_l2_bound
 from privacy.subspace import unflatten
 from protocol import keys
@@ -169,7 +170,10 @@ class SecureNoise:
             total = dp._mechanism().noise_sum(total, rng=dp.rng)
         m = dp.num_sampled_clients
         mean = [(t / m).astype(r.dtype, copy=False) for t, r in zip(total, reference, strict=True)]
-        new = to_record(current, [r + d for r, d in zip(reference, mean, strict=True)])
+        new = to_record(  # integer arrays keep the server's value (not released)
+            current,
+            [r + d if is_released(r) else r for r, d in zip(reference, mean, strict=True)],
+        )
         if self.distributed:
             self.record(dp, server_round, result.survivors, population)
         else:

@@ -30,9 +30,11 @@ TITLES = {
     "local": "local (each client's upload)",
 }
 
-# What a cell reports: the run's ledger ε, the worst client's ε against the server (its
-# own rounds, no amplification), the edge view (every edge aggregation at rate 1), the
-# worst client-reported sample-level ε, or nothing.
+# What a cell reports: the run's ledger ε; against the server, the ε of a client asked
+# in every round (no amplification; a bound on every client's that does not depend on
+# who was sampled, which is secret: the worst client's own is curator-only); the edge
+# view (every edge aggregation at rate 1); the worst client-reported sample-level ε; or
+# nothing.
 CENTRAL, LOCAL, EDGE, SAMPLE, NONE = "central", "local", "edge", "sample-level", "none"
 # Secure aggregation: no upload reaches the server on its own (a cryptographic, not a DP,
 # protection; no ε).
@@ -143,7 +145,11 @@ _CENTRAL_UNAMPLIFIED = (
 )
 _BIT_IN_CLEAR = Cell(NONE, "none: each client's unclipped-norm bit reaches the server in clear")
 _PER_BATCH = Cell(NONE, "none: per-batch clipping bounds no example's or client's influence")
-_UPLOAD = Cell(LOCAL, "per client, composed over the rounds it was asked (no amplification)")
+_UPLOAD = Cell(
+    LOCAL,
+    "every client's, at most that of a client asked in every round (no amplification; "
+    "independent of who was sampled)",
+)
 _SAMPLE = Cell(SAMPLE, "sample-level epsilon only (one example of one client), no client-level")
 
 ROWS: tuple[Row, ...] = (
@@ -233,8 +239,8 @@ def _epsilon(kind: str, strategy) -> tuple[float | None, float | None, str | Non
         return (ledger.epsilon() if ledger.releases else None), ledger.target_delta, None
     if kind == LOCAL:
         view = strategy.local_view
-        client, epsilon = view.worst()
-        return (epsilon if client or epsilon else None), view.target_delta, client
+        epsilon = view.bound()
+        return (epsilon if epsilon else None), view.target_delta, None
     if kind == EDGE:
         view = strategy.edge_view
         return (view.epsilon() if view.releases else None), view.target_delta, None

@@ -115,6 +115,14 @@ def _logs(directory: str | Path) -> list[ClientRoundLog]:
     return [ClientRoundLog.load(f) for f in files]
 
 
+def clients_dir(run_dir: str | Path) -> Path:
+    """Where a run's clients wrote their files in a simulation: ``curator/clients`` in a
+    privacy run (the server's artifacts directory is owner-only there), else
+    ``clients``."""
+    private = Path(run_dir) / "curator" / "clients"
+    return private if private.is_dir() else Path(run_dir) / "clients"
+
+
 def load_episodes(directory: str | Path) -> pd.DataFrame:
     """All episodes of all clients in ``directory``, one row each.
 

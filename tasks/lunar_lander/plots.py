@@ -25,7 +25,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from tasks.lunar_lander.logs import load_episodes, load_snapshots
+from tasks.lunar_lander.logs import clients_dir, load_episodes, load_snapshots
 
 WINDOW = 100  # episodes in the rolling mean (seed 000) and in the final training reward
 MIN_EPISODES = 10  # a client's curve starts at its 10th episode (fewer: too noisy to read)
@@ -339,7 +339,7 @@ def results_table(runs: Mapping[str, str | Path]) -> pd.DataFrame:
     rows = []
     for name, run_dir in runs.items():
         config = load_run_config(run_dir)
-        clients = client_summary(Path(run_dir) / "clients")
+        clients = client_summary(clients_dir(run_dir))
         central = final_central_eval(run_dir)
         for planet in planets_in(clients):
             mine = clients[clients["planet"] == planet]

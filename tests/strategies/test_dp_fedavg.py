@@ -316,9 +316,18 @@ def test_client_side_noise_is_charged_per_client_against_the_server():
     loss = dp_accounting.pld.privacy_loss_mechanism.GaussianPrivacyLoss(
         z / (2 * math.sqrt(m)) / math.sqrt(busiest)
     )
-    assert loss.get_delta_for_epsilon(metrics[keys.DP_EPSILON_LOCAL]) <= 1e-5
-    assert loss.get_delta_for_epsilon(metrics[keys.DP_EPSILON_LOCAL] - 1e-6) > 1e-5
-    assert metrics[keys.DP_EPSILON_LOCAL] > metrics[keys.DP_EPSILON]  # no amplification
+    worst = metrics[keys.DP_EPSILON_LOCAL_WORST]  # depends on the sample: curator-only
+    assert loss.get_delta_for_epsilon(worst) <= 1e-5
+    assert loss.get_delta_for_epsilon(worst - 1e-6) > 1e-5
+    assert worst > metrics[keys.DP_EPSILON]  # no amplification
+    assert not strategy.releases_metric(keys.DP_EPSILON_LOCAL_WORST)
+    # Published: a client asked in all 4 rounds, whoever was sampled.
+    every = dp_accounting.pld.privacy_loss_mechanism.GaussianPrivacyLoss(
+        z / (2 * math.sqrt(m)) / math.sqrt(4)
+    )
+    bound = metrics[keys.DP_EPSILON_LOCAL]
+    assert every.get_delta_for_epsilon(bound) <= 1e-5 < every.get_delta_for_epsilon(bound - 1e-6)
+    assert bound >= worst and strategy.releases_metric(keys.DP_EPSILON_LOCAL)
     # A resumed run charges every client the round that was under way.
     before = strategy.local_view.participations("node-1")
     strategy.on_resume()
