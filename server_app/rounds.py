@@ -9,8 +9,12 @@ every round.
 A round is committed (``on_commit``: the checkpoint) right after its aggregate and
 before its model leaves the server (federated evaluation sends it to clients; central
 evaluation and the results files publish it): a charged round is never released by a
-run that then dies and re-runs it. A resumed run evaluates the committed round again
-(:func:`evaluate_round`) and goes on with the next.
+run that then dies and re-runs it. A round whose evaluation then fails the divergence
+guard is marked rejected (``on_reject``): its charge stays committed, and its
+checkpoint is not a resume point (``resume-from`` refuses it, naming the reason and the
+last good round). A resumed run evaluates the committed round again
+(:func:`evaluate_round`), applies the guard to it with the reference values the
+checkpoint kept, and goes on with the next.
 """
 
 from __future__ import annotations
@@ -294,6 +298,7 @@ def run_rounds(
     central_eval: CentralEval | None,
     on_round: Callable[[RoundResult], None],
     on_commit: Callable[[RoundResult], None] = lambda _result: None,
+    on_reject: Callable[[RoundResult, str], None] = lambda _result, _reason: None,
     train_config: Mapping[str, str | int | float | bool] | None = None,
     resumed: RoundResult | None = None,
     watch: FailureWatch | None = None,
@@ -304,7 +309,8 @@ def run_rounds(
     ``central_eval`` (if given) runs on the initial model as round 0 and after every
     round; ``on_commit`` receives each round's result right after its aggregate (only
     ``train`` and ``clients`` are set), ``on_round`` the whole result once evaluated,
-    round 0 included. ``resumed``: the committed round a resumed run continues after;
+    round 0 included; ``on_reject`` a committed round whose model failed the divergence
+    guard, with the reason. ``resumed``: the committed round a resumed run continues after;
     it is evaluated again, recorded, and the rounds after it run. A strategy ends the
     run early by raising ``StopTraining`` from ``configure_train``, before anything is
     sent (``BudgetExhausted``: status ``stopped``, else ``failed``). ``watch`` applies
@@ -322,7 +328,15 @@ def run_rounds(
             on_round(first)
     else:
         arrays, start = resumed.arrays, resumed.server_round + 1
-        on_round(evaluate_round(strategy, grid, resumed, **evaluation))
+        kept = resumed.seconds  # its train row keeps the time it was committed with
+        again = _evaluate(strategy, grid, resumed, watch, evaluation, time.monotonic())
+        resumed.seconds = kept
+        if again is not None:
+            on_reject(resumed, again)
+            on_round(resumed)
+            log(ERROR, "Stopping: the resumed round %d: %s", resumed.server_round, again)
+            return arrays, Outcome("failed", again, resumed.server_round - 1)
+        on_round(resumed)
     progress = Progress(num_rounds - start + 1)
     last_round = start - 1
     try:
@@ -346,6 +360,8 @@ def run_rounds(
             result.seconds = time.monotonic() - started
             on_commit(result)
             diverged = _evaluate(strategy, grid, result, watch, evaluation, started)
+            if diverged is not None:
+                on_reject(result, diverged)
             on_round(result)
             log(INFO, progress.line(result, time.monotonic() - started))
             if diverged is not None:
@@ -356,7 +372,7 @@ def run_rounds(
     except RunFailed as failed:
         log(ERROR, "Stopping after round %d: %s", server_round, failed)
         return arrays, Outcome("failed", str(failed), last_round)
-    never = watch.never_contributed(num_rounds - start + 1)
+    never = watch.never_contributed(num_rounds)  # the streak is kept across a resume
     if never is not None:
         log(ERROR, "After round %d: %s", num_rounds, never)
         return arrays, Outcome("failed", never, last_round)
