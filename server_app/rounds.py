@@ -32,7 +32,7 @@ from flwr.serverapp.strategy import Strategy
 
 from protocol import keys
 from protocol.records import non_finite_array
-from protocol.replies import unusable_reason
+from protocol.replies import oversized_reason, reply_limit, unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
 from strategies.capabilities import provides
@@ -177,11 +177,18 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _exchange(grid: Grid, messages: list[Message], timeout: float, what: str) -> list[Message]:
+def _exchange(
+    grid: Grid, messages: list[Message], timeout: float, what: str, arrays: ArrayRecord
+) -> list[Message]:
     """:func:`~strategies.messaging.send_and_receive`, logging the nodes that did not
     answer in ``timeout`` seconds (what arrived by then is returned; the strategy
-    decides what that means)."""
-    replies = send_and_receive(grid, messages, timeout=timeout)
+    decides what that means). A reply larger than the global ``arrays`` plus a margin
+    is refused as it is pulled (:func:`~protocol.replies.oversized_reason`): it becomes
+    an error reply with the reason, which the participation record keeps."""
+    limit = reply_limit(arrays)
+    replies = send_and_receive(
+        grid, messages, timeout=timeout, screen=lambda reply: oversized_reason(reply, limit)
+    )
     answers = _replies_to(messages, replies)
     silent = sorted(m.metadata.dst_node_id for m in messages if id(m) not in answers)
     if silent:
@@ -217,7 +224,7 @@ def evaluate_round(
     except StopTraining as stop:
         log(WARNING, "Round %d: federated evaluation skipped: %s", server_round, stop)
         evaluate = []
-    replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate")
+    replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate", arrays)
     result.federated_eval = regroup(strategy.aggregate_evaluate(server_round, replies), replies)
     result.central_eval = central_eval(server_round, arrays) if central_eval else None
     return result
@@ -247,7 +254,7 @@ def _train(
     if provides(strategy, SecureExchange):  # SecAgg+: several exchanges
         replies = strategy.exchange_train(grid, messages, timeout)
     else:
-        replies = _exchange(grid, messages, timeout, f"round {server_round} train")
+        replies = _exchange(grid, messages, timeout, f"round {server_round} train", arrays)
     clients = participation(server_round, messages, replies, partition_map(strategy))
     new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
     if new_arrays is not None:
