@@ -78,8 +78,10 @@ def send_and_receive(
     """
     if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
         messages = list(messages)
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        if screen is None:
+            return replies
         by_node = {m.metadata.dst_node_id: m for m in messages}
-        replies = grid.send_and_receive(messages, timeout=timeout)
         return [_screened(r, by_node.get(r.metadata.src_node_id), screen) for r in replies]
     if max_poll is None:
         max_poll = SIMULATION_MAX_POLL if is_simulation_grid(grid) else MAX_POLL
