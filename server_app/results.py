@@ -15,7 +15,8 @@ Layout (DESIGN.md)::
                          (global arrays, strategy state, ledger, generators)
         model.pt         final global model (torch state dict; not for a failed run)
         outcome.json     how the run ended: status completed | stopped | failed,
-                         reason, last-round, checkpoint (server_app/failures.py)
+                         reason, last-round, checkpoint, empty-last-round, and the
+                         previous-outcomes of runs it resumed (server_app/failures.py)
         plots/learning_curve.png
 
 Under a privacy mechanism (``released`` given) the directory separates what the ε
