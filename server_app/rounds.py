@@ -182,10 +182,12 @@ def _exchange(
 ) -> list[Message]:
     """:func:`~strategies.messaging.send_and_receive`, logging the nodes that did not
     answer in ``timeout`` seconds (what arrived by then is returned; the strategy
-    decides what that means). A reply larger than the global ``arrays`` plus a margin
-    is refused as it is pulled (:func:`~protocol.replies.oversized_reason`): it becomes
-    an error reply with the reason, which the participation record keeps."""
-    limit = reply_limit(arrays)
+    decides what that means). A reply larger than the global ``arrays`` (or the
+    largest ArrayRecord a message carries, if larger) plus a margin is refused as it
+    is pulled (:func:`~protocol.replies.oversized_reason`): it becomes an error reply
+    with the reason, which the participation record keeps."""
+    sent = (r for m in messages for r in m.content.array_records.values())
+    limit = max([reply_limit(arrays), *(reply_limit(r) for r in sent)])
     replies = send_and_receive(
         grid, messages, timeout=timeout, screen=lambda reply: oversized_reason(reply, limit)
     )

@@ -146,3 +146,22 @@ def test_under_dp_an_oversized_reply_is_a_zero_update(tmp_path, caplog, privacy)
     rows = pd.read_csv(path / "curator" / "participation.csv").set_index("node-id")
     assert rows.loc[BIG, "error"].startswith("rejected: reply of ")
     assert f"node {BIG} counts as a zero update" in caplog.text
+
+
+def test_the_limit_follows_the_largest_record_a_message_carries():
+    # A message that carries more than the global model (e.g. the model and a basis):
+    # a reply of that size fits; one the margin above it does not.
+    from server_app.rounds import _exchange
+
+    carried = _record(10 + REPLY_MARGIN_BYTES)
+    fits = RecordDict({"arrays": carried, "metrics": MetricRecord({"num-examples": 1})})
+    over = RecordDict({"arrays": _record(10 + REPLY_MARGIN_BYTES // 2 * 3)})
+    grid = _PullGrid({1: fits, 2: over})
+    messages = [
+        Message(RecordDict({"arrays": carried}), dst_node_id=n, message_type="train")
+        for n in (1, 2)
+    ]
+    replies = _exchange(grid, messages, 1.0, "round 1 train", _record(10))
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    assert not by_node[1].has_error()
+    assert by_node[2].has_error() and "exceeds the" in by_node[2].error.reason
