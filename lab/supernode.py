@@ -24,7 +24,20 @@ The replacement is tied to the code it replaces. Before it patches anything,
 the waits above (``time.sleep(3)`` once, ``time.sleep(0.5)`` twice); with any other
 Flower it exits with a message and changes nothing. Use ``flower-supernode`` there.
 
-Use it as ``flower-supernode``, with two more options::
+It also survives a restart right after a crash. A SuperNode with an authentication
+key (``--auth-supernode-private-key``) keeps its node id; the SuperLink activates that
+node only once it is ``offline`` (``LinkState.activate_node``: registered or offline
+nodes only), and marks a node offline only ``HEARTBEAT_PATIENCE`` (2) heartbeat
+intervals (30 s) after its last heartbeat. A SuperNode restarted sooner is refused
+(ApiError 2004, HTTP 412) and Flower's SuperNode exits with code 305.
+:class:`ActivationRetry` retries the activation every ``--activation-retry-interval``
+seconds for up to ``--activation-wait`` seconds (default 75: the 60 s patience and a
+margin), with a log line; then it gives up as Flower does. 2004 also answers a key that
+was never registered (``flwr supernode register``): the SuperLink tells the two causes
+apart only in its own log, so such a SuperNode now exits after the wait instead of at
+once, naming both causes.
+
+Use it as ``flower-supernode``, with more options::
 
     python -m lab.supernode --poll-interval 0.5 --superlink superlink.lab.example:9093 ...
 """
@@ -33,12 +46,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
+import json
 import sys
 import time
-from collections.abc import Sequence
-from logging import INFO
+from collections.abc import Callable, Sequence
+from logging import ERROR, INFO, WARNING
 from types import ModuleType
+from typing import Any
 
 FLOWER_SERIES = "1.41."  # the SuperNode loop this was written against
 # The waits of start_client_internal in Flower 1.41: seconds -> how many calls
@@ -47,6 +63,11 @@ REPLY_WAIT = 0.5  # between two looks at the node's state for the reply and its 
 FLOWER_WAITS = {PULL_WAIT: 1, REPLY_WAIT: 2}
 DEFAULT_POLL_INTERVAL = 0.5
 DEFAULT_REPLY_POLL_INTERVAL = 0.05
+# Flower 1.41: a node is offline HEARTBEAT_PATIENCE (2) x HEARTBEAT_DEFAULT_INTERVAL
+# (30 s) after its last heartbeat; 15 s more for the SuperLink to notice.
+DEFAULT_ACTIVATION_WAIT = 75.0
+DEFAULT_ACTIVATION_RETRY_INTERVAL = 5.0
+ACTIVATION_FAILED = 2004  # ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED (HTTP 412)
 
 
 class PollClock:
@@ -66,6 +87,84 @@ class PollClock:
 
     def __getattr__(self, name: str) -> object:
         return getattr(time, name)
+
+
+def activation_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is the SuperLink's answer 2004 (HTTP 412) to an activation: the
+    node is still online (a crashed predecessor not yet marked offline) or its key is
+    not registered."""
+    response = getattr(exc, "response", None)
+    if getattr(response, "status_code", None) != 412:
+        return False
+    try:
+        payload = json.loads(response.text)
+    except (ValueError, TypeError):
+        return False
+    return isinstance(payload, dict) and payload.get("code") == ACTIVATION_FAILED
+
+
+class ActivationRetry:
+    """Wraps the Fleet client's ``ActivateNode``: a refusal 2004 is retried every
+    ``interval`` seconds until ``wait`` seconds have passed since the first one, with
+    a log line; then (or on any other error) the error goes on to Flower's SuperNode."""
+
+    def __init__(
+        self,
+        wait: float,
+        interval: float = DEFAULT_ACTIVATION_RETRY_INTERVAL,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        log: Callable[..., None] | None = None,
+    ) -> None:
+        self.wait, self.interval = wait, interval
+        self.clock, self.sleep = clock, sleep
+        self.log = log
+        self.retries = 0
+
+    def _log(self, level: int, message: str, *args: Any) -> None:
+        if self.log is None:
+            from flwr.common.logger import log
+
+            self.log = log
+        self.log(level, message, *args)
+
+    def __call__(self, activate: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(activate)
+        def activate_with_retry(*args: Any, **kwargs: Any) -> Any:
+            deadline = None
+            while True:
+                try:
+                    return activate(*args, **kwargs)
+                except Exception as exc:
+                    if not activation_refused(exc):
+                        raise
+                    now = self.clock()
+                    if deadline is None:
+                        deadline = now + self.wait
+                        self._log(
+                            WARNING,
+                            "lab.supernode: the SuperLink refused to activate this node "
+                            "(2004): it still counts a previous SuperNode with this key "
+                            "as online (one that crashed within the last ~60 s, or is "
+                            "still running), or the key is not registered; retrying "
+                            "every %g s for up to %g s ('--activation-wait')",
+                            self.interval,
+                            self.wait,
+                        )
+                    if now >= deadline:
+                        self._log(
+                            ERROR,
+                            "lab.supernode: activation still refused after %g s: is another "
+                            "SuperNode running with this key, or is the key not registered "
+                            "('flwr supernode register')?",
+                            self.wait,
+                        )
+                        raise
+                    self.retries += 1
+                    self.sleep(min(self.interval, deadline - now))
+
+        return activate_with_retry
 
 
 def sleeps(source: str) -> dict[float | None, int]:
@@ -125,7 +224,28 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="seconds between two looks for the ClientApp's reply (Flower: 0.5; "
         "default: %(default)s)",
     )
+    parser.add_argument(
+        "--activation-wait",
+        type=float,
+        default=DEFAULT_ACTIVATION_WAIT,
+        help="seconds to keep retrying an activation the SuperLink refuses (2004: the "
+        "node of a crashed SuperNode with this key is not yet offline); 0: do not retry "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--activation-retry-interval",
+        type=float,
+        default=DEFAULT_ACTIVATION_RETRY_INTERVAL,
+        help="seconds between two activation attempts (default: %(default)s)",
+    )
     args, rest = parser.parse_known_args(argv)
+    if not 0 <= args.activation_wait <= 3600:
+        parser.error(f"--activation-wait = {args.activation_wait} must be in [0, 3600] seconds")
+    if not 0.1 <= args.activation_retry_interval <= 60:
+        parser.error(
+            f"--activation-retry-interval = {args.activation_retry_interval} must be in "
+            "[0.1, 60] seconds"
+        )
     if not 0.05 <= args.poll_interval <= 60:
         parser.error(f"--poll-interval = {args.poll_interval} must be in [0.05, 60] seconds")
     if not 0.01 <= args.reply_poll_interval <= 5:
@@ -145,6 +265,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     check_flower(package_version, loop)
     loop.time = PollClock(args.poll_interval, args.reply_poll_interval)
+    if args.activation_wait > 0:
+        from flwr.supernode.fleet_http_client import FleetHttpClient
+
+        retry = ActivationRetry(args.activation_wait, args.activation_retry_interval)
+        FleetHttpClient.ActivateNode = retry(FleetHttpClient.ActivateNode)
     log(
         INFO,
         "lab.supernode: pulling again %.2f s after a pull that brought no message "

@@ -85,3 +85,43 @@ def check_reply(message: Message, reference: ArrayRecord) -> tuple[list[np.ndarr
         if not all(is_number(v) and math.isfinite(v) for v in numbers):
             raise InvalidReply(f"metric '{key}' = {value!r} is not a finite number")
     return arrays, metrics
+
+
+# What one reply may cost the server: the global model's arrays plus this margin (a
+# share of them, and at least this many bytes for metrics and configs).
+REPLY_MARGIN_SHARE = 0.1
+REPLY_MARGIN_BYTES = 1 << 20
+
+
+def reply_bytes(message: Message) -> int:
+    """The bytes a reply's content holds: its arrays' data, its config records' strings
+    and bytes, 8 per metric number."""
+    total = 0
+    for record in message.content.array_records.values():
+        total += sum(len(array.data) for array in record.values())
+    for record in message.content.config_records.values():
+        for value in record.values():
+            for item in value if isinstance(value, list) else [value]:
+                total += len(item) if isinstance(item, str | bytes) else 8
+    for record in message.content.metric_records.values():
+        total += sum(8 * (len(v) if isinstance(v, list) else 1) for v in record.values())
+    return total
+
+
+def reply_limit(reference: ArrayRecord) -> int:
+    """The most bytes a reply to a message carrying ``reference`` may hold."""
+    model = sum(len(array.data) for array in reference.values())
+    return model + max(int(REPLY_MARGIN_SHARE * model), REPLY_MARGIN_BYTES)
+
+
+def oversized_reason(message: Message, limit: int) -> str:
+    """Why a reply is refused for its size ("": it is not): more than ``limit`` bytes
+    (:func:`reply_limit`)."""
+    size = reply_bytes(message)
+    if size <= limit:
+        return ""
+    return (
+        f"rejected: reply of {size} bytes exceeds the {limit} bytes a reply may hold (the "
+        f"global model's arrays plus a margin of {REPLY_MARGIN_SHARE:.0%}, at least "
+        f"{REPLY_MARGIN_BYTES} bytes)"
+    )

@@ -42,7 +42,7 @@ def _run(grid: Grid, context: Context) -> None:
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
     _check_federation(grid, run)
     initial = ArrayRecord(model.state_dict())
-    resumed = restore(run.saved, strategy, grid, cfg) if run.saved is not None else None
+    resumed = restore(run.saved, strategy, grid, cfg, watch) if run.saved is not None else None
     central = None
     if cfg.strategy == "local":
         log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
@@ -51,7 +51,9 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         ledger.privacy_unit = task.PRIVACY_UNIT
     auditor = RunAudit(cfg, initial, ledger)
-    recorder = RoundRecorder(run_dir, cfg, strategy, auditor)
+    recorder = RoundRecorder(run_dir, cfg, strategy, auditor, watch)
+    if run.saved is not None:
+        recorder.adopt(run.saved)
     log(INFO, "Strategy %s, privacy %s:", type(strategy).__name__, cfg.privacy)
     strategy.summary()
     try:
@@ -64,6 +66,7 @@ def _run(grid: Grid, context: Context) -> None:
             central_eval=central,
             on_round=recorder.record,
             on_commit=recorder.commit,
+            on_reject=recorder.reject,
             # Clients keep their own diagnostics (e.g. PPO episode logs) here: on a shared
             # filesystem (simulation) that is inside the run directory, under curator/
             # in a privacy run.

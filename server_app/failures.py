@@ -28,6 +28,15 @@ A run ends in one of three ways, written to ``outcome.json`` in the run director
       ids, a setting that cannot be met);
     * the ServerApp raised (written when the process lives long enough).
 
+A round is committed (checkpointed) before it is evaluated; a round whose model then
+fails the divergence guard is marked rejected in the checkpoint, so ``resume-from``
+refuses to continue that run rather than go on from the diverged model (under DP the
+round stays charged: it was released). The guard's reference values, the failed-round
+streak and its reasons are part of the checkpoint (:meth:`FailureWatch.state_dict`),
+so a resumed run applies the same policy as the run it continues. ``outcome.json``
+also says when the last round trained nothing (``empty-last-round``), and a resumed
+run keeps the outcomes of the runs it continues (``previous-outcomes``).
+
 Under a privacy mechanism no stop reads the clients' outcomes: a failed client is a
 zero update of a charged round (the privacy wrappers), and the failed-round rules
 (``run.max-failed-rounds``, the first-round rule, a run with no contribution) are off,
@@ -43,7 +52,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from typing import Any, ClassVar
 
 from flwr.common.logger import log
@@ -64,13 +73,18 @@ class Outcome:
     """The last round whose global model was recorded (0: none after the initial one)."""
     checkpoint: str | None = None
     """The last good global model (``checkpoint/global.pt``), if a round was recorded."""
+    empty_last_round: str = ""
+    """Set when the last round that trained aggregated no client's update: which, and why."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
 
     def to_json(self) -> dict[str, Any]:
-        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        doc = {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        if not doc["empty-last-round"]:
+            doc.pop("empty-last-round")
+        return doc
 
     def line(self) -> str:
         """The one-line summary the log ends with."""
@@ -110,6 +124,8 @@ class FailureWatch:
     last_reasons: str = ""
     """The grouped reasons of the last failed round."""
     reference: dict[tuple[str, str], float] = field(default_factory=dict)
+    empty_round: str = ""
+    """The last trained round, when no client contributed to it: its number and reasons."""
 
     @classmethod
     def for_run(cls, options: Mapping[str, Any], *, private: bool) -> FailureWatch:
@@ -126,9 +142,11 @@ class FailureWatch:
         privacy mechanism: the clients' outcomes are not read)."""
         if self.private or not rows or any(contributed(row) for row in rows):
             self.failed_streak = 0
+            self.empty_round = ""
             return None
         self.failed_streak += 1
         reasons = self.last_reasons = grouped_reasons(rows)
+        self.empty_round = f"round {server_round} aggregated no client's update: {reasons}"
         errors = {str(row["error"]) for row in rows}
         replied_with_errors = all(row.get("replied") is False and row["error"] for row in rows)
         if first and len(errors) == 1 and "no reply" not in errors and replied_with_errors:
@@ -140,6 +158,25 @@ class FailureWatch:
                 f"{server_round}: {reasons}"
             )
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the policy: the guard's reference values, the
+        failed-round streak and its last reasons (plain data)."""
+        return {
+            "reference": [[scope, key, value] for (scope, key), value in self.reference.items()],
+            "failed-streak": self.failed_streak,
+            "last-reasons": self.last_reasons,
+            "empty-round": self.empty_round,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`state_dict` (None: a checkpoint written without it)."""
+        if state is None:
+            return
+        self.reference = {(scope, key): float(value) for scope, key, value in state["reference"]}
+        self.failed_streak = int(state["failed-streak"])
+        self.last_reasons = str(state["last-reasons"])
+        self.empty_round = str(state.get("empty-round", ""))
 
     def never_contributed(self, rounds_run: int) -> str | None:
         """After a run's last round: the reason to call it failed when no client
@@ -192,7 +229,14 @@ def write_outcome(run_dir, outcome: Outcome) -> None:
     """``outcome.json`` and the log's last line: how the run ended."""
     if outcome.last_round > 0:
         outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
+    outcome.empty_last_round = outcome.empty_last_round or watch.empty_round
     log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
+    if outcome.empty_last_round:
+        log(WARNING, "The last round trained nothing: %s", outcome.empty_last_round)
+    if ledger is not None and outcome.empty_last_round:
+        # Whether any client contributed stays with what no epsilon covers (curator/).
+        run_dir.write_json(run_dir.table(OUTCOME_FILE), outcome.to_json())
+        outcome.empty_last_round = ""
     run_dir.write_outcome(outcome)
 
 

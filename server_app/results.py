@@ -15,7 +15,8 @@ Layout (DESIGN.md)::
                          (global arrays, strategy state, ledger, generators)
         model.pt         final global model (torch state dict; not for a failed run)
         outcome.json     how the run ended: status completed | stopped | failed,
-                         reason, last-round, checkpoint (server_app/failures.py)
+                         reason, last-round, checkpoint, empty-last-round, and the
+                         previous-outcomes of runs it resumed (server_app/failures.py)
         plots/learning_curve.png
 
 Under a privacy mechanism (``released`` given) the directory separates what the ε
@@ -73,6 +74,8 @@ SERVER_CHECKPOINT = "server.pt"
 CHECKPOINT_FORMAT = 3  # 3: each strategy layer's own state_dict(); 2: attribute lists
 CURATOR_DIR = "curator"  # under a privacy mechanism: what no epsilon covers
 CLIENTS_DIR = "clients"  # what the clients write (logs, their state): shared in simulation
+CHECKPOINT_KEYS = ("round", "arrays", "strategy", "rng", "result")
+REJECTED = "rejected"  # a committed round that failed the divergence guard (not resumable)
 # Keys a resumed run may set differently from the run it continues.
 RESUME_FREE_KEYS = ("resume-from", "output-dir")
 
@@ -166,6 +169,7 @@ class RunDirectory:
         self.rows: list[dict[str, Any]] = []
         self.curator_rows: list[dict[str, Any]] = []  # curator/metrics.csv
         self.participation: list[dict[str, Any]] = []
+        self.previous_outcomes: list[dict[str, Any]] = []  # of the runs a resume continues
         # CSV file -> (its columns, how many rows it holds, the last of them)
         self._written: dict[str, tuple[list[str], int, Mapping[str, Any]]] = {}
         self._writer = None  # TensorBoard SummaryWriter, opened with the first row
@@ -296,6 +300,13 @@ class RunDirectory:
         payload = {"format": CHECKPOINT_FORMAT, "round": server_round, **server_state}
         _atomic_torch_save(self.path / "checkpoint" / SERVER_CHECKPOINT, payload, private=True)
 
+    def reject(self, server_round: int, server_state: Mapping[str, Any], reason: str) -> None:
+        """Mark committed round ``server_round`` as failed by the divergence guard: the
+        same payload (its privacy charge stays committed), flagged so that
+        ``resume-from`` refuses it rather than continue from the diverged model."""
+        rejected = {"reason": reason, "last-round": server_round - 1}
+        self.commit(server_round, {**server_state, REJECTED: rejected})
+
     def checkpoint(
         self,
         server_round: int,
@@ -381,6 +392,7 @@ class RunDirectory:
         state = _load_checkpoint(path, run_config)
         done = int(state["round"])
         run_dir = cls(path, released)
+        run_dir.previous_outcomes = _previous_outcomes(path)
         run_dir.rows = _rows_before(path / "metrics.csv", done)
         run_dir.curator_rows = _rows_before(path / CURATOR_DIR / "metrics.csv", done)
         participation = run_dir.table("participation.csv")
@@ -437,8 +449,13 @@ class RunDirectory:
         _atomic_write_text(self.path / "ledger.json", json.dumps(doc, indent=2) + "\n")
 
     def write_outcome(self, outcome) -> None:
-        """``outcome.json``: how the run ended (:class:`server_app.failures.Outcome`)."""
-        self.write_json(OUTCOME_FILE, outcome.to_json())
+        """``outcome.json``: how the run ended (:class:`server_app.failures.Outcome`),
+        and how each run this one resumed had ended (``previous-outcomes``), so a
+        resumed run never hides an earlier failure."""
+        doc = outcome.to_json()
+        if self.previous_outcomes:
+            doc["previous-outcomes"] = self.previous_outcomes
+        self.write_json(OUTCOME_FILE, doc)
 
     def finish(self, state_dict: Mapping[str, torch.Tensor] | None, title: str) -> None:
         """Save the final model (``None``: a failed run, whose last good model is in
@@ -470,7 +487,13 @@ def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
             f"{key} = {str(path)!r} is not a run directory with a checkpoint "
             f"(config.json and checkpoint/{SERVER_CHECKPOINT}, written after every round)"
         )
-    saved = json.loads((path / "config.json").read_text())["run-config"]
+    try:
+        saved = json.loads((path / "config.json").read_text())["run-config"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"{key} = {str(path)!r}: {path / 'config.json'} cannot be read as a run's "
+            f"config ({type(err).__name__}: {err})"
+        ) from None
     differ = sorted(
         k
         for k in set(saved) | set(run_config)
@@ -481,13 +504,45 @@ def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
             f"{k!r}: {saved.get(k)!r} then, {run_config.get(k)!r} now" for k in differ
         )
         raise ConfigError(f"{key} = {str(path)!r} ran with another run-config ({shown})")
-    state = torch.load(file, weights_only=True)
-    if state.get("format") != CHECKPOINT_FORMAT:
+    try:
+        state = torch.load(file, weights_only=True)
+    except Exception as err:  # torch raises several kinds for a damaged file
         raise ConfigError(
-            f"{key}: checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT} "
+            f"{key} = {str(path)!r}: the checkpoint {file} cannot be read (truncated or "
+            f"corrupted? {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(
+            f"{key}: checkpoint {file} has format {found!r}, not {CHECKPOINT_FORMAT} "
             "(written by another version of this app)"
         )
+    missing = [k for k in CHECKPOINT_KEYS if k not in state]
+    if missing:
+        raise ConfigError(f"{key}: checkpoint {file} lacks {missing} (truncated or corrupted)")
+    rejected = state.get(REJECTED)
+    if rejected:
+        raise ConfigError(
+            f"{key} = {str(path)!r}: that run failed after round {state['round']}: "
+            f"{rejected['reason']}. Its committed round {state['round']} did not pass the "
+            f"divergence guard; its last good round is 'last-round' = "
+            f"{rejected['last-round']} (checkpoint/global.pt). Resuming would continue from "
+            "the diverged model: start a new run (e.g. with a smaller 'train.lr')"
+        )
     return state
+
+
+def _previous_outcomes(path: Path) -> list[dict[str, Any]]:
+    """The outcomes of the runs that wrote ``path`` before (oldest first)."""
+    file = path / OUTCOME_FILE
+    if not file.is_file():
+        return []
+    try:
+        doc = json.loads(file.read_text())
+    except ValueError:
+        return [{"status": "unknown", "reason": f"{file} could not be read"}]
+    earlier = doc.pop("previous-outcomes", [])
+    return [*earlier, doc]
 
 
 def _rows_before(csv: Path, first_dropped: int) -> list[dict[str, Any]]:

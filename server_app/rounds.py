@@ -9,8 +9,12 @@ every round.
 A round is committed (``on_commit``: the checkpoint) right after its aggregate and
 before its model leaves the server (federated evaluation sends it to clients; central
 evaluation and the results files publish it): a charged round is never released by a
-run that then dies and re-runs it. A resumed run evaluates the committed round again
-(:func:`evaluate_round`) and goes on with the next.
+run that then dies and re-runs it. A round whose evaluation then fails the divergence
+guard is marked rejected (``on_reject``): its charge stays committed, and its
+checkpoint is not a resume point (``resume-from`` refuses it, naming the reason and the
+last good round). A resumed run evaluates the committed round again
+(:func:`evaluate_round`), applies the guard to it with the reference values the
+checkpoint kept, and goes on with the next.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from flwr.serverapp.strategy import Strategy
 
 from protocol import keys
 from protocol.records import non_finite_array
-from protocol.replies import unusable_reason
+from protocol.replies import oversized_reason, reply_limit, unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
 from strategies.capabilities import provides
@@ -173,11 +177,20 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _exchange(grid: Grid, messages: list[Message], timeout: float, what: str) -> list[Message]:
+def _exchange(
+    grid: Grid, messages: list[Message], timeout: float, what: str, arrays: ArrayRecord
+) -> list[Message]:
     """:func:`~strategies.messaging.send_and_receive`, logging the nodes that did not
     answer in ``timeout`` seconds (what arrived by then is returned; the strategy
-    decides what that means)."""
-    replies = send_and_receive(grid, messages, timeout=timeout)
+    decides what that means). A reply larger than the global ``arrays`` (or the
+    largest ArrayRecord a message carries, if larger) plus a margin is refused as it
+    is pulled (:func:`~protocol.replies.oversized_reason`): it becomes an error reply
+    with the reason, which the participation record keeps."""
+    sent = (r for m in messages for r in m.content.array_records.values())
+    limit = max([reply_limit(arrays), *(reply_limit(r) for r in sent)])
+    replies = send_and_receive(
+        grid, messages, timeout=timeout, screen=lambda reply: oversized_reason(reply, limit)
+    )
     answers = _replies_to(messages, replies)
     silent = sorted(m.metadata.dst_node_id for m in messages if id(m) not in answers)
     if silent:
@@ -213,7 +226,7 @@ def evaluate_round(
     except StopTraining as stop:
         log(WARNING, "Round %d: federated evaluation skipped: %s", server_round, stop)
         evaluate = []
-    replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate")
+    replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate", arrays)
     result.federated_eval = regroup(strategy.aggregate_evaluate(server_round, replies), replies)
     result.central_eval = central_eval(server_round, arrays) if central_eval else None
     return result
@@ -243,7 +256,7 @@ def _train(
     if provides(strategy, SecureExchange):  # SecAgg+: several exchanges
         replies = strategy.exchange_train(grid, messages, timeout)
     else:
-        replies = _exchange(grid, messages, timeout, f"round {server_round} train")
+        replies = _exchange(grid, messages, timeout, f"round {server_round} train", arrays)
     clients = participation(server_round, messages, replies, partition_map(strategy))
     new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
     if new_arrays is not None:
@@ -294,6 +307,7 @@ def run_rounds(
     central_eval: CentralEval | None,
     on_round: Callable[[RoundResult], None],
     on_commit: Callable[[RoundResult], None] = lambda _result: None,
+    on_reject: Callable[[RoundResult, str], None] = lambda _result, _reason: None,
     train_config: Mapping[str, str | int | float | bool] | None = None,
     resumed: RoundResult | None = None,
     watch: FailureWatch | None = None,
@@ -304,7 +318,8 @@ def run_rounds(
     ``central_eval`` (if given) runs on the initial model as round 0 and after every
     round; ``on_commit`` receives each round's result right after its aggregate (only
     ``train`` and ``clients`` are set), ``on_round`` the whole result once evaluated,
-    round 0 included. ``resumed``: the committed round a resumed run continues after;
+    round 0 included; ``on_reject`` a committed round whose model failed the divergence
+    guard, with the reason. ``resumed``: the committed round a resumed run continues after;
     it is evaluated again, recorded, and the rounds after it run. A strategy ends the
     run early by raising ``StopTraining`` from ``configure_train``, before anything is
     sent (``BudgetExhausted``: status ``stopped``, else ``failed``). ``watch`` applies
@@ -322,7 +337,15 @@ def run_rounds(
             on_round(first)
     else:
         arrays, start = resumed.arrays, resumed.server_round + 1
-        on_round(evaluate_round(strategy, grid, resumed, **evaluation))
+        kept = resumed.seconds  # its train row keeps the time it was committed with
+        again = _evaluate(strategy, grid, resumed, watch, evaluation, time.monotonic())
+        resumed.seconds = kept
+        if again is not None:
+            on_reject(resumed, again)
+            on_round(resumed)
+            log(ERROR, "Stopping: the resumed round %d: %s", resumed.server_round, again)
+            return arrays, Outcome("failed", again, resumed.server_round - 1)
+        on_round(resumed)
     progress = Progress(num_rounds - start + 1)
     last_round = start - 1
     try:
@@ -346,6 +369,8 @@ def run_rounds(
             result.seconds = time.monotonic() - started
             on_commit(result)
             diverged = _evaluate(strategy, grid, result, watch, evaluation, started)
+            if diverged is not None:
+                on_reject(result, diverged)
             on_round(result)
             log(INFO, progress.line(result, time.monotonic() - started))
             if diverged is not None:
@@ -356,7 +381,7 @@ def run_rounds(
     except RunFailed as failed:
         log(ERROR, "Stopping after round %d: %s", server_round, failed)
         return arrays, Outcome("failed", str(failed), last_round)
-    never = watch.never_contributed(num_rounds - start + 1)
+    never = watch.never_contributed(num_rounds)  # the streak is kept across a resume
     if never is not None:
         log(ERROR, "After round %d: %s", num_rounds, never)
         return arrays, Outcome("failed", never, last_round)

@@ -3,8 +3,11 @@ the run directory and the initial model (with the steps some experiments add to 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from logging import ERROR, INFO
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,18 +60,33 @@ def load(run_config: dict) -> Setup:
         saved = None
         if cfg.resume_from:
             path = resolve_output_dir(cfg.resume_from)
-            run_dir, saved = RunDirectory.resume(path, cfg.to_dict(), released)
+            with _writable("resume-from", path):
+                run_dir, saved = RunDirectory.resume(path, cfg.to_dict(), released)
+        else:
+            path = resolve_output_dir(cfg.output_dir)
+            with _writable("output-dir", path):
+                run_dir = RunDirectory.create(path, cfg.task, cfg.strategy, cfg.privacy, released)
+                run_dir.write_config(cfg.to_dict())
     except ConfigError as err:
         log(ERROR, "Invalid run-config: %s", err)
         raise
-    if saved is None:
-        path = resolve_output_dir(cfg.output_dir)
-        run_dir = RunDirectory.create(path, cfg.task, cfg.strategy, cfg.privacy, released)
-        run_dir.write_config(cfg.to_dict())
-    else:
+    if saved is not None:
         log(INFO, "Resuming after round %d of %d", saved["round"], cfg.num_server_rounds)
     log(INFO, "Run directory: %s", run_dir.path)
     return Setup(cfg, task, strategy, test_set, run_dir, saved)
+
+
+@contextmanager
+def _writable(key: str, path: Path) -> Iterator[None]:
+    """An OS error while the run directory is made or reopened, as a ConfigError naming
+    ``key`` and the path (not a traceback from inside the run)."""
+    try:
+        yield
+    except OSError as err:
+        raise ConfigError(
+            f"'{key}' = {str(path)!r}: the run directory cannot be written there "
+            f"({type(err).__name__}: {err.strerror or err}); choose a writable directory"
+        ) from None
 
 
 def _head_only(cfg: config.RunConfig) -> bool:

@@ -15,7 +15,10 @@ value and the fix, instead of failing in every client of every round or waiting
   ``num-partitions``), they agree on ``num-partitions``, no two share a partition id;
 * a task whose configuration fixes the number of clients (lunar-lander's client
   table) gets a federation of that size (plus ``audit.canaries``, the last partition
-  ids, which hold no data).
+  ids, which hold no data);
+* clustered FedAvg's ``cluster.k`` is at most the clients a round trains (the DP
+  cohort, else FedAvg's sample of the connected nodes): with more models than
+  clients, some models never leave their initialisation.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from flwr.serverapp import Grid
 
 from server_app.config import RunConfig
 from strategies import StopTraining
+from strategies.capabilities import innermost
+from strategies.clustered import ClusteredFedAvg
 from strategies.partitions import partition_map
+from strategies.sampling import fedavg_sample_size
 from tasks.base import Task
 
 SETTLE_S = 1.0  # simulation: virtual SuperNodes register within this of the first one
@@ -111,6 +117,7 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
             "Start more SuperNodes (simulation: --federation-config "
             '"num-supernodes=<n> client-resources-num-cpus=1") or lower the key'
         )
+    _check_clusters(cfg, strategy, len(nodes))
     started = time.monotonic()
     log(
         INFO,
@@ -143,6 +150,31 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
         described += f" ({canaries} of them the audit's canaries, the last partition ids)"
     log(INFO, "Federation: %d nodes, %s", len(nodes), described)
     return partitions.order(nodes)
+
+
+def _check_clusters(cfg: RunConfig, strategy, connected: int) -> None:
+    """``cluster.k`` against the clients one round trains (module docstring)."""
+    base = innermost(strategy)
+    if not isinstance(base, ClusteredFedAvg):
+        return
+    cohort = getattr(strategy, "num_sampled_clients", None) or getattr(
+        strategy, "expected_clients", None
+    )
+    if cohort:
+        per_round, source = int(cohort), f"'dp.num-sampled-clients' = {int(cohort)}"
+    else:
+        per_round = fedavg_sample_size(connected, base.fraction_train, base.min_train_nodes)
+        source = (
+            f"'fraction-train' = {base.fraction_train:g} of {connected} nodes, at least "
+            f"'min-train-nodes' = {base.min_train_nodes}"
+        )
+    if base.k > per_round:
+        raise StopTraining(
+            f"'cluster.k' = {base.k} is more than the {per_round} clients a round trains "
+            f"({source}): every round would leave at least {base.k - per_round} of the "
+            f"{base.k} models untrained. Set 'cluster.k' to at most {per_round}, or train "
+            "more clients per round"
+        )
 
 
 def _check_size(size: int, canaries: int, name: str, task: Task) -> None:

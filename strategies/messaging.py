@@ -28,6 +28,10 @@ replies are pending. CPU time, not wall time: a pull that waited for the lock or
 the network cost nothing while it waited, and a slow network should not slow the
 polls. A pull that brought replies is not counted either: its time went to them.
 
+A ``screen`` sees each reply as it is pulled, before it joins the others: a reply it
+refuses (e.g. one larger than the server accepts) is replaced at once by an error
+reply with the reason, so its content is not kept while the rest arrive.
+
 The SuperLink answers a message to a node that went offline itself, with an error
 reply whose sender is the SuperLink (``SUPERLINK_NODE_ID`` = 1). Such a reply is
 attributed here to the node the message was sent to, so that logs, participation
@@ -37,10 +41,12 @@ tables and strategies name the dead node, not "node 1".
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from logging import WARNING
 
-from flwr.app import Message
-from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.app import Error, Message
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.logger import log
 
 FIRST_POLL = 0.002  # seconds before the first pull
 MAX_POLL = 0.5  # the longest wait between two pulls, on a deployed SuperLink
@@ -56,6 +62,7 @@ def send_and_receive(
     timeout: float | None,
     first_poll: float = FIRST_POLL,
     max_poll: float | None = None,
+    screen: Callable[[Message], str] | None = None,
 ) -> list[Message]:
     """Push ``messages`` and return the replies that arrive within ``timeout`` seconds
     (``None``: wait for all of them), as ``Grid.send_and_receive`` does. ``max_poll``
@@ -63,11 +70,19 @@ def send_and_receive(
     :data:`MAX_POLL`) caps the wait between two pulls, unless the last pull that found
     nothing used more CPU time than :data:`MAX_PULL_SHARE` of that wait.
 
+    ``screen(reply)``: why a reply is refused ("": it is not); a refused reply becomes
+    an error reply with that reason (module docstring).
+
     A grid without ``push_messages``/``pull_messages`` (a test double) is asked with
     its own ``send_and_receive``.
     """
     if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
-        return list(grid.send_and_receive(messages, timeout=timeout))
+        messages = list(messages)
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        if screen is None:
+            return replies
+        by_node = {m.metadata.dst_node_id: m for m in messages}
+        return [_screened(r, by_node.get(r.metadata.src_node_id), screen) for r in replies]
     if max_poll is None:
         max_poll = SIMULATION_MAX_POLL if is_simulation_grid(grid) else MAX_POLL
     messages = list(messages)
@@ -78,7 +93,11 @@ def send_and_receive(
     wait, replies, polling = first_poll, [], 0.0
     while pending:
         started = time.thread_time()
-        got = [_attributed(reply, dst_of) for reply in grid.pull_messages(pending)]
+        got = [
+            _screened(_attributed(reply, dst_of), dst_of.get(reply.metadata.reply_to_message_id),
+                      screen)
+            for reply in grid.pull_messages(pending)
+        ]  # fmt: skip
         if not got:  # what asking costs (a pull that brought replies spent on them)
             polling = time.thread_time() - started
         replies += got
@@ -101,6 +120,21 @@ def is_simulation_grid(grid) -> bool:
     reads the engine's LinkState in its own process), by name: Flower keeps the class
     in an internal module (``flwr.superlink.grid``)."""
     return type(grid).__name__ == "InMemoryGrid"
+
+
+def _screened(
+    reply: Message, sent: Message | None, screen: Callable[[Message], str] | None
+) -> Message:
+    """``reply``, or an error reply to ``sent`` with the reason ``screen`` refuses it."""
+    if screen is None or sent is None or reply.has_error():
+        return reply
+    reason = screen(reply)
+    if not reason:
+        return reply
+    log(WARNING, "node %d: %s", sent.metadata.dst_node_id, reason)
+    error = Message(Error(code=ErrorCode.UNKNOWN, reason=reason), reply_to=sent)
+    error.metadata.__dict__["_reply_to_message_id"] = reply.metadata.reply_to_message_id
+    return error
 
 
 def _attributed(reply: Message, sent: dict) -> Message:

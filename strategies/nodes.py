@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from logging import INFO, WARNING
 
 from flwr.common.logger import log
@@ -10,6 +11,9 @@ from flwr.serverapp import Grid
 
 from strategies.errors import StopTraining
 from strategies.partitions import PartitionMap
+
+# The run's partition map -> the nodes that were there when a wait ran out short.
+_SHORT: weakref.WeakKeyDictionary[PartitionMap, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
 class GridView:
@@ -41,11 +45,32 @@ def wait_for_nodes(
     """The connected node ids, once at least ``needed`` are there or ``timeout`` passed,
     in the run's partition order (``partitions``). ``discover``: ask new nodes for
     their partition id (once); strategies that learn it from their own query
-    (hierarchical) pass False."""
-    deadline = time.monotonic() + timeout
-    while len(nodes := sorted(grid.get_node_ids())) < needed and time.monotonic() < deadline:
-        log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), needed)
-        time.sleep(poll)
+    (hierarchical) pass False.
+
+    A wait that ran out with too few nodes is not repeated while no node has joined
+    since: after a SuperNode is lost for good, only the first round waits ``timeout``
+    for it (a restarted one rejoins and is sampled from the next round on), not every
+    remaining round. The memory is the run's (kept with its ``partitions``)."""
+    nodes = sorted(grid.get_node_ids())
+    short = _SHORT.get(partitions)
+    if len(nodes) < needed and short is not None and set(nodes) <= short:
+        log(
+            INFO,
+            "%d node(s) connected, %d needed: no node joined since a wait of "
+            "'round-timeout' ended with these, so this one does not wait again",
+            len(nodes),
+            needed,
+        )
+    else:
+        deadline = time.monotonic() + timeout
+        while len(nodes) < needed and time.monotonic() < deadline:
+            log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), needed)
+            time.sleep(poll)
+            nodes = sorted(grid.get_node_ids())
+        if len(nodes) < needed:
+            _SHORT[partitions] = frozenset(nodes)
+        else:
+            _SHORT.pop(partitions, None)
     if discover:
         partitions.discover(grid, nodes, timeout=timeout)
     return partitions.order(nodes)

@@ -21,6 +21,7 @@ import flwr.supernode.start_client_internal as loop
 import pytest
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.version import package_version
+from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.nodestate import NodeStateFactory
 
 from lab import supernode
@@ -150,9 +151,12 @@ def test_main_patches_the_loop_then_runs_flower_supernode(monkeypatch):
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", flower_supernode)
     monkeypatch.setattr(loop, "time", loop.time)  # restored after the test
+    monkeypatch.setattr(FleetHttpClient, "ActivateNode", FleetHttpClient.ActivateNode)
     monkeypatch.setattr(sys, "argv", sys.argv)
     supernode.main(["--insecure", "--poll-interval", "0.3", "--superlink", "h:9092"])
     assert seen["argv"] == ["flower-supernode", "--insecure", "--superlink", "h:9092"]
+    # Activation refusals (2004) are retried (tests/lab/test_supernode_activation.py).
+    assert hasattr(FleetHttpClient.ActivateNode, "__wrapped__")
     clock = seen["time"]
     assert isinstance(clock, supernode.PollClock)
     assert (clock.poll_interval, clock.reply_poll_interval) == (0.3, 0.05)
