@@ -86,7 +86,7 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         certify.finish(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
-    write_outcome(run_dir, outcome)
+    write_outcome(run_dir, outcome, watch)
     if failed:  # Flower's run status says so too (`flwr list`)
         raise RunFailed(outcome.reason)
 

@@ -225,18 +225,16 @@ def _causes(private: bool) -> str:
     return f"likely {causes}"
 
 
-def write_outcome(run_dir, outcome: Outcome) -> None:
-    """``outcome.json`` and the log's last line: how the run ended."""
+def write_outcome(run_dir, outcome: Outcome, watch: FailureWatch | None = None) -> None:
+    """``outcome.json`` and the log's last line: how the run ended (and, from ``watch``,
+    whether its last round trained nothing: never read under a privacy mechanism)."""
     if outcome.last_round > 0:
         outcome.checkpoint = str(run_dir.path / "checkpoint" / "global.pt")
-    outcome.empty_last_round = outcome.empty_last_round or watch.empty_round
+    if watch is not None:
+        outcome.empty_last_round = outcome.empty_last_round or watch.empty_round
     log(ERROR if outcome.status == "failed" else INFO, "%s", outcome.line())
     if outcome.empty_last_round:
         log(WARNING, "The last round trained nothing: %s", outcome.empty_last_round)
-    if ledger is not None and outcome.empty_last_round:
-        # Whether any client contributed stays with what no epsilon covers (curator/).
-        run_dir.write_json(run_dir.table(OUTCOME_FILE), outcome.to_json())
-        outcome.empty_last_round = ""
     run_dir.write_outcome(outcome)
 
 
