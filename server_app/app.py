@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, setup
+from server_app import certify, run_status, setup
 from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
@@ -19,7 +19,7 @@ from server_app.recorder import RoundRecorder, restore
 from server_app.results import CLIENTS_DIR
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
-from strategies import StopTraining
+from strategies import StopTraining, threat_models
 from strategies.capabilities import innermost, ledger_of
 
 app = ServerApp()
@@ -77,7 +77,10 @@ def _run(grid: Grid, context: Context) -> None:
         raise
     failed = outcome.status == "failed"
     title = f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}"
-    run_dir.finish(None if failed else final.to_torch_state_dict(), title=title)
+    report = threat_models.run_report(cfg.privacy, cfg.options, strategy) if ledger else None
+    status = run_status.from_report(cfg.privacy, report, outcome.to_json())
+    state = None if failed else final.to_torch_state_dict()
+    run_dir.finish(state, title=title, caption=status.caption())
     # A failed run's last model is no release to audit.
     audited = None if failed else auditor.final(run_dir, final)
     if ledger is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -48,8 +48,10 @@ def _has(frame: pd.DataFrame, metric: str) -> bool:
     return metric in frame and frame[metric].notna().any()
 
 
-def plot_learning_curve(frame: pd.DataFrame, title: str) -> Figure:
-    """Accuracy (or, for RL tasks, episode reward) and loss per round of one run."""
+def plot_learning_curve(frame: pd.DataFrame, title: str, caption: str = "") -> Figure:
+    """Accuracy (or, for RL tasks, episode reward) and loss per round of one run;
+    ``caption`` (the run's ε, δ and threat model: :mod:`server_app.run_status`) is the
+    title's second line."""
     fig, (acc, loss) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     if not _has(frame, "eval-accuracy") and (
         _has(frame, "eval-reward") or _has(frame, "train-reward")
@@ -66,19 +68,25 @@ def plot_learning_curve(frame: pd.DataFrame, title: str) -> Figure:
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(f"{title}\n{caption}" if caption else title)
     return fig
 
 
 def plot_comparison(
-    frame: pd.DataFrame, metric: str = "eval-accuracy", scope: str = "federated-eval"
+    frame: pd.DataFrame,
+    metric: str = "eval-accuracy",
+    scope: str = "federated-eval",
+    captions: Mapping[str, str] | None = None,
 ) -> Figure:
-    """One line per run (label: strategy/privacy/seed) of ``metric`` in ``scope``."""
-    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    """One line per run (label: strategy/privacy/seed, and ``captions[run]``: its ε or
+    status) of ``metric`` in ``scope``."""
+    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
     rows = frame[frame["scope"] == scope]
-    for _run, group in rows.groupby("run", sort=True):
+    for run, group in rows.groupby("run", sort=True):
         first = group.iloc[0]
         label = f"{first['strategy']} / {first['privacy']} / seed {first['seed']}"
+        if captions and captions.get(run):
+            label += f"\n{captions[run]}"
         ax.plot(group["round"], group[metric], marker="o", ms=3, label=label)
     ax.set(xlabel="server round", ylabel=metric, title=f"{metric} ({scope})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -94,9 +102,28 @@ def colours(names: Sequence[str]) -> dict[str, str]:
     return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
 
 
-def save_figure(figure, path: Path) -> Path:
-    """Save ``figure`` as ``path`` (parents created, 120 dpi) and close it."""
+FORMATS = ("png", "svg", "pdf")
+
+
+def figure_title(figure: Figure) -> str:
+    """The figure's title (suptitle, else the axes' titles joined by " | ")."""
+    suptitle = getattr(figure, "_suptitle", None)
+    if suptitle is not None and suptitle.get_text():
+        return suptitle.get_text()
+    return " | ".join(t for ax in figure.axes if (t := ax.get_title()))
+
+
+def save_figure(figure, path: Path, fmt: str | None = None) -> Path:
+    """Save ``figure`` as ``path`` (parents created, 120 dpi) and close it; ``fmt`` (one
+    of :data:`FORMATS`) replaces the suffix. The title (with the ε a caption gives it) is
+    also the file's ``Title`` metadata, so tools read it back without the image."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise ValueError(f"--format {fmt!r}: valid formats are {', '.join(FORMATS)}")
+        path = path.with_suffix(f".{fmt}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    title = figure_title(figure)
+    metadata = {"Title": title} if title else {}
+    figure.savefig(path, dpi=120, metadata=metadata)
     plt.close(figure)
     return path
