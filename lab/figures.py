@@ -286,7 +286,7 @@ def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame
         row |= _mean_std("utility", kept["utility"])
         row |= {
             "n_failed": int(every["failed"].sum()),
-            "status": ", ".join(f"{n} {s}" for s, n in Counter(every["status"]).items()),
+            "status": run_status.count_outcomes(every["status"]),
             "holds_against": "/".join(sorted({h for h in every["holds_against"] if h})),
         }
         row |= {

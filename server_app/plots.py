@@ -96,6 +96,20 @@ def plot_comparison(
     return fig
 
 
+def comparison_scope(frame: pd.DataFrame, metric: str = "eval-accuracy") -> tuple[str, list[str]]:
+    """The evaluation scope to compare runs on, and the runs it leaves out: the scope
+    that most runs report ``metric`` in, central evaluation on a tie. Under a privacy
+    mechanism federated evaluation is off (it is not covered by the ε), so a comparison
+    on it would silently drop the private runs."""
+    runs = sorted(frame["run"].unique())
+    have = {}
+    for scope in ("central-eval", "federated-eval"):
+        rows = frame[(frame["scope"] == scope)]
+        have[scope] = set(rows.loc[rows[metric].notna(), "run"]) if metric in rows else set()
+    scope = max(("central-eval", "federated-eval"), key=lambda s: len(have[s]))
+    return scope, [run for run in runs if run not in have[scope]]
+
+
 def colours(names: Sequence[str]) -> dict[str, str]:
     """One colour per name, in order (Matplotlib's cycle), the same on every figure."""
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,16 +166,23 @@ def summarise(statuses: Sequence[RunStatus]) -> dict[str, Any]:
     else:
         epsilon = sum(finite) / len(finite) if len(finite) == len(epsilons) else math.nan
     deltas = [c["delta"] for c in columns if not math.isnan(c["delta"])]
-    counts: dict[str, int] = {}
-    for status in statuses:
-        counts[status.status] = counts.get(status.status, 0) + 1
     return {
         "epsilon": epsilon,
         "delta": max(deltas) if deltas else math.nan,
         "holds-against": "/".join(sorted({c["holds-against"] for c in columns} - {""})),
-        "status": ", ".join(f"{n} {s}" for s, n in counts.items()),
+        "status": count_outcomes(status.status for status in statuses),
         "failed-runs": sum(status.failed for status in statuses),
     }
+
+
+STATUSES = ("completed", "stopped", "failed", "diverged", "unknown")
+
+
+def count_outcomes(statuses: Iterable[str]) -> str:
+    """``2 completed, 1 diverged``: the outcomes counted, in :data:`STATUSES` order."""
+    counts = Counter(statuses)
+    order = [*STATUSES, *sorted(set(counts) - set(STATUSES))]
+    return ", ".join(f"{counts[s]} {s}" for s in order if counts[s])
 
 
 def epsilon_text(epsilon: float, delta: float) -> str:
