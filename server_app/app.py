@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, run_status, setup
+from server_app import certify, run_status, setup, tracking
 from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
@@ -87,6 +87,7 @@ def _run(grid: Grid, context: Context) -> None:
         certify.finish(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
     write_outcome(run_dir, outcome, watch, ledger)
+    tracking.finish_run(run_dir.path, cfg.options, log)
     if failed:  # Flower's run status says so too (`flwr list`)
         raise RunFailed(outcome.reason)
 

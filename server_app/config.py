@@ -22,6 +22,7 @@ import tasks
 from privacy.accounting import AccountingError
 from server_app.audit import AuditSettings
 from server_app.failures import FailurePolicy
+from server_app.tracking import TrackingSettings
 from strategies import registry
 from strategies.clustered import ClusterSettings
 from strategies.hierarchical_fedavg import HierSettings
@@ -92,6 +93,7 @@ PARTS: tuple[type[Settings], ...] = (
     SubspaceSettings,
     SecAggSettings,
     AuditSettings,
+    TrackingSettings,
 )
 
 # Keys of earlier versions, with what replaces them.
