@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, run_status, setup, tracking
+from server_app import certify, console, run_status, setup, tracking
 from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
@@ -38,6 +38,7 @@ def main(grid: Grid, context: Context) -> None:
 def _run(grid: Grid, context: Context) -> None:
     run = setup.load(context.run_config)
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
+    console.quiet_flower_rounds(bool(cfg.options["log.flower-rounds"]))
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)

@@ -21,6 +21,7 @@ import strategies
 import tasks
 from privacy.accounting import AccountingError
 from server_app.audit import AuditSettings
+from server_app.console import ConsoleSettings
 from server_app.failures import FailurePolicy
 from server_app.tracking import TrackingSettings
 from strategies import registry
@@ -94,6 +95,7 @@ PARTS: tuple[type[Settings], ...] = (
     SecAggSettings,
     AuditSettings,
     TrackingSettings,
+    ConsoleSettings,
 )
 
 # Keys of earlier versions, with what replaces them.
