@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def plot_learning_curve(frame: pd.DataFrame, title: str, caption: str = "") -> F
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.suptitle(f"{title}\n{caption}" if caption else title)
+    shown = textwrap.fill(caption, 100, break_on_hyphens=False) if caption else ""
+    fig.suptitle(f"{title}\n{shown}" if caption else title)
     return fig
 
 
@@ -86,7 +88,7 @@ def plot_comparison(
         first = group.iloc[0]
         label = f"{first['strategy']} / {first['privacy']} / seed {first['seed']}"
         if captions and captions.get(run):
-            label += f"\n{captions[run]}"
+            label += "\n" + textwrap.fill(captions[run], 70, break_on_hyphens=False)
         ax.plot(group["round"], group[metric], marker="o", ms=3, label=label)
     ax.set(xlabel="server round", ylabel=metric, title=f"{metric} ({scope})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
