@@ -36,6 +36,8 @@ from lab import comparison_plots as cplots
 from lab import figures, study
 from lab.checks import audit_markdown, exit_on_failed
 from lab.study import Preset, StudyError
+from server_app import run_status
+from server_app.plots import FORMATS
 from tasks.base import SEED
 from tasks.options import ConfigError
 
@@ -239,9 +241,33 @@ def _rounds(values: pd.Series) -> int | str | None:
     return rounds[0] if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
 
 
-def results_table(values: pd.DataFrame) -> pd.DataFrame:
+def privacy_columns(runs: Mapping[str, Mapping[int, Path]]) -> dict[str, dict[str, Any]]:
+    """Per experiment (:func:`server_app.run_status.summarise` of its runs): ``epsilon``
+    (mean over seeds, ∞ without DP), ``delta``, ``holds-against``, ``status`` (outcomes
+    counted) and ``failed-runs``."""
+    return {
+        name: run_status.summarise([run_status.read(path) for path in seeds.values()])
+        for name, seeds in runs.items()
+    }
+
+
+def legend_labels(privacy: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Legend entries: the experiment, its ε (or "no DP") and its failed runs."""
+    labels = {}
+    for name, columns in privacy.items():
+        text = f"{name} (ε = {run_status.epsilon_text(columns['epsilon'], columns['delta'])}"
+        if columns["failed-runs"]:
+            text += f"; {columns['failed-runs']} run(s) FAILED"
+        labels[name] = text + ")"
+    return labels
+
+
+def results_table(
+    values: pd.DataFrame, privacy: Mapping[str, Mapping[str, Any]] | None = None
+) -> pd.DataFrame:
     """Per experiment: seeds, rounds, ``<stat>-mean`` / ``-std`` (ddof 1, over the seeds
-    that report it) and the per-seed values ``<stat>-seed-<s>``."""
+    that report it), the per-seed values ``<stat>-seed-<s>`` and, given ``privacy``
+    (:func:`privacy_columns`), its ε, δ, threat model and run outcomes."""
     rows = []
     for name, group in values.groupby("experiment", sort=False):
         row: dict[str, Any] = {
@@ -249,6 +275,8 @@ def results_table(values: pd.DataFrame) -> pd.DataFrame:
             "seeds": len(group),
             "rounds": _rounds(group["rounds"]),
         }
+        if privacy is not None:
+            row |= dict(privacy[name])
         for stat in TABLE:
             row[f"{stat.column}-mean"] = group[stat.column].mean()
             row[f"{stat.column}-std"] = group[stat.column].std()
@@ -277,34 +305,49 @@ def to_markdown(table: pd.DataFrame) -> str:
     shown = [g for g in groups if table[f"{g[0].column}-mean"].notna().any()]
     stats = [s for g in shown for s in g] or list(TABLE[:3])
     header = ["experiment", *(stat.label for stat in stats), "seeds", "rounds"]
+    private = "epsilon" in table  # the privacy columns (results_table given privacy)
+    if private:
+        header += ["ε (δ)", "ε holds against", "runs"]
     lines = [
         "| " + " | ".join(header) + " |",
-        "| --- |" + " ---: |" * (len(header) - 1),
+        "| --- |" + " ---: |" * (len(header) - 1 - 2 * private) + " --- |" * (2 * private),
     ]
     for row in table.to_dict("records"):
         cells = [str(row["experiment"])]
         cells += [mean_std(row[f"{s.column}-mean"], row[f"{s.column}-std"]) for s in stats]
         rounds = row["rounds"]
         cells += [str(row["seeds"]), "–" if rounds is None or rounds != rounds else str(rounds)]
+        if private:
+            failed = " **(FAILED runs included)**" if row["failed-runs"] else ""
+            against = row["holds-against"] or ("–" if math.isinf(row["epsilon"]) else "nobody")
+            cells += [
+                run_status.epsilon_text(row["epsilon"], row["delta"]),
+                against,
+                str(row["status"]) + failed,
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
-    """Write the figures, ``results.csv`` and ``results.md`` of ``runs`` into ``out``;
-    return the results table."""
+def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path, fmt: str = "png") -> pd.DataFrame:
+    """Write the figures (as ``fmt``), ``results.csv`` and ``results.md`` of ``runs``
+    into ``out``; return the results table."""
     metrics, selection = cplots.load_trials(runs)
     out.mkdir(parents=True, exist_ok=True)
-    cplots.save_figures(metrics, selection, runs, out)
-    privacy_figures(runs, out / "plots")
-    table = results_table(run_values(metrics, runs))
+    privacy = privacy_columns(runs)
+    cplots.save_figures(metrics, selection, runs, out, legend_labels(privacy), fmt)
+    privacy_figures(runs, out / "plots", fmt)
+    table = results_table(run_values(metrics, runs), privacy)
     table.to_csv(out / "results.csv", index=False)
     (out / "results.md").write_text(
         "# Strategy comparison\n\n"
         f"Mean ± std (ddof 1) over seeds of the global model's `{TABLE_SCOPE}` metrics: "
         "`final` is the last round that reports the metric, `best` the highest over "
         "rounds ≥ 1. Per-seed values: `results.csv`; run directories: "
-        "`comparison.json`.\n\n"
+        "`comparison.json`. ε is the mean over seeds of each run's ε (δ the largest) "
+        "against the party named (`ledger.json`); ∞: no privacy mechanism. `runs` counts "
+        "the outcomes (`outcome.json`): the means include failed or diverged runs, which "
+        "are marked.\n\n"
         f"{to_markdown(table)}\n" + _audit_section(runs)
     )
     return table
@@ -322,14 +365,14 @@ def _audit_section(runs: Mapping[str, Mapping[int, Path]]) -> str:
     )
 
 
-def privacy_figures(runs: Mapping[str, Mapping[int, Path]], out: Path) -> None:
+def privacy_figures(runs: Mapping[str, Mapping[int, Path]], out: Path, fmt: str = "png") -> None:
     """When the runs are private (a ``ledger.json``), the privacy-utility curve (final
     utility against the printed ε, mean ± std over seeds, ``utility_vs_epsilon.png``) and
     the other figures of :mod:`lab.figures` into ``out``."""
     dirs = [path for seeds in runs.values() for path in seeds.values()]
     if not any((Path(d) / "ledger.json").is_file() for d in dirs):
         return
-    figures.build_figures(dirs, out, echo=lambda _line: None)
+    figures.build_figures(dirs, out, echo=lambda _line: None, fmt=fmt)
 
 
 def one_task(presets: Sequence[Preset]) -> None:
@@ -369,6 +412,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="analyse the runs of an earlier comparison.json",
     )
     study.add_run_arguments(parser)
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        choices=FORMATS,
+        default="png",
+        help="image format of the figures (svg, pdf: vector; default png)",
+    )
     args = parser.parse_args(argv)
     if sum(map(bool, (args.presets, args.runs, args.from_json))) != 1:
         parser.error("give one of: PRESET.toml files, --runs NAME:SEED=RUN_DIR, --from FILE")
@@ -413,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         else:
             runs, preset_paths = _run(args)
         write_comparison_json(out, runs, preset_paths)
-        table = analyse(runs, out)
+        table = analyse(runs, out, args.fmt)
     except (ConfigError, StudyError) as err:
         raise SystemExit(f"comparison: {err}") from None
     print(to_markdown(table))

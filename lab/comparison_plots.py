@@ -140,8 +140,18 @@ def _note(ax: Axes, text: str) -> None:
     ax.text(0.01, 0.01, text, transform=ax.transAxes, fontsize=7, color="0.4", va="bottom")
 
 
-def draw_curves(ax: Axes, curve: pd.DataFrame, panel: Panel, palette: Mapping[str, str]) -> None:
-    """One line per experiment of ``palette`` (mean) with a ± std band."""
+MAX_BARS = 8  # ranks shown as grouped bars; more: one step line per experiment (legible)
+
+
+def draw_curves(
+    ax: Axes,
+    curve: pd.DataFrame,
+    panel: Panel,
+    palette: Mapping[str, str],
+    labels: Mapping[str, str] | None = None,
+) -> None:
+    """One line per experiment of ``palette`` (mean) with a ± std band; ``labels``: the
+    legend entry per experiment (its ε, failed runs), default the name."""
     missing = []
     for name, colour in palette.items():
         rows = curve[curve["experiment"] == name]
@@ -150,7 +160,8 @@ def draw_curves(ax: Axes, curve: pd.DataFrame, panel: Panel, palette: Mapping[st
             continue
         x, mean = rows["round"].to_numpy(float), rows["mean"].to_numpy(float)
         std = rows["std"].fillna(0.0).to_numpy(float)  # one seed: no band
-        ax.plot(x, mean, marker="o", ms=3, color=colour, label=name)
+        label = (labels or {}).get(name, name)
+        ax.plot(x, mean, marker="o", ms=3, color=colour, label=label)
         ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.2, lw=0)
     ax.set(xlabel="server round", ylabel=panel.ylabel, title=panel.title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -182,17 +193,29 @@ def draw_selection(
     runs: Mapping[str, Collection[int]],
     palette: Mapping[str, str],
     panel: Panel = PANELS[-1],
+    labels: Mapping[str, str] | None = None,
 ) -> None:
-    """Grouped bars: per experiment, mean times selected of the rank-r client (± std
-    over seeds). Runs without ``participation.csv`` are named in a note."""
+    """Per experiment, mean times selected of the rank-r client (± std over seeds):
+    grouped bars up to ``MAX_BARS`` ranks, else one step line per experiment with a
+    ± std band (bars of dozens of clients cannot be read). Runs without
+    ``participation.csv`` are named in a note."""
     ranks = selection_ranks(selection)
     shown = [name for name in palette if (ranks["experiment"] == name).any()]
     width = 0.8 / max(len(shown), 1)
+    many = bool(len(ranks)) and ranks["rank"].max() > MAX_BARS
     for i, name in enumerate(shown):
         rows = ranks[ranks["experiment"] == name]
-        x = rows["rank"].to_numpy(float) + (i - (len(shown) - 1) / 2) * width
         std = rows["std"].fillna(0.0).to_numpy(float)
-        ax.bar(x, rows["mean"], width, yerr=std, color=palette[name], label=name, capsize=2)
+        label = (labels or {}).get(name, name)
+        if many:
+            x, mean = rows["rank"].to_numpy(float), rows["mean"].to_numpy(float)
+            ax.step(x, mean, where="mid", color=palette[name], lw=1.8, label=label)
+            ax.fill_between(
+                x, mean - std, mean + std, step="mid", color=palette[name], alpha=0.2, lw=0
+            )
+            continue
+        x = rows["rank"].to_numpy(float) + (i - (len(shown) - 1) / 2) * width
+        ax.bar(x, rows["mean"], width, yerr=std, color=palette[name], label=label, capsize=2)
     ax.set(
         xlabel="clients ranked by times selected (1 = most)",
         ylabel=panel.ylabel,
@@ -215,13 +238,16 @@ def draw_panel(
     metrics: pd.DataFrame,
     selection: pd.DataFrame,
     runs: Mapping[str, Collection[int]],
+    labels: Mapping[str, str] | None = None,
 ) -> None:
-    """Draw ``panel`` of the runs ``{experiment: seeds}`` on ``ax``."""
+    """Draw ``panel`` of the runs ``{experiment: seeds}`` on ``ax`` (``labels``: legend
+    entries by experiment)."""
     palette = colours(list(runs))
     if panel.scope == SELECTION:
-        draw_selection(ax, selection, runs, palette, panel)
+        draw_selection(ax, selection, runs, palette, panel, labels)
     else:
-        draw_curves(ax, metric_curve(metrics, panel.scope, panel.metric), panel, palette)
+        curve = metric_curve(metrics, panel.scope, panel.metric)
+        draw_curves(ax, curve, panel, palette, labels)
 
 
 def comparison_figure(
@@ -229,13 +255,14 @@ def comparison_figure(
     selection: pd.DataFrame,
     runs: Mapping[str, Collection[int]],
     panels: Sequence[Panel] = PANELS,
+    labels: Mapping[str, str] | None = None,
 ) -> Figure:
     """``comparison_results.png``: the panels in a grid of three columns."""
     rows = -(-len(panels) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(17, 4.6 * rows), constrained_layout=True)
     flat = np.atleast_1d(axes).ravel()
     for ax, panel in zip(flat, panels, strict=False):
-        draw_panel(ax, panel, metrics, selection, runs)
+        draw_panel(ax, panel, metrics, selection, runs, labels)
     for ax in flat[len(panels) :]:
         ax.set_visible(False)
     seeds = sorted({seed for run_seeds in runs.values() for seed in run_seeds})
@@ -250,10 +277,11 @@ def metric_figure(
     selection: pd.DataFrame,
     runs: Mapping[str, Collection[int]],
     panel: Panel,
+    labels: Mapping[str, str] | None = None,
 ) -> Figure:
     """One panel on its own (``r2_comparison.png``, ``mse_comparison.png``)."""
     fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
-    draw_panel(ax, panel, metrics, selection, runs)
+    draw_panel(ax, panel, metrics, selection, runs, labels)
     return fig
 
 
@@ -312,17 +340,24 @@ def reported_metrics(metrics: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 def save_figures(
-    metrics: pd.DataFrame, selection: pd.DataFrame, runs: Mapping[str, Collection[int]], out: Path
+    metrics: pd.DataFrame,
+    selection: pd.DataFrame,
+    runs: Mapping[str, Collection[int]],
+    out: Path,
+    labels: Mapping[str, str] | None = None,
+    fmt: str = "png",
 ) -> list[Path]:
     """``comparison_results.png``, the ``FIGURES`` and ``curves/<scope>/<metric>.png`` for
-    every reported metric; returns the paths."""
+    every reported metric (as ``fmt``: png, svg or pdf; ``labels``: legend entries by
+    experiment, e.g. with its ε); returns the paths."""
     panels, figures = panels_for(metrics)
-    comparison = comparison_figure(metrics, selection, runs, panels)
-    saved = [save_figure(comparison, out / "comparison_results.png")]
+    comparison = comparison_figure(metrics, selection, runs, panels, labels)
+    saved = [save_figure(comparison, out / "comparison_results.png", fmt)]
     for file, panel in figures.items():
-        saved.append(save_figure(metric_figure(metrics, selection, runs, panel), out / file))
+        figure = metric_figure(metrics, selection, runs, panel, labels)
+        saved.append(save_figure(figure, out / file, fmt))
     for scope, metric in reported_metrics(metrics):
         panel = Panel(scope, metric, f"{metric} ({scope}), mean ± std over seeds", metric)
-        figure = metric_figure(metrics, selection, runs, panel)
-        saved.append(save_figure(figure, out / "curves" / scope / f"{metric}.png"))
+        figure = metric_figure(metrics, selection, runs, panel, labels)
+        saved.append(save_figure(figure, out / "curves" / scope / f"{metric}.png", fmt))
     return saved

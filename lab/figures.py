@@ -41,6 +41,8 @@ from lab import figures_plots as fplots
 from lab.checks import failed_runs
 from lab.figures_plots import GAP, GROUP_PREFIX, SCOPE, LedgerStack
 from privacy.accounting import PrivacyLedger
+from server_app import run_status
+from server_app.plots import FORMATS
 from server_app.results import TIMING_COLUMNS, load_metrics
 
 DEFAULT_METRICS = ("eval-accuracy", "eval-auc", "eval-r2", "eval-reward")
@@ -49,6 +51,8 @@ NOT_METRICS = ("round", "scope", *TIMING_COLUMNS, "task", "strategy", "privacy",
 MAX_LEDGER_POINTS = 50
 TAGS = ("task", "strategy", "privacy")  # run-config keys copied into figures.csv
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+# Keys of the privacy mechanisms: a run without one (privacy = none) is not labelled by them.
+PRIVACY_PREFIXES = ("dp.", "subspace.", "audit.")
 
 
 class FiguresError(ValueError):
@@ -68,6 +72,8 @@ class Run:
     """``ledger.json`` (``summary`` and ``state``), or None."""
     certificates: dict | None
     """``certificates.json``, or None."""
+    status: run_status.RunStatus | None = None
+    """ε, δ, threat model and outcome (``outcome.json``)."""
 
 
 def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
@@ -115,7 +121,7 @@ def load_run(path: Path) -> Run:
         metrics[column] = pd.to_numeric(metrics[column], errors="coerce")
     metrics = metrics.replace([np.inf, -np.inf], np.nan)
     ledger, certificates = _read_json(path / "ledger.json"), _read_json(path / "certificates.json")
-    return Run(path, config, metrics, ledger, certificates)
+    return Run(path, config, metrics, ledger, certificates, run_status.read(path))
 
 
 def available_metrics(runs: Sequence[Run]) -> list[str]:
@@ -172,7 +178,8 @@ def configuration_labels(
     configs: Sequence[Mapping[str, Any]], defaults: Mapping[str, Any] | None = None
 ) -> list[str]:
     """``privacy / strategy`` (``/ task`` if tasks differ), then ``key=value`` of every key
-    that differs between ``configs`` where this config's value is not the default."""
+    that differs between ``configs`` where this config's value is not the default (the
+    privacy mechanism's keys only where privacy is on)."""
     defaults = app_defaults() if defaults is None else defaults
     skip = {*NOT_CONFIGURATION, "task", "strategy", "privacy"}
     keys = sorted({key for config in configs for key in config} - skip)
@@ -183,6 +190,8 @@ def configuration_labels(
         head = f"{config.get('privacy')} / {config.get('strategy')}"
         head += f" / {config.get('task')}" if tasks else ""
         keep = [k for k in differ if k not in defaults or config.get(k) != defaults[k]]
+        if config.get("privacy", "none") == "none":
+            keep = [k for k in keep if not k.startswith(PRIVACY_PREFIXES)]
         label = head + (
             ": " + ", ".join(f"{k}={_text(config.get(k))}" for k in keep) if keep else ""
         )
@@ -236,7 +245,11 @@ def run_values(run: Run, metric: str) -> dict[str, Any]:
         gap = max(groups.values()) - min(groups.values())
     summary = (run.ledger or {}).get("summary", {})
     mu = (run.certificates or {}).get("gdp-mu")
+    status = run.status or run_status.RunStatus(str(run.config.get("privacy", "none")))
     return {
+        "status": status.status,
+        "failed": status.failed,
+        "holds_against": status.columns()["holds-against"],
         "seed": run.config.get("seed"),
         "run": str(run.path),
         "utility": final_value(rows, metric),
@@ -257,16 +270,25 @@ def _mean_std(name: str, values: pd.Series) -> dict[str, float]:
 
 
 def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame:
-    """``figures.csv``: one row per configuration, mean ± std (ddof 1) over its runs; ε is
-    the mean (∞ without DP) and its std over runs with a finite ε only."""
+    """``figures.csv``: one row per configuration, mean ± std (ddof 1) over its runs that
+    did not fail (failed or diverged runs are counted in ``n_failed`` and left out: their
+    numbers are no result); ε is the mean (∞ without DP) and its std over runs with a
+    finite ε only. A configuration whose every run failed keeps NaN utility."""
     rows = []
     for label, runs in configs.items():
-        values = pd.DataFrame([run_values(run, metric) for run in runs])
+        every = pd.DataFrame([run_values(run, metric) for run in runs])
+        kept = every[~every["failed"].astype(bool)]
+        values = kept if len(kept) else every
         eps = values["epsilon"].astype(float)
         row = {"configuration": label} | {k: runs[0].config.get(k) for k in TAGS}
         row |= {"n_seeds": values["seed"].nunique(), "n_runs": len(values), "metric": metric}
         row |= {"seeds": " ".join(sorted({str(seed) for seed in values["seed"]}))}
-        row |= _mean_std("utility", values["utility"])
+        row |= _mean_std("utility", kept["utility"])
+        row |= {
+            "n_failed": int(every["failed"].sum()),
+            "status": run_status.count_outcomes(every["status"]),
+            "holds_against": "/".join(sorted({h for h in every["holds_against"] if h})),
+        }
         row |= {
             "epsilon": eps.mean(),
             "epsilon_std": eps.std() if np.isfinite(eps).all() else math.nan,
@@ -279,7 +301,7 @@ def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame
         row |= _mean_std("fairness_gap", values["fairness_gap"])
         for group in [c for c in values.columns if c.startswith(GROUP_PREFIX)]:
             row |= _mean_std(group, values[group])
-        rows.append(row | {"runs": ";".join(values["run"])})
+        rows.append(row | {"runs": ";".join(every["run"])})
     return pd.DataFrame(rows)
 
 
@@ -350,9 +372,10 @@ def build_figures(
     *,
     metric: str | None = None,
     echo: Callable[[str], None] = print,
+    fmt: str = "png",
 ) -> pd.DataFrame:
-    """Write every figure and ``figures.csv`` of the runs under ``paths`` into ``out``;
-    return the ``figures.csv`` table.
+    """Write every figure (as ``fmt``: png, svg or pdf) and ``figures.csv`` of the runs
+    under ``paths`` into ``out``; return the ``figures.csv`` table.
 
     Raises
     ------
@@ -365,18 +388,18 @@ def build_figures(
     summary = summarise(configs, metric)
     out.mkdir(parents=True, exist_ok=True)
     figure = fplots.plot_utility_vs_epsilon(summary, metric)
-    fplots.save_or_skip(figure, out / "utility_vs_epsilon.png", "", echo)
+    fplots.save_or_skip(figure, out / "utility_vs_epsilon.png", "", echo, fmt)
     why = f"no run reports {GROUP_PREFIX}<group> columns in its {SCOPE} rows"
-    fplots.save_or_skip(fplots.plot_fairness(summary), out / "fairness.png", why, echo)
+    fplots.save_or_skip(fplots.plot_fairness(summary), out / "fairness.png", why, echo, fmt)
     stacks = ledger_stacks(configs, echo)
     figure = fplots.plot_ledgers(stacks) if stacks else None
     fplots.save_or_skip(
-        figure, out / "ledger.png", "no run has a ledger.json with accounted releases", echo
+        figure, out / "ledger.png", "no run has a ledger.json with accounted releases", echo, fmt
     )
     series = {k: fplots.spi_series([r.certificates for r in v]) for k, v in configs.items()}
     figure = fplots.plot_spi({k: v for k, v in series.items() if v is not None})
     fplots.save_or_skip(
-        figure, out / "spi.png", "no run has a certificates.json with a positive SPI", echo
+        figure, out / "spi.png", "no run has a certificates.json with a positive SPI", echo, fmt
     )
     summary.to_csv(out / "figures.csv", index=False)
     echo(f"wrote {out / 'figures.csv'} ({len(summary)} configurations, {len(runs)} runs)")
@@ -400,9 +423,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help=f"{SCOPE} utility metric (default: first of {', '.join(DEFAULT_METRICS)})",
     )
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        choices=FORMATS,
+        default="png",
+        help="image format of the figures (svg, pdf: vector; default png)",
+    )
     args = parser.parse_args(argv)
     try:
-        build_figures(args.paths, args.out, metric=args.metric)
+        build_figures(args.paths, args.out, metric=args.metric, fmt=args.fmt)
     except FiguresError as err:
         print(f"figures: error: {err}", file=sys.stderr)
         return 2

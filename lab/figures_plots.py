@@ -61,14 +61,18 @@ class LedgerStack:
 
 
 def save_or_skip(
-    figure: Figure | None, path: Path, why: str, echo: Callable[[str], None] = print
+    figure: Figure | None,
+    path: Path,
+    why: str,
+    echo: Callable[[str], None] = print,
+    fmt: str | None = None,
 ) -> None:
-    """Save ``figure`` as ``path`` and say so, or say why it was skipped (None)."""
+    """Save ``figure`` as ``path`` (its suffix replaced by ``fmt``) and say so, or say
+    why it was skipped (None)."""
     if figure is None:
         echo(f"skipped {path.name}: {why}")
         return
-    save_figure(figure, path)
-    echo(f"wrote {path}")
+    echo(f"wrote {save_figure(figure, path, fmt)}")
 
 
 def wrap(text: str, width: int = 60) -> str:
@@ -111,6 +115,9 @@ def _label(row, mixed: bool) -> str:
     """A configuration's legend entry: its relation when the plot mixes relations, and a
     warning when its noise came from the seed."""
     label = f"{row.configuration} (n={row.n_runs})"
+    failed = int(getattr(row, "n_failed", 0) or 0)
+    if failed:
+        label += f" [{failed} failed run(s) left out]"
     if mixed and getattr(row, "relation", ""):
         label += f" [{row.relation}]"
     if getattr(row, "noise_from_seed", False):
@@ -124,6 +131,8 @@ def _draw_points(left, right, summary: pd.DataFrame, log: bool) -> None:
     shifts = dodges(summary["epsilon"].to_numpy(float), log)
     mixed = len(relations(summary)) > 1
     for k, row in enumerate(summary.itertuples()):
+        if math.isnan(row.utility_mean):  # every run failed: no point (the title says so)
+            continue
         style = {
             "color": colour[row.configuration],
             "fmt": MARKERS[k % len(MARKERS)],
@@ -180,11 +189,18 @@ def plot_utility_vs_epsilon(summary: pd.DataFrame, metric: str) -> Figure:
     for ax in (left, right):
         ax.grid(alpha=0.3)
     missing = summary.loc[np.isnan(eps), "configuration"]
+    utility = summary["utility_mean"].to_numpy(float)
+    failed = summary["n_failed"].to_numpy(int) if "n_failed" in summary else 0 * utility
+    every_failed = summary.loc[np.isnan(utility) & (failed > 0), "configuration"]
     title = f"Utility vs privacy: final {metric} against final ε"
     if np.isinf(eps).any():
         title += " (dashed: no-DP level)"
     if len(missing):
         title += "\nnot drawn, no ledger.json: " + wrap(", ".join(missing), 100)
+    if len(every_failed):
+        title += "\nnot drawn, every run failed or diverged: " + wrap(", ".join(every_failed), 100)
+    if "n_failed" in summary and summary["n_failed"].sum():
+        title += f"\n{int(summary['n_failed'].sum())} failed/diverged run(s) left out of the means"
     fig.suptitle(title)
     fig.legend(loc="outside lower center", fontsize=8)
     return fig

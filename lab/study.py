@@ -37,7 +37,7 @@ from flwr.common.config import flatten_dict
 import tasks
 from lab.checks import exit_on_failed
 from lab.launcher import APP_DIR, LocalSimulation
-from server_app import config
+from server_app import config, run_status
 from server_app.plots import save_figure
 from tasks.lunar_lander import plots
 from tasks.lunar_lander.logs import clients_dir, load_episodes, load_snapshots
@@ -243,14 +243,15 @@ def analyse(
             episodes[name] = load_episodes(clients_dir(run_dir))
         except (FileNotFoundError, ValueError) as err:
             raise StudyError(f"{name}: {err} (is {run_dir} a {STUDY_TASK} run?)") from None
-        title = f"{name}: rolling reward of each client"
+        status = run_status.read(run_dir)
+        title = f"{name}: rolling reward of each client\n{status.caption()}"
         save_figure(
             plots.learning_curves(episodes[name], title), out / "learning_curves" / f"{name}.png"
         )
         _embeddings(name, run_dir, out, echo)
     save_figure(plots.comparison_combined(episodes), out / "comparison_combined.png")
     save_figure(plots.comparison_side_by_side(episodes), out / "comparison_side_by_side.png")
-    table = plots.results_table(runs)
+    table = with_privacy(plots.results_table(runs), runs)
     table.to_csv(out / "results.csv", index=False)
     comparison_text = _comparison_text(table, runs, baseline)
     (out / "results.md").write_text(
@@ -260,9 +261,24 @@ def analyse(
         "`eval-reward`: the global model's mean episode reward on the planet in the run's "
         "last central evaluation (the best of the K models for clustered FedAvg; – without "
         "a global model, as under Single Agent). `planet-env-steps`, `run-env-steps`: env "
-        "steps the planet's clients, and all clients, took.\n\n"
+        "steps the planet's clients, and all clients, took. `epsilon` (∞: no privacy "
+        "mechanism; NaN: no ε holds), `delta` and `holds-against`: the run's ε and whom it "
+        "holds against (`ledger.json`); `status`: how the run ended (`outcome.json`; a "
+        "failed or diverged run's numbers are no result).\n\n"
         f"{plots.to_markdown(table)}\n\n## Federated vs Single Agent\n\n{comparison_text}\n"
     )
+    return table
+
+
+def with_privacy(table: pd.DataFrame, runs: Mapping[str, Path]) -> pd.DataFrame:
+    """``table`` (a row per experiment and planet) with each experiment's ``epsilon``,
+    ``delta``, ``holds-against`` and ``status`` (:mod:`server_app.run_status`)."""
+    if "experiment" not in table:  # no rows
+        return table
+    columns = {name: run_status.read(run_dir).columns() for name, run_dir in runs.items()}
+    table = table.copy()
+    for key in ("epsilon", "delta", "holds-against", "status"):
+        table[key] = [columns[name][key] for name in table["experiment"]]
     return table
 
 

@@ -1,9 +1,9 @@
 """Privacy mechanisms and accounting (no Flower imports).
 
-* :mod:`privacy.mechanisms`: clipping (L2/L1), Gaussian and Laplace noise, the two-phase
-  :class:`GaussianMechanism` and :class:`LaplaceMechanism`, explicit generators.
-* :mod:`privacy.accounting`: the run's :class:`PrivacyLedger` over dp-accounting.
-* :mod:`privacy.calibration`: noise multiplier for a target ε, ε for a multiplier.
+* ``privacy.mechanisms``: clipping (L2/L1), Gaussian and Laplace noise, the two-phase
+  ``GaussianMechanism`` and ``LaplaceMechanism``, explicit generators.
+* ``privacy.accounting``: the run's ``PrivacyLedger`` over dp-accounting.
+* ``privacy.calibration``: noise multiplier for a target ε, ε for a multiplier.
 * ``python -m privacy.budget``: the same from the command line.
 """
 

@@ -1,17 +1,17 @@
 """One privacy ledger for the whole run, over dp-accounting.
 
-:class:`PrivacyLedger` records every private release of a run (training updates,
+``PrivacyLedger`` records every private release of a run (training updates,
 adaptive-clipping counts, sketches, across mechanisms), composes them with
 dp-accounting's RDP or PLD accountant into one client-level (ε, δ), refuses a charge
 that would exceed ``max_epsilon`` before changing anything, and serialises to JSON
 (its ε is rebuilt on load by replaying the releases, so it is bit-identical).
 
 What has no formal guarantee (e.g. per-batch clipping without noise) is recorded with
-:meth:`PrivacyLedger.record_unaccounted` and never given an ε; client-reported local
+``PrivacyLedger.record_unaccounted`` and never given an ε; client-reported local
 guarantees (DP-SGD, sample-level) are kept apart from the client-level ε.
 
-Bookkeeping lives here; the events are built in :mod:`privacy.events` and composed in
-:mod:`privacy.composition`.
+Bookkeeping lives here; the events are built in ``privacy.events`` and composed in
+``privacy.composition``.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class PrivacyLedger:
         Mechanisms the run will release with, checked at construction ("skellam":
         accountant "rdp", sampling "none", neighboring "zero-out" or "replace-one").
     rdp_orders : tuple of float, optional
-        RDP orders (default :data:`privacy.events.RDP_ORDERS`); RDP only.
+        RDP orders (default ``privacy.events.RDP_ORDERS``); RDP only.
     pld_discretization : float, optional
         PLD value discretisation interval (default 1e-4); PLD only.
 
@@ -298,7 +298,7 @@ class PrivacyLedger:
 
     def accountant_epsilon(self, delta: float | None = None) -> float:
         """The accountant's own ε at ``delta`` (default: target δ), before the minimum
-        with basic composition that :meth:`epsilon` takes for Laplace releases."""
+        with basic composition that ``epsilon`` takes for Laplace releases."""
         if not self._groups:
             return 0.0
         delta = _check_delta(self.target_delta if delta is None else delta)
@@ -391,7 +391,7 @@ class PrivacyLedger:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PrivacyLedger:
-        """Rebuild a ledger from :meth:`state_dict`, replaying its releases.
+        """Rebuild a ledger from ``state_dict``, replaying its releases.
 
         Raises
         ------

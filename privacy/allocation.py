@@ -7,15 +7,15 @@ of the signal), the second the elliptical noise ``σ²Tr(P⁻¹)``.
 
 **Model.** The eigenbasis of P is fixed: U (d×k, from PMU or public data) and its
 complement, on which ``P = τ``. Only the k eigenvalues ``p_i = τ + λ_i`` along U are
-free. With ``g_i = u_iᵀ G u_i`` (:func:`subspace_energies`),
+free. With ``g_i = u_iᵀ G u_i`` (``subspace_energies``),
 
     D = Σ_i [a g_i p_i + b / p_i]  +  a τ Tr(G (I − UUᵀ)) + b (d − k)/τ,
 
 and the trailing constant (the complement, where P = τ) does not depend on λ:
-:func:`distortion` returns the sum only. Constraints: ``P ⪰ τI`` ⇔ ``λ ≥ 0``, and the
+``distortion`` returns the sum only. Constraints: ``P ⪰ τI`` ⇔ ``λ ≥ 0``, and the
 trace budget ``Σ_i λ_i ≤ B``. The seed writes ``Tr(P) ≤ B``; on ℝᵈ with a floor τ that
 is infeasible once ``dτ > B``, so the budget applies to ``Tr(P − τI) = Σλ``, the same
-convention as part 1's ``subspace.trace-budget`` (:func:`privacy.subspace.uniform_allocation`).
+convention as part 1's ``subspace.trace-budget`` (``privacy.subspace.uniform_allocation``).
 
 **Water-filling (the seed's Theorem 5).** The problem is separable and strictly convex
 (``b/p`` is). Its KKT conditions, with ν ≥ 0 the budget multiplier and μ_i ≥ 0 the
@@ -25,11 +25,11 @@ floor multipliers, ``a g_i − b/p_i² + ν − μ_i = 0``, ``μ_i λ_i = 0``,
     p_i(ν) = max(τ, √(b / (a g_i + ν))),
 
 with ν = 0 if ``Σ(p_i(0) − τ) ≤ B`` (possible only when every ``a g_i > 0``), else the
-unique ν > 0 with ``Σ(p_i(ν) − τ) = B`` (:func:`water_filling`). Low-energy directions
+unique ν > 0 with ``Σ(p_i(ν) − τ) = B`` (``water_filling``). Low-energy directions
 get large eigenvalues (little noise where clipping costs little).
 
 **Group fairness (the seed's Theorem 9).** For G groups with energies ``g_{g,i}``,
-minimise ``max_g D_g(λ)`` under the same constraints (:func:`fair_allocation`). Since D
+minimise ``max_g D_g(λ)`` under the same constraints (``fair_allocation``). Since D
 is linear in the energies, for weights w in the simplex the inner problem
 ``min_λ Σ_g w_g D_g(λ)`` is water-filling on the pooled energies ``Σ_g w_g g_g``, and
 
@@ -318,7 +318,7 @@ def fair_allocation(
     group_energies : numpy.ndarray
         Shape (G, k), G >= 1: row g holds group g's energies ``u_iᵀ G_g u_i`` (>= 0).
     a, b, tau, budget : float
-        As in :func:`water_filling`.
+        As in ``water_filling``.
     offsets : numpy.ndarray, optional
         Shape (G,): a constant added to each group's distortion, e.g. the complement's
         ``a τ Tr(G_g(I − UUᵀ))`` when the groups' energy outside U differs. Default 0.
@@ -393,7 +393,7 @@ def allocate(
     """λ on U = ``basis`` by ``mode`` ("water-filling" or "fairness") from public samples.
 
     ``pooled`` (n×d) are all samples, ``groups`` the samples of each group (fairness).
-    The weights are :func:`distortion_weights` at the uniform split B/k. Under fairness
+    The weights are ``distortion_weights`` at the uniform split B/k. Under fairness
     each group's distortion includes its energy off U (``offsets``), which differs
     between groups. Returns λ and, for fairness, the solution with its certificate.
     """

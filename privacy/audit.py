@@ -10,11 +10,11 @@ accountant's ε.
 Privacy Estimation for Federated Learning", ICLR 2024). ``k`` canary clients take part
 in the federation like any client. Canary ``j`` owns a direction ``c_j``, uniform on the
 unit sphere of the model's floating-point parameters, drawn from the run seed and ``j``
-only (:func:`canary_direction`): independent of any data and of the DP noise (OS
-entropy). An independent fair coin ``S_j`` (:func:`inclusion`) decides whether canary
+only (``canary_direction``): independent of any data and of the DP noise (OS
+entropy). An independent fair coin ``S_j`` (``inclusion``) decides whether canary
 ``j`` is *inserted*: whenever the strategy samples it (and, with ``audit.canary-rate``
 < 1, a further per-round coin says so) it uploads ``c_j`` scaled to at least the
-mechanism's clip bound (:func:`canary_norm`), which clipping brings to exactly the
+mechanism's clip bound (``canary_norm``), which clipping brings to exactly the
 bound; a *held-out* canary is sampled alike and uploads the zero update, which adds
 nothing to any released sum (under the adaptive clip its norm bit differs, as a real
 client's may). In-versus-out of one canary is therefore a pair of neighbouring inputs
@@ -26,12 +26,12 @@ held-out canary's cosine is that of a random direction, about N(0, 1/d).
 
 **ε estimate** (after Andrew et al.): Gaussians are fitted to the inserted and to the
 held-out cosines, and the estimate is the ε at ``δ`` of that pair of Gaussians
-(:func:`gaussian_pair_epsilon`, exact through normal CDFs, both orders). With a
-common (pooled) variance (:func:`estimate_epsilon`) this is μ-Gaussian DP with μ the
+(``gaussian_pair_epsilon``, exact through normal CDFs, both orders). With a
+common (pooled) variance (``estimate_epsilon``) this is μ-Gaussian DP with μ the
 gap of the means in units of σ: the shape of the Gaussian mechanism the paper
 analyses (equal variances), and our reading of its estimator (the paper's full text
 was not at hand offline when this was written). With each group's own variance
-(:func:`estimate_epsilon_two_variances`, also reported) the privacy loss of two
+(``estimate_epsilon_two_variances``, also reported) the privacy loss of two
 Gaussians grows without bound in the tails, and with tens of canaries a chance
 variance ratio dominates: measured on digits with 10 + 10 canaries, 7.5 at an
 accountant ε of 3.9, from cosines no test separates. It is an estimate, not a bound:
@@ -41,11 +41,11 @@ the benchmark reports its spread over seeds.
 Run", NeurIPS 2023). The auditor guesses "inserted" for the ``r`` canaries with the
 highest scores and abstains on the rest; with ``v`` correct guesses, an
 (ε, δ)-DP mechanism makes ``v`` or more correct guesses with probability at most
-:func:`one_run_p_value` (their Theorem 5.2: the Binomial(r, e^ε/(1+e^ε)) tail plus
+``one_run_p_value`` (their Theorem 5.2: the Binomial(r, e^ε/(1+e^ε)) tail plus
 their δ term). The bound is the largest ε that this rejects at ``1 − confidence``,
-Bonferroni-corrected over the guess counts tried (:data:`GUESS_COUNTS` up to ``k``),
+Bonferroni-corrected over the guess counts tried (``GUESS_COUNTS`` up to ``k``),
 so it is below the true ε with probability at least ``confidence``. With ``k``
-canaries no bound exceeds :func:`largest_lower_bound` (every inserted canary ranked
+canaries no bound exceeds ``largest_lower_bound`` (every inserted canary ranked
 first: about 1.8 at k = 100, 2.5 at k = 200), so a small ``k`` cannot falsify a large
 ε: the bound detects bugs, it does not certify.
 
@@ -168,7 +168,7 @@ def gaussian_pair_epsilon(
 ) -> float:
     """The smallest ε with δ(ε) ≤ ``delta`` in both directions between N(null) and
     N(alternative) (each a (mean, sd)): the (ε, δ) of the mechanism whose output is
-    one draw of either Gaussian. Capped at :data:`EPSILON_CAP`."""
+    one draw of either Gaussian. Capped at ``EPSILON_CAP``."""
     if min(null[1], alternative[1]) <= 0:
         raise ValueError("both Gaussians need a positive standard deviation")
 
@@ -228,7 +228,7 @@ def estimate_epsilon_two_variances(
 ) -> float | None:
     """The ε at ``delta`` of the Gaussians fitted to each group with its own variance.
     Unstable with few canaries (a chance variance ratio makes the privacy loss grow
-    without bound in the tails); reported beside :func:`estimate_epsilon`."""
+    without bound in the tails); reported beside ``estimate_epsilon``."""
     if len(inserted) < 2 or len(held_out) < 2:
         return None
     null, alternative = _fit(held_out), _fit(inserted)
@@ -281,7 +281,7 @@ def one_run_lower_bound(
 ) -> LowerBound:
     """Steinke et al.'s ε lower bound at ``confidence`` from the canaries' ``scores``
     (higher: more likely inserted) and the truth ``inserted``; the best over the guess
-    counts in :data:`GUESS_COUNTS` up to m, Bonferroni-corrected over them."""
+    counts in ``GUESS_COUNTS`` up to m, Bonferroni-corrected over them."""
     scores, inserted = np.asarray(scores, dtype=float), np.asarray(inserted, dtype=bool)
     m = len(scores)
     counts = [r for r in GUESS_COUNTS if r <= m] or [m]

@@ -3,15 +3,15 @@
 The noise multiplier here is the app's ``dp.noise-multiplier``: z = std of the noise on
 the sum of client updates / clip norm C. One client moves that sum by C under
 add/remove-one but by 2C under replace-one (fixed-size sampling without replacement),
-so each release is accounted with z / :func:`~privacy.events.l2_sensitivity_factor`,
+so each release is accounted with z / ``l2_sensitivity_factor``,
 exactly as the DP-FedAvg strategy charges its ledger.
 
 ``rounds`` identical releases are described by the ledger's own event construction
-(:func:`privacy.events.to_dp_event` of one :class:`~privacy.events.Release` with
+(``privacy.events.to_dp_event`` of one ``Release`` with
 ``count=rounds``) and calibrated with dp-accounting's
 ``mechanism_calibration.calibrate_dp_mechanism`` (Brent's method, returning a value
-whose ε is guaranteed not to exceed the target). :func:`epsilon_for` charges the same
-release to a fresh :class:`~privacy.accounting.PrivacyLedger`.
+whose ε is guaranteed not to exceed the target). ``epsilon_for`` charges the same
+release to a fresh ``PrivacyLedger``.
 """
 
 from __future__ import annotations

@@ -11,15 +11,15 @@ formulas. This module states and computes both, from what the ledger recorded.
     mechanism's trade-off function is ``≥`` the unsampled one's, for Poisson sampling and
     for fixed-size sampling under replace-one), so ``μ = √(Σ count_i / z_i²)`` over the
     ledger's Gaussian releases is a SOUND, amplification-free bound
-    (:func:`gdp_mu_unamplified`). With a Laplace or unaccounted release no μ is given.
+    (``gdp_mu_unamplified``). With a Laplace or unaccounted release no μ is given.
     The central-limit μ of Bu et al. (2020) for subsampled runs is tighter but only an
     asymptotic approximation, so it is not reported.
 
 Membership inference
     Any test of "was client X in the run?" with false-positive rate α has true-positive
-    rate ``TPR <= Φ(Φ⁻¹(α) + μ)`` under μ-GDP (:func:`tpr_bound_gdp`), and
+    rate ``TPR <= Φ(Φ⁻¹(α) + μ)`` under μ-GDP (``tpr_bound_gdp``), and
     ``TPR <= min(e^ε α + δ, 1 − e^{−ε}(1 − δ − α))`` under (ε, δ)-DP for every pair on the
-    ledger's curve δ(ε) (Kairouz et al. 2015; :func:`tpr_bound_dp`), which includes the
+    ledger's curve δ(ε) (Kairouz et al. 2015; ``tpr_bound_dp``), which includes the
     sampling amplification. Each pair is a valid bound, so the minimum over a finite grid
     of ε is sound. The reported bound is the smaller of the two.
 
@@ -33,7 +33,7 @@ SPI(k), the Subspace Privacy Index (our definition; the seed names it only)
     estimators, the other clients known) of the most exposed k-dimensional inversion:
     by Cauchy interlacing it is ``σ² (1 + p_min Σ_{i<k} 1/p_(i))``, with p_(1) >= p_(2) >= …
     the eigenvalues of P and p_min the smallest, attained by V = the top k − 1 eigenvectors
-    plus the bottom one (:func:`spi`). Isotropic noise gives ``kσ²``; an elliptical metric
+    plus the bottom one (``spi``). Isotropic noise gives ``kσ²``; an elliptical metric
     lowers it (more signal-to-noise along P's large directions), which is the price of
     aligning the noise. Higher is more private. It is a per-release index, not a DP
     guarantee, and is labelled so wherever it is printed.

@@ -15,13 +15,13 @@ accountant does (``rdp += count * curve``, Mironov 2017, Prop. 1), so the total 
 bit for bit an ``RdpAccountant`` composing the same groups in the same order. ε and δ
 then come from dp-accounting's own conversions (``compute_epsilon``/``compute_delta``).
 The Skellam event, which dp-accounting's accountants do not know, has its curve from
-:func:`privacy.skellam.skellam_rdp` and is added in the same way.
+``privacy.skellam.skellam_rdp`` and is added in the same way.
 
 PLD: likewise, ``PLDAccountant.compose(event, count)`` rebuilds the event's PLD (0.3-0.4 s
 for a Poisson-subsampled Gaussian at the default discretisation) on every composition,
 and the ledger composes its groups afresh whenever a count changes, i.e. every round. We
-memoise each event's PLD (:func:`event_pld`) and compose the groups as that accountant
-does (:func:`_group_plds`, which mirrors ``PLDAccountant._maybe_compose``): from
+memoise each event's PLD (``event_pld``) and compose the groups as that accountant
+does (``_group_plds``, which mirrors ``PLDAccountant._maybe_compose``): from
 ``identity()``, ``pld = pld.compose(event_pld.self_compose(count))`` in group order, so ε
 and δ equal bit for bit a ``PLDAccountant`` composing the same groups. Events that
 function does not mirror (or that PLD does not support) go through a fresh
@@ -57,8 +57,8 @@ def event_rdp_curve(
 ) -> np.ndarray:
     """The RDP curve of one event at ``orders``, from dp-accounting (read-only).
 
-    A :class:`~privacy.skellam_accounting.SkellamDpEvent` (its sensitivities already under the
-    relation), alone or self-composed, gets :func:`~privacy.skellam.skellam_rdp`.
+    A ``SkellamDpEvent`` (its sensitivities already under the
+    relation), alone or self-composed, gets ``skellam_rdp``.
     """
     count, inner = 1, event
     if isinstance(event, dp_event.SelfComposedDpEvent):
@@ -118,7 +118,7 @@ def event_pld(
 
     ``event`` is a ``LaplaceDpEvent`` or a ``PoissonSampledDpEvent`` of a Gaussian or a
     Laplace with non-zero parameters (the events whose PLD does not depend on the count;
-    see :func:`_group_plds`). dp-accounting's PLDs are immutable (``compose`` and
+    see ``_group_plds``). dp-accounting's PLDs are immutable (``compose`` and
     ``self_compose`` return new ones), so the cached PLD is shared. A subsampled-Gaussian
     PLD at discretisation 1e-4 holds two float64 arrays of ~80 000 values (~1.3 MB):
     64 of them take ~80 MB at most.
@@ -144,7 +144,7 @@ def event_pld(
 
 
 class _NotMirrored(Exception):
-    """An event :func:`_group_plds` leaves to a real ``PLDAccountant``."""
+    """An event ``_group_plds`` leaves to a real ``PLDAccountant``."""
 
 
 def _group_plds(
@@ -160,8 +160,8 @@ def _group_plds(
     Mirrors ``dp_accounting.pld.pld_privacy_accountant.PLDAccountant._maybe_compose``
     (dp-accounting 0.6.0) for NoOp, NonPrivate, SelfComposed, Composed, Gaussian,
     Laplace and PoissonSampled(Gaussian | Laplace) events, with the count-independent
-    PLDs taken from :func:`event_pld`. Returns False when the event is not private
-    (the accountant's ``_contains_non_dp_event``: ε = inf). Raises :class:`_NotMirrored`
+    PLDs taken from ``event_pld``. Returns False when the event is not private
+    (the accountant's ``_contains_non_dp_event``: ε = inf). Raises ``_NotMirrored``
     for any other event, or a relation the accountant refuses for it, so that the
     caller falls back to the accountant (which then composes it, or raises).
     ``tests/privacy/test_composition_cache.py`` pins this against ``PLDAccountant``.
@@ -238,7 +238,7 @@ def compose_pld(
 
     From ``identity()``, ``pld = pld.compose(p)`` for each PLD ``p`` of each group in
     order (``event_pld(event).self_compose(count)`` for the cached events), exactly the
-    accountant's sequence of operations. Groups with an event :func:`_group_plds` does
+    accountant's sequence of operations. Groups with an event ``_group_plds`` does
     not mirror are composed by a fresh ``PLDAccountant`` (which raises
     ``UnsupportedEventError`` for events PLD cannot account).
     """

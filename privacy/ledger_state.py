@@ -2,7 +2,7 @@
 
 ``state_dict`` holds the configuration, every release, every unaccounted release and
 every client-reported local guarantee, plus a schema name and version; loading
-validates all of it and fails with :class:`~privacy.events.AccountingError` naming
+validates all of it and fails with ``AccountingError`` naming
 what is wrong.
 """
 
@@ -62,7 +62,7 @@ def _nonempty(name: str, value: object) -> str:
 
 @dataclass(frozen=True)
 class LedgerConfig:
-    """A ledger's validated configuration (see :class:`~privacy.accounting.PrivacyLedger`)."""
+    """A ledger's validated configuration (see ``PrivacyLedger``)."""
 
     accountant: str
     sampling: str

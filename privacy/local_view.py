@@ -1,6 +1,6 @@
 """What the server itself learns about each client: per-client ε over its participations.
 
-The run's :class:`~privacy.accounting.PrivacyLedger` bounds what observers of the
+The run's ``PrivacyLedger`` bounds what observers of the
 released model learn (the trusted-server threat model). When clients noise their own
 uploads and no secure aggregation hides them (``dp.noise-site = "client"``, Laplace,
 CP-NP deltas seen by an edge), the server sees every noisy upload on its own, and it
@@ -8,10 +8,10 @@ knows whom it asked: no amplification by sampling holds against it. Against the 
 each client's ε is then the composition of the releases of the rounds it was asked to
 train in (the local threat model), counted when the message is sent, answered or not.
 
-:class:`LocalViewLedger` keeps those per-client counts and reports the worst client's ε
+``LocalViewLedger`` keeps those per-client counts and reports the worst client's ε
 and a bound on every client's (below), exact for Gaussian uploads (unsampled Gaussians
 compose into one Gaussian), the run's accountant otherwise. Releases are grouped by mechanism (a
-:class:`~privacy.events.Release` with its round, note and sample sizes blanked), so a
+``Release`` with its round, note and sample sizes blanked), so a
 client's history is a vector of counts; clients with the same counts share one ε
 computation, and with one mechanism the worst client is simply the one asked most often.
 ``charge_all`` adds a release to every client, present and future: a resumed run charges
@@ -59,7 +59,7 @@ class LocalViewLedger:
     mechanisms : tuple of str
         Mechanisms the releases use ("gaussian", "laplace").
     max_epsilon : float, optional
-        Budget: :meth:`would_exceed` says whether one more release would take some
+        Budget: ``would_exceed`` says whether one more release would take some
         client above it.
     """
 
@@ -138,7 +138,7 @@ class LocalViewLedger:
 
     def _epsilon(self, signature: tuple[int, ...]) -> float:
         """ε of a count vector: exact when every release is Gaussian (they compose into
-        one Gaussian, :func:`privacy.composition.gaussian_epsilon`), else the accountant's
+        one Gaussian, ``privacy.composition.gaussian_epsilon``), else the accountant's
         (Laplace: the smaller of it and basic composition)."""
         if signature not in self._cache and all(
             u.mechanism == "gaussian" for u, c in zip(self._units, signature, strict=False) if c
@@ -239,7 +239,7 @@ class LocalViewLedger:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`.
+        """Restore ``state_dict``.
 
         Raises
         ------

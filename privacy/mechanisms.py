@@ -4,14 +4,14 @@ A model update is a list of numpy arrays; clipping and norms act on the whole up
 at once (all arrays together), as in McMahan et al. 2018, "Learning Differentially
 Private Recurrent Language Models". As in pfl-research, a mechanism has two phases:
 ``clip`` bounds one client's contribution (its sensitivity) and ``noise_*`` perturbs
-what is released. The same :class:`GaussianMechanism` serves server-side noising
+what is released. The same ``GaussianMechanism`` serves server-side noising
 (N(0, (zC)²) once on the sum) and client-side noising (each of m clients adds
 N(0, (zC)²/m), so the sum carries the same N(0, (zC)²)).
 
 Clipping guarantees its bound in floating point: the norm of the returned arrays, as
-computed by :func:`global_l2_norm` / :func:`global_l1_norm` (and by a plain float64
+computed by ``global_l2_norm`` / ``global_l1_norm`` (and by a plain float64
 sum), never exceeds the clip norm, also after casting back to float32. Non-finite
-input raises :class:`NonFiniteUpdateError` instead of producing garbage.
+input raises ``NonFiniteUpdateError`` instead of producing garbage.
 
 Integer arrays (e.g. BatchNorm's ``num_batches_tracked``, a count of local steps)
 are not released: clipping returns them as zero deltas (the receiver keeps its own,
@@ -19,8 +19,8 @@ public value) and adds nothing of them to the norm, and noise leaves them as the
 The ε then covers every array released, and a counter that grows with a client's data
 never reaches the server (docs/privacy.md, "Integer arrays").
 
-Randomness always comes from an explicit :class:`numpy.random.Generator`
-(:func:`make_generator`, :func:`secure_generator`, :func:`noise_generator`); the noise a
+Randomness always comes from an explicit ``numpy.random.Generator``
+(``make_generator``, ``secure_generator``, ``noise_generator``); the noise a
 guarantee relies on is secret (OS entropy) unless the run opts into reproducible noise.
 
 Floating point. Noise is drawn and added in float64 (``numpy``'s Gaussian and Laplace
@@ -253,7 +253,7 @@ def clip_by_l2_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipRe
 
 
 def clip_by_l1_norm(arrays: Sequence[np.ndarray], *, clip_norm: float) -> ClipResult:
-    """Scale the whole update by min(1, C/‖update‖₁); see :func:`clip_by_l2_norm`."""
+    """Scale the whole update by min(1, C/‖update‖₁); see ``clip_by_l2_norm``."""
     return _clip(arrays, clip_norm, _l1_norm64, _l1_norm64_plain)
 
 
@@ -267,7 +267,7 @@ def clip_by_norm(
 
     ``norm`` receives the update as float64 arrays (already checked finite) and must be
     a norm (absolutely homogeneous). The returned arrays satisfy ``norm(...) <= C`` after
-    casting back to their dtypes, as for :func:`clip_by_l2_norm`.
+    casting back to their dtypes, as for ``clip_by_l2_norm``.
     """
     return _clip(arrays, clip_norm, norm, norm)
 
@@ -478,7 +478,7 @@ def make_generator(seed: int, *streams: int) -> np.random.Generator:
 
     Distinct ``streams`` (round, client id, purpose) give independent generators
     from one run seed. Never for randomness a DP guarantee relies on, unless the user
-    asked for ``dp.reproducible-noise`` (:func:`noise_generator`).
+    asked for ``dp.reproducible-noise`` (``noise_generator``).
     """
     entropy = [seed, *streams]
     if any(isinstance(v, bool) or int(v) != v or v < 0 for v in entropy):
@@ -509,7 +509,7 @@ def noise_generator(
 ) -> np.random.Generator:
     """The generator of randomness a DP guarantee relies on (noise, DP sampling).
 
-    Secret (:func:`secure_generator`) unless ``reproducible`` (``dp.reproducible-noise``,
+    Secret (``secure_generator``) unless ``reproducible`` (``dp.reproducible-noise``,
     a debugging opt-in): then ``make_generator(seed, *streams)``, which anyone who
     knows ``seed`` can recompute, so no ε holds against them.
     """

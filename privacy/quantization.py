@@ -3,7 +3,7 @@
 Seed: ``/work/shared/seeds/004_faf96a1cb9f07583.txt`` ("Subspace-DP-FL"), whose
 ``mechanisms/quantization.py`` is "anisotropic quantization + Gaussian top-up". The
 metric ``P = U diag(λ) Uᵀ + τ I`` and the mechanism it serves (clip each update to
-``‖x‖_P ≤ C``, add ``N(0, σ²C² P⁻¹)`` to the sum) are in :mod:`privacy.subspace`.
+``‖x‖_P ≤ C``, add ``N(0, σ²C² P⁻¹)`` to the sum) are in ``privacy.subspace``.
 
 **Quantizing along the metric.** A clipped update x is whitened, ``y = P^½ x``, so
 ``‖y‖₂ = ‖x‖_P ≤ C`` and every coordinate ``|y_j| ≤ C``. The whitened vector is
@@ -17,7 +17,7 @@ By Schuchman's theorem (a uniform dither over one step), the error ``ŷ − y`` 
 ``Uniform[−Δ/2, Δ/2)^d``, independent of y, with covariance ``(Δ²/12)·I``; so the error
 of x̂ has covariance ``(Δ²/12)·P⁻¹``: exactly the *shape* of the mechanism's noise (the
 cells ``P^(-½)·cube`` are elongated where P is small, like the noise). All products
-with ``P^(±½)`` cost O(kd) (:meth:`SubspaceMetric.power`).
+with ``P^(±½)`` cost O(kd) (``SubspaceMetric.power``).
 
 **Bits.** With ``t = C/Δ``: ``|y_j + u_j|/Δ ≤ t + 1/2``, so ``|q_j| ≤ ceil(t + 1/2) =: L``
 and the codes take ``2L + 1`` values: ``bits_for_step = ceil(log2(2L + 1))``. In b bits
@@ -36,7 +36,7 @@ update costs ``d·b`` bits.
 errors, whitened covariance ``m·Δ²/12·I``; the mechanism's whitened noise on the sum is
 ``σ²C²·I``. The server adds ``N(0, (σ²C² − mΔ²/12)·P⁻¹)``, so the total noise covariance
 equals the mechanism's exactly: ``σ²C²·P⁻¹``. If ``σ²C² ≤ mΔ²/12`` there is no valid
-top-up and :func:`topup_noise_multiplier` raises.
+top-up and ``topup_noise_multiplier`` raises.
 
 **Privacy (plainly).** The uniform errors are independent of the data but are not
 Gaussian and give no DP guarantee by themselves. A sound accountant charges only the
@@ -113,7 +113,7 @@ def draw_dither(shape: tuple[int, ...], step: float, rng: np.random.Generator) -
 
 
 def quantize(white: np.ndarray, dither: np.ndarray, step: float, bits: int) -> np.ndarray:
-    """Codes ``round((y + u)/Δ)`` in :func:`code_dtype`; raises if one overflows b bits.
+    """Codes ``round((y + u)/Δ)`` in ``code_dtype``; raises if one overflows b bits.
 
     The check cannot fire for ``‖y‖₂ ≤ C`` with ``Δ ≥ step_for_bits(C, b)``: it guards
     the invariant, not the caller's input.
@@ -201,7 +201,7 @@ class AnisotropicQuantizer:
         return int(d) * self.bits
 
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Codes of x (``‖x‖_P ≤ C`` per column), same shape, in :func:`code_dtype`."""
+        """Codes of x (``‖x‖_P ≤ C`` per column), same shape, in ``code_dtype``."""
         values = self._check_shape("x", np.asarray(x, dtype=np.float64))
         if not np.all(np.isfinite(values)):
             raise ValueError("x must be finite")
@@ -229,7 +229,7 @@ class AnisotropicQuantizer:
         return self.metric.power(dequantize(values, dither, self.step), -0.5)
 
     def topup_noise_multiplier(self, noise_multiplier: float, *, num_clients: int) -> float:
-        """:func:`topup_noise_multiplier` at this quantizer's C and Δ."""
+        """``topup_noise_multiplier`` at this quantizer's C and Δ."""
         return topup_noise_multiplier(
             noise_multiplier, clip_norm=self.clip_norm, step=self.step, num_clients=num_clients
         )

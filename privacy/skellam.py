@@ -10,10 +10,10 @@ and reduces mod M; secure aggregation reveals only the sum mod M.
 Distributed Discrete Gaussian Mechanism for Federated Learning with Secure
 Aggregation", Sec. 4): unbiased stochastic rounding, repeated until the integer vector's
 norm is at most ``min(√(c² + d/4 + √(2 ln(1/β))(c + √d/2)), c + √d)`` for a real vector
-of norm ≤ c = C·s in d coordinates (:func:`rounded_l2_bound`); after ``max_tries``
+of norm ≤ c = C·s in d coordinates (``rounded_l2_bound``); after ``max_tries``
 failures we round toward zero, whose norm is ≤ c. Every client's integer vector thus
 has L2 norm ≤ Δ2 whatever the randomness, and L1 norm ≤ ``min(Δ2², √d Δ2)``
-(:func:`l1_bound`: ``|v| ≤ v²`` for integers).
+(``l1_bound``: ``|v| ≤ v²`` for integers).
 
 **Sum of shares.** Independent Poisson variables add (``Poisson(a) + Poisson(b) =
 Poisson(a + b)``), so the sum of the survivors' shares is exactly ``Sk(Σ μ_i)``: one
@@ -31,16 +31,16 @@ The bound concerns one sum shifted by one client's integer vector with the noise
 unchanged: the client still takes part and sends its share. That is the zero-out relation
 (its data replaced by zero: Δ = one client's bound) or replace-one (Δ doubled); under
 add-or-remove-one the client's noise share would leave with it, so the ledger refuses it
-(:func:`privacy.events.check_supported`). No amplification by sampling is claimed.
+(``privacy.events.check_supported``). No amplification by sampling is claimed.
 Composition adds RDP curves and ε comes from dp-accounting's conversion
 (``compute_epsilon``, Canonne, Kamath & Steinke 2020 / Balle et al. 2020).
 
 **Modular reduction** is post-processing: ``x mod M`` is a fixed function of the noisy
 integer sum, so the sum mod M is at least as private as the sum. It is exact (the decoded
-sum is the integer sum) when the sum stays in ``[−M/2, M/2)``: :meth:`SecureSumEncoding.fits`.
+sum is the integer sum) when the sum stays in ``[−M/2, M/2)``: ``SecureSumEncoding.fits``.
 
 The mechanism's dp-accounting event and the RDP accountant that composes it live in
-:mod:`privacy.skellam_accounting`, so that the encoding (every ClientApp imports it)
+``privacy.skellam_accounting``, so that the encoding (every ClientApp imports it)
 does not import dp-accounting.
 """
 
@@ -216,7 +216,7 @@ class SecureSumEncoding:
     def max_error(self, num_clients: int, dim: int) -> float:
         """Worst-case L∞ error of ``decode(sum)`` against the real sum of the clipped
         updates without noise: ``num_clients / s`` (rounding moves each coordinate by
-        < 1 unit). Holds when no wrap-around occurs (:meth:`fits`)."""
+        < 1 unit). Holds when no wrap-around occurs (``fits``)."""
         del dim  # the bound is per coordinate
         return num_clients / self.scale
 

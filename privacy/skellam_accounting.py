@@ -1,5 +1,5 @@
 """The Skellam mechanism's dp-accounting event and the RDP accountant that composes it
-(:mod:`privacy.skellam` has the mechanism and its RDP curve, :func:`skellam_rdp`).
+(``privacy.skellam`` has the mechanism and its RDP curve, ``skellam_rdp``).
 
 A module of its own because both subclass dp-accounting's types, so importing it imports
 dp-accounting (~0.4 s of SciPy), which the encoding's users (every ClientApp) need not.
@@ -20,7 +20,7 @@ __all__ = ["SkellamDpEvent", "SkellamRdpAccountant"]
 class SkellamDpEvent(dp_accounting.DpEvent):
     """The Skellam mechanism: ``Sk(variance)`` added to each coordinate of an integer
     query with L2/L1 sensitivities ``l2_sensitivity``/``l1_sensitivity`` (integer units,
-    under the ledger's neighbouring relation). Accounted by :func:`skellam_rdp`."""
+    under the ledger's neighbouring relation). Accounted by ``skellam_rdp``."""
 
     l2_sensitivity: float
     l1_sensitivity: float
@@ -28,8 +28,8 @@ class SkellamDpEvent(dp_accounting.DpEvent):
 
 
 class SkellamRdpAccountant(rdp_privacy_accountant.RdpAccountant):
-    """dp-accounting's RDP accountant that also composes :class:`SkellamDpEvent` (alone,
-    self-composed or inside a composed event) by :func:`skellam_rdp`: what calibration
+    """dp-accounting's RDP accountant that also composes ``SkellamDpEvent`` (alone,
+    self-composed or inside a composed event) by ``skellam_rdp``: what calibration
     and the ledger's checks compose with, so a Skellam release is accounted by the same
     conversion as every other. Extends the accountant's event traversal
     (``_maybe_compose``, dp-accounting 0.6) because dp-accounting has no hook for

@@ -21,7 +21,7 @@ whose RDP is ε(α) = α/(2σ²). ``R = W⁻¹(W R)`` is post-processing, so R h
 guarantee, and the ledger composes it as a ``GaussianDpEvent(σ)`` (subsampled as the
 run samples). This holds only if P does not depend on the private data except through
 earlier DP releases (adaptive composition): P comes from public data or from a
-:func:`release_sketch` output, both charged (or free) in the ledger.
+``release_sketch`` output, both charged (or free) in the ledger.
 ``tests/privacy/test_subspace.py`` checks the whitened clip bound and the whitened
 noise covariance σ²C² I statistically.
 
@@ -46,7 +46,7 @@ Estimating a d-dimensional subspace privately needs noise of order √d per dire
 (private PCA lower bounds), so with few clients per round and large d the gate will
 mostly refuse; that is the honest behaviour.
 
-**Allocation (part 1).** A simple documented rule, :func:`uniform_allocation`: the trace
+**Allocation (part 1).** A simple documented rule, ``uniform_allocation``: the trace
 budget B is split evenly over the k directions, ``λ_i = B/k`` (``P ⪰ τI``,
 ``Tr(Λ) = B``). Water-filling over the spectrum is part 2.
 """

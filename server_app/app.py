@@ -11,14 +11,14 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, setup
+from server_app import certify, console, run_status, setup, tracking
 from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, restore
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
-from strategies import StopTraining
+from strategies import StopTraining, threat_models
 from strategies.capabilities import innermost, ledger_of
 
 app = ServerApp()
@@ -37,6 +37,7 @@ def main(grid: Grid, context: Context) -> None:
 def _run(grid: Grid, context: Context) -> None:
     run = setup.load(context.run_config)
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
+    console.quiet_flower_rounds(bool(cfg.options["log.flower-rounds"]))
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
@@ -80,13 +81,17 @@ def _run(grid: Grid, context: Context) -> None:
         raise
     failed = outcome.status == "failed"
     title = f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}"
-    run_dir.finish(None if failed else final.to_torch_state_dict(), title=title)
+    report = threat_models.run_report(cfg.privacy, cfg.options, strategy) if ledger else None
+    status = run_status.from_report(cfg.privacy, report, outcome.to_json())
+    state = None if failed else final.to_torch_state_dict()
+    run_dir.finish(state, title=title, caption=status.caption())
     # A failed run's last model is no release to audit.
     audited = None if failed else auditor.final(run_dir, final)
     if ledger is not None:
         certify.finish(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
     write_outcome(run_dir, outcome, watch)
+    tracking.finish_run(run_dir.path, cfg.options, log)
     if failed:  # Flower's run status says so too (`flwr list`)
         raise RunFailed(outcome.reason)
 

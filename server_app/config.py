@@ -21,7 +21,9 @@ import strategies
 import tasks
 from privacy.accounting import AccountingError
 from server_app.audit import AuditSettings
+from server_app.console import ConsoleSettings
 from server_app.failures import FailurePolicy
+from server_app.tracking import TrackingSettings
 from strategies import registry
 from strategies.clustered import ClusterSettings
 from strategies.hierarchical_fedavg import HierSettings
@@ -92,6 +94,8 @@ PARTS: tuple[type[Settings], ...] = (
     SubspaceSettings,
     SecAggSettings,
     AuditSettings,
+    TrackingSettings,
+    ConsoleSettings,
 )
 
 # Keys of earlier versions, with what replaces them.

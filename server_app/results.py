@@ -457,24 +457,24 @@ class RunDirectory:
             doc["previous-outcomes"] = self.previous_outcomes
         self.write_json(OUTCOME_FILE, doc)
 
-    def finish(self, state_dict: Mapping[str, torch.Tensor] | None, title: str) -> None:
+    def finish(
+        self, state_dict: Mapping[str, torch.Tensor] | None, title: str, caption: str = ""
+    ) -> None:
         """Save the final model (``None``: a failed run, whose last good model is in
-        ``checkpoint/``) and the learning-curve plot."""
+        ``checkpoint/``) and the learning-curve plot (``caption``: its ε line)."""
         import matplotlib
 
         matplotlib.use("Agg")  # the ServerApp draws to files only, display or not
-        import matplotlib.pyplot as plt
 
-        from server_app.plots import plot_learning_curve
+        from server_app.plots import plot_learning_curve, save_figure
 
         if state_dict is not None:
             _atomic_torch_save(self.path / "model.pt", dict(state_dict))
         if self._writer is not None:
             self._writer.close()
         if self.rows:
-            figure = plot_learning_curve(pd.DataFrame(self.rows), title=title)
-            figure.savefig(self.path / "plots" / "learning_curve.png", dpi=120)
-            plt.close(figure)
+            figure = plot_learning_curve(pd.DataFrame(self.rows), title=title, caption=caption)
+            save_figure(figure, self.path / "plots" / "learning_curve.png")
 
 
 def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:

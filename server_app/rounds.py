@@ -145,10 +145,13 @@ class Progress:
     def done(self) -> int:
         return len(self.seconds)
 
-    def eta(self) -> float:
-        """Seconds left: the mean warm round times the rounds left."""
-        warm = self.seconds[1:] or self.seconds
-        return sum(warm) / len(warm) * (self.total - self.done) if warm else 0.0
+    def eta(self) -> float | None:
+        """Seconds left: the mean warm round times the rounds left; None until a warm
+        round finished (round 1's time is mostly start-up: no estimate from it)."""
+        warm = self.seconds[1:]
+        if self.done >= self.total:
+            return 0.0
+        return sum(warm) / len(warm) * (self.total - self.done) if warm else None
 
     def line(self, result: RoundResult, round_seconds: float) -> str:
         self.seconds.append(round_seconds)
@@ -158,7 +161,7 @@ class Progress:
             f"[round {result.server_round}/{self.total}]",
             f"{round_seconds:.1f}s",
             f"elapsed {_clock(elapsed)}",
-            f"ETA {_clock(eta)}",
+            f"ETA {_clock(eta)}" if eta is not None else "ETA after round 2",
         ]
         for name, record in (
             ("train", result.train),

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from logging import WARNING
+from logging import INFO, WARNING
 
 from flwr.app import Error, Message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
@@ -53,6 +53,7 @@ MAX_POLL = 0.5  # the longest wait between two pulls, on a deployed SuperLink
 SIMULATION_MAX_POLL = 0.05  # ... and in Flower's simulation, where a pull is in-process
 BACKOFF = 1.1  # each wait is this much longer than the previous one
 MAX_PULL_SHARE = 0.1  # the share of a core that pulls for replies use, at most
+PROGRESS_EVERY_S = 10.0  # a line while replies are awaited this long (start-up: 35-55 s)
 
 
 def send_and_receive(
@@ -91,6 +92,7 @@ def send_and_receive(
     pending = set(pushed)
     deadline = None if timeout is None else time.monotonic() + timeout
     wait, replies, polling = first_poll, [], 0.0
+    begun = said = time.monotonic()
     while pending:
         started = time.thread_time()
         got = [
@@ -109,6 +111,12 @@ def send_and_receive(
             break
         # The floor is the last empty pull's cost, not the schedule's: one costly
         # pull lengthens the waits until a cheaper one.
+        if time.monotonic() - said >= PROGRESS_EVERY_S:  # e.g. ClientApps starting
+            said = time.monotonic()
+            waited = f"{len(replies)} of {len(pushed)} after {said - begun:.0f} s"
+            log(
+                INFO, "Waiting for replies: %s (a ClientApp starts with its first message)", waited
+            )
         nap = max(wait, polling * (1 / MAX_PULL_SHARE - 1))
         time.sleep(nap if left is None else min(nap, left))
         wait = min(wait * BACKOFF, max_poll)

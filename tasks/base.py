@@ -119,7 +119,7 @@ class DPSGD:
     planned_rounds: int = 0
     max_epsilon: float = 0.0
     """If > 0, the client refuses (before training) a round that would take its
-    sample-level epsilon above this (:class:`tasks.dpsgd.BudgetExceeded`)."""
+    sample-level epsilon above this (``tasks.dpsgd.BudgetExceeded``)."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ class Task(ABC):
         return None
 
     def check_partitioning(self, num_partitions: int) -> None:
-        """Raise :class:`~tasks.options.ConfigError` when the data cannot be split into
+        """Raise ``ConfigError`` when the data cannot be split into
         ``num_partitions`` clients that each hold some (the ServerApp asks at start-up,
         before any message); the default checks nothing."""
         return None

@@ -22,8 +22,8 @@ that is not per-example would be dropped. They are added to ``p.grad`` after the
 noise (``public_gradient``); being a function of the parameters only, they cost no
 privacy.
 
-:func:`train_private` is a task's whole DP-SGD training round on these pieces: the
-noise multiplier calibrated to ``dp.target-epsilon`` (:func:`calibrated_settings`), the
+``train_private`` is a task's whole DP-SGD training round on these pieces: the
+noise multiplier calibrated to ``dp.target-epsilon`` (``calibrated_settings``), the
 budget check, the proximal gradient on the public path, the task's own epochs on the
 private loader and optimizer, and the accountant history and epsilon report.
 """
@@ -202,7 +202,7 @@ def calibrate_noise_multiplier(
 def calibrated_settings(local: LocalTraining, *, sample_rate: float, epochs: int) -> DPSGD:
     """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any.
 
-    Calibrated once per client (cached in ``local.state`` under :data:`CALIBRATED_KEY`)
+    Calibrated once per client (cached in ``local.state`` under ``CALIBRATED_KEY``)
     for the worst case of training ``epochs`` local epochs in every one of the planned
     rounds, at ``sample_rate`` (capped at 1).
     """
@@ -225,7 +225,7 @@ class BudgetExceeded(ValueError):
 def check_budget(
     history: Sequence[Sequence[Any]], planned: HistoryEntry, *, delta: float, max_epsilon: float
 ) -> None:
-    """Raise :class:`BudgetExceeded` if ``history`` plus the ``planned`` steps
+    """Raise ``BudgetExceeded`` if ``history`` plus the ``planned`` steps
     ``(z, q, steps)`` exceed ``max_epsilon`` at ``delta`` (0: no budget); before training."""
     if max_epsilon <= 0:
         return
@@ -304,7 +304,7 @@ class PrivateTraining:
     """The Opacus objects of one DP-SGD training run on a plain module.
 
     Train with ``loader`` and ``optimizer`` as usual (zero_grad, forward, mean loss,
-    backward, step), inside ``with``; leaving the block (or :meth:`finish`) removes
+    backward, step), inside ``with``; leaving the block (or ``finish``) removes
     every hook and attribute Opacus put on ``model``.
     """
 
@@ -373,12 +373,12 @@ def make_private(
     dp : DPSGD
         Noise multiplier, clip norm and delta.
     generator_seed : int
-        Seed of the sampling and noise generators (:func:`seeded_generators`).
+        Seed of the sampling and noise generators (``seeded_generators``).
     history : sequence of (noise_multiplier, sample_rate, steps)
         The accountant history of earlier DP-SGD training, to continue from.
     public_gradient : callable, optional
         Adds data-independent gradient terms to ``p.grad`` after noising and before
-        the update (e.g. :func:`add_proximal_gradient`).
+        the update (e.g. ``add_proximal_gradient``).
     model_name : str, optional
         The model's ``model.name``, for the incompatibility error (default: the
         class name).
@@ -444,8 +444,8 @@ def train_private(
     """One client's DP-SGD training round; extends the accountant history in ``local.state``.
 
     The noise multiplier is ``local.dp_sgd``'s or, with a target epsilon, the calibrated
-    one (:func:`calibrated_settings`); a round that would exceed ``dp.max_epsilon`` is
-    refused before training (:func:`check_budget`). The proximal gradient
+    one (``calibrated_settings``); a round that would exceed ``dp.max_epsilon`` is
+    refused before training (``check_budget``). The proximal gradient
     ``mu (w - w_global)`` does not depend on the data: it is added to the noisy clipped
     gradient (Opacus would drop it from the loss), so ``run_epochs`` must not put it in
     its loss.
@@ -453,7 +453,7 @@ def train_private(
     Parameters
     ----------
     model, optimizer, loader
-        As for :func:`make_private`; ``loader``'s batch size is the expected batch size.
+        As for ``make_private``; ``loader``'s batch size is the expected batch size.
     local : LocalTraining
         ``dp_sgd`` (set), ``proximal_mu``, ``dp_seed`` and the client's ``state``.
     epochs : int
@@ -464,13 +464,13 @@ def train_private(
         ``run_epochs(private_loader, private_optimizer)`` trains ``epochs`` epochs without
         the proximal term and returns the task's training metrics.
     model_name : str, optional
-        For :func:`make_private`'s incompatibility error.
+        For ``make_private``'s incompatibility error.
 
     Returns
     -------
     dict
         ``run_epochs``' metrics, the cumulative ``local-epsilon`` and this round's steps
-        (:func:`round_report`).
+        (``round_report``).
     """
     num_examples, batch_size = len(loader.dataset), int(loader.batch_size or 1)
     dp = calibrated_settings(local, sample_rate=batch_size / num_examples, epochs=epochs)

@@ -3,14 +3,14 @@
 Ratnayake, Chen & Ding (2025), "Privacy-Preserving Hierarchical Federated Learning
 with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloaded-dp-hfl).
 
-* **CG-NG** (:func:`train_clipped_gradients`): in every local epoch each batch
+* **CG-NG** (``train_clipped_gradients``): in every local epoch each batch
   gradient (global L2 norm over all parameters) is clipped, ``g * min(1, C / (||g||
   + 1e-6))``, and accumulated; at the epoch's end ``.grad`` is set to their average
   and ONE optimizer step is taken. Only in the final epoch is ``N(0, sigma^2)`` added
   to every coordinate of that average.
 * **CG-NP**: the same epochs without gradient noise; afterwards ``N(0, sigma^2)`` is
   added to every trainable parameter (not to buffers).
-* **CP-NP** (:func:`clip_and_noise_delta`): after ordinary local training the update
+* **CP-NP** (``clip_and_noise_delta``): after ordinary local training the update
   ``dw = w_after - w_before`` is clipped to global L2 norm ``C`` and ``N(0, sigma^2)``
   is added to every coordinate; only the noisy ``dw`` is sent. The edge applies
   ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (``strategies.hierarchical_fedavg.apply_deltas``).
@@ -28,7 +28,7 @@ post-processing; the server's ledger composes the releases.
 
 CG-NG and CG-NP, as in the seed, clip per *batch*: no sample-level guarantee. Clipping
 each example's gradient instead (``per_example=True``, Opacus' per-sample hooks as in
-:mod:`tasks.dpsgd`) is not enough on its own: CG-NG's noiseless earlier epochs and
+``tasks.dpsgd``) is not enough on its own: CG-NG's noiseless earlier epochs and
 CG-NP's noise after training have no per-example bound better than the trivial one.
 In a non-convex model one changed example moves the next iterate by up to
 ``2 lr C / n``, after which every later clipped gradient, taken at a different point,
@@ -42,7 +42,7 @@ Hence, with ``per_example=True``:
   public, as Opacus treats the expected batch size); ``N(0, sigma^2)`` on the average
   is std ``n sigma`` on the sum: noise multiplier ``z = n sigma / C`` at sample rate 1.
   Opacus' RDP accountant composes the steps over a history in the client's state
-  (:data:`tasks.dpsgd.HISTORY_KEY`, the client's sample-level history whatever
+  (``tasks.dpsgd.HISTORY_KEY``, the client's sample-level history whatever
   mechanism made it); ``local-epsilon`` at ``delta`` is reported.
 * CG-NP raises: noise only on the final parameters has no per-example bound beyond
   the client-level one; use ``privacy = "cg-ng"`` with ``dp.per-example = true``, or
@@ -56,7 +56,7 @@ and CG-NG (noise ``lr sigma`` on the weights) with ``z = sigma / (C S)``; per-ex
 CG-NG composes ``E`` Gaussian steps of ``z = sigma / C``.
 
 Data-dependent buffers (e.g. BatchNorm statistics) are neither clipped nor noised
-here; per-example mode rejects such models (:func:`tasks.dpsgd.check_compatible`).
+here; per-example mode rejects such models (``tasks.dpsgd.check_compatible``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class FrontLoadedDP:
     Attributes
     ----------
     mode : str
-        ``privacy``: one of :data:`MODES`.
+        ``privacy``: one of ``MODES``.
     clip : float
         ``dp.clip-norm``: the L2 clipping bound C.
     sigma : float
@@ -264,7 +264,7 @@ def train_clipped_gradients(
         Where batches are moved.
     state : dict, optional
         The client's persistent state; required with ``dp.per_example`` (its
-        accountant history under :data:`tasks.dpsgd.HISTORY_KEY` is extended).
+        accountant history under ``tasks.dpsgd.HISTORY_KEY`` is extended).
 
     Returns
     -------

@@ -3,7 +3,7 @@
 Flower hands every process the run-config as a flat ``dict[str, bool | int | float |
 str]`` (nested TOML tables flattened with dots, e.g. ``"fedprox.mu"``). Each part of
 the app (top level, strategies, privacy, each task) declares its keys as a tuple of
-:class:`Option`; :func:`parse_options` turns the flat dict into plain Python values,
+``Option``; ``parse_options`` turns the flat dict into plain Python values,
 checking type, range and choices, and naming the key and the valid values on error.
 
 This module lives in ``tasks/`` because the ClientApp parses the task's options too,

@@ -8,7 +8,7 @@ Liu et al., 2020, "Client-Edge-Cloud Hierarchical Federated Learning") draws the
 members of each edge at random; here the assignment is a pure function of the ids, so
 every process (ServerApp, each ClientApp, partitioning) derives the same one without
 communication. Data heterogeneity across edges is the partitioner's job (see the
-``one-class`` mode of :mod:`tasks.vision.partitioning`).
+``one-class`` mode of ``tasks.vision.partitioning``).
 
 Pure Python: no numpy, torch or Flower.
 """

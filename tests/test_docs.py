@@ -79,8 +79,34 @@ def test_the_build_is_strict_and_static():
 
 
 def test_benchmarks_page_includes_the_benchmarks_file():
-    assert '--8<-- "bench/BENCHMARKS.md"' in (DOCS / "benchmarks.md").read_text()
+    # one page per section: the overview and the section pages include, between them,
+    # every line of the file once
+    assert '--8<-- "bench/BENCHMARKS.md:1:' in (DOCS / "benchmarks.md").read_text()
     assert (REPO / "bench" / "BENCHMARKS.md").is_file()
+    lines = (REPO / "bench" / "BENCHMARKS.md").read_text().splitlines()
+    pages = [DOCS / "benchmarks.md", *sorted((DOCS / "benchmarks").glob("*.md"))]
+    ranges = [
+        (int(a), int(b))
+        for page in pages
+        for a, b in re.findall(r'--8<-- "bench/BENCHMARKS.md:(\d+):(\d+)"', page.read_text())
+    ]
+    covered = sorted(n for a, b in ranges for n in range(a, b + 1))
+    headings = [i for i, line in enumerate(lines, 1) if line.startswith("## ")]
+    assert len(pages) > 10 and len(ranges) == len(pages)
+    assert covered == [n for n in range(1, len(lines) + 1) if n not in headings]
+
+
+def test_benchmark_page_titles_name_no_issue_or_seed_number():
+    gen = _gen_tables()
+    assert gen.page_title("Hierarchical FL (`python -m lab.comparison`, seed 003)") == (
+        "Hierarchical FL (python -m lab.comparison)"
+    )
+    assert gen.page_title("Subspace-DP at equal ε (seed 004, `python -m lab.x`)") == (
+        "Subspace-DP at equal ε (python -m lab.x)"
+    )
+    assert gen.page_title("Deployed rounds (issue 26)") == "Deployed rounds"
+    nav = MKDOCS.split("# BEGIN benchmarks", 1)[1].split("# END benchmarks", 1)[0]
+    assert not re.search(r"issue \d|seed \d{3}", nav)
 
 
 def test_readme_links_resolve():
@@ -94,3 +120,24 @@ def test_readme_links_resolve():
 def test_readme_is_the_front_door():
     assert len(README.splitlines()) <= 200
     assert "mkdocs build --strict" in README
+
+
+def test_api_docstrings_have_no_sphinx_roles():
+    # mkdocstrings shows :class:`X` as raw text: the rendered packages use ``X``
+    role = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj|const):`")
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for package in ("privacy", "tasks")
+        for path in sorted((REPO / package).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if role.search(line)
+    ]
+    assert not found, f"Sphinx roles in rendered docstrings: {found[:10]}"
+
+
+def test_math_and_wide_tables_are_configured():
+    assert "pymdownx.arithmatex" in MKDOCS and "generic: true" in MKDOCS
+    assert "javascripts/mathjax.js" in MKDOCS and "tex-mml-chtml.js" in MKDOCS
+    assert (DOCS / "javascripts" / "mathjax.js").is_file()
+    css = (DOCS / "stylesheets" / "extra.css").read_text()
+    assert "stylesheets/extra.css" in MKDOCS and "white-space: nowrap" in css

@@ -4,8 +4,8 @@ The real data is Kaggle's "Indian Personal Finance and Spending Habits" CSV (20 
 rows, 27 columns; seed 001, section 4). It cannot be downloaded here, so
 ``finance.data-path`` names a local copy; when it is empty a synthetic table with the
 same schema and plausible relations is generated from the run seed
-(:func:`generate_synthetic`). Either way the table goes through the seed's
-preprocessing (:func:`prepare`):
+(``generate_synthetic``). Either way the table goes through the seed's
+preprocessing (``prepare``):
 
 1. hold out ``finance.central-test-fraction`` of the rows as the server's central
    test set (seeded, before partitioning);
@@ -72,7 +72,7 @@ class FinanceTable:
     Attributes
     ----------
     frame : pandas.DataFrame
-        The 27 columns of :data:`COLUMNS`, in that order; ``Age`` and ``Dependents``
+        The 27 columns of ``COLUMNS``, in that order; ``Age`` and ``Dependents``
         ``int64``, the categories strings, every other column ``float64``.
     source : str
         The file path, or ``"synthetic (seed S, N rows)"``.
@@ -157,7 +157,7 @@ def validate_table(frame: pd.DataFrame, path: str) -> pd.DataFrame:
 
 
 def _numeric_column(values: pd.Series, fail) -> pd.Series:
-    """``values`` as float64 (int64 for :data:`INTEGER_COLUMNS`), or raise ``fail``."""
+    """``values`` as float64 (int64 for ``INTEGER_COLUMNS``), or raise ``fail``."""
     column = str(values.name)
     numbers = pd.to_numeric(values, errors="coerce")
     bad = values[numbers.isna()]
@@ -289,7 +289,7 @@ class PreparedData:
     Attributes
     ----------
     features : numpy.ndarray
-        ``float32 (N, 26)``: :data:`FEATURES`, categories encoded, standardised with
+        ``float32 (N, 26)``: ``FEATURES``, categories encoded, standardised with
         the pool's statistics.
     target : numpy.ndarray
         ``float32 (N,)``: ``Disposable_Income`` standardised with the pool's statistics.
@@ -298,7 +298,7 @@ class PreparedData:
     brackets : numpy.ndarray
         ``int64 (N,)``: income quartile 0-3 by the pool's quartiles.
     keys : numpy.ndarray
-        ``int64 (N,)``: the partition key, see :func:`partition_keys`.
+        ``int64 (N,)``: the partition key, see ``partition_keys``.
     pool, central : numpy.ndarray
         Sorted row indices of the client pool and of the central test set.
     feature_scaler, target_scaler : StandardScaler
@@ -320,7 +320,7 @@ class PreparedData:
 
 
 def encode_features(frame: pd.DataFrame) -> np.ndarray:
-    """The 26 :data:`FEATURES` as ``float64 (N, 26)``; categories as their index in the
+    """The 26 ``FEATURES`` as ``float64 (N, 26)``; categories as their index in the
     schema's sorted category list (Professional 0, Retired 1, Self_Employed 2,
     Student 3; Tier_1 0, Tier_2 1, Tier_3 2)."""
     columns = []
@@ -395,6 +395,6 @@ def prepare(
 def prepared_data(
     data_path: str, synthetic_rows: int, seed: int, central_test_fraction: float
 ) -> PreparedData:
-    """:func:`prepare` of :func:`load_table` (cached per process)."""
+    """``prepare`` of ``load_table`` (cached per process)."""
     table = load_table(data_path, synthetic_rows, seed)
     return prepare(table.frame, seed, central_test_fraction, table.source)

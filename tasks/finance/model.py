@@ -76,7 +76,7 @@ class FinanceMLP(nn.Module):
 
 
 def build_model(seed: int, norm: str = "batch") -> FinanceMLP:
-    """A :class:`FinanceMLP` with normalisation ``norm`` and PyTorch's default init
+    """A ``FinanceMLP`` with normalisation ``norm`` and PyTorch's default init
     drawn from ``seed``; the global RNG is untouched. On the CPU."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

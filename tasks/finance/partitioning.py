@@ -36,7 +36,7 @@ Algorithm (every mode is a special case):
 
 Rows no source claims (e.g. quartile 1 rows beyond the even clients' demand) are left
 out. ``iid`` gives every client ``floor(n / K)`` random rows. Each client must get at
-least :data:`MIN_PARTITION_ROWS` rows, else a ConfigError says what to change.
+least ``MIN_PARTITION_ROWS`` rows, else a ConfigError says what to change.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ Source = tuple[np.ndarray, float]  # (cell ids, share of the client's rows)
 
 
 def parse_scheme(text: str) -> tuple[str, ...]:
-    """The parts of a ``finance.partitioning`` value, in :data:`PARTS` order.
+    """The parts of a ``finance.partitioning`` value, in ``PARTS`` order.
 
     ``"iid"`` gives ``()``; ``"quantity-skew+multi-key"`` gives
     ``("multi-key", "quantity-skew")``.
@@ -250,7 +250,7 @@ def partition_rows(
     num_partitions : int
         Number of clients ``K``.
     scheme : tuple of str
-        Parts from :func:`parse_scheme` (``()`` for iid).
+        Parts from ``parse_scheme`` (``()`` for iid).
     rng : numpy.random.Generator
         Every random choice (factors, tie-breaks, shuffles) draws from it.
 
@@ -262,7 +262,7 @@ def partition_rows(
     Raises
     ------
     ConfigError
-        If a client would get fewer than :data:`MIN_PARTITION_ROWS` rows.
+        If a client would get fewer than ``MIN_PARTITION_ROWS`` rows.
     """
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
@@ -286,7 +286,7 @@ def partition_rows(
 
 
 def _check_sizes(parts: list[np.ndarray], num_rows: int, scheme: tuple[str, ...]) -> None:
-    """Raise ConfigError if a client got fewer than :data:`MIN_PARTITION_ROWS` rows."""
+    """Raise ConfigError if a client got fewer than ``MIN_PARTITION_ROWS`` rows."""
     sizes = [len(part) for part in parts]
     smallest = int(np.argmin(sizes))
     if sizes[smallest] < MIN_PARTITION_ROWS:

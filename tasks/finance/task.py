@@ -1,14 +1,14 @@
 """Disposable-income regression on the Indian personal-finance table (seed 001).
 
-Each client trains the seed's MLP (:mod:`tasks.finance.model`) with Adam on the MSE
+Each client trains the seed's MLP (``tasks.finance.model``) with Adam on the MSE
 of the standardised target, plus the FedProx proximal term (Li et al., 2020) when
 the server sends ``proximal_mu > 0``. Clients hold the seed's non-IID partitions
-(:mod:`tasks.finance.partitioning`) of the table's client pool; the server evaluates
+(``tasks.finance.partitioning``) of the table's client pool; the server evaluates
 on a held-out central test set. Metrics: MSE on the standardised target and R²
 (R² is invariant to the target's affine scaling, so it equals R² in rupees).
 
 Sample-level DP-SGD (``privacy = 'dp-sgd'``, Abadi et al., 2016) runs through
-:func:`tasks.dpsgd.train_private`, as the vision tasks do: Poisson-sampled batches of
+``tasks.dpsgd.train_private``, as the vision tasks do: Poisson-sampled batches of
 expected size ``finance.batch-size``, each example's gradient clipped and the sum
 noised, Adam on the noisy gradient, the FedProx gradient added after the noise (it
 depends on the parameters only), and the cumulative sample-level ``local-epsilon`` with
@@ -18,7 +18,7 @@ example on its own with LayerNorm instead (``finance.norm = auto`` resolves to
 ``layer`` when ``privacy = 'dp-sgd'``, to ``batch``, the seed's model, otherwise; the
 server and every client resolve it from the same run-config, so they build the same
 architecture). With ``finance.bn = local`` the BatchNorm layers stay on each client
-(FedBN, Li et al., 2021): :meth:`FinanceTask.local_state_keys` names them; with
+(FedBN, Li et al., 2021): ``FinanceTask.local_state_keys`` names them; with
 LayerNorm there are none, and ``finance.bn = local`` is refused.
 """
 
@@ -164,7 +164,7 @@ def rows_split(data: PreparedData, rows: np.ndarray) -> RegressionSplit:
 
 
 def partition_positions(cfg: FinanceConfig, num_partitions: int) -> list[np.ndarray]:
-    """Each client's positions in the pool (:func:`partition_rows`, seeded by the run);
+    """Each client's positions in the pool (``partition_rows``, seeded by the run);
     ConfigError when a client would get too few rows."""
     data = prepared_data(cfg.data_path, cfg.synthetic_rows, cfg.seed, cfg.central_test_fraction)
     rng = np.random.default_rng([cfg.seed, PARTITION_STREAM])
@@ -270,11 +270,11 @@ def regression_metrics(prediction: np.ndarray, target: np.ndarray) -> tuple[floa
 class FinanceTask(Task):
     """Federated regression of disposable income (seed 001).
 
-    Options are :data:`FINANCE_OPTIONS` (``finance.*``) plus the top-level ``seed``
+    Options are ``FINANCE_OPTIONS`` (``finance.*``) plus the top-level ``seed``
     and ``privacy`` (which ``finance.norm = auto`` reads).
-    ``load_partition`` returns a :class:`FinancePartition`, ``load_central_test`` a
-    :class:`FinanceCentralTest`; ``evaluate`` accepts either, or a bare
-    :class:`RegressionSplit`.
+    ``load_partition`` returns a ``FinancePartition``, ``load_central_test`` a
+    ``FinanceCentralTest``; ``evaluate`` accepts either, or a bare
+    ``RegressionSplit``.
     """
 
     name = "finance"
@@ -335,7 +335,7 @@ class FinanceTask(Task):
         return torch.device(self.config.device)
 
     def build_model(self, seed: int) -> nn.Module:
-        """A fresh :class:`~tasks.finance.model.FinanceMLP` with the resolved
+        """A fresh ``FinanceMLP`` with the resolved
         ``finance.norm``, weights drawn from ``seed``."""
         return build_model(seed, self.config.norm)
 
@@ -353,7 +353,7 @@ class FinanceTask(Task):
 
     def check_partitioning(self, num_partitions: int) -> None:
         """ConfigError when ``finance.partitioning`` leaves a client fewer than
-        :data:`~tasks.finance.partitioning.MIN_PARTITION_ROWS` rows: the split every
+        ``MIN_PARTITION_ROWS`` rows: the split every
         client makes, made once by the ServerApp at start-up (the table is the one the
         central test set comes from), so that no client fails a round on it."""
         partition_positions(self.config, num_partitions)
@@ -376,7 +376,7 @@ class FinanceTask(Task):
         restored on return). ``train-loss`` is the mean MSE per row of the last
         epoch, without the proximal term. The model is back on the CPU on return.
 
-        With ``local.dp_sgd`` the epochs are DP-SGD's (:func:`tasks.dpsgd.train_private`):
+        With ``local.dp_sgd`` the epochs are DP-SGD's (``tasks.dpsgd.train_private``):
         Poisson-sampled batches (sampling and noise draw from ``local.dp_seed``), the
         proximal gradient added after the noise, the accountant history in
         ``local.state`` extended, and the cumulative ``local-epsilon`` and this round's

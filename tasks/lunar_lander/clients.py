@@ -3,9 +3,9 @@ one LunarLander-v3 environment per client, on the moon, the earth or mars.
 
 The seed's ``experiment.py`` starts from three base clients (one per planet, wind
 power 0.5) and ``add_derived_tasks`` adds ``num_to_add_per_task`` = 10 clients per
-planet with a random wind power in [0, 15]: 33 clients. :func:`client_table` builds
+planet with a random wind power in [0, 15]: 33 clients. ``client_table`` builds
 that table reproducibly from the run seed; a real SuperNode may instead describe its
-own environment in its ``node_config`` (:func:`client_from_node_config`).
+own environment in its ``node_config`` (``client_from_node_config``).
 """
 
 from __future__ import annotations
@@ -191,6 +191,6 @@ class GravityObservation(gym.ObservationWrapper):
 def make_env(client: ClientEnv, *, observe_gravity: bool = False, **kwargs: Any) -> gym.Env:
     """A fresh LunarLander-v3 with ``client``'s physics (``kwargs``: e.g. render_mode);
     with ``observe_gravity`` its observation ends with the gravity feature
-    (:class:`GravityObservation`)."""
+    (``GravityObservation``)."""
     env = gym.make(ENV_ID, **client.env_kwargs(), **kwargs)
     return GravityObservation(env, client.gravity) if observe_gravity else env

@@ -2,13 +2,13 @@
 Visualization"): learning curves per client, experiment comparisons, t-SNE / UMAP of
 the policy-weight snapshots, and the final-reward table.
 
-Everything here reads the client logs of :mod:`tasks.lunar_lander.logs` (``<run
+Everything here reads the client logs of ``tasks.lunar_lander.logs`` (``<run
 dir>/clients/*.npz``) and the run directory's ``config.json`` / ``metrics.csv``, and
 returns matplotlib Figures or pandas DataFrames; ``lab.study`` saves them. No
 Flower import.
 
 The x axis of every curve is the seed's "local epochs": a client's cumulative env
-steps / its PPO rollout size (``local_epoch`` in :func:`load_episodes`). The y axis is
+steps / its PPO rollout size (``local_epoch`` in ``load_episodes``). The y axis is
 the rolling mean of the last ``WINDOW`` = 100 episode rewards of one client.
 """
 
@@ -109,7 +109,7 @@ def epoch_grid(experiments: Mapping[str, pd.DataFrame], points: int = 200) -> np
 def planet_curves(episodes: pd.DataFrame, grid: np.ndarray) -> pd.DataFrame:
     """Mean rolling-100 reward of each planet's clients on ``grid``.
 
-    Each client's rolling curve (:func:`rolling_rewards`, from its ``MIN_EPISODES``-th
+    Each client's rolling curve (``rolling_rewards``, from its ``MIN_EPISODES``-th
     episode on) is interpolated linearly on the grid points within its own range of
     local epochs (NaN outside); a planet's curve is the mean over
     the clients that have data at that point. Columns: planet, local_epoch, reward,
@@ -152,7 +152,7 @@ def comparison_combined(
     experiments: Mapping[str, pd.DataFrame], title: str = "Experiments compared"
 ) -> Figure:
     """All experiments on one axis: colour = experiment, line style = planet; each
-    line is :func:`planet_curves` (mean over the planet's clients)."""
+    line is ``planet_curves`` (mean over the planet's clients)."""
     curves = _experiment_curves(experiments)
     planets = _all_planets(curves)
     fig, ax = plt.subplots(figsize=(10, 5.5), constrained_layout=True)
@@ -225,7 +225,7 @@ def weight_embedding(
     title: str = "",
     seed: int = 0,
 ) -> Figure:
-    """2-D t-SNE or UMAP of the weight snapshots (:func:`load_snapshots`): colour = the
+    """2-D t-SNE or UMAP of the weight snapshots (``load_snapshots``): colour = the
     client's cumulative env step (darker = later), marker = planet.
 
     Raises
@@ -334,7 +334,7 @@ def results_table(runs: Mapping[str, str | Path]) -> pd.DataFrame:
     episodes); eval-reward and eval-reward-std (the global model's
     ``eval-reward-<planet>`` in the last central evaluation, NaN without one; for
     clustered FedAvg the best of the K models); planet-env-steps (the planet's
-    clients together) and run-env-steps (all clients; see :func:`client_summary`).
+    clients together) and run-env-steps (all clients; see ``client_summary``).
     """
     rows = []
     for name, run_dir in runs.items():
@@ -390,11 +390,11 @@ def compare_to_single_agent(
     Parameters
     ----------
     table : DataFrame
-        :func:`results_table`.
+        ``results_table``.
     configs : mapping
-        ``{experiment: run-config}`` (:func:`load_run_config`).
+        ``{experiment: run-config}`` (``load_run_config``).
     baseline : str, optional
-        The Single Agent experiment; default :func:`single_agent_baseline`.
+        The Single Agent experiment; default ``single_agent_baseline``.
 
     Returns
     -------

@@ -2,18 +2,18 @@
 Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
 ``n_envs`` copies of the client's environment, plus what federating it needs.
 
-* :func:`build_policy`: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy:
+* ``build_policy``: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy:
   two hidden layers, 64 units by default) for LunarLander's spaces, optionally with the
-  gravity input (:class:`~tasks.lunar_lander.clients.GravityObservation`). Only its
+  gravity input (``GravityObservation``). Only its
   ``state_dict()`` (the policy and value networks) travels; PPO's Adam state never
   does. Training and evaluation read what the policy observes from its observation
-  space (:func:`observes_gravity`).
-* :func:`train_ppo`: one round of local PPO from the received weights, optionally
-  resuming the client's own Adam state (:func:`optimizer_tensors`).
-* :func:`proximal_gradient_hooks`: the FedProx term (Li et al., 2020) inside SB3's
+  space (``observes_gravity``).
+* ``train_ppo``: one round of local PPO from the received weights, optionally
+  resuming the client's own Adam state (``optimizer_tensors``).
+* ``proximal_gradient_hooks``: the FedProx term (Li et al., 2020) inside SB3's
   own update.
-* :class:`WeightStorageCallback`: seed 000's callback (episodes and weight snapshots).
-* :func:`play_episodes` / :func:`evaluate_episodes`: evaluation episodes
+* ``WeightStorageCallback``: seed 000's callback (episodes and weight snapshots).
+* ``play_episodes`` / ``evaluate_episodes``: evaluation episodes
   (deterministic or sampled actions), one seed each, with how each ended.
 """
 
@@ -104,7 +104,7 @@ class PPOConfig:
 
     def learning_rate_at(self, server_round: int) -> float | Callable[[float], float]:
         """SB3's ``learning_rate`` in ``server_round``: ``ppo.learning-rate``, or under
-        ``linear`` the schedule :func:`linear_over_rounds` for that round."""
+        ``linear`` the schedule ``linear_over_rounds`` for that round."""
         if self.lr_schedule == "constant":
             return self.learning_rate
         return partial(
@@ -202,7 +202,7 @@ def flatten_state_dict(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
 def unflatten_state_dict(
     flat: np.ndarray, reference: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`flatten_state_dict`: ``flat`` cut into ``reference``'s
+    """The inverse of ``flatten_state_dict``: ``flat`` cut into ``reference``'s
     keys, shapes and dtypes (e.g. a logged weight snapshot back into a policy)."""
     sizes = [t.numel() for t in reference.values()]
     if flat.ndim != 1 or flat.size != sum(sizes):
@@ -313,9 +313,9 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tenso
 def load_optimizer_tensors(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
 ) -> bool:
-    """Load :func:`optimizer_tensors`' output into ``optimizer``; returns False, loading
+    """Load ``optimizer_tensors``' output into ``optimizer``; returns False, loading
     nothing, when they do not fit its parameters (another count or shape; the task
-    also compares the parameters' names, :func:`~tasks.lunar_lander.task.parameter_shapes`)."""
+    also compares the parameters' names, ``parameter_shapes``)."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     expected = {
         f"{OPTIMIZER_PREFIX}.{index}.{name}" for index in range(len(params)) for name in ADAM_STATE
@@ -375,7 +375,7 @@ def silent_logger() -> Logger:
 def training_env(client: ClientEnv, cfg: PPOConfig, *, seed: int, observe_gravity: bool) -> VecEnv:
     """The environments local PPO trains on: ``cfg.n_envs`` copies of ``client``'s
     (copy ``i`` seeded ``seed + i``, each inside its own ``Monitor``), observing gravity
-    if ``observe_gravity``, their rewards times ``cfg.reward_scale`` (:class:`ScaledReward`)."""
+    if ``observe_gravity``, their rewards times ``cfg.reward_scale`` (``ScaledReward``)."""
     env_fn = partial(make_env, client, observe_gravity=observe_gravity)
     vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
     return ScaledReward(vec_env, cfg.reward_scale) if cfg.reward_scale != 1.0 else vec_env
@@ -392,7 +392,7 @@ class LocalPPOResult:
     log: WeightStorageCallback = field(repr=False)
     """Episodes and weight snapshots of the round."""
     optimizer_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    """Adam's state after the round (:func:`optimizer_tensors`); empty unless
+    """Adam's state after the round (``optimizer_tensors``); empty unless
     ``cfg.keep_optimizer``."""
     learn_seconds: float = 0.0
     """Wall-clock seconds in SB3's ``PPO.learn`` (rollouts and updates: what plain SB3
@@ -444,7 +444,7 @@ def train_ppo(
     fitting ``optimizer_state`` (the client's own from its previous round), from that
     state. Optimizer state is never federated. The learning rate is
     ``cfg.learning_rate_at(server_round)``. PPO learns from the rewards times
-    ``cfg.reward_scale`` (:class:`ScaledReward`); the logged episodes stay raw.
+    ``cfg.reward_scale`` (``ScaledReward``); the logged episodes stay raw.
     PPO learns on ``cfg.torch_threads`` torch threads.
     The environments are closed whatever happens; global RNGs and torch's thread count
     are restored on return.
@@ -504,7 +504,7 @@ OUTCOMES = (CRASHED, AT_REST, TIME_LIMIT)
 
 
 class Episodes(NamedTuple):
-    """Per-episode results of :func:`play_episodes`, in the order of its seeds."""
+    """Per-episode results of ``play_episodes``, in the order of its seeds."""
 
     returns: list[float]
     lengths: list[int]
@@ -519,7 +519,7 @@ def play_episodes(
     stochastic: bool = False,
 ) -> Episodes:
     """One episode of ``policy`` per seed in ``seeds``, on ``client``'s environment:
-    its return, length and how it ended (:data:`OUTCOMES`).
+    its return, length and how it ended (``OUTCOMES``).
 
     Actions are the policy's most likely ones (``stochastic=False``, SB3's
     ``deterministic=True``), or sampled from its action distribution, the policy PPO
@@ -577,6 +577,6 @@ def evaluate_episodes(
     *,
     stochastic: bool = False,
 ) -> tuple[list[float], list[int]]:
-    """Returns and lengths of :func:`play_episodes`."""
+    """Returns and lengths of ``play_episodes``."""
     episodes = play_episodes(policy, client, seeds, stochastic=stochastic)
     return episodes.returns, episodes.lengths

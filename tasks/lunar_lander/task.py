@@ -3,9 +3,9 @@ environment (moon, earth or mars gravity, its own wind), trains SB3's PPO locall
 from the global policy and sends the policy's weights back.
 
 The model is SB3's ``ActorCriticPolicy`` (MlpPolicy); a partition is a
-:class:`~tasks.lunar_lander.clients.ClientEnv`; the central "test set" is the three
+``ClientEnv``; the central "test set" is the three
 base environments. FedProx's proximal term enters through gradient hooks
-(:func:`~tasks.lunar_lander.ppo.proximal_gradient_hooks`); sample-level DP-SGD is not
+(``proximal_gradient_hooks``); sample-level DP-SGD is not
 supported (client-level mechanisms, e.g. ``privacy='laplace'``, are).
 """
 
@@ -177,8 +177,8 @@ def parameter_shapes(model: torch.nn.Module) -> list[list[Any]]:
 class LunarLanderTask(Task):
     """PPO on LunarLander-v3, one environment per client (seed 000).
 
-    Options: :data:`LUNAR_OPTIONS` (``ppo.*``) plus the top-level ``seed``, which
-    also draws the derived clients' winds (:func:`client_table`). ``self.clients``
+    Options: ``LUNAR_OPTIONS`` (``ppo.*``) plus the top-level ``seed``, which
+    also draws the derived clients' winds (``client_table``). ``self.clients``
     is the client table; partition ``i`` is ``self.clients[i]``, unless the
     SuperNode's ``node_config`` names a ``planet``.
     """
@@ -298,7 +298,7 @@ class LunarLanderTask(Task):
         policy's parameters it belongs to: a policy whose architecture differs gets
         fresh moments. ``local.state["ppo-timesteps"]`` accumulates the client's env
         steps; with ``local.artifacts_dir`` the round's episodes and weight snapshots
-        are written there (:class:`~tasks.lunar_lander.logs.ClientRoundLog`).
+        are written there (``ClientRoundLog``).
         """
         if local.dp_sgd is not None:
             raise ValueError(
@@ -388,7 +388,7 @@ class LunarLanderTask(Task):
         ``eval-reward-<planet>``, ``eval-reward-std-<planet>`` and the mean's standard
         error ``eval-reward-se-<planet>``). The environment at table position ``i``
         (position in ``data`` for a sequence) plays the episodes of
-        :meth:`eval_seeds` ``(i)``: results are reproducible and rounds comparable.
+        ``eval_seeds`` ``(i)``: results are reproducible and rounds comparable.
         """
         if isinstance(data, ClientEnv):
             index = self.clients.index(data) if data in self.clients else 0

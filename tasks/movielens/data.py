@@ -5,13 +5,13 @@ Seed 004 ("Subspace-DP-FL", /work/shared/seeds/004_faf96a1cb9f07583.txt) lists
 personalized datasets, AUC-based evaluation". The real data is GroupLens's
 ``ratings.dat`` (lines ``UserID::MovieID::Rating::Timestamp``); it cannot be
 downloaded here, so ``movielens.data-path`` names a local copy. When it is empty,
-:func:`generate_synthetic` draws ratings with user/item latent structure from the run
+``generate_synthetic`` draws ratings with user/item latent structure from the run
 seed.
 
 Implicit feedback follows NCF (He et al., 2017, "Neural Collaborative Filtering"): a
 rating >= ``movielens.positive-threshold`` is a positive interaction; every rated item
 (positive or not) counts as *interacted*, and negatives are sampled among the items a
-user has not interacted with. :func:`prepare` makes the leave-one-out splits per user,
+user has not interacted with. ``prepare`` makes the leave-one-out splits per user,
 ordering a user's positives by timestamp (ties: file order):
 
 - the latest positive is the user's **central test** interaction (the server holds one
@@ -21,7 +21,7 @@ ordering a user's positives by timestamp (ties: file order):
 - every other positive is a **training** positive (so train, local test and central
   test never overlap).
 
-Each held-out positive gets :data:`EVAL_NEGATIVES` = 99 distinct, seeded, never-rated
+Each held-out positive gets ``EVAL_NEGATIVES`` = 99 distinct, seeded, never-rated
 items (NCF's protocol). Loaded and prepared data are cached per process
 (``functools.lru_cache``); callers must not mutate them.
 """
@@ -176,7 +176,7 @@ def _check_unique_pairs(raw: np.ndarray, numbers: np.ndarray, path: str) -> None
 
 
 def dense_ratings(raw: np.ndarray, source: str) -> Ratings:
-    """:class:`Ratings` of ``(N, 4)`` columns, ids mapped to dense indices."""
+    """``Ratings`` of ``(N, 4)`` columns, ids mapped to dense indices."""
     user_ids, users = np.unique(raw[:, 0], return_inverse=True)
     item_ids, items = np.unique(raw[:, 1], return_inverse=True)
     return Ratings(
@@ -263,8 +263,8 @@ class PreparedRatings:
     ratings : Ratings
         The data.
     role : numpy.ndarray
-        ``int64 (N,)``: :data:`TRAIN`, :data:`LOCAL_TEST`, :data:`CENTRAL_TEST` for
-        positives, :data:`NOT_POSITIVE` for ratings below the threshold.
+        ``int64 (N,)``: ``TRAIN``, ``LOCAL_TEST``, ``CENTRAL_TEST`` for
+        positives, ``NOT_POSITIVE`` for ratings below the threshold.
     rated_keys : numpy.ndarray
         Sorted ``int64`` keys ``user * num_items + item`` of every rating.
     heldout : numpy.ndarray
@@ -361,7 +361,7 @@ def distinct_negatives(
 def evaluation_negatives(
     ratings: Ratings, rated_keys: np.ndarray, heldout: np.ndarray, seed: int
 ) -> np.ndarray:
-    """:data:`EVAL_NEGATIVES` distinct never-rated items for each held-out row."""
+    """``EVAL_NEGATIVES`` distinct never-rated items for each held-out row."""
     rng = np.random.default_rng([seed, EVAL_STREAM])
     bounds = np.searchsorted(rated_keys, np.arange(ratings.num_users + 1) * ratings.num_items)
     negatives = np.empty((len(heldout), EVAL_NEGATIVES), dtype=np.int64)
@@ -399,7 +399,7 @@ def prepare(ratings: Ratings, positive_threshold: int, seed: int) -> PreparedRat
 def prepared_ratings(
     data_path: str, synthetic_users: int, synthetic_items: int, seed: int, threshold: int
 ) -> PreparedRatings:
-    """:func:`prepare` of :func:`load_ratings` (cached per process)."""
+    """``prepare`` of ``load_ratings`` (cached per process)."""
     return prepare(
         load_ratings(data_path, synthetic_users, synthetic_items, seed), threshold, seed
     )

@@ -21,7 +21,7 @@ The ranking metrics of NCF's leave-one-out protocol (each held-out positive agai
 its sampled negatives) score with this model. With one held-out positive, a user's
 AUC is the Mann-Whitney statistic: the share of its negatives scored below the
 positive, ties counting 1/2 (exactly what ``sklearn.metrics.roc_auc_score`` returns
-for those labels). :func:`heldout_auc` computes it for all users with one vectorised
+for those labels). ``heldout_auc`` computes it for all users with one vectorised
 comparison instead of one sklearn call per user (6040 calls on ML-1M, every
 evaluation).
 """
@@ -76,7 +76,7 @@ class NeuMF(nn.Module):
 
 
 def build_model(num_users: int, num_items: int, embedding_dim: int, seed: int) -> NeuMF:
-    """A :class:`NeuMF` with weights drawn from ``seed``; the global RNG is untouched.
+    """A ``NeuMF`` with weights drawn from ``seed``; the global RNG is untouched.
     On the CPU."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -7,7 +7,7 @@ AUC-based evaluation".
 - **Clients are users.** A seeded permutation ranks the users; partition ``p`` of
   ``P`` holds the users whose rank is ``p (mod P)``. With ``P`` = the number of users
   each client is exactly one user (cross-device FL); ``P`` may not exceed it.
-- **Data** (:mod:`tasks.movielens.data`): implicit feedback (rating >=
+- **Data** (``tasks.movielens.data``): implicit feedback (rating >=
   ``movielens.positive-threshold``), leave-one-out per user: the latest positive is on
   the server (central test), the second latest on the client (local test), the rest is
   the client's training set.
@@ -286,10 +286,10 @@ def heldout_metrics(model: nn.Module, test: HeldOut, loss_negatives: int) -> dic
 class MovieLensTask(Task):
     """Federated NCF on MovieLens-1M or its synthetic twin, clients = groups of users.
 
-    Options are :data:`MOVIELENS_OPTIONS` (``movielens.*``) plus the top-level ``seed``.
-    ``load_partition`` returns a :class:`MovieLensPartition`, ``load_central_test`` a
-    :class:`MovieLensCentralTest`; ``evaluate`` accepts either, or a bare
-    :class:`HeldOut`. ``num-examples`` of training is the client's number of training
+    Options are ``MOVIELENS_OPTIONS`` (``movielens.*``) plus the top-level ``seed``.
+    ``load_partition`` returns a ``MovieLensPartition``, ``load_central_test`` a
+    ``MovieLensCentralTest``; ``evaluate`` accepts either, or a bare
+    ``HeldOut``. ``num-examples`` of training is the client's number of training
     positives (each trained with ``movielens.negatives`` sampled negatives).
     """
 
@@ -341,14 +341,14 @@ class MovieLensTask(Task):
         )  # fmt: skip
 
     def build_model(self, seed: int) -> NeuMF:
-        """A fresh :class:`~tasks.movielens.model.NeuMF` sized to the data's users and
+        """A fresh ``NeuMF`` sized to the data's users and
         items (loads the data), weights drawn from ``seed``."""
         ratings = self.prepared().ratings
         return build_model(ratings.num_users, ratings.num_items, self.config.embedding_dim, seed)
 
     def load_partition(self, partition_id: int, num_partitions: int) -> MovieLensPartition:
         """Client ``partition_id`` of ``num_partitions`` (at most one per user; out of range:
-        ValueError from :func:`partition_users`, which is never cached)."""
+        ValueError from ``partition_users``, which is never cached)."""
         return load_partition_data(self.config, partition_id, num_partitions)
 
     def load_central_test(self) -> MovieLensCentralTest:

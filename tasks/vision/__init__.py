@@ -1,7 +1,7 @@
 """Image classification tasks (digits, MNIST, CIFAR-10, EMNIST ByClass).
 
 ``digits`` needs no network; the others load from the Hugging Face Hub through
-flwr-datasets and raise :class:`DatasetUnavailableError` at once when offline.
+flwr-datasets and raise ``DatasetUnavailableError`` at once when offline.
 """
 
 import sys

@@ -3,18 +3,18 @@
 ``digits`` is scikit-learn's 1797 8x8 handwritten digits (Alpaydin & Kaynak, UCI),
 shipped with scikit-learn, so it works offline: a seeded stratified split holds out
 ``data.central-test-fraction`` as the central test set and the rest is partitioned.
-With a central warm start, :func:`split_public` splits the held-out set once more
+With a central warm start, ``split_public`` splits the held-out set once more
 into public warm-start data and the central test set.
 
 Label groups (seed 004, Subspace-DP-FL: "group fairness metrics (digits vs.
-letters)" on EMNIST): :func:`label_groups` names disjoint sets of labels, EMNIST's
+letters)" on EMNIST): ``label_groups`` names disjoint sets of labels, EMNIST's
 ``digits`` (0-9) and ``letters`` (10-61), or ``low`` / ``high`` halves of any label
-set, the offline stand-in on digits. :func:`thin_labels` keeps a seeded fraction of
+set, the offline stand-in on digits. ``thin_labels`` keeps a seeded fraction of
 one group's training examples, making it a minority as EMNIST's letters are (each
-letter class is rarer than each digit class); :func:`group_metrics` turns per-label
+letter class is rarer than each digit class); ``group_metrics`` turns per-label
 evaluation tallies into per-group accuracies and the fairness gap.
 ``mnist``, ``cifar10`` and ``emnist`` come from the Hugging Face Hub through
-``flwr_datasets.FederatedDataset`` (see :mod:`tasks.vision.hub`).
+``flwr_datasets.FederatedDataset`` (see ``tasks.vision.hub``).
 
 Every loaded partition and test set is converted to normalised float tensors once
 and cached per process (``functools.lru_cache``), keyed by the dataset, the
@@ -196,7 +196,7 @@ def split_public(
     Parameters
     ----------
     held_out : TensorSplit
-        The held-out set (digits: the central ids of :func:`digits_central_split`).
+        The held-out set (digits: the central ids of ``digits_central_split``).
     public_fraction : float
         Share of ``held_out`` that becomes public, in (0, 1).
     seed : int
@@ -274,7 +274,7 @@ def array_split_pool(central_test_fraction: float) -> np.ndarray:
 def digits_pool(settings: PartitionSettings, central_test_fraction: float) -> np.ndarray:
     """The digits client pool in the order the partitioner cuts it (shuffled with the
     run seed; for ``array-split`` the peer workload's fixed order,
-    :func:`array_split_pool`)."""
+    ``array_split_pool``)."""
     if settings.partitioner == "array-split":
         return array_split_pool(central_test_fraction)
     pool, _ = digits_central_split(settings.seed, central_test_fraction)
@@ -300,7 +300,7 @@ CONTIGUOUS = ("iid", "array-split")
 def digits_partitioner(
     settings: PartitionSettings, central_test_fraction: float, num_partitions: int
 ) -> Partitioner:
-    """The partitioner over the digits client pool (:func:`digits_pool`)."""
+    """The partitioner over the digits client pool (``digits_pool``)."""
     pool = digits_pool(settings, central_test_fraction)
     labels = digits_tensors().labels.numpy()[pool]
     import datasets  # with flwr-datasets, only where partitions are built
@@ -323,7 +323,7 @@ def check_digits_partitioning(
     pool would leave clients without data: more partitions than examples. numpy's
     ``array_split`` would give them empty shards and flwr-datasets' IidPartitioner
     fails on them; either way such a client cannot train. The other partitioners
-    check themselves when they are built (:func:`infeasible_partitioning`)."""
+    check themselves when they are built (``infeasible_partitioning``)."""
     pool = len(digits_pool(settings, central_test_fraction))
     if settings.partitioner in CONTIGUOUS and num_partitions > pool:
         raise ConfigError(
@@ -459,7 +459,7 @@ def group_metrics(
     ----------
     correct, counts : numpy.ndarray
         Right predictions and examples per true label
-        (:func:`~tasks.vision.steps.tally_split`).
+        (``tally_split``).
     groups : Mapping
         Group name -> its labels (indices into ``correct`` and ``counts``).
     """

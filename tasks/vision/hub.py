@@ -1,10 +1,10 @@
 """Hugging Face Hub image datasets through ``flwr_datasets.FederatedDataset``.
 
 Without network access ``datasets.load_dataset`` retries for ~25 s before failing.
-Here a short probe of the Hub (:func:`hub_reachable`, 3 s timeout) runs first; when
+Here a short probe of the Hub (``hub_reachable``, 3 s timeout) runs first; when
 the Hub cannot be reached (or ``HF_HUB_OFFLINE`` is set) the load runs in offline
 mode, so a dataset already in the local Hugging Face cache still loads and a missing
-one fails at once with :class:`DatasetUnavailableError`.
+one fails at once with ``DatasetUnavailableError``.
 """
 
 from __future__ import annotations

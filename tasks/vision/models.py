@@ -33,8 +33,8 @@ BatchNorm is replaced by GroupNorm (Wu & He, 2018) everywhere: DP-SGD with Opacu
 needs per-example gradients, which BatchNorm's batch statistics break.
 
 Head-only training (the Subspace-DP-FL seed's "head-only FedAvg: fine-tune final
-layers only"): a model's head is its last ``nn.Linear`` (:func:`head_parameter_names`);
-:func:`train_head_only` freezes everything else, parameters and running statistics.
+layers only"): a model's head is its last ``nn.Linear`` (``head_parameter_names``);
+``train_head_only`` freezes everything else, parameters and running statistics.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def out_of_place(model: nn.Module) -> nn.Module:
 
 def resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     """torchvision ResNet-18 with GroupNorm and a stem fitted to the image size, its
-    residual sums out of place (:mod:`tasks.vision.resnet`: Opacus needs that)."""
+    residual sums out of place (``tasks.vision.resnet``: Opacus needs that)."""
     # Here, not at the top: torchvision's import costs ~1.5 s per process.
     from tasks.vision.resnet import resnet18_out_of_place
 
@@ -334,7 +334,7 @@ def build_model(
     Parameters
     ----------
     name : str
-        One of :data:`MODEL_NAMES`.
+        One of ``MODEL_NAMES``.
     in_channels, num_classes, image_size : int
         Input channels, output classes and (square) image side.
     seed : int

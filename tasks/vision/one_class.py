@@ -1,5 +1,5 @@
 """The ``one-class`` partitioner: flwr-datasets' interface over
-:func:`tasks.vision.partitioning.one_class_partition` (kept apart so that importing
+``tasks.vision.partitioning.one_class_partition`` (kept apart so that importing
 the partitioning module does not import flwr-datasets)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tasks.vision.partitioning import one_class_partition
 
 
 class OneClassPartitioner(Partitioner):
-    """flwr-datasets wrapper of :func:`one_class_partition` (one class per client).
+    """flwr-datasets wrapper of ``one_class_partition`` (one class per client).
 
     Parameters
     ----------

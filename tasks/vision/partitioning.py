@@ -2,13 +2,13 @@
 
 Modes (run-config ``data.partitioner``):
 
-- ``iid``: :class:`~flwr_datasets.partitioner.IidPartitioner`, equal contiguous shards
+- ``iid``: ``IidPartitioner``, equal contiguous shards
   of the seeded-shuffled pool.
-- ``dirichlet``: label skew, :class:`~flwr_datasets.partitioner.DirichletPartitioner`
+- ``dirichlet``: label skew, ``DirichletPartitioner``
   (Yurochkin et al., 2019, "Bayesian Nonparametric Federated Learning of Neural
   Networks"; Hsu et al., 2019): each class is divided among the clients in
   proportions drawn from ``Dir(alpha)``; small ``alpha`` means strong skew.
-- ``pathological``: :class:`~flwr_datasets.partitioner.PathologicalPartitioner` (Li et
+- ``pathological``: ``PathologicalPartitioner`` (Li et
   al., 2022, "Federated Learning on Non-IID Data Silos: An Experimental Study"): each
   client holds exactly ``data.classes-per-client`` classes, assigned in the paper's
   ``first-deterministic`` mode (client ``i`` gets class ``i % num_classes`` plus
@@ -18,7 +18,7 @@ Modes (run-config ``data.partitioner``):
   ``i`` (0-based) holds a share of the pool proportional to ``i + 1``,
   ``(i + 1)^2`` or ``e^(i + 1)`` (flwr-datasets ``IdToSizeFncPartitioner`` family).
 - ``one-class``: every client holds a single class; ``data.edge-iid`` decides how
-  the classes spread over the edges of hierarchical FL (:func:`one_class_partition`,
+  the classes spread over the edges of hierarchical FL (``one_class_partition``,
   written here: flwr-datasets has no edge-aware partitioner).
 
 Seed 003 (frontloaded-dp-hfl, after HierFL) names its splits by ``--iid``; they map
@@ -42,11 +42,11 @@ to these modes as follows.
   per client and then builds the edges from the clients' classes (edge-iid: one
   client of each of its 10 classes per edge; edge-non-iid: hand-written 5-class
   ranges for 5 edges). Here the edges are fixed contiguous blocks of partition ids
-  (:func:`tasks.topology.edge_of`, ``hier.num-edges``) and the *classes* are dealt to
+  (``tasks.topology.edge_of``, ``hier.num-edges``) and the *classes* are dealt to
   fit them, which works for any numbers of clients, edges and classes.
 
 Each partition is then split into a local train and test split with a seeded
-permutation (:func:`split_local`).
+permutation (``split_local``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class PartitionSettings:
     Attributes
     ----------
     partitioner : str
-        One of :data:`PARTITIONERS`.
+        One of ``PARTITIONERS``.
     alpha : float
         Dirichlet concentration (``dirichlet`` only).
     classes_per_client : int
@@ -232,7 +232,7 @@ def one_class_partition(
 ) -> list[np.ndarray]:
     """Give every client one class; spread the classes over the edges (seed 003, -2).
 
-    The classes are shuffled with ``rng`` and dealt by :func:`one_class_assignment`;
+    The classes are shuffled with ``rng`` and dealt by ``one_class_assignment``;
     the examples of a class are shuffled with ``rng`` and split among the clients
     holding it in near-equal parts (sizes differ by at most one). A class no client
     holds (fewer clients than classes) is left out, with a warning.
@@ -245,7 +245,7 @@ def one_class_partition(
         Number of clients.
     num_edges : int
         Number of edges (``hier.num-edges``); edges are contiguous blocks of ids
-        (:func:`tasks.topology.edge_of`).
+        (``tasks.topology.edge_of``).
     edge_iid : bool
         ``data.edge-iid``: true, each edge covers as many classes as it can; false,
         as few as it can (its clients share classes; edges differ).

@@ -1,8 +1,8 @@
 """Run-config options of the image classification tasks and their parsed form.
 
-:data:`VISION_OPTIONS` declares every ``data.*``, ``model.*``, ``train.*`` and the
+``VISION_OPTIONS`` declares every ``data.*``, ``model.*``, ``train.*`` and the
 vision-side ``subspace.*`` key (the README's table and ``pyproject.toml`` are generated
-from them); :class:`VisionConfig` is what :class:`~tasks.vision.task.ImageClassificationTask`
+from them); ``VisionConfig`` is what ``ImageClassificationTask``
 parses them into.
 """
 

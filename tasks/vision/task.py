@@ -3,29 +3,29 @@
 Local training is plain SGD with momentum on the cross-entropy loss, plus the FedProx
 proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``, or, when
 the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
-:mod:`tasks.dpsgd`.
+``tasks.dpsgd``.
 
 As in seed 003 (frontloaded-dp-hfl, after HierFL), the learning rate can decay
 exponentially with the client's cumulative local epochs (``train.lr-decay`` every
-``train.lr-decay-epochs``; :func:`decayed_lr`), and ``train.deterministic`` runs local
+``train.lr-decay-epochs``; ``decayed_lr``), and ``train.deterministic`` runs local
 training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
-section; :func:`deterministic_torch`).
+section; ``deterministic_torch``).
 
 Subspace-DP-FL's CIFAR-10 preset ("central warm-start ... head-only FedAvg,
 fine-tune final layers only"): ``subspace.warm-start`` epochs of central SGD on public
-data before round 1 (:meth:`ImageClassificationTask.warm_start`), then, with
+data before round 1 (``ImageClassificationTask.warm_start``), then, with
 ``subspace.head-only``, clients train only the last linear layer
-(:func:`~tasks.vision.models.train_head_only`). No client's data is public: the public
+(``train_head_only``). No client's data is public: the public
 split is a seeded stratified ``subspace.public-fraction`` of the server's held-out set,
 and the central test set is the rest of it.
 
 Subspace-DP-FL also reports "group fairness metrics (digits vs. letters)" on EMNIST:
-with ``data.groups`` (``auto``: digits-letters on emnist), :meth:`evaluate` adds each
+with ``data.groups`` (``auto``: digits-letters on emnist), ``evaluate`` adds each
 group's accuracy and example count and the ``fairness-gap`` (best minus worst group
 accuracy), from the same pass as the loss. ``data.group-keep`` < 1 keeps only that
 fraction of the last group in every client's train split (the ``low-high`` stand-in
 on digits then has a minority group, as EMNIST has in its letters), and
-:meth:`~ImageClassificationTask.public_gradients` can be restricted to one group.
+``public_gradients`` can be restricted to one group.
 """
 
 from __future__ import annotations
@@ -144,10 +144,10 @@ def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> Te
 class ImageClassificationTask(Task):
     """Image classification on one dataset (``SPEC``), partitioned among clients.
 
-    Options are the flat keys of :data:`VISION_OPTIONS` (``data.*``, ``model.*``,
+    Options are the flat keys of ``VISION_OPTIONS`` (``data.*``, ``model.*``,
     ``train.*``) plus the top-level ``seed``. ``load_partition`` returns a
-    :class:`~tasks.vision.data.ClientPartition`, ``load_central_test`` a
-    :class:`~tasks.vision.data.CentralTestSet`; ``evaluate`` accepts either.
+    ``ClientPartition``, ``load_central_test`` a
+    ``CentralTestSet``; ``evaluate`` accepts either.
     """
 
     EPOCHS_KEY: ClassVar[str | None] = "train.local-epochs"
@@ -258,7 +258,7 @@ class ImageClassificationTask(Task):
         """Client ``partition_id`` of ``num_partitions``: local train and test splits.
 
         With ``data.group-keep`` < 1 the train split keeps only that fraction of the
-        last label group's examples (:func:`~tasks.vision.data.thin_labels`, seeded
+        last label group's examples (``thin_labels``, seeded
         by the run seed and ``partition_id``); the local test split is untouched.
         """
         cfg = self.config
@@ -299,21 +299,21 @@ class ImageClassificationTask(Task):
 
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a
-        freshly built ``model.name`` (:func:`~tasks.vision.models.head_parameter_names`)."""
+        freshly built ``model.name`` (``head_parameter_names``)."""
         if self._head_keys is None:
             self._head_keys = head_parameter_names(self.build_model(self.config.seed))
         return self._head_keys
 
     def load_central_test(self) -> CentralTestSet:
         """The server's held-out test set; with ``subspace.warm-start`` > 0 only its part
-        that is not public (the rest of :meth:`load_public`)."""
+        that is not public (the rest of ``load_public``)."""
         if self.config.warm_start_epochs == 0:
             return self._load_held_out()
         return CentralTestSet(self._split_held_out()[1])
 
     def load_public(self) -> TensorSplit:
         """The public warm-start data: a seeded stratified ``subspace.public-fraction``
-        of the server's held-out set (:func:`~tasks.vision.data.split_public`).
+        of the server's held-out set (``split_public``).
 
         Raises
         ------
@@ -356,11 +356,11 @@ class ImageClassificationTask(Task):
     def public_gradients(
         self, model: nn.Module, keys: Sequence[str], labels: Collection[int] | None = None
     ) -> np.ndarray:
-        """Per-example gradients (n, d) on :meth:`load_public` w.r.t. the state-dict
-        entries ``keys`` (:func:`~tasks.vision.gradients.per_example_gradients`): the
+        """Per-example gradients (n, d) on ``load_public`` w.r.t. the state-dict
+        entries ``keys`` (``per_example_gradients``): the
         public geometry ``subspace.init = "public"`` starts from.
 
-        With ``labels`` (e.g. one group of :meth:`groups`) only the public examples
+        With ``labels`` (e.g. one group of ``groups``) only the public examples
         whose label is in it are used.
 
         Raises
@@ -379,7 +379,7 @@ class ImageClassificationTask(Task):
         return per_example_gradients(model, public, keys, batch_size=self.config.batch_size)
 
     def warm_start(self, model: nn.Module) -> dict[str, float]:
-        """``subspace.warm-start`` epochs of SGD on :meth:`load_public`, in place.
+        """``subspace.warm-start`` epochs of SGD on ``load_public``, in place.
 
         Central training of the whole model before round 1 with ``train.lr`` (no decay),
         ``train.momentum``, ``train.weight-decay`` and ``data.batch-size``; shuffling
@@ -434,7 +434,7 @@ class ImageClassificationTask(Task):
             raise
 
     def _head_only(self, model: nn.Module) -> AbstractContextManager[None]:
-        """:func:`~tasks.vision.models.train_head_only` if ``subspace.head-only``."""
+        """``train_head_only`` if ``subspace.head-only``."""
         return train_head_only(model, self.head_keys()) if self.config.head_only else nullcontext()
 
     def train(
@@ -446,10 +446,10 @@ class ImageClassificationTask(Task):
         DP-SGD noise and dropout draw from ``local.seed`` (the global RNG is restored
         on return). With ``local.dp_sgd`` the model trains with DP-SGD, the
         accountant history in ``local.state`` is extended and the cumulative
-        ``local-epsilon`` is reported. The learning rate follows :func:`decayed_lr`
+        ``local-epsilon`` is reported. The learning rate follows ``decayed_lr``
         over the client's cumulative epochs (``local.state``). With
         ``subspace.head-only`` only the head trains: every other state-dict tensor is
-        unchanged on return (:func:`~tasks.vision.models.train_head_only`). The model
+        unchanged on return (``train_head_only``). The model
         is back on the CPU on return.
         """
         cfg = self.config
@@ -527,7 +527,7 @@ class ImageClassificationTask(Task):
         global_params: list[torch.Tensor],
         local: LocalTraining,
     ) -> dict[str, float]:
-        """DP-SGD epochs (:func:`tasks.dpsgd.train_private`); extends the accountant
+        """DP-SGD epochs (``tasks.dpsgd.train_private``); extends the accountant
         history in ``local.state``. The proximal gradient goes on the public path."""
 
         def run_epochs(
@@ -546,7 +546,7 @@ class ImageClassificationTask(Task):
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
         """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any
-        (:func:`tasks.dpsgd.calibrated_settings` over ``train.local-epochs``)."""
+        (``tasks.dpsgd.calibrated_settings`` over ``train.local-epochs``)."""
         return calibrated_settings(local, sample_rate=sample_rate, epochs=self.config.local_epochs)
 
     def evaluate(
@@ -556,7 +556,7 @@ class ImageClassificationTask(Task):
 
         With label groups (``data.groups``) also each group's ``eval-accuracy-<g>`` and
         ``num-examples-<g>`` and the ``fairness-gap``
-        (:func:`~tasks.vision.data.group_metrics`), from the same forward pass. All
+        (``group_metrics``), from the same forward pass. All
         metrics are 0.0 on an empty split.
         """
         cfg, split = self.config, evaluation_split(data)

@@ -81,7 +81,7 @@ def test_group_metric_keys_mirror_the_tasks():
 
 def test_the_eta_leaves_out_the_first_rounds_start_up():
     progress = Progress(total=10)
-    progress.seconds = [29.0]  # round 1: start-up included, the only estimate yet
-    assert progress.eta() == 29.0 * 9
+    progress.seconds = [29.0]  # round 1: start-up included, no estimate from it
+    assert progress.eta() is None
     progress.seconds = [29.0, 2.0, 4.0]
     assert progress.eta() == 3.0 * 7  # the "ETA 4:20" for a 2 s round is gone
