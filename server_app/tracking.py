@@ -13,8 +13,8 @@ At the end of a run, from the files of its run directory:
 
 Under a privacy mechanism only what the run directory publishes goes to a tracker: the
 top-level ``metrics.csv`` (what the ε covers), ``ledger.json``'s ε and the files
-``ledger.json`` lists as covered; never ``curator/``, ``clients/``, ``outcome.json``
-(which no ε covers) nor the secret ``checkpoint/server.pt``. Weights & Biases is not
+``ledger.json`` lists as covered; never ``curator/``, ``clients/`` nor the secret
+``checkpoint/server.pt``. Weights & Biases is not
 wired (its offline mode needs ``wandb`` installed and a sync step; docs/results.md).
 """
 

@@ -73,7 +73,9 @@ def test_under_dp_only_published_files_and_columns_reach_mlflow(tracked):
     assert {"config.json", "metrics.csv", "ledger.json", "model.pt"} <= files
     assert "plots/learning_curve.png" in files and "checkpoint/global.pt" in files
     assert not any(f.startswith(("curator", "clients")) for f in files)
-    assert "checkpoint/server.pt" not in files and "outcome.json" not in files
+    assert "checkpoint/server.pt" not in files
+    # outcome.json is published: under DP no stop reads client outcomes
+    assert ("outcome.json" in files) == ("outcome.json" in ledger_covered(private.run_dir))
     # no metric of curator/metrics.csv: federated evaluation, client reports, timing
     logged = {key.split("/", 1)[1] for key in run.data.metrics if "/" in key}
     assert "federated-eval" not in {key.split("/")[0] for key in run.data.metrics}
@@ -121,3 +123,8 @@ def test_mlflow_is_off_by_default(tracked):
 )
 def test_what_is_published(name, covered, expected):
     assert published(name, covered) is expected
+
+
+def ledger_covered(run_dir) -> list[str]:
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    return ledger["run-directory"]["covered-by-epsilon"]
