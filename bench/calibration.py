@@ -80,10 +80,13 @@ def _before(population: int, sampled: int, rounds: int, eps: float) -> float:
 
 def one(population: int, sampled: int, rounds: int, eps: float, before: bool) -> dict:
     """One workload, in this process (fresh: nothing cached)."""
+    import dp_accounting  # noqa: F401  (imports are not the calibration's time)
+
+    import privacy.composition  # noqa: F401
     from privacy import calibration
     from privacy.events import PLD_DISCRETIZATION
 
-    seconds: dict[float, float] = {}
+    seconds: dict[str, float] = {}
     cached = calibration._pld_epsilon
 
     def timed(groups, neighboring, discretization, delta):
