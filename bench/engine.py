@@ -89,14 +89,15 @@ def one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
         timing = pd.read_csv(run_dir / "curator" / "metrics.csv")
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
-    gaps = central["elapsed-s"].diff().dropna().iloc[1:]
+    timed = timing[timing["scope"] == "central-eval"].sort_values("round")
+    gaps = timed["elapsed-s"].diff().dropna().iloc[1:] if "elapsed-s" in timed else []
     return {
         "N": num_clients,
         "per round": COHORT[num_clients],
         "DP": "eps 8 adaptive" if private else "none",
         "process s": round(seconds, 1),
         "warm round s": round(statistics.median(train["round-seconds"]), 4),
-        "round with eval s": round(statistics.median(gaps), 4),
+        "round with eval s": round(statistics.median(gaps), 4) if len(gaps) else None,
         "accuracy": round(float(central["eval-accuracy"].iloc[-1]), 4),
     }
 

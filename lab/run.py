@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
+
 from lab.engine import APP_DIR, ENGINE_NAME, EngineConfigError, Federation, run
 
 ENGINES = (ENGINE_NAME, "flwr")
@@ -65,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args.run_config, federation)
     except EngineConfigError as err:
         parser.error(str(err))
-    except ValueError as err:  # Flower's parser: a malformed run-config string
+    except ValueError as err:  # Flower's parser: a TOML file next to key=value pairs
         parser.error(f"--run-config: {err}")
+    except click.ClickException as err:  # Flower's parser: a malformed key=value string
+        parser.error(f"--run-config: {err.format_message()}")
     print(
         f"{result.status} in {result.seconds:.1f} s (engine {ENGINE_NAME}); "
         f"run directory: {result.run_dir}",

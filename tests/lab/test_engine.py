@@ -155,6 +155,7 @@ def test_a_run_the_serverapp_fails_exits_1(tmp_path):
         (["--federation-config", "num-supernode=3"], "valid keys: num-supernodes"),
         (["--federation-config", "num-supernodes=0"], "'num-supernodes' must be an integer >= 1"),
         (["--engine", "ray"], "invalid choice: 'ray'"),
+        (["--run-config", "a=["], "--run-config: The provided configuration string is in"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_key(args, message, capsys):
