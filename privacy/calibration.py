@@ -8,10 +8,12 @@ exactly as the DP-FedAvg strategy charges its ledger.
 
 ``rounds`` identical releases are described by the ledger's own event construction
 (:func:`privacy.events.to_dp_event` of one :class:`~privacy.events.Release` with
-``count=rounds``) and calibrated with dp-accounting's
+``count=rounds``) and calibrated: under RDP with dp-accounting's
 ``mechanism_calibration.calibrate_dp_mechanism`` (Brent's method, returning a value
-whose ε is guaranteed not to exceed the target). :func:`epsilon_for` charges the same
-release to a fresh :class:`~privacy.accounting.PrivacyLedger`.
+whose ε is guaranteed not to exceed the target), under PLD on coarse PLDs checked at the
+ledger's discretisation (:func:`_calibrate_pld`; why and how fast: docs/engine.md).
+:func:`epsilon_for` charges the same release to a fresh
+:class:`~privacy.accounting.PrivacyLedger`.
 """
 
 from __future__ import annotations
