@@ -7,11 +7,12 @@ so each release is accounted with z / ``l2_sensitivity_factor``,
 exactly as the DP-FedAvg strategy charges its ledger.
 
 ``rounds`` identical releases are described by the ledger's own event construction
-(``privacy.events.to_dp_event`` of one ``Release`` with
-``count=rounds``) and calibrated with dp-accounting's
-``mechanism_calibration.calibrate_dp_mechanism`` (Brent's method, returning a value
-whose ε is guaranteed not to exceed the target). ``epsilon_for`` charges the same
-release to a fresh ``PrivacyLedger``.
+(``privacy.events.to_dp_event`` of one ``Release`` with ``count=rounds``) and
+calibrated: under RDP with dp-accounting's ``mechanism_calibration.calibrate_dp_mechanism``
+(Brent's method, returning a value whose ε is guaranteed not to exceed the target), under
+PLD on coarse PLDs checked at the ledger's discretisation (``_calibrate_pld``; why and
+how fast: docs/engine.md). ``epsilon_for`` charges the same release to a fresh
+``PrivacyLedger``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from privacy.events import (
     l2_sensitivity_factor,
     new_accountant,
     to_dp_event,
+    unit_event,
 )
 
 # Bracket search: z from 1 doubles up to 2**14 or halves down to 2**-6. Searching from
@@ -112,9 +114,10 @@ def calibrate_parameter(
     more private as p grows: a noise multiplier, a Laplace scale) stay within
     ``target_epsilon`` at ``target_delta`` under ``accountant``.
 
-    The releases become one composed dp-accounting event, calibrated by dp-accounting's
-    ``mechanism_calibration.calibrate_dp_mechanism`` (its bisection returns a p whose ε
-    does not exceed the target) inside a bracket found by doubling or halving from 1.
+    RDP: the releases become one composed dp-accounting event, calibrated by
+    dp-accounting's ``mechanism_calibration.calibrate_dp_mechanism`` (its bisection
+    returns a p whose ε does not exceed the target) inside a bracket found by doubling
+    or halving from 1. PLD: :func:`_calibrate_pld` (coarse PLDs, then the ledger's own).
 
     Raises
     ------
@@ -122,6 +125,13 @@ def calibrate_parameter(
         If the releases cannot be accounted or the target cannot be met.
     """
     _check_targets(target_epsilon, target_delta)
+    if accountant == "pld":
+        return _calibrate_pld(
+            releases_for,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            neighboring=neighboring,
+        )
     # Imported on use, as in privacy.events: it loads SciPy's optimize and signal.
     import dp_accounting
     from dp_accounting import mechanism_calibration
@@ -141,14 +151,147 @@ def calibrate_parameter(
     )
     interval = mechanism_calibration.ExplicitBracketInterval(low, high)
     if tolerance is None:
-        # Relative: the result is the bracket's private end, so its ε never exceeds the
-        # target; a PLD evaluation of a whole run costs ~0.5 s, 1e-4 of p needs ~14.
         tolerance = max(_TOLERANCE, 1e-4 * low)
     return float(
         mechanism_calibration.calibrate_dp_mechanism(
             fresh, event, target_epsilon, target_delta, bracket_interval=interval, tol=tolerance
         )
     )
+
+
+# PLD calibration (:func:`_calibrate_pld`): the search runs on PLDs discretised this many
+# times more coarsely than the ledger's, then the ledger's own discretisation checks it.
+_COARSE, _FINER = 40, 20
+_MARGIN = 1e-4  # relative: the search aims this far below the target
+_MAX_STEPS = 60  # root-finding steps per search
+
+
+def _groups(releases: list[Release], neighboring: str) -> tuple:
+    """The releases as the ledger groups them: (one release's event, total count)."""
+    from privacy.accounting import merged_groups
+
+    return tuple(
+        merged_groups({}, ((unit_event(r, neighboring), r.count) for r in releases)).items()
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _pld_epsilon(groups: tuple, neighboring: str, discretization: float, delta: float) -> float:
+    """ε at ``delta`` of ``groups`` composed as the ledger composes them under PLD
+    (:func:`privacy.composition.compose_groups`), memoised: the same workload calibrated
+    again in this process (a sweep's next seed) costs no PLD."""
+    from privacy.composition import compose_groups
+
+    composition = compose_groups(
+        groups,
+        accountant="pld",
+        neighboring=neighboring,
+        rdp_orders=RDP_ORDERS,
+        pld_discretization=discretization,
+    )
+    return float(composition.get_epsilon(delta))
+
+
+def _calibrate_pld(
+    releases_for: Callable[[float], list[Release]],
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    neighboring: str,
+) -> float:
+    """PLD calibration in a few coarse evaluations and one at the ledger's grid.
+
+    A PLD's cost grows with its number of points, i.e. as 1/discretisation, and
+    dp-accounting builds a subsampled Gaussian's point by point in Python: at the
+    ledger's 1e-4 one whole-run evaluation costs 0.5-10 s. So the search runs on PLDs
+    40x and 20x coarser (multiples of the ledger's interval): bracketed by doubling or
+    halving from 1 and narrowed to 0.2 % on the 40x grid, then solved to 1e-5 on the
+    estimate ε_20 - (ε_40 - ε_20)/3 of the ledger's ε (a pessimistic grid's excess
+    shrinks about as the square of its interval: measured in docs/engine.md), aiming
+    :data:`_MARGIN` below the target. The root is then checked at the ledger's own
+    discretisation with the ledger's composition, whose PLD the run's first charge
+    reuses (cached in :func:`privacy.composition.event_pld`), and raised in growing
+    steps until it holds: ε <= target always, whatever the estimate.
+    """
+
+    def epsilon_at(p: float, factor: int) -> float:
+        groups = _groups(releases_for(p), neighboring)
+        return _pld_epsilon(groups, neighboring, PLD_DISCRETIZATION * factor, target_delta)
+
+    def estimate(p: float) -> float:
+        coarse, finer = epsilon_at(p, _COARSE), epsilon_at(p, _FINER)
+        return max(finer - (coarse - finer) / 3, 1e-12)
+
+    low, high = _bracket(lambda p: epsilon_at(p, _COARSE), target_epsilon)
+    low, high = _secant(lambda p: epsilon_at(p, _COARSE), target_epsilon, low, high, 2e-3)
+    aim = target_epsilon * (1 - _MARGIN)
+    low, high = _bracket_near(estimate, aim, high)
+    low, high = _secant(estimate, aim, low, high, 1e-5)
+    p, step = high, _MARGIN
+    for _ in range(20):  # up to p * (1 + 1e-4 * 2**20) ~ p * 100
+        if epsilon_at(p, 1) <= target_epsilon:
+            return p
+        p, step = p * (1 + step), step * 2
+    raise AccountingError(
+        f"no noise parameter up to {p:.6g} meets target_epsilon={target_epsilon:g} at the "
+        f"ledger's PLD discretisation (the search found {high:.6g} on coarser ones)"
+    )
+
+
+def _bracket_near(epsilon_at, target: float, start: float) -> tuple[float, float]:
+    """(low, high) with ε(low) > target >= ε(high), stepping from ``start`` by 0.1 %,
+    then 0.4 %, 1.6 %, ... (the root is near ``start``)."""
+    step = 1e-3
+    if epsilon_at(start) <= target:
+        high = start
+        for _ in range(8):
+            low = high * (1 - step)
+            if epsilon_at(low) > target:
+                return low, high
+            high, step = low, step * 4
+        raise AccountingError(
+            f"target_epsilon={target:g} is so loose that noise parameter {high:g} already "
+            "meets it; no meaningful calibration (lower the target)"
+        )
+    low = start
+    for _ in range(8):
+        high = low * (1 + step)
+        if epsilon_at(high) <= target:
+            return low, high
+        low, step = high, step * 4
+    raise AccountingError(f"target_epsilon={target:g}: no noise parameter near {start:g} meets it")
+
+
+def _secant(epsilon_at, target: float, low: float, high: float, tolerance: float):
+    """(low, high) with ε(low) > target >= ε(high) and high/low - 1 <= ``tolerance``:
+    regula falsi on (log p, log ε) with the Illinois modification (a stalled end's value
+    halved), which keeps the bracket and converges superlinearly on this smooth,
+    decreasing curve."""
+    log_target = math.log(target)
+    f_low = math.log(epsilon_at(low)) - log_target
+    f_high = math.log(epsilon_at(high)) - log_target
+    side = 0
+    for _ in range(_MAX_STEPS):
+        if high / low - 1 <= tolerance:
+            break
+        a, b = math.log(low), math.log(high)
+        x = b - f_high * (b - a) / (f_high - f_low)
+        # Safeguard: stay strictly inside, and no closer to an end than 1/8 of tolerance.
+        margin = tolerance / 8
+        x = min(max(x, a + margin), b - margin)
+        p = math.exp(x)
+        f = math.log(epsilon_at(p)) - log_target
+        if f > 0:
+            low, f_low = p, f
+            if side == -1:
+                f_high /= 2
+            side = -1
+        else:
+            high, f_high = p, f
+            if side == 1:
+                f_low /= 2
+            side = 1
+    return low, high
 
 
 def calibrate_noise_multiplier(

@@ -19,13 +19,12 @@ import tomllib
 import traceback
 from pathlib import Path
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.common.config import parse_config_args
-from flwr.common.constant import ErrorCode
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.supercore.task_identity import TaskIdentity
 
-from client_app.app import app as client_app
+from lab.engine import InProcessGrid as EngineGrid
 from lab.launcher import _RUN_DIR_LINE, RunOutcome
 from server_app import app as server_app
 from strategies.private import NOISE_PARAMETER
@@ -71,27 +70,18 @@ def with_test_noise(config: dict) -> dict:
     return config
 
 
-class InProcessGrid:
-    """Nodes ``node_ids`` (partition i = the i-th id) answering with the real ClientApp."""
+class InProcessGrid(EngineGrid):
+    """The engine's grid (:class:`lab.engine.InProcessGrid`) with faults for tests: nodes
+    that die (they stop answering and leave ``get_node_ids``), every message sent kept
+    in ``sent``, and a ClientApp's exception reaching the test unless
+    ``errors_as_replies``."""
 
     def __init__(self, config: dict, node_ids: list[int]) -> None:
-        self.run_config = config
-        self.contexts = {
-            node: Context(
-                run_id=1,
-                node_id=node,
-                node_config={"partition-id": pid, "num-partitions": len(node_ids)},
-                state=RecordDict(),
-                run_config=config,
-            )
-            for pid, node in enumerate(node_ids)
-        }
+        super().__init__(config, node_ids)
         self.dead: set[int] = set()
         self.dies_in_round: dict[int, int] = {}  # node -> round whose train message kills it
         self.sent: list[Message] = []
         self.errors_as_replies = False
-        """A ClientApp that raises answers with an error reply, as Flower's runtime
-        makes it (else the exception reaches the test)."""
 
     def get_node_ids(self) -> list[int]:
         return [node for node in self.contexts if node not in self.dead]
@@ -101,7 +91,7 @@ class InProcessGrid:
         self.dead.add(node)
 
     def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
-        replies = []
+        alive = []
         for message in messages:
             self.sent.append(message)
             node = message.metadata.dst_node_id
@@ -111,18 +101,8 @@ class InProcessGrid:
             ):
                 self.kill(node)  # it got the message and died training
             if node not in self.dead:
-                replies.append(self._answer(message, self.contexts[node]))
-        return replies
-
-    def _answer(self, message: Message, context: Context) -> Message:
-        try:
-            return client_app(message, context)
-        except Exception as ex:
-            if not self.errors_as_replies:
-                raise
-            reason = str(type(ex)) + ":<'" + str(ex) + "'>"  # Flower's format (vce_api.py)
-            error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
-            return Message(error, reply_to=message)
+                alive.append(message)
+        return super().send_and_receive(alive, timeout=timeout)
 
 
 def run_server(config: dict, grid: InProcessGrid) -> None:

@@ -1,0 +1,202 @@
+"""The in-process engine (``lab.engine``, ``python -m lab.run``): the same results as the
+test harness's runs for strategy x mechanism combinations, the run directory that says
+which engine ran it, refusals of what it cannot run. Against a real ``flwr run``:
+``tests/e2e/test_engine_parity.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from threadpoolctl import threadpool_limits
+
+from lab import engine
+from lab.run import main as run_main
+from server_app.results import TIMING_COLUMNS
+from tests.inprocess import InProcessGrid, run_config, run_server
+
+SEEDED = {"dp.reproducible-noise": True}  # DP noise from the seed: metrics comparable too
+DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5, **SEEDED}
+CASES = {
+    "fedavg-none": {"strategy": "fedavg", "fraction-train": 0.5},
+    "fedprox-dp-fixed": {"strategy": "fedprox", "privacy": "dp-fedavg-fixed", **DP},
+    "clustered-dp-adaptive": {
+        "strategy": "clustered", "privacy": "dp-fedavg-adaptive", "cluster.k": 2, **DP,
+    },
+    "smart-fedprox-dp-adaptive": {
+        "strategy": "smart-fedprox", "privacy": "dp-fedavg-adaptive",
+        "smart.cold-start-rounds": 1, **DP,
+    },
+    "hierarchical-none": {"strategy": "hierarchical"},
+    "fedavg-laplace": {"privacy": "laplace", "dp.num-sampled-clients": 2, **SEEDED},
+    "fedavg-subspace": {
+        "privacy": "subspace-dp", "subspace.rank": 2, "subspace.sketch-dim": 8, **DP,
+    },
+    # The noise calibrated to a target epsilon under PLD: the calibrated z is in the ledger.
+    "fedavg-dp-target-pld": {
+        "privacy": "dp-fedavg-fixed", "dp.noise-multiplier": 0.0, "dp.target-epsilon": 8.0,
+        "dp.accountant": "pld", "dp.num-sampled-clients": 2, "dp.clip-norm": 0.5, **SEEDED,
+    },
+    # SecAgg+'s four exchanges run in process, message by message (not skipped).
+    "fedavg-secagg-distributed-dp": {
+        **DP, "privacy": "dp-fedavg-fixed", "dp.noise-site": "client", "dp.sampling": "fixed",
+        "secagg.enabled": True,
+    },
+}  # fmt: skip
+
+
+def _only_dir(root: Path) -> Path:
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def _harness(root: Path, options: dict) -> Path:
+    config = run_config(**options, **{"output-dir": str(root)})
+    # The ServerApp's main limits BLAS to one thread (a multi-threaded SVD differs in its
+    # last bits: subspace-dp's eigengap); the harness calls its body, so limit it here.
+    with threadpool_limits(limits=1, user_api="blas"):
+        run_server(config, InProcessGrid(config, [11, 22, 33, 44]))
+    return _only_dir(root)
+
+
+def _engine(root: Path, options: dict) -> engine.EngineRun:
+    config = run_config(**options, **{"output-dir": str(root)})
+    result = engine.run(config, engine.Federation(num_supernodes=4))
+    assert result.returncode == 0, result.error
+    return result
+
+
+def _metrics(run_dir: Path) -> pd.DataFrame:
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    return metrics.drop(columns=[c for c in metrics if c in TIMING_COLUMNS or "node" in c])
+
+
+def _ledger(run_dir: Path) -> dict:
+    return json.loads((run_dir / "ledger.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_gives_the_harness_results(name, tmp_path):
+    expected = _harness(tmp_path / "harness", CASES[name])
+    result = _engine(tmp_path / "engine", CASES[name])
+    got = result.run_dir
+    assert got is not None and got.parent == tmp_path / "engine"
+    pd.testing.assert_frame_equal(_metrics(got), _metrics(expected), check_exact=True)
+    ours, theirs = (torch.load(d / "model.pt", weights_only=True) for d in (got, expected))
+    assert list(ours) == list(theirs)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    if (expected / "ledger.json").exists():
+        assert _ledger(got) == _ledger(expected)
+    else:
+        assert not (got / "ledger.json").exists()
+    outcome = json.loads((got / "outcome.json").read_text())
+    assert outcome["status"] == "completed"
+    if name == "fedavg-dp-target-pld":
+        calibration = _ledger(got)["calibration"]
+        assert calibration["accountant"] == "pld" and calibration["value"] > 0
+
+
+def test_run_directory_says_which_engine_ran_it(tmp_path):
+    result = _engine(tmp_path, {"num-server-rounds": 1})
+    outcome = json.loads((result.run_dir / "outcome.json").read_text())
+    config = json.loads((result.run_dir / "config.json").read_text())
+    expected = {"name": "inprocess", "num-supernodes": 4, "client-threads": 1}
+    assert outcome["engine"] == expected and config["environment"]["engine"] == expected
+    assert engine.engine_of(result.run_dir) == "inprocess"
+    (tmp_path / "flwr-run").mkdir()
+    (tmp_path / "flwr-run" / "outcome.json").write_text('{"status": "completed"}')
+    assert engine.engine_of(tmp_path / "flwr-run") == "flwr"
+
+
+def test_the_cli_runs_the_run_config_string(tmp_path, capsys):
+    code = run_main(
+        [
+            "--run-config",
+            f"num-server-rounds=1 min-available-nodes=3 train.deterministic=true "
+            f"output-dir='{tmp_path}'",
+            "--federation-config",
+            "num-supernodes=3",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    run_dir = _only_dir(tmp_path)
+    assert "finished:completed" in out and str(run_dir) in out
+    rows = pd.read_csv(run_dir / "metrics.csv")
+    assert sorted(set(rows["round"])) == [0, 1]
+    assert (
+        json.loads((run_dir / "config.json").read_text())["run-config"]["min-available-nodes"] == 3
+    )
+
+
+def test_a_run_the_serverapp_fails_exits_1(tmp_path):
+    # 5 nodes needed, 3 connected: the start-up check fails the run after the directory.
+    code = run_main(
+        [
+            "--run-config",
+            f"num-server-rounds=1 min-available-nodes=5 round-timeout=1.0 output-dir='{tmp_path}'",
+            "--federation-config",
+            "num-supernodes=3",
+        ]
+    )
+    assert code == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--run-config", "no-such-key=1"], "'no-such-key' are not declared by the app"),
+        (["--federation-config", "num-supernode=3"], "valid keys: num-supernodes"),
+        (["--federation-config", "num-supernodes=0"], "'num-supernodes' must be an integer >= 1"),
+        (["--engine", "ray"], "invalid choice: 'ray'"),
+        (["--run-config", "a=["], "--run-config: The provided configuration string is in"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_key(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _query(node: int) -> Message:
+    return Message(
+        RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type="query"
+    )
+
+
+def test_a_clientapp_that_raises_answers_with_flowers_error_reply():
+    def broken(message, context):
+        raise RuntimeError(f"partition {context.node_config['partition-id']} broke")
+
+    grid = engine.InProcessGrid({}, [7, 8], client_app=broken)
+    replies = grid.send_and_receive([_query(8), _query(99)])
+    (reply,) = replies  # node 99 does not exist: no reply, as from a node that is gone
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert reply.error.reason == "<class 'RuntimeError'>:<'partition 1 broke'>"
+    assert reply.metadata.src_node_id == 8
+    grid.errors_as_replies = False
+    with pytest.raises(RuntimeError, match="partition 0 broke"):
+        grid.send_and_receive([_query(7)])
+
+
+def test_each_clientapp_call_gets_its_threads_and_they_are_restored():
+    seen = []
+
+    def client(message, context):
+        seen.append(torch.get_num_threads())
+        return Message(RecordDict(), reply_to=message)
+
+    before = torch.get_num_threads()
+    grid = engine.InProcessGrid({}, [1, 2], client_app=client)
+    grid.client_threads = 2
+    replies = grid.send_and_receive([_query(1), _query(2)])
+    assert seen == [2, 2] and torch.get_num_threads() == before
+    # Each message got an id, and its reply names it, as Flower's grid does.
+    assert [r.metadata.reply_to_message_id for r in replies] == ["inprocess-1", "inprocess-2"]

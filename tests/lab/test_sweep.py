@@ -1,0 +1,75 @@
+"""``python -m lab.sweep``: the grid, runs in worker processes, resume, a failed run
+reported, the summary's confidence intervals (hand-computed)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from lab import sweep
+
+BASE = (
+    "num-server-rounds=1 min-available-nodes=3 min-train-nodes=2 train.deterministic=true "
+    "dp.noise-multiplier=1.0 dp.clip-norm=0.5 dp.num-sampled-clients=2 round-timeout=30.0"
+)
+
+
+def test_the_grid_is_every_combination():
+    assert sweep.parse_grid(["a=1,2", "b='x','y'"]) == [
+        {"a": "1", "b": "'x'"},
+        {"a": "1", "b": "'y'"},
+        {"a": "2", "b": "'x'"},
+        {"a": "2", "b": "'y'"},
+    ]
+    assert sweep.point_name({"privacy": "'dp-fedavg-fixed'", "a": "1"}) == (
+        "privacy=_dp-fedavg-fixed_,a=1"
+    )
+    with pytest.raises(ValueError, match="expected KEY=V1,V2"):
+        sweep.parse_grid(["seed"])
+
+
+def test_summary_has_the_t_interval_over_seeds_and_epsilon():
+    runs = pd.DataFrame(
+        {
+            "p": ["a", "a", "b", "b", "b"],
+            "status": ["completed", "completed", "completed", "completed", "failed"],
+            "epsilon": [2.0, 2.0, math.inf, math.inf, math.inf],
+            "eval-accuracy": [0.5, 0.7, 0.9, 0.9, math.nan],
+        }
+    )
+    summary = sweep.summarise(runs, ["p"]).set_index("p")
+    # Two seeds: mean 0.6, sd 0.1414, sem 0.1, t(0.975, 1) = 12.7062.
+    assert summary.loc["a", "eval-accuracy"] == pytest.approx(0.6)
+    assert summary.loc["a", "ci95"] == pytest.approx(1.270620, rel=1e-5)
+    assert summary.loc["a", "epsilon"] == 2.0
+    assert summary.loc["b", "ci95"] == 0.0 and summary.loc["b", "epsilon"] == math.inf
+    assert (summary.loc["b", "runs"], summary.loc["b", "completed"]) == (3, 2)
+
+
+def test_a_sweep_runs_concurrently_resumes_and_reports_a_failure(tmp_path, capsys):
+    args = [
+        "--out", str(tmp_path), "--base", BASE,
+        "--grid", "privacy='none','dp-fedavg-fixed','no-such-mechanism'",
+        "--federation-config", "num-supernodes=3", "--workers", "2",
+    ]  # fmt: skip
+    assert sweep.main(args) == 1  # one run failed; the others ran
+    out = capsys.readouterr().out
+    assert "[sweep] 3 runs: 0 already completed, 3 to run" in out
+    assert "failed 1" in out and "ETA" in out
+    runs = pd.read_csv(tmp_path / "runs.csv").set_index("privacy")
+    assert runs.loc["'none'", "status"] == "completed"
+    assert runs.loc["'none'", "epsilon"] == math.inf
+    assert runs.loc["'dp-fedavg-fixed'", "status"] == "completed"
+    assert 0 < runs.loc["'dp-fedavg-fixed'", "epsilon"] < math.inf
+    assert runs.loc["'no-such-mechanism'", "status"] == "failed"
+    assert "privacy" in runs.loc["'no-such-mechanism'", "error"]
+    assert (tmp_path / "privacy-utility.png").stat().st_size > 0
+    assert "epsilon" in (tmp_path / "summary.md").read_text()
+    # Again, in this process: the completed runs are not run again.
+    assert sweep.main([*args[:-2], "--workers", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "[sweep] 3 runs: 2 already completed, 1 to run" in out
+    again = pd.read_csv(tmp_path / "runs.csv")
+    assert again["resumed"].fillna(False).astype(bool).sum() == 2
