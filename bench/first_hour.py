@@ -3,7 +3,8 @@
 
 Each measurement is a fresh ``python`` process (what a user starts), timed from start
 to exit, with its exit status and its first line of output; the median of
-``--repeats``. Prints a Markdown table (bench/BENCHMARKS.md, "The first hour").
+``--repeats``, as wall time and as CPU time (what it takes on an idle core). Prints
+Markdown tables (bench/BENCHMARKS.md, "The first hour").
 
     python bench/first_hour.py --repeats 3
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,18 +46,28 @@ def lab_commands() -> list[str]:
     )
 
 
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, int, str]:
-    """(seconds, exit status, first line of output) of one process."""
-    started = time.perf_counter()
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, int, str]:
+    """(wall seconds, CPU seconds, exit status, first line of output) of one process.
+
+    The CPU time (user + system) is what the wall time would be on an idle core: the
+    process is single-threaded until it prints; on a shared machine the wall time is
+    larger by the load."""
+    cpu, started = _cpu(), time.perf_counter()
     proc = subprocess.run(argv, cwd=APP_DIR, env=env, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, _cpu() - cpu
     lines = (proc.stdout + proc.stderr).strip().splitlines()
-    return seconds, proc.returncode, lines[0] if lines else ""
+    return seconds, cpu, proc.returncode, lines[0] if lines else ""
 
 
-def median_of(argv: list[str], env: dict[str, str], repeats: int) -> tuple[float, int, str]:
+def median_of(argv: list[str], env: dict[str, str], repeats: int) -> tuple[float, float, int, str]:
     runs = [timed(argv, env) for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), runs[-1][1], runs[-1][2]
+    wall, cpu = (statistics.median(r[i] for r in runs) for i in (0, 1))
+    return wall, cpu, runs[-1][2], runs[-1][3]
 
 
 def main() -> None:
@@ -66,18 +78,19 @@ def main() -> None:
     env = {**os.environ, "FLWR_HOME": tempfile.mkdtemp(prefix="flwr-home-")}
     py = sys.executable
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| mistake | `python -m lab check` | exit | seconds (median) | the line |")
-    print("| --- | --- | ---: | ---: | --- |")
+    print("| mistake | `python -m lab check` | exit | wall s | CPU s | the line |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
     for what, run_config in ERRORS.items():
         argv = [py, "-m", "lab", "check", "--run-config", run_config]
         argv += ["--federation-config", FEDERATION]
-        seconds, code, line = median_of(argv, env, args.repeats)
-        print(f"| {what} | `{run_config}` | {code} | {seconds:.1f} | {line[:140]} |")
-    print("\n| command | `--help` seconds (median) | exit |")
-    print("| --- | ---: | ---: |")
+        wall, cpu, code, line = median_of(argv, env, args.repeats)
+        print(f"| {what} | `{run_config}` | {code} | {wall:.1f} | {cpu:.1f} | {line[:140]} |")
+    print("\n| command | `--help` wall s | CPU s | exit |")
+    print("| --- | ---: | ---: | ---: |")
     for module in lab_commands():
-        seconds, code, _ = median_of([py, "-m", module, "--help"], env, args.repeats)
-        print(f"| `python -m {module} --help` | {seconds:.2f} | {code} |")
+        wall, cpu, code, _ = median_of([py, "-m", module, "--help"], env, args.repeats)
+        print(f"| `python -m {module} --help` | {wall:.2f} | {cpu:.2f} | {code} |")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
