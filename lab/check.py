@@ -30,7 +30,7 @@ class CheckError(ValueError):
     """What would make the run fail, or run something else than asked."""
 
 
-def _flower_drops(arg: str) -> None:
+def refuse_what_flower_drops(arg: str) -> None:
     """Refuse what Flower's parser would silently drop from one ``--run-config``."""
     words = arg.split()
     if len(words) > 1 and any(w.endswith(".toml") for w in words):
@@ -53,7 +53,7 @@ def parse_run_config(args: Sequence[str]) -> dict:
     from flwr.common.config import parse_config_args
 
     for arg in args:
-        _flower_drops(arg)
+        refuse_what_flower_drops(arg)
     try:
         return parse_config_args(list(args)) if args else {}
     except Exception as err:  # Flower raises ValueError, click's exceptions, TOML errors
