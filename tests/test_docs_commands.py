@@ -114,3 +114,11 @@ def test_check_prints_one_line_and_exits_2_on_an_error(capsys):
     assert check.main(["--run-config", "strategy='fedsgd'"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: 'strategy' = 'fedsgd' is not valid")
+
+
+def test_python_m_lab_dispatches_check(capsys):
+    from lab.__main__ import main
+
+    assert main(["check", "--run-config", "fedprox.muu=0.1"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown run-config key(s): 'fedprox.muu'")
+    assert main(["nope"]) == 2
