@@ -366,7 +366,9 @@ class RunDirectory:
         """The files of the run directory by what covers them, for ``ledger.json``."""
         released = ["config.json", "metrics.csv", "model.pt", "checkpoint/global.pt",
                     "checkpoint/<model>.pt", "ledger.json", "certificates.json", "audit.json",
-                    "plots/", "tensorboard/", "warm-start.*"]  # fmt: skip
+                    "plots/", "tensorboard/", "warm-start.*",
+                    # software, federation size and the run-config: no client's data
+                    "environment.json", "rerun.sh"]  # fmt: skip
         curator = [f"{CURATOR_DIR}/"] if self.released is not None else []
         return {
             "covered-by-epsilon": released if self.released is not None else [],
