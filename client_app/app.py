@@ -29,13 +29,16 @@ from flwr.common.constant import ErrorCode
 import tasks
 from client_app import canary, hierarchy, proximal_client, state
 from client_app.mods import privacy_mod
+from client_app.preset_mod import preset_mod
 from client_app.secagg_mod import secagg_mod
 from privacy.mechanisms import secret_seed
 from protocol import keys
 from protocol.records import to_numpy, to_record
 from tasks.base import DPSGD, EVAL_LOSS, EVAL_REWARD, SEED, LocalTraining, Task, local_seed
 
-app = ClientApp(mods=[secagg_mod, privacy_mod])  # secagg_mod answers SecAgg+ stages
+# preset_mod first: every later step reads the preset's keys; secagg_mod answers
+# SecAgg+ stages
+app = ClientApp(mods=[preset_mod, secagg_mod, privacy_mod])
 _DP_STREAM = 0xD5  # dp.reproducible-noise: the DP seed's stream beside the local seed
 
 

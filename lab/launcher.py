@@ -37,6 +37,8 @@ import psutil
 from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
 from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
 
+from lab import check
+
 APP_DIR = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 _RUN_DIR_LINE = re.compile(r"Run directory: (\S+)")
@@ -221,8 +223,14 @@ class LocalSimulation:
         """``flwr run . local-simulation --stream [--run-config run_config]
         [--federation-config federation_config]`` (e.g. ``"num-supernodes=9"``), on a
         copy of the app staged now (:func:`stage_app`); ``app``: another Flower app's
-        directory (a benchmark's peer) instead of this one."""
+        directory (a benchmark's peer) instead of this one. A ``run_config`` that names a
+        ``.toml`` file beside ``key=value`` pairs, which Flower would drop without a word,
+        is refused before anything starts (return code 2)."""
         started = time.monotonic()
+        try:  # what Flower's parser would drop silently never reaches it
+            check.refuse_what_flower_drops(run_config)
+        except check.CheckError as err:
+            return RunOutcome(2, f"error: {err}\n", None, time.monotonic() - started)
         stage = Path(tempfile.mkdtemp(prefix="app-", dir=self.home))
         try:
             stage_app(app, stage)

@@ -176,6 +176,19 @@ def spi(
     }
 
 
+def _no_gdp_reason(ledger) -> str:
+    """Why :func:`gdp_mu_unamplified` gives no μ for ``ledger``: named, not guessed."""
+    if ledger.unaccounted:
+        return "the ledger holds releases without a guarantee (unaccounted)."
+    if ledger.local_guarantees:
+        return "some guarantees are client-reported (sample-level), not client-level."
+    kinds = sorted({r.mechanism for r in ledger.releases if r.mechanism != "gaussian"})
+    return (
+        f"mu-GDP is derived for Gaussian releases only, and this run released with "
+        f"{' and '.join(kinds)} noise; the ledger's (epsilon, delta) holds as stated."
+    )
+
+
 def run_certificates(
     ledger, *, spi_values: dict[int, float] | None, fprs: Sequence[float] = MIA_FPRS
 ) -> dict:
@@ -195,7 +208,7 @@ def run_certificates(
             bounds.append(tpr_bound_gdp(mu, fpr))
         mia.append({"fpr": fpr, "tpr-bound": min(bounds) if bounds else None})
     if mu is None:
-        notes.append("No mu-GDP statement: a release is Laplace or has no client-level guarantee.")
+        notes.append("No mu-GDP statement: " + _no_gdp_reason(ledger))
     else:
         notes.append(
             "mu-GDP ignores sampling amplification (sound, loose); the TPR bounds also use "

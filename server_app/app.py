@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, console, run_status, setup, tracking
+from server_app import certify, console, environment, run_status, setup, tracking
 from server_app.audit import RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
@@ -35,13 +35,14 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def _run(grid: Grid, context: Context) -> None:
-    run = setup.load(context.run_config)
+    run = setup.load(context.run_config, setup.explicit_keys(grid))
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
     console.quiet_flower_rounds(bool(cfg.options["log.flower-rounds"]))
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
     _check_federation(grid, run)
+    rerun = environment.record(run_dir, cfg, grid)
     initial = ArrayRecord(model.state_dict())
     resumed = restore(run.saved, strategy, grid, cfg, watch) if run.saved is not None else None
     central = None
@@ -90,8 +91,10 @@ def _run(grid: Grid, context: Context) -> None:
     if ledger is not None:
         certify.finish(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
+    log(INFO, "Rerun: %s", rerun)
     write_outcome(run_dir, outcome, watch)
     tracking.finish_run(run_dir.path, cfg.options, log)
+    log(INFO, "%s", setup.privacy_line(cfg))  # says NOT PRIVATE for privacy='none'
     if failed:  # Flower's run status says so too (`flwr list`)
         raise RunFailed(outcome.reason)
 

@@ -12,7 +12,7 @@ agree) because Flower only accepts overrides of keys it has a default for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import strategies
 import tasks
 from privacy.accounting import AccountingError
+from protocol import presets
 from server_app.audit import AuditSettings
 from server_app.console import ConsoleSettings
 from server_app.failures import FailurePolicy
@@ -79,6 +80,13 @@ TOP_LEVEL: tuple[Option, ...] = (
         "",
         "A run directory to continue from its last finished round (its checkpoint); every "
         "other key must equal that run's. Empty: a new run.",
+    ),
+    Option(
+        "preset",
+        "",
+        "A preset of experiments/ by name (e.g. 'digits-dp-eps8'): its keys replace the "
+        "defaults; keys given on the command line with a value other than the default "
+        "replace the preset's. Empty: no preset.",
     ),
 )
 
@@ -155,6 +163,7 @@ class RunConfig:
     round_timeout: float
     central_eval: bool
     resume_from: str
+    preset: str
     options: Mapping[str, Scalar]
 
     def strategy_settings(self) -> strategies.StrategySettings:
@@ -185,8 +194,13 @@ class RunConfig:
         return {**top, **self.options}
 
 
-def load(run_config: Mapping[str, Any]) -> RunConfig:
-    """Validate ``run_config`` (Flower's flat dict) and return the typed config.
+def load(run_config: Mapping[str, Any], explicit: Collection[str] | None = None) -> RunConfig:
+    """Validate ``run_config`` (Flower's flat dict) and return the typed config, its
+    ``preset`` resolved (:mod:`protocol.presets`).
+
+    ``explicit``: the keys the user gave on the command line, where known (the
+    ServerApp reads them from ``Grid.run``): a key given at its default value that a
+    preset sets otherwise is refused, as the ClientApps would run the preset's value.
 
     Raises
     ------
@@ -194,6 +208,7 @@ def load(run_config: Mapping[str, Any]) -> RunConfig:
         On an unknown key or an invalid value, naming the key and the valid values.
     """
     options = all_options()
+    run_config = resolve_preset(run_config, explicit)
     check_unknown_keys(run_config, options, REMOVED_KEYS)
     values = parse_options(run_config, options)
     if values["dp.clip-norm"] == 0.0:
@@ -203,6 +218,23 @@ def load(run_config: Mapping[str, Any]) -> RunConfig:
     cfg = RunConfig(**top, options=MappingProxyType(values))
     check_combinations(cfg)
     return cfg
+
+
+def defaults() -> dict[str, Scalar]:
+    """Every key's declared default (equal to ``pyproject.toml``'s, a test checks)."""
+    return {opt.key: opt.default for opt in all_options()}
+
+
+def resolve_preset(
+    run_config: Mapping[str, Any], explicit: Collection[str] | None = None
+) -> dict[str, Any]:
+    """``run_config`` with its preset applied, as the ClientApps apply it."""
+    try:
+        if explicit is not None:
+            presets.refuse_ambiguous(run_config, explicit, defaults())
+        return presets.resolve(run_config, defaults())
+    except presets.PresetError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_combinations(cfg: RunConfig) -> None:
@@ -305,6 +337,38 @@ def _check_ledger(cfg: RunConfig) -> None:
                 f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "
                 f"= {z / 2:g} (adaptive clipping splits z between updates and count)"
             )
+
+
+# Keys a rerun leaves out: where to continue from, and the preset (the resolved keys
+# are given instead, so a rerun does not depend on the preset file staying the same).
+NOT_RERUN = ("resume-from", "preset")
+
+
+def command_line(cfg: RunConfig) -> dict[str, Scalar]:
+    """The keys a ``--run-config`` must give to make ``cfg`` again: those whose value
+    differs from the default, and ``dp.clip-norm`` only where it is not the value that
+    a 0 (the default) stands for."""
+    fill = ADAPTIVE_INITIAL_CLIP if cfg.privacy == "dp-fedavg-adaptive" else DEFAULT_CLIP
+    given = defaults()
+    return {
+        key: value
+        for key, value in cfg.to_dict().items()
+        if key not in NOT_RERUN
+        and not (key == "dp.clip-norm" and value == fill)
+        and (type(value) is not type(given[key]) or value != given[key])
+    }
+
+
+def run_config_arg(values: Mapping[str, Scalar]) -> str:
+    """``values`` as one ``--run-config`` string that Flower parses back to them
+    (``flwr.common.config.parse_config_args``)."""
+    return " ".join(f"{key}={_arg_value(value)}" for key, value in values.items())
+
+
+def _arg_value(value: Scalar) -> str:
+    if isinstance(value, str):
+        return f'"{value}"' if "'" in value else f"'{value}'"
+    return _toml_value(value)
 
 
 def _toml_value(value: Scalar) -> str:

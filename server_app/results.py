@@ -418,7 +418,9 @@ class RunDirectory:
         column against it)."""
         released = ["config.json", "metrics.csv", "model.pt", "checkpoint/global.pt",
                     "checkpoint/<model>.pt", "ledger.json", "certificates.json", "audit.json",
-                    "plots/", "tensorboard/", "warm-start.*", "outcome.json"]  # fmt: skip
+                    "plots/", "tensorboard/", "warm-start.*", "outcome.json",
+                    # software, federation size and the run-config: no client's data
+                    "environment.json", "rerun.sh"]  # fmt: skip
         private = self.released is not None
         return {
             "covered-by-epsilon": released if private else [],

@@ -3,7 +3,7 @@ the run directory and the initial model (with the steps some experiments add to 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from logging import ERROR, INFO
@@ -20,6 +20,7 @@ from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
 from strategies.capabilities import Accounted, innermost, provides
 from strategies.clustered import ClusteredFedAvg, model_seeds
+from strategies.private import NOISE_PARAMETER
 from tasks.base import Task
 from tasks.options import ConfigError
 
@@ -36,15 +37,18 @@ class Setup:
     saved: dict | None
 
 
-def load(run_config: dict) -> Setup:
-    """Validate the run-config, build task and strategy, open the run directory.
+def load(run_config: dict, explicit: Collection[str] | None = None) -> Setup:
+    """Validate the run-config (its preset resolved; ``explicit``: the keys given on
+    the command line, :func:`explicit_keys`), build task and strategy, open the run
+    directory. The first line logged says whether the run is private.
 
     A ``ConfigError`` is logged (naming the key and the valid values) and raised before
     anything is written or trained."""
     try:
-        cfg = config.load(run_config)
+        cfg = config.load(run_config, explicit)
+        log(INFO, "%s", privacy_line(cfg))
         # The task checks what depends on it (e.g. a CUDA device that is not there).
-        task = tasks.get(cfg.task)(run_config)
+        task = tasks.get(cfg.task)(cfg.to_dict())  # the preset resolved
         if hasattr(task, "data_source"):
             log(INFO, "Data: %s", task.data_source)
         # Loaded before anything else happens: a missing file, a wrong CSV schema or an
@@ -87,6 +91,45 @@ def _writable(key: str, path: Path) -> Iterator[None]:
             f"'{key}' = {str(path)!r}: the run directory cannot be written there "
             f"({type(err).__name__}: {err.strerror or err}); choose a writable directory"
         ) from None
+
+
+def explicit_keys(grid: Any) -> frozenset[str] | None:
+    """The run-config keys the user gave (``flwr run --run-config``), from the Run that
+    Flower hands the Grid; None where the Grid has none (a test's)."""
+    try:
+        return frozenset(grid.run.override_config)
+    except (AttributeError, TypeError):
+        return None
+
+
+def privacy_line(cfg: config.RunConfig) -> str:
+    """One plain line: private or NOT PRIVATE, the mechanism and the epsilon target."""
+    o = cfg.options
+    what = f"task {cfg.task}, strategy {cfg.strategy}"
+    if cfg.preset:
+        what += f", preset {cfg.preset!r}"
+    if cfg.privacy == "none":
+        hidden = "; SecAgg+ hides single updates" if o["secagg.enabled"] else ""
+        return f"NOT PRIVATE: privacy='none', no differential privacy{hidden} ({what})"
+    target, delta = float(o["dp.target-epsilon"]), float(o["dp.target-delta"])
+    noise_key = NOISE_PARAMETER.get(cfg.privacy)
+    if target:
+        goal = f"epsilon target {target:g} at delta {delta:g}"
+    elif noise_key and float(o[noise_key]):
+        z = float(o[noise_key])
+        goal = f"no epsilon target ({noise_key} = {z:g}; the ledger reports epsilon)"
+    else:
+        goal = "epsilon as the mechanism's keys set it (the ledger reports it)"
+    how = [cfg.privacy]
+    if cfg.privacy.startswith("dp-fedavg") or cfg.privacy == "subspace-dp":
+        how.append(f"{o['dp.sampling']} sampling")
+        if o["secagg.enabled"] and o["dp.noise-site"] == "client":
+            how.append("distributed Skellam noise under SecAgg+")
+        else:
+            how.append(f"noise added by the {o['dp.noise-site']}")
+    elif o["secagg.enabled"]:
+        how.append("SecAgg+")
+    return f"PRIVATE: {', '.join(how)}; {goal} ({what})"
 
 
 def _head_only(cfg: config.RunConfig) -> bool:

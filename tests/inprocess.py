@@ -17,11 +17,13 @@ import logging
 import time
 import tomllib
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from flwr.app import Context, Message, RecordDict
 from flwr.common.config import parse_config_args
 from flwr.common.logger import FLOWER_LOGGER
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from lab.engine import InProcessGrid as EngineGrid
@@ -123,8 +125,11 @@ def run_like_flwr(run_config: str, num_supernodes: int = 4) -> RunOutcome:
     ``tests/e2e``. The output is the app's log (Flower's logger, as ``--stream`` shows
     it); a ServerApp that raises gives return code 1 and the traceback, as a run that
     ends ``finished:failed``."""
-    config = {**pyproject_defaults(), **parse_config_args([run_config])}
+    overrides = parse_config_args([run_config])
+    config = {**pyproject_defaults(), **overrides}
     grid = InProcessGrid(config, [1000 + i for i in range(num_supernodes)])
+    # The Run Flower hands a ServerApp's Grid: the user's overrides, unfused.
+    grid.run = replace(Run.create_empty(run_id=1), override_config=overrides)
     grid.errors_as_replies = True
     # What Flower's runtime sets for a ServerApp (tests/conftest.py sets it per test; a
     # module-scoped fixture runs before that).

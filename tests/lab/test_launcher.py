@@ -68,3 +68,14 @@ def test_free_port_skips_a_port_in_use(monkeypatch):
 
         monkeypatch.setattr(launcher.random, "SystemRandom", Draws)
         assert launcher.free_port() == free
+
+
+def test_a_toml_beside_pairs_is_refused_before_anything_starts():
+    sim = object.__new__(LocalSimulation)  # no Flower home: nothing may be started
+    outcome = sim.run("experiments/digits-dp-eps8.toml num-server-rounds=5")
+    assert outcome.returncode == 2 and outcome.run_dir is None
+    assert outcome.output == (
+        "error: --run-config 'experiments/digits-dp-eps8.toml num-server-rounds=5': Flower "
+        "drops 'experiments/digits-dp-eps8.toml' when it shares the string with key=value "
+        "pairs (the run would not use it); write preset='digits-dp-eps8' instead\n"
+    )

@@ -1,0 +1,203 @@
+"""Check a ``flwr run`` command's run-config and federation before submitting it.
+
+    python -m lab check --run-config "preset='digits-dp-eps8' num-server-rounds=5" \\
+        --federation-config "num-supernodes=100 client-resources-num-cpus=1"
+
+Parses ``--run-config`` as Flower's CLI does (``flwr.common.config.parse_config_args``),
+fuses it over the app's defaults as the SuperLink does, and validates the result with
+the ServerApp's own code (:func:`server_app.config.load`, the task's and the
+strategy's constructors, the start-up check's node counts), in seconds and without a
+SuperLink. Prints one line: ``OK: ...`` (exit 0) or ``error: ...`` (exit 2).
+
+It also catches what no app can see: a ``.toml`` file in one string with ``key=value``
+pairs (Flower drops the file silently) and text Flower's parser skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# Flower's pattern for one key=value pair (flwr.common.config.parse_config_args).
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+LOCAL_SIMULATION = "local-simulation"
+
+
+class CheckError(ValueError):
+    """What would make the run fail, or run something else than asked."""
+
+
+def refuse_what_flower_drops(arg: str) -> None:
+    """Refuse what Flower's parser would silently drop from one ``--run-config``."""
+    words = arg.split()
+    if len(words) > 1 and any(w.endswith(".toml") for w in words):
+        toml = next(w for w in words if w.endswith(".toml"))
+        name = Path(toml).stem
+        raise CheckError(
+            f"--run-config {arg!r}: Flower drops {toml!r} when it shares the string with "
+            f"key=value pairs (the run would not use it); write preset='{name}' instead"
+        )
+    leftover = _PAIR.sub(" ", arg).split()
+    if leftover and not (len(words) == 1 and arg.strip().endswith(".toml")):
+        raise CheckError(
+            f"--run-config: Flower ignores {' '.join(leftover)!r} (not key=value); "
+            "quote string values, e.g. privacy='dp-fedavg-fixed'"
+        )
+
+
+def parse_run_config(args: Sequence[str]) -> dict:
+    """The overrides Flower's CLI sends for ``--run-config`` ``args``."""
+    from flwr.common.config import parse_config_args
+
+    for arg in args:
+        refuse_what_flower_drops(arg)
+    try:
+        return parse_config_args(list(args)) if args else {}
+    except Exception as err:  # Flower raises ValueError, click's exceptions, TOML errors
+        text = getattr(err, "message", None) or str(err)
+        raise CheckError(f"--run-config: {text}") from None
+
+
+def num_supernodes(federation_config: Sequence[str], connection: str) -> tuple[int | None, str]:
+    """The simulation's size: ``--federation-config``'s, else the connection's."""
+    from flwr.common.config import parse_config_args
+
+    if federation_config:
+        try:
+            values = parse_config_args(list(federation_config))
+        except Exception as err:
+            raise CheckError(f"--federation-config: {err}") from None
+        valid = federation_keys()
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise CheckError(
+                f"--federation-config: unknown field(s) {', '.join(unknown)}; valid: "
+                + ", ".join(sorted(valid))
+            )
+        if "num-supernodes" in values:
+            return int(values["num-supernodes"]), "--federation-config"
+        return None, "--federation-config names no num-supernodes"
+    from flwr.cli.flower_config import read_superlink_connection
+    from flwr.supercore.utils import get_flwr_home
+
+    if not (get_flwr_home() / "config.toml").is_file():  # Flower would create one
+        return None, f"no Flower configuration, so no connection {connection!r}"
+    try:
+        options = read_superlink_connection(connection).options
+    except Exception:  # no such connection, or a configuration Flower cannot read
+        return None, f"connection {connection!r} not found"
+    if options is None:
+        return None, f"connection {connection!r} is not a simulation"
+    return int(options.num_supernodes), f"connection {connection!r}"
+
+
+def federation_keys() -> frozenset[str]:
+    """The fields ``flwr run --federation-config`` accepts: Flower's SimulationConfig's."""
+    from flwr.proto.federation_config_pb2 import SimulationConfig
+
+    return frozenset(f.name.replace("_", "-") for f in SimulationConfig.DESCRIPTOR.fields)
+
+
+def _check_keys(overrides: dict, defaults: dict) -> None:
+    """Unknown keys (which Flower's SuperLink refuses with only "[code: 15] Invalid run
+    configuration.") and the preset, from ``pyproject.toml`` alone: no PyTorch import."""
+    import difflib
+
+    from protocol import presets
+
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(defaults), n=3)
+            hints.append(f"'{key}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise CheckError("unknown run-config key(s): " + "; ".join(hints))
+    try:
+        fused = {**defaults, **overrides}
+        presets.refuse_ambiguous(fused, set(overrides), defaults)
+        unknown = sorted(set(presets.resolve(fused, defaults)) - set(defaults))
+    except presets.PresetError as err:
+        raise CheckError(str(err)) from None
+    if unknown:
+        raise CheckError(f"preset {overrides['preset']!r} sets unknown key(s): {unknown}")
+
+
+def check(
+    run_config: Sequence[str],
+    federation_config: Sequence[str] = (),
+    connection: str = LOCAL_SIMULATION,
+) -> str:
+    """Validate as the ServerApp would; return the one line to print on success.
+
+    Raises
+    ------
+    CheckError
+        Naming the key, the value and the valid values (or the fix).
+    """
+    from protocol import presets
+
+    overrides = parse_run_config(run_config)
+    fused = {**presets.app_defaults(), **overrides}
+    _check_keys(overrides, presets.app_defaults())  # before the slow imports below
+    import strategies
+    import tasks
+    from server_app import config, setup, startup
+    from strategies import StopTraining
+
+    try:
+        cfg = config.load(fused, explicit=set(overrides))
+        task = tasks.get(cfg.task)(cfg.to_dict())
+        strategy = strategies.build(cfg.privacy, cfg.strategy_settings())
+    except ValueError as err:  # ConfigError and the parts' own range checks
+        raise CheckError(str(err)) from None
+    size, source = num_supernodes(federation_config, connection)
+    where = f"{size} SuperNodes ({source})" if size is not None else f"size unknown: {source}"
+    if size is not None:
+        need = startup.needs(cfg, strategy)
+        short = {k: v for k, v in need.items() if v > size}
+        if short:
+            keys = ", ".join(f"'{k}' = {v}" for k, v in short.items())
+            raise CheckError(
+                f"{keys} needs at least {max(short.values())} nodes, but the simulation "
+                f'has {size} ({source}); use --federation-config "num-supernodes='
+                f'{max(short.values())} client-resources-num-cpus=1" or lower the key'
+            )
+        try:
+            startup._check_size(size, int(cfg.options["audit.canaries"]), cfg.task, task)
+        except StopTraining as err:
+            raise CheckError(str(err)) from None
+    return f"OK: {setup.privacy_line(cfg)}; federation: {where}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, print one line, return the exit status (0 valid, 2 not)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lab check",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "--run-config", action="append", default=[], help="as given to flwr run (repeatable)"
+    )
+    parser.add_argument(
+        "--federation-config", action="append", default=[], help="as given to flwr run"
+    )
+    parser.add_argument(
+        "--connection",
+        default=LOCAL_SIMULATION,
+        help="the SuperLink connection whose simulation size applies without "
+        f"--federation-config (default: {LOCAL_SIMULATION})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        print(check(args.run_config, args.federation_config, args.connection))
+    except CheckError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
