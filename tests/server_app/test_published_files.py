@@ -62,6 +62,9 @@ PUBLISHED_FILES = {
     "certificates.json": "functions of the ledger alone",
     "outcome.json": "how the run ended: under DP only the budget, the central "
     "evaluation of the released model, start-up checks or a server error end a run",
+    "environment.json": "public inputs: software versions, the federation's size, the "
+    "app's commit and the rerun command (the run-config)",
+    "rerun.sh": "public inputs: the command that reruns the run-config",
     "model.pt": "the released model (covered by dp-epsilon)",
     "checkpoint/global.pt": "the released model of the last round (covered)",
     "checkpoint/state.json": "the last round's number (public)",
