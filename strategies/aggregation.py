@@ -30,6 +30,9 @@ RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan")
 # Strategies whose aggregate is one (weighted) mean of the replies' models, which a
 # robust rule can replace; the others aggregate by their own structure.
 ROBUST_STRATEGIES = ("fedavg", "fedprox")
+# No reply within this multiple of the round's median weight is clipped (partition
+# sizes of a label-skewed split vary that much between honest clients).
+MEDIAN_FLOOR = 2.0
 # Privacy under which the server averages the clients' models as sent: none, and DP-SGD
 # (each client's model is already private; any aggregate of them is post-processing).
 ROBUST_PRIVACY = ("none", "dp-sgd")
@@ -67,10 +70,10 @@ class AggregationSettings(Settings):
         low=0,
     )
     max_weight_share: float = setting(
-        0.5,
-        "Most of a round one reply may weigh when the server knows no partition size for "
-        "it: its num-examples is clipped to max(1, s(n-1)/(1-s)) times the round's "
-        "median (n >= 3 replies); 1 disables the cap.",
+        0.2,
+        "Most of a round one reply s may weigh when the server knows no partition size "
+        "for it: its num-examples is clipped to max(2, s(n-1)/(1-s)) times the round's "
+        "median weight (n >= 3 replies); 1 disables the cap.",
         low=0.0,
         high=1.0,
         low_open=True,
@@ -169,16 +172,17 @@ def bounded_weights(
     every clipped one.
 
     A reply whose partition size the server learnt at start-up weighs at most that
-    size. Any other weighs at most ``max(1, s(n-1)/(1-s))`` times the median weight of
+    size. Any other weighs at most ``max(2, s(n-1)/(1-s))`` times the median weight of
     the round's ``n`` replies (``s = max_share``): with the other replies at the median
-    it carries at most ``max(s, 1/n)`` of the round. The median is robust while fewer
-    than half the replies lie; with fewer than 3 replies (no robust median) or ``s = 1``
-    only known sizes bound.
+    it carries at most ``max(s, 2/(n+1))`` of the round, and no reply within twice the
+    median is ever clipped. The median is robust while fewer than half the replies
+    lie; with fewer than 3 replies (no robust median) or ``s = 1`` only known sizes
+    bound.
     """
     n = len(weights)
     cap = None
     if n >= 3 and max_share < 1.0:
-        multiple = max(1.0, max_share * (n - 1) / (1.0 - max_share))
+        multiple = max(MEDIAN_FLOOR, max_share * (n - 1) / (1.0 - max_share))
         cap = multiple * float(np.median(np.asarray(weights, dtype=float)))
     bounded, notes = [], {}
     for i, (weight, size) in enumerate(zip(weights, sizes, strict=True)):
