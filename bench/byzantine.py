@@ -142,7 +142,8 @@ def table(rows: pd.DataFrame) -> str:
     lines = ["| attack x adversaries | " + " | ".join(pivot.columns) + " |"]
     lines.append("|---" * (len(pivot.columns) + 1) + "|")
     for scenario, values in pivot.iterrows():
-        lines.append(f"| {scenario} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+        cells = ("= mean" if np.isnan(v) else f"{v:.3f}" for v in values)
+        lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
