@@ -144,10 +144,19 @@ class SeededSampling(Strategy):
             log(INFO, "aggregate_train: Received %d results and 0 failures", len(replies))
             rule = self.aggregation.rule
             result = robust_arrays(rule, screened, weights, reference, self._options())
-            for index, why in result.left_out.items():
-                node = replies[index].metadata.src_node_id
-                log(WARNING, "Round %d: reply of node %d %s", server_round, node, why)
+            left_out = [replies[i].metadata.src_node_id for i in result.left_out]
+            for node, why in zip(left_out, result.left_out.values(), strict=True):
                 self.partitions.note(node, why)
+            if left_out:  # what the rule does by design: the record has each reason
+                log(
+                    INFO,
+                    "Round %d: %d of %d replies %s: nodes %s",
+                    server_round,
+                    len(left_out),
+                    len(replies),
+                    next(iter(result.left_out.values())),
+                    left_out,
+                )
             if result.arrays is None:
                 return None, None
             return result.arrays, weighted_metrics([records[i] for i in result.used])

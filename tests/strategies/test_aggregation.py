@@ -175,7 +175,9 @@ def test_fedavg_aggregate_is_bit_for_bit_flowers():
         message = reply_from(node, None, {"num-examples": int(rng.integers(1, 400))})
         message.content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         replies.append(message)
-    strategy = _build("fedavg")
+    # Weights unbounded (share 1), as Flower's; the bound is tested in test_bounded_weights.
+    options = {**SETTINGS.options, "aggregation.max-weight-share": 1.0}
+    strategy = strategies.build("none", replace(SETTINGS, options=options))
     list(strategy.configure_train(1, reference, ConfigRecord(), FakeGrid(range(1, 8))))
 
     arrays, _ = strategy.aggregate_train(1, replies)
