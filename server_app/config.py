@@ -2,7 +2,7 @@
 
 The top-level keys are declared here; every other key belongs to the part that reads
 it, declared once as a field of its settings dataclass (:mod:`strategies.settings`:
-``fedprox.*``, ``cluster.*``, ``smart.*``, ``hier.*``, ``server.*``, ``dp.*``,
+``fedprox.*``, ``aggregation.*``, ``cluster.*``, ``smart.*``, ``hier.*``, ``server.*``, ``dp.*``,
 ``subspace.*``, ``secagg.*``, ``audit.*``, ``run.*``) or as the task's ``OPTIONS``.
 :func:`load` rejects unknown keys and invalid values with a message naming the key and
 the valid values, then lets each part check the combination (``check``), before
@@ -26,6 +26,7 @@ from server_app.console import ConsoleSettings
 from server_app.failures import FailurePolicy
 from server_app.tracking import TrackingSettings
 from strategies import registry
+from strategies.aggregation import AggregationSettings
 from strategies.clustered import ClusterSettings
 from strategies.hierarchical_fedavg import HierSettings
 from strategies.private import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
@@ -94,6 +95,7 @@ TOP_LEVEL: tuple[Option, ...] = (
 PARTS: tuple[type[Settings], ...] = (
     FailurePolicy,
     registry.FedProxSettings,
+    AggregationSettings,
     ClusterSettings,
     SmartSettings,
     HierSettings,

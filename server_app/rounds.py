@@ -31,8 +31,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from protocol import keys
-from protocol.records import non_finite_array
-from protocol.replies import oversized_reason, reply_limit, unusable_reason
+from protocol.records import InvalidReply, non_finite_array
+from protocol.replies import check_reply, oversized_reason, reply_limit, unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
 from strategies.capabilities import provides
@@ -107,12 +107,25 @@ def participation(
     sent: list[Message],
     replies: list[Message],
     partitions: PartitionMap | None = None,
+    notes: Mapping[int, str] | None = None,
+    *,
+    check: bool = True,
 ) -> list[dict]:
     """The ``clients`` rows of a round from the train messages and their replies, in
-    partition order (the order Flower's FedAvg sends in is random)."""
+    partition order (the order Flower's FedAvg sends in is random).
+
+    A reply not aggregated as sent says why: ``error`` = ``"rejected: <reason>"`` for
+    one no aggregate took (its metrics are left out of the row, as of the round's
+    aggregates), ``note`` for one aggregated otherwise (a clipped weight) or left out
+    by a robust rule. ``notes`` are the strategy's verdicts (node -> reason, ""
+    accepted; :meth:`PartitionMap.note`); a reply without one is checked here against
+    the model it was sent (:func:`check_reply`) unless ``check`` is false (SecAgg+:
+    the replies hold masked vectors, not models).
+    """
     rows = []
     answers = _replies_to(sent, replies)
     partitions = partitions if partitions is not None else PartitionMap()  # none: node ids
+    notes = notes or {}
     for message in sorted(sent, key=lambda m: partitions.sort_key(m.metadata.dst_node_id)):
         node = message.metadata.dst_node_id
         row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
@@ -123,12 +136,33 @@ def participation(
             row["error"] = reply.error.reason
         else:
             row["replied"] = True
+            verdict = notes.get(node)
+            if verdict is None:
+                verdict = unusable_reason(reply) or (_check(message, reply) if check else "")
+            if verdict.startswith("rejected"):
+                row["error"] = verdict
+                rows.append(row)
+                continue
             metrics = reply.content.get(keys.METRICS)
             if isinstance(metrics, MetricRecord):
                 row.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
-            row["error"] = unusable_reason(reply)
+            if verdict:
+                row["note"] = verdict
         rows.append(row)
     return rows
+
+
+def _check(sent: Message, reply: Message) -> str:
+    """``"rejected: <reason>"`` when ``reply`` fails :func:`check_reply` against the
+    model ``sent`` carried, else ""."""
+    reference = sent.content.get(keys.ARRAYS) if sent.has_content() else None
+    if not isinstance(reference, ArrayRecord):
+        return ""
+    try:
+        check_reply(reply, reference)
+    except InvalidReply as err:
+        return f"rejected: {err}"
+    return ""
 
 
 @dataclass
@@ -260,8 +294,13 @@ def _train(
         replies = strategy.exchange_train(grid, messages, timeout)
     else:
         replies = _exchange(grid, messages, timeout, f"round {server_round} train", arrays)
-    clients = participation(server_round, messages, replies, partition_map(strategy))
+    partitions = partition_map(strategy)
+    partitions.take_notes()  # nothing of an earlier round
     new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+    secure = provides(strategy, SecureExchange)
+    clients = participation(
+        server_round, messages, replies, partitions, partitions.take_notes(), check=not secure
+    )
     if new_arrays is not None:
         bad = non_finite_array(new_arrays)
         if bad is not None:  # never committed, evaluated or released

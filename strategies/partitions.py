@@ -47,6 +47,32 @@ class PartitionMap:
         self._num_partitions: dict[int, int] = {}  # node id -> the num-partitions it names
         self._errors: dict[int, str] = {}  # node id -> why its partition query failed
         self._asked: set[int] = set()  # nodes already asked (answered or not)
+        self._size: dict[int, int] = {}  # node id -> training examples it reported at start-up
+        self._notes: dict[int, str] = {}  # this round: node id -> what became of its reply
+
+    def size_of(self, node_id: int) -> int | None:
+        """The training-set size ``node_id`` reported before round 1 (a partition query
+        or an edge query answer with ``num-examples``), or None: the most its replies
+        may weigh."""
+        return self._size.get(int(node_id))
+
+    def record_size(self, node_id: int, size: int) -> None:
+        """Learn ``node_id``'s training-set size (see :meth:`size_of`)."""
+        self._size[int(node_id)] = int(size)
+
+    def note(self, node_id: int, what: str) -> None:
+        """Note what became of ``node_id``'s reply this round ("": aggregated as sent;
+        else ``"rejected: <reason>"``, a clipped weight, a reply a robust rule left
+        out). The ServerApp's participation record takes the notes (:meth:`take_notes`)."""
+        node = int(node_id)
+        if what and self._notes.get(node):
+            what = f"{self._notes[node]}; {what}"
+        self._notes[node] = what or self._notes.get(node, "")
+
+    def take_notes(self) -> dict[int, str]:
+        """The round's notes (:meth:`note`), cleared."""
+        notes, self._notes = self._notes, {}
+        return notes
 
     def num_partitions_of(self, node_id: int) -> int | None:
         """The ``num-partitions`` ``node_id``'s node config names, or None."""
@@ -114,6 +140,9 @@ class PartitionMap:
             num = None if metrics is None else metrics.get(keys.NUM_PARTITIONS)
             if isinstance(num, int | float) and not isinstance(num, bool):
                 self._num_partitions[node] = int(num)
+            size = None if metrics is None else metrics.get(keys.NUM_EXAMPLES)
+            if isinstance(size, int | float) and not isinstance(size, bool) and size >= 0:
+                self._size[node] = int(size)
         return answered
 
     def _from_registration(self, grid, unknown: list[int], timeout: float) -> bool:

@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
+from strategies.aggregation import AggregationSettings
 from strategies.clustered import ClusteredFedAvg
 from strategies.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
@@ -80,7 +81,15 @@ _TAKE_ALL = {
 
 
 def _seeded(strategy: Strategy, s: StrategySettings) -> Strategy:
-    return SeededSampling(strategy, **_sampling(s), seed=s.seed, timeout=s.round_timeout)
+    return SeededSampling(
+        strategy,
+        **_sampling(s),
+        seed=s.seed,
+        timeout=s.round_timeout,
+        aggregation=AggregationSettings.from_options(
+            {**{key: default for key, default, _ in AggregationSettings.specs()}, **s.options}
+        ),
+    )
 
 
 STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {

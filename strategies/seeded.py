@@ -20,9 +20,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from protocol.records import to_record
-from strategies.aggregation import fedavg_arrays, screen_replies
+from protocol.replies import metrics_of
+from strategies.aggregation import (
+    AggregationSettings,
+    bounded_weights,
+    robust_arrays,
+    screen_replies,
+    weight_of,
+    weighted_metrics,
+)
 from strategies.nodes import GridView, nodes_for_round
 from strategies.partitions import PartitionMap
 from strategies.sampling import seeded_sample
@@ -49,6 +58,9 @@ class SeededSampling(Strategy):
         from those connected.
     partitions : PartitionMap, optional
         The run's node -> partition map (default: a new one, owned by this strategy).
+    aggregation : AggregationSettings, optional
+        The aggregation rule and the weight bound (default: the weighted mean, weights
+        bounded by ``aggregation.max-weight-share``'s default).
     """
 
     def __init__(
@@ -63,8 +75,10 @@ class SeededSampling(Strategy):
         seed: int,
         timeout: float,
         partitions: PartitionMap | None = None,
+        aggregation: AggregationSettings | None = None,
     ) -> None:
         self.strategy = strategy
+        self.aggregation = aggregation if aggregation is not None else AggregationSettings()
         self.partitions = partitions if partitions is not None else PartitionMap()
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         self.min_train_nodes, self.min_evaluate_nodes = min_train_nodes, min_evaluate_nodes
@@ -97,14 +111,23 @@ class SeededSampling(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The wrapped strategy's aggregate of the valid replies (:func:`screen_replies`)
-        in partition order; nothing when none is valid."""
+        """The aggregate of the valid replies (:func:`screen_replies`) in partition order,
+        their weights bounded (:func:`bounded_weights`); nothing when none is valid.
+        What became of each reply is noted in the partition map for the participation
+        record; the metrics are those of the replies whose models entered the aggregate."""
         replies = self.partitions.sort_replies(replies)
         reference = self._reference
         screened = None
         if reference is not None:
-            screened = screen_replies(replies, reference, who=type(self.strategy).__name__)
+            notes: dict[int, str] = {}
+            screened = screen_replies(
+                replies, reference, who=type(self.strategy).__name__, notes=notes
+            )
+            for node, what in notes.items():
+                self.partitions.note(node, what)
             replies = [message for message, _ in screened]
+        if screened is None:  # no round configured here: the wrapped strategy's own
+            return self.strategy.aggregate_train(server_round, replies)
         if not replies:
             log(
                 WARNING,
@@ -113,19 +136,58 @@ class SeededSampling(Strategy):
             )
             return None, None
         strategy = self.strategy
-        if screened is not None and len(reference) and _plain_fedavg(strategy):
-            # Flower's FedAvg/FedProx aggregate, from the arrays the screening decoded
+        weights = self._bounded(server_round, replies)
+        records = [metrics_of(m, w) for m, w in zip(replies, weights, strict=True)]
+        if len(reference) and _plain_fedavg(strategy):
+            # Flower's FedAvg/FedProx aggregate (or a robust rule on Flower's functions),
+            # from the arrays the screening decoded
             log(INFO, "aggregate_train: Received %d results and 0 failures", len(replies))
-            arrays = fedavg_arrays(screened, strategy.weighted_by_key, reference)
-            contents = [message.content for message in replies]
-            return arrays, strategy.train_metrics_aggr_fn(contents, strategy.weighted_by_key)
+            rule = self.aggregation.rule
+            result = robust_arrays(rule, screened, weights, reference, self._options())
+            left_out = [replies[i].metadata.src_node_id for i in result.left_out]
+            for node, why in zip(left_out, result.left_out.values(), strict=True):
+                self.partitions.note(node, why)
+            if left_out:  # what the rule does by design: the record has each reason
+                log(
+                    INFO,
+                    "Round %d: %d of %d replies %s: nodes %s",
+                    server_round,
+                    len(left_out),
+                    len(replies),
+                    next(iter(result.left_out.values())),
+                    left_out,
+                )
+            if result.arrays is None:
+                return None, None
+            return result.arrays, weighted_metrics([records[i] for i in result.used])
         arrays, metrics = strategy.aggregate_train(server_round, replies)
-        if arrays is not None and reference is not None and len(reference):
+        if getattr(strategy, "train_metrics_aggr_fn", None) is aggregate_metricrecords:
+            metrics = weighted_metrics(records)  # per key, over the replies reporting it
+        if arrays is not None and len(reference):
             # Flower's FedAvg returns float64 averages of integer arrays (BatchNorm's
             # num_batches_tracked): keep the global model's dtypes, which the next
             # round's replies are checked against.
             arrays = to_record(reference, [arrays[key].numpy() for key in reference])
         return arrays, metrics
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            AggregationSettings.key(name): value for name, value in vars(self.aggregation).items()
+        }
+
+    def _bounded(self, server_round: int, replies: list[Message]) -> list[float]:
+        """The replies' ``num-examples``, each bounded (:func:`bounded_weights`); a
+        clipped one is logged and noted."""
+        nodes = [m.metadata.src_node_id for m in replies]
+        weights, clipped = bounded_weights(
+            [weight_of(m) for m in replies],
+            [self.partitions.size_of(node) for node in nodes],
+            float(self.aggregation.max_weight_share),
+        )
+        for index, why in clipped.items():
+            log(WARNING, "Round %d: reply of node %d: %s", server_round, nodes[index], why)
+            self.partitions.note(nodes[index], why)
+        return weights
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -73,12 +73,20 @@ def test_local_strategy_flags_clients_and_averages_nothing():
     assert metrics["train-loss"] == pytest.approx(0.25 * 2.0 + 0.75 * 4.0)
 
 
-def test_weighted_metrics_average_only_the_keys_every_reply_reports():
+def test_weighted_metrics_divide_each_key_by_the_weight_of_its_reporters():
     records = [
         MetricRecord({"num-examples": 1, "train-loss": 1.0, "divergence": 5.0}),
-        MetricRecord({"num-examples": 3, "train-loss": 3.0}),
+        MetricRecord({"num-examples": 3, "train-loss": 3.0, "norms": [1.0, 2.0]}),
+        MetricRecord({"num-examples": 4, "norms": [3.0, 4.0]}),
     ]
-    assert dict(weighted_metrics(records)) == {"train-loss": 2.5}  # (1 + 9) / 4
+    # train-loss: (1 + 9) / 4; divergence: only the first reports it (5 * 1 / 1);
+    # norms: (3 [1, 2] + 4 [3, 4]) / 7. Flower's aggregate_metricrecords divides every
+    # key by the weight of all 8 examples (divergence 0.625).
+    assert dict(weighted_metrics(records)) == {
+        "train-loss": 2.5,
+        "divergence": 5.0,
+        "norms": [pytest.approx(15 / 7), pytest.approx(22 / 7)],
+    }
     zero = [
         MetricRecord({"num-examples": 0, "x": 1.0}),
         MetricRecord({"num-examples": 0, "x": 3.0}),
@@ -167,7 +175,9 @@ def test_fedavg_aggregate_is_bit_for_bit_flowers():
         message = reply_from(node, None, {"num-examples": int(rng.integers(1, 400))})
         message.content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         replies.append(message)
-    strategy = _build("fedavg")
+    # Weights unbounded (share 1), as Flower's; the bound is tested in test_bounded_weights.
+    options = {**SETTINGS.options, "aggregation.max-weight-share": 1.0}
+    strategy = strategies.build("none", replace(SETTINGS, options=options))
     list(strategy.configure_train(1, reference, ConfigRecord(), FakeGrid(range(1, 8))))
 
     arrays, _ = strategy.aggregate_train(1, replies)
