@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
-from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
 
 from lab import check
 
@@ -71,6 +69,10 @@ def stage_app(source: Path, dest: Path) -> int:
     and the files kept are Flower's own selection (``filter_paths_for_publish``, the
     first filter of its build), so the FAB built from ``dest`` has the same content.
     """
+    # Imported here: Flower's CLI costs ~1 s, and the study commands' --help imports this.
+    from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
+    from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
+
     ignored = build_pathspec(load_gitignore_patterns(source / ".gitignore"))
     always_out = build_pathspec(APP_PUBLISH_EXCLUDE_PATTERNS)  # Flower's own exclusions
     files: dict[str, Path] = {}

@@ -27,21 +27,19 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-import numpy as np
-import pandas as pd
-from flwr.common.config import flatten_dict
-
-import tasks
 from lab.checks import exit_on_failed
 from lab.launcher import APP_DIR, LocalSimulation
-from server_app import config, run_status
-from server_app.plots import save_figure
-from tasks.lunar_lander import plots
-from tasks.lunar_lander.logs import clients_dir, load_episodes, load_snapshots
-from tasks.options import ConfigError, Scalar
+from server_app import run_status
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from tasks.options import Scalar
+
+# PyTorch, matplotlib, Flower and the tasks are imported by the functions that use them,
+# so that ``--help`` answers at once (tests/lab/test_lazy_imports.py).
 
 STUDY_TASK = "lunar-lander"
 DEFAULT_SUPERNODES = 10
@@ -80,12 +78,16 @@ class Preset:
 
 def app_defaults(pyproject: Path = APP_DIR / "pyproject.toml") -> dict[str, Scalar]:
     """The run-config defaults of ``[tool.flwr.app.config]`` (what Flower merges over)."""
+    from flwr.common.config import flatten_dict
+
     doc = tomllib.loads(pyproject.read_text())
     return flatten_dict(doc["tool"]["flwr"]["app"]["config"])
 
 
 def supernodes_needed(run_config: Mapping[str, Scalar]) -> int | None:
     """``tasks.build(run_config).num_partitions()``: clients the task defines, or None."""
+    import tasks
+
     return tasks.build(run_config).num_partitions()
 
 
@@ -102,6 +104,11 @@ def load_preset(
         On an unknown key or invalid value (the app's validation, as at start-up),
         or a key ``pyproject.toml`` has no default for (``flwr run`` rejects those).
     """
+    from flwr.common.config import flatten_dict
+
+    from server_app import config
+    from tasks.options import ConfigError
+
     path = Path(path)
     try:
         overrides = flatten_dict(tomllib.loads(path.read_text()))
@@ -132,6 +139,8 @@ def group_by_size(presets: Sequence[Preset], default_size: int) -> dict[int, lis
 
 
 def _toml_value(value: Scalar) -> str:
+    from tasks.options import ConfigError
+
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -195,6 +204,12 @@ def run_presets(
 
 
 def _embeddings(name: str, run_dir: Path, out: Path, echo: Callable[[str], None]) -> None:
+    import numpy as np
+
+    from server_app.plots import save_figure
+    from tasks.lunar_lander import plots
+    from tasks.lunar_lander.logs import clients_dir, load_snapshots
+
     try:
         snapshots, weights = load_snapshots(clients_dir(run_dir))
         for method, label in (("tsne", "t-SNE"), ("umap", "UMAP")):
@@ -208,6 +223,8 @@ def _embeddings(name: str, run_dir: Path, out: Path, echo: Callable[[str], None]
 
 def _comparison_text(table: pd.DataFrame, runs: Mapping[str, Path], baseline: str | None) -> str:
     """The FL-vs-Single-Agent section of ``results.md``."""
+    from tasks.lunar_lander import plots
+
     configs = {name: plots.load_run_config(run_dir) for name, run_dir in runs.items()}
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -236,6 +253,10 @@ def analyse(
 ) -> pd.DataFrame:
     """Write every plot and table of the study of ``runs`` into ``out``; return the
     results table."""
+    from server_app.plots import save_figure
+    from tasks.lunar_lander import plots
+    from tasks.lunar_lander.logs import clients_dir, load_episodes
+
     out.mkdir(parents=True, exist_ok=True)
     episodes = {}
     for name, run_dir in runs.items():
@@ -385,8 +406,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     """Run (or read) the experiments, write the study into ``--out``; return the table."""
-    matplotlib.use("Agg")  # files only, display or not
     args = parse_args(argv)
+    import matplotlib
+
+    from tasks.lunar_lander import plots
+    from tasks.options import ConfigError
+
+    matplotlib.use("Agg")  # files only, display or not
     out: Path = args.out
     try:
         if args.runs:
