@@ -27,19 +27,19 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-import pandas as pd
-
-from lab import comparison_plots as cplots
 from lab import figures, study
 from lab.checks import audit_markdown, exit_on_failed
+from lab.figures import FORMATS
 from lab.study import Preset, StudyError
 from server_app import run_status
-from server_app.plots import FORMATS
-from tasks.base import SEED
-from tasks.options import ConfigError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# matplotlib, pandas, the plots and the tasks (PyTorch) are imported by the functions
+# that use them, so that ``--help`` answers at once (tests/lab/test_lazy_imports.py).
 
 Runs = dict[str, dict[int, Path]]  # experiment -> seed -> run directory
 
@@ -73,6 +73,8 @@ TABLE: tuple[Statistic, ...] = (
 
 def check_seeds(seeds: Sequence[int]) -> list[int]:
     """The seeds, validated as the run-config key ``seed``; unique, at least one."""
+    from tasks.base import SEED
+
     if not seeds:
         raise StudyError("no seeds: give at least one with --seeds, e.g. --seeds 0 1 2")
     if len(set(seeds)) != len(seeds):
@@ -223,6 +225,8 @@ def reduce_metric(rows: pd.DataFrame, stat: Statistic) -> float:
 
 def run_values(metrics: pd.DataFrame, runs: Mapping[str, Collection[int]]) -> pd.DataFrame:
     """One row per run: experiment, seed, rounds (the last round recorded), ``TABLE``."""
+    import pandas as pd
+
     rows = []
     for name, seeds in runs.items():
         for seed in seeds:
@@ -268,6 +272,8 @@ def results_table(
     """Per experiment: seeds, rounds, ``<stat>-mean`` / ``-std`` (ddof 1, over the seeds
     that report it), the per-seed values ``<stat>-seed-<s>`` and, given ``privacy``
     (:func:`privacy_columns`), its ε, δ, threat model and run outcomes."""
+    import pandas as pd
+
     rows = []
     for name, group in values.groupby("experiment", sort=False):
         row: dict[str, Any] = {
@@ -332,6 +338,8 @@ def to_markdown(table: pd.DataFrame) -> str:
 def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path, fmt: str = "png") -> pd.DataFrame:
     """Write the figures (as ``fmt``), ``results.csv`` and ``results.md`` of ``runs``
     into ``out``; return the results table."""
+    from lab import comparison_plots as cplots
+
     metrics, selection = cplots.load_trials(runs)
     out.mkdir(parents=True, exist_ok=True)
     privacy = privacy_columns(runs)
@@ -452,8 +460,12 @@ def _run(args: argparse.Namespace) -> tuple[Runs, dict[str, Path]]:
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     """Run (or read) the trials, write the comparison into ``--out``; return the table."""
-    matplotlib.use("Agg")  # files only, display or not
     args = parse_args(argv)
+    import matplotlib
+
+    from tasks.options import ConfigError
+
+    matplotlib.use("Agg")  # files only, display or not
     out: Path = args.out
     try:
         if args.runs:

@@ -31,19 +31,27 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-import numpy as np
-import pandas as pd
-
-from lab import figures_plots as fplots
 from lab.checks import failed_runs
-from lab.figures_plots import GAP, GROUP_PREFIX, SCOPE, LedgerStack
 from privacy.accounting import PrivacyLedger
 from server_app import run_status
-from server_app.plots import FORMATS
-from server_app.results import TIMING_COLUMNS, load_metrics
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+    from lab.figures_plots import LedgerStack
+
+# matplotlib, pandas and the run loader (PyTorch) are imported by the functions that use
+# them, so that ``--help`` answers at once; the names below are those modules' own
+# (``lab.figures_plots``, ``server_app.plots.FORMATS``, ``server_app.results``
+# ``TIMING_COLUMNS``), kept equal by tests/lab/test_lazy_imports.py.
+SCOPE = "central-eval"  # the global model on the central test set
+GROUP_PREFIX = "eval-accuracy-"  # eval-accuracy-<group> columns of the SCOPE rows
+GAP = "fairness-gap"
+FORMATS = ("png", "svg", "pdf")
+TIMING_COLUMNS = ("elapsed-s", "round-seconds", "train-seconds")
 
 DEFAULT_METRICS = ("eval-accuracy", "eval-auc", "eval-r2", "eval-reward")
 NOT_CONFIGURATION = ("seed", "output-dir")  # run-config keys that leave the configuration
@@ -112,6 +120,11 @@ def _read_json(path: Path) -> dict | None:
 
 def load_run(path: Path) -> Run:
     """Read one run directory (``ledger.json`` and ``certificates.json`` optional)."""
+    import numpy as np
+    import pandas as pd
+
+    from server_app.results import load_metrics
+
     try:
         metrics = load_metrics(path)
         config = json.loads((path / "config.json").read_text())["run-config"]
@@ -274,6 +287,9 @@ def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame
     did not fail (failed or diverged runs are counted in ``n_failed`` and left out: their
     numbers are no result); ε is the mean (∞ without DP) and its std over runs with a
     finite ε only. A configuration whose every run failed keeps NaN utility."""
+    import numpy as np
+    import pandas as pd
+
     rows = []
     for label, runs in configs.items():
         every = pd.DataFrame([run_values(run, metric) for run in runs])
@@ -307,6 +323,8 @@ def summarise(configs: Mapping[str, Sequence[Run]], metric: str) -> pd.DataFrame
 
 def evaluation_rounds(first: int, last: int, max_points: int = MAX_LEDGER_POINTS) -> np.ndarray:
     """At most ``max_points`` rounds evenly spaced from ``first`` to ``last`` (both in)."""
+    import numpy as np
+
     if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
         raise ValueError(f"max_points must be an integer >= 2, got {max_points!r}")
     count = min(max_points, last - first + 1)
@@ -319,6 +337,10 @@ def stack_ledger(state: Mapping[str, Any], *, max_points: int = MAX_LEDGER_POINT
     Each point charges the filtered releases into a fresh ledger of the same config
     (no ``max_epsilon``: only ε is read), so the top equals the ledger's ε.
     """
+    import numpy as np
+
+    from lab.figures_plots import LedgerStack
+
     ledger = PrivacyLedger.from_state_dict(dict(state))
     releases = ledger.releases
     if not releases:
@@ -382,6 +404,8 @@ def build_figures(
     FiguresError
         A PATH without run directories, an unreadable run, or an unreported ``metric``.
     """
+    from lab import figures_plots as fplots
+
     runs = [load_run(path) for path in find_run_dirs(paths)]
     metric = choose_metric(runs, metric)
     configs = configurations(runs)
@@ -408,7 +432,6 @@ def build_figures(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command; returns the exit status (2 on bad input, message on stderr)."""
-    matplotlib.use("Agg")  # files only, display or not
     parser = argparse.ArgumentParser(
         prog="python -m lab.figures", description=__doc__.split("\n\n")[0]
     )
@@ -431,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="image format of the figures (svg, pdf: vector; default png)",
     )
     args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, display or not
     try:
         build_figures(args.paths, args.out, metric=args.metric, fmt=args.fmt)
     except FiguresError as err:
