@@ -332,18 +332,23 @@ def test_resumed_run_equals_uninterrupted_run(case, moment, full_runs, tmp_path,
                 assert ledger_cut["summary"] == ledger_full["summary"]
 
 
-@pytest.mark.xdist_group("resume-dp-fedavg-fixed")
-def test_checkpoint_is_owner_only(full_runs):
+# One-round runs of their own (not the cases' full runs), so that the fast default
+# (without the slow cases above) pays for no more than these.
+def test_checkpoint_is_owner_only(tmp_path):
     # server.pt holds the secret DP generator: whoever reads it can subtract the noise.
-    server = full_runs("dp-fedavg-fixed").path / "checkpoint" / "server.pt"
+    config = run_config(
+        **{"output-dir": str(tmp_path), "num-server-rounds": 1, "privacy": "dp-fedavg-fixed"},
+        **{"dp.num-sampled-clients": 2},
+    )
+    run_server(config, InProcessGrid(config, NODES))
+    server = _only_run(tmp_path) / "checkpoint" / "server.pt"
     assert server.stat().st_mode & 0o777 == 0o600
 
 
-@pytest.mark.xdist_group("resume-fedavg")
-def test_resume_refuses_another_run_config(full_runs, tmp_path):
-    full = full_runs("fedavg")
-    run_dir = shutil.copytree(full.path, tmp_path / full.path.name, symlinks=True)
-    other = {**full.config, "resume-from": str(run_dir), "fedprox.mu": 0.7}
+def test_resume_refuses_another_run_config(tmp_path):
+    config = run_config(**{"output-dir": str(tmp_path), "num-server-rounds": 1})
+    run_server(config, InProcessGrid(config, NODES))
+    other = {**config, "resume-from": str(_only_run(tmp_path)), "fedprox.mu": 0.7}
     with pytest.raises(ConfigError, match=r"'fedprox.mu': 0.1 then, 0.7 now"):
         run_server(other, InProcessGrid(other, NODES))
 
