@@ -15,7 +15,7 @@ torch.set_num_threads(1)  # the CI machine has 2 cores; keep tests predictable
 # deliberate search. Property tests set no max_examples of their own.
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("dev", max_examples=25, **_COMMON)
-settings.register_profile("ci", max_examples=60, derandomize=True, **_COMMON)
+settings.register_profile("ci", max_examples=40, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
