@@ -1,11 +1,23 @@
-"""Shared test set-up."""
+"""Shared test set-up: torch threads, Hypothesis profiles, the ``slow`` and ``e2e``
+selections, the task identity Flower's messages read."""
+
+import os
 
 import pytest
 import torch
 from flwr.supercore.task_identity import TaskIdentity
+from hypothesis import HealthCheck, settings
 
 torch.set_num_threads(1)  # the CI machine has 2 cores; keep tests predictable
 
+# Hypothesis budgets, by HYPOTHESIS_PROFILE: "dev" (the default) for the inner loop,
+# "ci" (.ci/run) bounded and derandomized so a CI run is repeatable, "thorough" for a
+# deliberate search. Property tests set no max_examples of their own.
+_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("dev", max_examples=25, **_COMMON)
+settings.register_profile("ci", max_examples=40, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=500, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # Modules not named here are in group "e2e" (privacy runs, flwr run, movielens).
 E2E_GROUPS = {
@@ -16,16 +28,40 @@ E2E_GROUPS = {
     "test_reproducibility": "e2e-b",
 }
 
+# What the fast default (`pytest -m "not e2e and not slow"`) leaves to CI: whole-app
+# runs made many times over (resume, the privacy mechanisms' runs, reproducibility),
+# PPO training and the study tools' analyses of real runs, the process-forking tests
+# of the warm executor. A node id prefix each; the e2e tests are apart (marker e2e).
+SLOW = (
+    "tests/server_app/test_resume.py::test_resumed_run_equals_uninterrupted_run",
+    "tests/server_app/test_privacy_runs.py",
+    "tests/server_app/test_reproducibility.py",
+    "tests/server_app/test_secure_runs.py",
+    "tests/server_app/test_dp_attack.py",
+    "tests/client_app/test_task_state.py",
+    "tests/lab/test_study.py::test_analysing_existing_runs_writes_every_file",
+    "tests/lab/test_comparison.py::test_analysing_existing_runs_writes_every_file",
+    "tests/lab/test_lunar_one_planet.py",
+    "tests/lab/test_lunar_outcomes.py",
+    "tests/lab/test_ppo_twin.py",
+    "tests/lab/test_ppo_throughput.py",
+    "tests/lab/test_ppo_side_by_side.py",
+    "tests/lab/test_ppo_gradients.py",
+    "tests/lab/test_superexec.py::test_a_stop_signal_takes_the_poller_and_every_child_along",
+    "tests/lab/test_superexec.py::test_the_zygote_stops_when",
+)
+
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items):
-    """Under ``pytest -n 2 --dist loadgroup`` (the README's command) the end-to-end tests
-    go to three groups, each run in order on one worker: a group's modules share that
-    worker's local SuperLink (``tests/e2e/conftest.py``; each on its own port), and
-    the deployment tests start their own SuperLink. Both cores are busy (95 % over a
-    whole local run on 2026-11-27): what shortens the suite is less work, such as the
-    variants made in process (``tests.inprocess.run_like_flwr``), not more workers."""
+    """Mark the ``SLOW`` tests ``slow``. Under ``pytest -n 2 --dist loadgroup`` (CI's
+    command) the end-to-end tests go to three groups, each run in order on one worker:
+    a group's modules share that worker's local SuperLink (``tests/e2e/conftest.py``;
+    each on its own port), and the deployment tests start their own SuperLink. Both
+    cores are busy: what shortens the suite is less work, not more workers."""
     for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("e2e"):
             module = item.module.__name__.rsplit(".", 1)[-1]
             item.add_marker(pytest.mark.xdist_group(E2E_GROUPS.get(module, "e2e")))

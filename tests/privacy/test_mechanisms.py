@@ -7,7 +7,7 @@ import math
 import dp_accounting
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from scipy import stats
@@ -180,7 +180,6 @@ _arrays = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     arrays=st.lists(_arrays, min_size=1, max_size=4),
     clip_norm=st.floats(min_value=1e-6, max_value=1e6),

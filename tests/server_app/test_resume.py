@@ -3,15 +3,20 @@ where the uninterrupted run ends, and a charged round is never released twice.
 
 A round is committed (``checkpoint/server.pt``) right after its aggregate, before its
 model leaves the server. Each case runs the ServerApp against the real ClientApp in
-this process (:mod:`tests.inprocess`) three times: uninterrupted; killed at one of two
-moments of round 2; and resumed from that directory with new node ids, as a new Flower
-run gets. The two moments are the two sides of the commit: *before* it (round 2 trained,
-its aggregate not committed: the resumed run evaluates round 1 again and re-runs round
-2), and *after* it (round 2 committed and evaluated, none of its results written: the
-resumed run evaluates round 2 again and goes on). The resumed run must leave the same
-final model bit for bit, the same ledger (no double charge, no lost round), the same
-metrics with no gap or duplicate round, and the same per-client tables. DP runs use
-``dp.reproducible-noise`` here, so that the two runs draw the same noise.
+this process (:mod:`tests.inprocess`) uninterrupted, once per case, and that run copies
+its directory at two moments of round 2: the directory a run killed there leaves. The
+two moments are the two sides of the commit: *before* it (round 2 trained, its
+aggregate not committed: the resumed run evaluates round 1 again and re-runs round 2),
+and *after* it (round 2 committed and evaluated, none of its results written: the
+resumed run evaluates round 2 again and goes on). A run is deterministic here (same
+seed, same node ids), so the copy is what a separate run killed at that moment leaves,
+as a hard kill leaves it (no ``outcome.json``); for FedAvg and DP-FedAvg the run is
+also killed for real (the ServerApp raises there) and its directory checked against the
+copy. Each copy is resumed with new node ids, as a new Flower run gets. The resumed run
+must leave the same final model bit for bit, the same ledger (no double charge, no lost
+round), the same metrics with no gap or duplicate round, and the same per-client
+tables. DP runs use ``dp.reproducible-noise`` here, so that the two runs draw the same
+noise.
 
 What a client sent in the round that may have been under way when the server stopped
 (the server cannot tell whether the next round had started) is charged on resume: one
@@ -25,6 +30,8 @@ uninterrupted run, from the first round after the commit on; everything else is 
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -79,8 +86,30 @@ RESUME_CHARGED = {
 }
 
 
+# Cases also killed for real, whose directory must equal the uninterrupted run's copy.
+KILLED_FOR_REAL = ("fedavg", "dp-fedavg-fixed")
+# The moment's hook: the RunDirectory method that round KILLED_AT is in at that moment.
+HOOK = {"before": "commit", "after": "record_round"}
+# Written by each process in its own way: TensorBoard's event files (host, time) and the
+# outcome a dying ServerApp writes if it lives long enough (a hard kill writes none).
+PER_PROCESS = ("tensorboard", "outcome.json")
+# In server.pt: the round's wall time, and Python's global generator, which the app
+# neither seeds nor draws from (its state is the process's history).
+PER_PROCESS_STATE = (("result", "seconds"), ("rng", "python"))
+
+
 class Killed(Exception):
     """The ServerApp process dies here."""
+
+
+@dataclass(frozen=True)
+class FullRun:
+    """A case's uninterrupted run: its config, its directory, and copies of it as a run
+    killed at each moment of round KILLED_AT leaves it."""
+
+    config: dict
+    path: Path
+    killed_at: dict[str, Path]
 
 
 def _only_run(root: Path) -> Path:
@@ -88,19 +117,62 @@ def _only_run(root: Path) -> Path:
     return path
 
 
+def _round_of(name: str, first) -> int:
+    return first if name == "commit" else first.server_round
+
+
 def _kill(monkeypatch, moment: str) -> None:
     """Die in round KILLED_AT: while committing it ("before": not committed), or while
     writing its results once it is committed and evaluated ("after")."""
-    name = "commit" if moment == "before" else "record_round"
+    name = HOOK[moment]
     original = getattr(RunDirectory, name)
 
     def dying(self, first, *args, **kwargs):
-        at_round = first if name == "commit" else first.server_round
-        if at_round == KILLED_AT:
-            raise Killed(f"killed in {name} of round {at_round}")
+        if _round_of(name, first) == KILLED_AT:
+            raise Killed(f"killed in {name} of round {KILLED_AT}")
         return original(self, first, *args, **kwargs)
 
     monkeypatch.setattr(RunDirectory, name, dying)
+
+
+def _copy_at_each_moment(monkeypatch, into: Path) -> None:
+    """Copy the run directory to ``into/<moment>/`` where :func:`_kill` would kill it."""
+    for moment, name in HOOK.items():
+        original = getattr(RunDirectory, name)
+
+        def copying(self, first, *args, _moment=moment, _name=name, _original=original, **kw):
+            if _round_of(_name, first) == KILLED_AT:
+                shutil.copytree(self.path, into / _moment / self.path.name, symlinks=True)
+            return _original(self, first, *args, **kw)
+
+        monkeypatch.setattr(RunDirectory, name, copying)
+
+
+def _case_config(case: str, output_dir: Path) -> dict:
+    strategy, privacy, extra = CASES[case]
+    return run_config(
+        strategy=strategy, privacy=privacy, **extra, **{"output-dir": str(output_dir)}
+    )
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """``case -> FullRun``: each case's uninterrupted run, made once (per worker) when a
+    test first asks for it."""
+    made: dict[str, FullRun] = {}
+
+    def full_run(case: str) -> FullRun:
+        if case not in made:
+            root = tmp_path_factory.mktemp(f"full-{case}")
+            config = _case_config(case, root / "full")
+            with pytest.MonkeyPatch.context() as patch:
+                _copy_at_each_moment(patch, root / "killed")
+                run_server(config, InProcessGrid(config, NODES))
+            killed_at = {m: _only_run(root / "killed" / m) for m in HOOK}
+            made[case] = FullRun(config, _only_run(root / "full"), killed_at)
+        return made[case]
+
+    return full_run
 
 
 def _table(path: Path, drop: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -114,24 +186,87 @@ def _csvs(run_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.csv"))
 
 
-@pytest.mark.parametrize(
-    ("case", "moment"),
-    [(case, "after") for case in CASES] + [(case, "before") for case in BOTH_SIDES],
-)
-def test_resumed_run_equals_uninterrupted_run(case, moment, tmp_path, monkeypatch):
-    strategy, privacy, extra = CASES[case]
-    common = {"strategy": strategy, "privacy": privacy, **extra}
+def _files(run_dir: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(run_dir))
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.relative_to(run_dir).parts[0] not in PER_PROCESS
+    )
 
-    full = run_config(**common, **{"output-dir": str(tmp_path / "full")})
-    run_server(full, InProcessGrid(full, NODES))
-    full_dir = _only_run(tmp_path / "full")
 
-    cut = run_config(**common, **{"output-dir": str(tmp_path / "cut")})
+def _same_content(a, b) -> bool:
+    """Equal, tensors bit for bit (a checkpoint loaded with ``torch.load``)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same_content(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_content(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
+
+
+def _assert_same_directory(killed: Path, copy: Path) -> None:
+    """What a killed run left is what the uninterrupted run held at that moment: the same
+    files, the same tables (but wall time), checkpoints and client states bit for bit,
+    the same run-config (but the output directory)."""
+    assert _files(killed) == _files(copy)
+    for name in _files(copy):
+        if name.endswith(".csv"):
+            pd.testing.assert_frame_equal(_table(killed / name), _table(copy / name), obj=name)
+        elif name == "config.json":
+            configs = [json.loads((d / name).read_text())["run-config"] for d in (killed, copy)]
+            for config in configs:
+                del config["output-dir"]
+            assert configs[0] == configs[1]
+        elif name.endswith(".pt"):
+            loaded = [torch.load(d / name, weights_only=True) for d in (killed, copy)]
+            if name == "checkpoint/server.pt":
+                for state in loaded:
+                    for key, entry in PER_PROCESS_STATE:
+                        del state[key][entry]
+            assert _same_content(*loaded), name
+        else:
+            assert (killed / name).read_bytes() == (copy / name).read_bytes(), name
+
+
+def _cut_run(case: str, moment: str, full: FullRun, tmp_path: Path, monkeypatch) -> Path:
+    """The directory of a run killed at ``moment`` of round KILLED_AT, in ``tmp_path/cut``:
+    the uninterrupted run's copy, or (KILLED_FOR_REAL) a run killed there, checked
+    against that copy."""
+    if case not in KILLED_FOR_REAL:
+        copy = full.killed_at[moment]
+        return Path(shutil.copytree(copy, tmp_path / "cut" / copy.name, symlinks=True))
+    cut = _case_config(case, tmp_path / "cut")
     with monkeypatch.context() as patch:
         _kill(patch, moment)
         with pytest.raises(Killed):
             run_server(cut, InProcessGrid(cut, NODES))
     cut_dir = _only_run(tmp_path / "cut")
+    _assert_same_directory(cut_dir, full.killed_at[moment])
+    return cut_dir
+
+
+@pytest.mark.parametrize(
+    ("case", "moment"),
+    [
+        # Both moments of a case on one worker, which makes its uninterrupted run once.
+        pytest.param(case, moment, marks=pytest.mark.xdist_group(f"resume-{case}"))
+        for case, moment in [(c, "after") for c in CASES] + [(c, "before") for c in BOTH_SIDES]
+    ],
+)
+def test_resumed_run_equals_uninterrupted_run(case, moment, full_runs, tmp_path, monkeypatch):
+    privacy = CASES[case][1]
+    full = full_runs(case)
+    full_dir = full.path
+    cut_dir = _cut_run(case, moment, full, tmp_path, monkeypatch)
     committed = torch.load(cut_dir / "checkpoint" / "server.pt", weights_only=True)["round"]
     assert committed == (KILLED_AT if moment == "after" else KILLED_AT - 1)
     # Nothing of the killed round was published: no row, no model file of it.
@@ -139,6 +274,7 @@ def test_resumed_run_equals_uninterrupted_run(case, moment, tmp_path, monkeypatc
     assert json.loads((cut_dir / "checkpoint" / "state.json").read_text())["round"] < KILLED_AT
     assert not (cut_dir / "model.pt").exists()
 
+    cut = _case_config(case, tmp_path / "cut")
     resumed = {**cut, "resume-from": str(cut_dir)}
     run_server(resumed, InProcessGrid(resumed, NEW_NODES))
     assert _only_run(tmp_path / "cut") == cut_dir  # continued in place
@@ -197,6 +333,8 @@ def test_resumed_run_equals_uninterrupted_run(case, moment, tmp_path, monkeypatc
                 assert ledger_cut["summary"] == ledger_full["summary"]
 
 
+# One-round runs of their own (not the cases' full runs), so that the fast default
+# (without the slow cases above) pays for no more than these.
 def test_checkpoint_is_owner_only(tmp_path):
     # server.pt holds the secret DP generator: whoever reads it can subtract the noise.
     config = run_config(

@@ -8,7 +8,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 import strategies
 from protocol import keys
-from protocol.records import to_numpy, to_record
+from protocol.records import to_record
 from server_app.config import PARTS, part_options
 from strategies.aggregation import weighted_metrics
 from tests.fakes import FakeGrid, reply_from
@@ -94,13 +94,6 @@ def test_weighted_metrics_divide_each_key_by_the_weight_of_its_reporters():
     assert dict(weighted_metrics(zero)) == {"x": 2.0}  # no weight: unweighted
 
 
-def test_to_record_rounds_integer_averages():
-    reference = ArrayRecord({"n": Array(np.array([4], dtype=np.int64))})
-    out = to_record(reference, [np.array([4.6])])
-
-    assert out["n"].numpy().tolist() == [5] and out["n"].numpy().dtype == np.int64
-
-
 def test_fedavg_keeps_the_global_models_dtypes_round_after_round():
     """Flower's FedAvg averages an int64 counter into float64; the seeded wrapper casts
     the aggregate back (rounded), so the next round's int64 replies are still valid."""
@@ -118,38 +111,6 @@ def test_fedavg_keeps_the_global_models_dtypes_round_after_round():
         assert current is not None, f"round {server_round}: replies rejected"
         assert current["count"].dtype == "int64"
         assert int(current["count"].numpy()) == round((5 + 8) / 2)  # 6.5 rounds to 6
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        np.arange(12, dtype=np.float32).reshape(3, 4),
-        np.arange(12.0).reshape(3, 4).T,  # Fortran order: Array.numpy()
-        np.float64(3.5),
-        np.zeros((0, 3)),
-        np.array([True, False]),
-        np.arange(5, dtype=">i4"),
-        np.ones((2, 3, 4), dtype=np.float16),
-    ],
-)
-def test_to_numpy_equals_array_numpy(value):
-    array = Array(np.asarray(value))
-    got, want = to_numpy(array), array.numpy()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got, want)
-    got[...] = 0  # a new writable array, as np.load returns
-    np.testing.assert_array_equal(array.numpy(), want)
-
-
-def test_to_numpy_leaves_malformed_bytes_to_array_numpy():
-    array = Array(np.arange(4, dtype=np.float32))
-    truncated = Array(
-        dtype=array.dtype, shape=array.shape, stype=array.stype, data=array.data[:-2]
-    )
-    with pytest.raises(ValueError):
-        truncated.numpy()
-    with pytest.raises(ValueError):
-        to_numpy(truncated)
 
 
 def test_fedavg_aggregate_is_bit_for_bit_flowers():

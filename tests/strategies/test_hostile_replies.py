@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import strategies
@@ -29,7 +29,7 @@ MALFORMED = (
     "negative-examples", "nan-examples", "huge-examples", "fractional-examples",
     "nan-metric", "string-examples", "error",
 )  # fmt: skip
-HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The budget (max_examples, no deadline) is the Hypothesis profile's: tests/conftest.py.
 
 
 def _valid(node, values, weight):
@@ -116,7 +116,6 @@ def _run_round(strategy, spec):
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedprox"])
-@HYPOTHESIS
 @given(spec=REPLIES)
 def test_fedavg_family_averages_exactly_the_valid_replies(name, spec):
     one = {"min_available_nodes": 1, "min_train_nodes": 1, "min_evaluate_nodes": 1}
@@ -148,7 +147,6 @@ def _dp(kind, m):
 
 
 @pytest.mark.parametrize("kind", ["server", "client", "adaptive", "subspace-dp"])
-@HYPOTHESIS
 @given(spec=REPLIES)
 def test_dp_round_counts_a_malformed_reply_as_zero_and_is_charged(kind, spec):
     strategy = _dp(kind, len(spec))
@@ -161,7 +159,6 @@ def test_dp_round_counts_a_malformed_reply_as_zero_and_is_charged(kind, spec):
 
 @pytest.mark.parametrize("kind", ["server", "client"])
 @given(scale=st.floats(1e3, 1e30), m=st.integers(1, 4))
-@HYPOTHESIS
 def test_an_unclipped_update_cannot_move_the_model_beyond_the_bound(kind, scale, m):
     """A client that skips clipping (a huge but finite update) moves the mean by at most
     C/m (server clip) or the honest client-noise radius / m (client noise)."""
@@ -176,7 +173,6 @@ def test_an_unclipped_update_cannot_move_the_model_beyond_the_bound(kind, scale,
     assert np.linalg.norm(moved) <= (bound + noise) / m + 1e-9
 
 
-@HYPOTHESIS
 @given(spec=REPLIES)
 def test_laplace_counts_malformed_replies_as_zero_and_is_charged(spec):
     strategy = test_laplace._wrapper(

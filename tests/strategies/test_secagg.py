@@ -16,7 +16,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from client_app.secagg_mod import encoding_of, secagg_mod
 from privacy.skellam import SecureSumEncoding
 from protocol import keys
-from protocol.masking import MASKED, mask
+from protocol.masking import MASKED
 from strategies.secagg import SecAggSettings, ring_neighbours, secure_sum
 
 DIM = 600
@@ -213,19 +213,6 @@ def test_too_few_survivors_abandon_the_round_before_unmasking():
         for r in grid.received
         if Key.SHARE_LIST in r.content.config_records.get(RECORD_KEY_CONFIGS, {})
     ]
-
-
-def test_masks_are_uniform_deterministic_per_seed_and_independent_across_seeds():
-    a, b = mask(b"\x01" * 32, 200_000, 2**32), mask(b"\x02" * 32, 200_000, 2**32)
-
-    assert np.array_equal(a, mask(b"\x01" * 32, 200_000, 2**32))
-    assert a.max() < 2**32 and not np.array_equal(a, b)
-    counts = np.bincount((a >> np.uint64(28)).astype(np.int64), minlength=16)
-    chi2 = float(np.sum((counts - a.size / 16) ** 2 / (a.size / 16)))
-    assert chi2 < 45.0  # chi-square with 15 dof: p ~ 1e-4
-    assert abs(np.corrcoef(a[:-1].astype(float), a[1:].astype(float))[0, 1]) < 0.01
-    full = mask(b"\x03" * 32, 1000, 2**64)
-    assert full.dtype == np.uint64 and full.max() > 2**63  # the whole range is used
 
 
 def test_ring_neighbours_are_symmetric_and_of_the_share_count():
