@@ -117,7 +117,7 @@ def calibrate_parameter(
     RDP: the releases become one composed dp-accounting event, calibrated by
     dp-accounting's ``mechanism_calibration.calibrate_dp_mechanism`` (its bisection
     returns a p whose ε does not exceed the target) inside a bracket found by doubling
-    or halving from 1. PLD: :func:`_calibrate_pld` (coarse PLDs, then the ledger's own).
+    or halving from 1. PLD: ``_calibrate_pld`` (coarse PLDs, then the ledger's own).
 
     Raises
     ------
@@ -159,7 +159,7 @@ def calibrate_parameter(
     )
 
 
-# PLD calibration (:func:`_calibrate_pld`): the search runs on PLDs discretised this many
+# PLD calibration (``_calibrate_pld``): the search runs on PLDs discretised this many
 # times more coarsely than the ledger's, then the ledger's own discretisation checks it.
 _COARSE, _FINER = 40, 20
 _MARGIN = 1e-4  # relative: the search aims this far below the target
@@ -178,7 +178,7 @@ def _groups(releases: list[Release], neighboring: str) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _pld_epsilon(groups: tuple, neighboring: str, discretization: float, delta: float) -> float:
     """ε at ``delta`` of ``groups`` composed as the ledger composes them under PLD
-    (:func:`privacy.composition.compose_groups`), memoised: the same workload calibrated
+    (``privacy.composition.compose_groups``), memoised: the same workload calibrated
     again in this process (a sweep's next seed) costs no PLD."""
     from privacy.composition import compose_groups
 
@@ -208,9 +208,9 @@ def _calibrate_pld(
     halving from 1 and narrowed to 0.2 % on the 40x grid, then solved to 1e-5 on the
     estimate ε_20 - (ε_40 - ε_20)/3 of the ledger's ε (a pessimistic grid's excess
     shrinks about as the square of its interval: measured in docs/engine.md), aiming
-    :data:`_MARGIN` below the target. The root is then checked at the ledger's own
+    ``_MARGIN`` below the target. The root is then checked at the ledger's own
     discretisation with the ledger's composition, whose PLD the run's first charge
-    reuses (cached in :func:`privacy.composition.event_pld`), and raised in growing
+    reuses (cached in ``privacy.composition.event_pld``), and raised in growing
     steps until it holds: ε <= target always, whatever the estimate.
     """
 

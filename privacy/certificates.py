@@ -177,7 +177,7 @@ def spi(
 
 
 def _no_gdp_reason(ledger) -> str:
-    """Why :func:`gdp_mu_unamplified` gives no μ for ``ledger``: named, not guessed."""
+    """Why ``gdp_mu_unamplified`` gives no μ for ``ledger``: named, not guessed."""
     if ledger.unaccounted:
         return "the ledger holds releases without a guarantee (unaccounted)."
     if ledger.local_guarantees:

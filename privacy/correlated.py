@@ -22,9 +22,9 @@ server that adds it), also for adaptively chosen updates (lower-triangular C: De
 et al., NeurIPS 2022). It does NOT hold
 if a client participates more often or closer together than assumed: the server must
 enforce the schema. The honest tree's sensitivity is not sqrt(k * levels) (two
-participations under one node add 4, not 2): :func:`tree_sensitivity` is a sound bound.
+participations under one node add 4, not 2): ``tree_sensitivity`` is a sound bound.
 
-The noise state (:meth:`BandedNoise.state_dict`, :meth:`TreeNoise.state_dict`) is past
+The noise state (``BandedNoise.state_dict``, ``TreeNoise.state_dict``) is past
 noise, as secret as the generator; the cached band coefficients are public (they depend
 only on n, b and the workload). On this machine n = 2000, b = 64 optimises in ~0.4-4 s.
 """
@@ -406,7 +406,7 @@ class BandedNoise:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the stream saved by :meth:`state_dict` (same coefs and dim)."""
+        """Continue the stream saved by ``state_dict`` (same coefs and dim)."""
         _check_state(state, "banded-mf", {"coefs", "round", "past"})
         if not np.array_equal(np.asarray(state["coefs"]), self.coefs):
             raise FactorizationError("noise state was saved for other band coefficients")
@@ -474,7 +474,7 @@ class TreeNoise:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the stream saved by :meth:`state_dict`."""
+        """Continue the stream saved by ``state_dict``."""
         _check_state(state, "dp-ftrl-tree", {"round", "nodes", "restart_every"})
         if state["restart_every"] != self.restart_every:
             raise FactorizationError(

@@ -19,9 +19,9 @@ the round that was under way when the server stopped (its sample is lost with th
 process, and any client may have sent an upload).
 
 Who was sampled is secret whenever the run's central ε claims amplification by
-sampling, so nothing published may depend on it: :meth:`bound` is the ε of a client
+sampling, so nothing published may depend on it: ``bound`` is the ε of a client
 asked in every round charged so far (a function of the rounds run, the same whoever was
-sampled), and the budget (:meth:`would_exceed`) is checked against it. :meth:`worst`,
+sampled), and the budget (``would_exceed``) is checked against it. ``worst``,
 the ε of the client actually asked most, is for the curator only.
 """
 
@@ -197,7 +197,7 @@ class LocalViewLedger:
 
     def would_exceed(self, *releases: Release) -> bool:
         """Whether one more round of ``releases`` would take a client asked in every
-        round (:meth:`bound`) above ``max_epsilon``: the answer depends on the rounds
+        round (``bound``) above ``max_epsilon``: the answer depends on the rounds
         run only, not on who was or will be sampled, so the stop it causes is public."""
         if self.max_epsilon is None:
             return False
@@ -213,7 +213,7 @@ class LocalViewLedger:
 
     def summary(self) -> dict:
         """The worst client's ε and what it rests on (curator only: it depends on who
-        was sampled), beside the publishable :meth:`bound`."""
+        was sampled), beside the publishable ``bound``."""
         client, epsilon = self.worst()
         return {
             "bound": self.bound(),

@@ -226,6 +226,7 @@ def test_top_subspace_of_public_samples():
     basis = orthonormalize(rng.standard_normal((30, 3)))
     samples = (basis @ (rng.standard_normal((3, 100)) * [[5.0], [3.0], [2.0]])).T
     found = top_subspace(samples, 3)
-    assert found.shape == (30, 3) and principal_angle(basis, found) < 1e-8
+    # arccos near 1 resolves angles only to sqrt(2 * machine epsilon) = 1.5e-8
+    assert found.shape == (30, 3) and principal_angle(basis, found) < 1e-7
     with pytest.raises(ValueError, match="rank"):
         top_subspace(samples[:2], 3)
