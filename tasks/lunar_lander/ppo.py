@@ -12,7 +12,7 @@ Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
   resuming the client's own Adam state (``optimizer_tensors``).
 * ``proximal_gradient_hooks``: the FedProx term (Li et al., 2020) inside SB3's
   own update.
-* ``WeightStorageCallback``: seed 000's callback (episodes and weight snapshots).
+* ``WeightStorageCallback``: the federated PPO study's callback (episodes and weight snapshots).
 * ``play_episodes`` / ``evaluate_episodes``: evaluation episodes
   (deterministic or sampled actions), one seed each, with how each ended.
 """

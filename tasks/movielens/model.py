@@ -1,5 +1,5 @@
 """NeuMF, the Neural Matrix Factorization model of NCF (He et al., 2017, section 3.4),
-for seed 004's MovieLens task.
+for the Subspace-DP-FL study's MovieLens task.
 
 Two towers over separate user and item embeddings (dimension ``d``,
 ``movielens.embedding-dim``):

@@ -1,4 +1,4 @@
-"""Neural Collaborative Filtering with per-user clients (seed 004's MovieLens-1M
+"""Neural Collaborative Filtering with per-user clients (the Subspace-DP-FL study's MovieLens-1M
 experiment) on the synthetic ratings: AUC rises above chance.
 
 Made in process (:func:`tests.inprocess.run_like_flwr`: the run `flwr run` makes, the
