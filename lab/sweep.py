@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -161,7 +162,10 @@ def run_sweep(jobs: list[Job], workers: int, log=print) -> pd.DataFrame:
         for job in todo:
             report(run_job(job), 0)
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # Spawned, not forked: a fork of a process whose torch/BLAS threads hold a lock
+        # can hang in the child (it did under pytest-xdist).
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
             pending: dict[Future, Job] = {pool.submit(run_job, job): job for job in todo}
             while pending:
                 finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
