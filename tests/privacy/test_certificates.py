@@ -158,7 +158,7 @@ def test_no_certificate_when_a_release_has_no_client_level_guarantee():
     unaccounted.record_unaccounted(2, "clipped-update", "clipping without noise")
     doc = run_certificates(unaccounted, spi_values=None)
     assert doc["gdp-mu"] is None and all(r["tpr-bound"] is None for r in doc["mia"])
-    assert "no client-level guarantee" in doc["notes"][0]
+    assert "releases without a guarantee (unaccounted)" in doc["notes"][0]
 
 
 def test_huge_epsilon_gives_a_trivial_bound_without_overflow():

@@ -30,6 +30,7 @@ uninterrupted run, from the first round after the commit on; everything else is 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,10 +214,13 @@ def _same_content(a, b) -> bool:
     return a == b
 
 
+OUTPUT_DIR = re.compile(r"output-dir='[^']*'")
+
+
 def _assert_same_directory(killed: Path, copy: Path) -> None:
     """What a killed run left is what the uninterrupted run held at that moment: the same
     files, the same tables (but wall time), checkpoints and client states bit for bit,
-    the same run-config (but the output directory)."""
+    the same run-config and environment (but the output directory)."""
     assert _files(killed) == _files(copy)
     for name in _files(copy):
         if name.endswith(".csv"):
@@ -233,6 +237,9 @@ def _assert_same_directory(killed: Path, copy: Path) -> None:
                     for key, entry in PER_PROCESS_STATE:
                         del state[key][entry]
             assert _same_content(*loaded), name
+        elif name in ("environment.json", "rerun.sh"):  # they name the output directory
+            texts = [OUTPUT_DIR.sub("", (d / name).read_text()) for d in (killed, copy)]
+            assert texts[0] == texts[1], name
         else:
             assert (killed / name).read_bytes() == (copy / name).read_bytes(), name
 
