@@ -1,0 +1,120 @@
+"""What one private round executes: project files, functions and import circles.
+
+Runs one in-process ``dp-fedavg-fixed`` digits round (``tests.inprocess.run_like_flwr``,
+4 virtual SuperNodes) under ``sys.setprofile`` and prints how many of the project's files
+and functions it called, by package, then the import circles among the shipped packages
+(every ``import`` of ours in their sources, module-level, ``TYPE_CHECKING`` and
+in-function alike). Reproduce from the repository root::
+
+    .venv/bin/python bench/trace_round.py
+    .venv/bin/python bench/trace_round.py --list   # the files, too
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = ("server_app", "client_app", "strategies", "protocol", "privacy", "tasks")
+PROJECT = (*SHIPPED, "lab")
+ROUND = (
+    "num-server-rounds=1 fraction-train=1.0 train.local-epochs=1 run.divergence-factor=0.0 "
+    "privacy='dp-fedavg-fixed' dp.noise-multiplier=1.0 dp.clip-norm=1.0 dp.sampling='fixed' "
+    "dp.num-sampled-clients=4"
+)
+
+
+def trace_round(output_dir: str) -> dict[str, set[str]]:
+    """{project file: the functions of it called} in one round (imports done before)."""
+    sys.path.insert(0, str(REPO))
+    from tests.inprocess import run_like_flwr
+
+    roots = tuple(str(REPO / package) + "/" for package in PROJECT)
+    called: dict[str, set[str]] = {}
+
+    def profile(frame, event, _arg):
+        if event == "call":
+            code = frame.f_code
+            # Functions and methods only: not module bodies, lambdas or comprehensions.
+            if code.co_filename.startswith(roots) and not code.co_name.startswith("<"):
+                name = f"{code.co_qualname}:{code.co_firstlineno}"
+                called.setdefault(code.co_filename, set()).add(name)
+
+    sys.setprofile(profile)
+    try:
+        outcome = run_like_flwr(f"{ROUND} output-dir='{output_dir}'")
+    finally:
+        sys.setprofile(None)
+    if outcome.returncode:
+        raise SystemExit(outcome.output)
+    return called
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{shipped module: the shipped modules it imports anywhere in its source}."""
+    modules = {}
+    for package in SHIPPED:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    graph = {}
+    for module, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {alias.name for alias in node.names}
+        graph[module] = {d for d in deps if d in modules and d != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles a depth-first walk meets (one per back edge)."""
+    state: dict[str, int] = {}
+    found = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                found.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print each file traced")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as output_dir:
+        called = trace_round(output_dir)
+    by_package = Counter(Path(f).relative_to(REPO).parts[0] for f in called)
+    print(f"files executed: {len(called)}")
+    print(f"functions executed: {sum(len(v) for v in called.values())}")
+    for package, count in sorted(by_package.items()):
+        print(f"  {package}/: {count} files")
+    if args.list:
+        for path in sorted(called):
+            print(f"    {Path(path).relative_to(REPO)}: {len(called[path])} functions")
+    found = circles(import_graph())
+    print(f"import circles among shipped packages: {len(found)}")
+    for circle in found:
+        print("  " + " -> ".join(circle))
+
+
+if __name__ == "__main__":
+    main()
