@@ -20,10 +20,11 @@ C`` times an update of norm C/2, which is only checked and copied). C = z = 1.
   times that export alone.
 * ``clip``: ``privacy.mechanisms.clip_by_l2_norm`` on one update; ``noise``: one client's
   share, ``GaussianMechanism.noise_client`` (N(0, (zC)²/m)).
-* ``aggregate``: the app's own ``DPFedAvgFixed._private_mean`` (strategies/dp_fedavg.py),
-  called on a stand-in ``self`` with server-side noise: for each of the m = ``--clients``
-  updates ``clip`` then ``noise_client``, sum, divide by m. ``agg noise_sum once`` is the
-  other order (clip m, sum, one ``noise_sum``): not what the app does, other noise draws.
+* ``aggregate``: the app's own ``DPFedAvgFixed._private_mean``
+  (strategies/mechanisms/dp_fedavg.py), called on a stand-in ``self`` with server-side
+  noise: for each of the m = ``--clients`` updates ``clip`` then ``noise_client``, sum,
+  divide by m. ``agg noise_sum once`` is the other order (clip m, sum, one
+  ``noise_sum``): not what the app does, other noise draws.
 * Ratios: ``update/train`` = (clip + noise) / train; ``agg/train`` = aggregate / train of
   one client; ``agg/round`` = aggregate / (m · train), a round whose m clients train one
   after the other on this machine. Goal: DP <= 5 % of a round.
@@ -104,7 +105,7 @@ from privacy.mechanisms import (
     gaussian_noise_like,
     make_generator,
 )
-from strategies.dp_fedavg import DPFedAvgFixed
+from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from tasks.vision.data import CIFAR10, DIGITS, DatasetSpec
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.settings import VISION_OPTIONS

@@ -4,7 +4,7 @@ In a simulation the ServerApp's grid (``InMemoryGrid``) reads the engine's in-me
 LinkState in its own process. Each pull runs ``get_message_res`` over every pending
 message ID, under the lock the engine's workers need to fetch messages and store
 replies, so its cost grows with the clients a round still waits for.
-`strategies.messaging.send_and_receive` polls at most ``SIMULATION_MAX_POLL`` (0.05 s)
+`strategies.runtime.messaging.send_and_receive` polls at most ``SIMULATION_MAX_POLL`` (0.05 s)
 apart, and waits at least ``1 / MAX_PULL_SHARE - 1`` times (9) an empty pull's CPU
 time, so that pulls use at most ``MAX_PULL_SHARE`` (10 %) of a core. Alone in this
 process, a pull's wall time (timed here) is its CPU time. This bench builds the LinkState and
@@ -46,7 +46,7 @@ from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strategies.messaging import MAX_PULL_SHARE, SIMULATION_MAX_POLL
+from strategies.runtime.messaging import MAX_PULL_SHARE, SIMULATION_MAX_POLL
 
 # the interval of Flower's own InMemoryGrid.send_and_receive (0.1 s in Flower 1.41)
 FLOWER_INTERVAL = inspect.signature(InMemoryGrid).parameters["pull_interval"].default

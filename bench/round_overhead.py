@@ -10,7 +10,7 @@ aggregation. The gap per round is ``round-seconds`` (metrics.csv) less the round
 
 Two staged copies of the app take turns, run after run:
 
-* ``shipped``: ``strategies.messaging`` as it is, whose polls for replies back off to
+* ``shipped``: ``strategies.runtime.messaging`` as it is, whose polls for replies back off to
   ``SIMULATION_MAX_POLL`` (0.05 s) in a simulation;
 * ``0.5 s``: the same copy with ``SIMULATION_MAX_POLL`` set to ``MAX_POLL`` (0.5 s),
   which every grid used before.

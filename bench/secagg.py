@@ -12,8 +12,8 @@ separately, each started when the machine's 1-min load average was below 0.35)::
     PYTHONPATH=. python bench/secagg.py --sections cifar --cifar-examples 500 --repeats 3
 
 Everything runs in ONE process on this machine: the server driver
-(``strategies.secure.SecureAggregation`` around Flower's ``FedAvg``, which calls
-``strategies.secagg.secure_sum``) talks to a grid double whose n nodes answer in
+(``strategies.secure.secure_aggregation.SecureAggregation`` around Flower's ``FedAvg``, which calls
+``strategies.secure.secagg_plus.secure_sum``) talks to a grid double whose n nodes answer in
 process, ONE AFTER ANOTHER, with the real client mod ``client_app.secagg_mod.secagg_mod``
 around a trainer. No network, no protobuf encoding, no parallel clients: a round's wall
 time is the server's work plus the sum of all clients' work, and the 3 extra round trips
@@ -116,9 +116,9 @@ from timing import machine_info  # bench/timing.py (scripts here run with bench/
 from client_app.secagg_mod import secagg_mod
 from protocol import keys
 from protocol.masking import mask
-from strategies.messaging import send_and_receive
-from strategies.secagg import SecAggSettings
-from strategies.secure import SecureAggregation
+from strategies.runtime.messaging import send_and_receive
+from strategies.secure.secagg_plus import SecAggSettings
+from strategies.secure.secure_aggregation import SecureAggregation
 from tasks.vision.models import build_model
 from tasks.vision.steps import train_batch
 

@@ -1,4 +1,4 @@
-"""The client half of SecAgg+ (:mod:`strategies.secagg`): a mod that answers the four
+"""The client half of SecAgg+ (:mod:`strategies.secure.secagg_plus`): a mod that answers the four
 stages of a secure round.
 
 Setup, share-keys and unmask are Flower's own (``flwr.client.mod.secure_aggregation.

@@ -34,7 +34,7 @@ def _run_config() -> str:
 
 
 def _threat_models() -> str:
-    from strategies import threat_models
+    from strategies.mechanisms import threat_models
 
     return threat_models.markdown_table()
 

@@ -113,7 +113,7 @@ class InProcessGrid:
 
     It has no ``push_messages``/``pull_messages``: every reply is computed within
     ``send_and_receive``, so there is nothing to poll for (the app's poller asks such a
-    grid with ``send_and_receive``, :func:`strategies.messaging.send_and_receive`)."""
+    grid with ``send_and_receive``, :func:`strategies.runtime.messaging.send_and_receive`)."""
 
     def __init__(self, config: dict, node_ids: list[int], client_app=None) -> None:
         from flwr.app import Context, RecordDict

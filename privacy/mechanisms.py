@@ -53,7 +53,7 @@ ArrayList = list[np.ndarray]
 
 # Front-loaded DP for hierarchical FL (seed 003): the client modes, i.e. the ``privacy``
 # values that run under ``strategy = hierarchical`` (tasks.frontloaded trains them,
-# strategies.frontloaded_clients asks for them and keeps their ledger).
+# strategies.mechanisms.frontloaded_clients asks for them and keeps their ledger).
 FRONT_LOADED_MODES = ("cg-ng", "cg-np", "cp-np")
 
 # Relative slack applied when scaling an update down: float64 summation error of a

@@ -127,8 +127,8 @@ FRONT_LOADED_CLIP = "fl-clip"  # C: per-batch (per-example) gradient clip, or de
 FRONT_LOADED_SIGMA = "fl-sigma"  # sigma: std of the Gaussian noise
 FRONT_LOADED_PER_EXAMPLE = "fl-per-example"  # CG-NG: clip per example, noise every step
 
-# Secure aggregation (SecAgg+: strategies/secagg.py, protocol/masking.py): train config of
-# the collect stage.
+# Secure aggregation (SecAgg+: strategies/secure/secagg_plus.py, protocol/masking.py):
+# train config of the collect stage.
 SECAGG_CLIP_NORM = "secagg-clip-norm"  # C (L2, DP) or 0: coordinates clipped to the range
 SECAGG_COORDINATE_RANGE = "secagg-coordinate-range"  # without DP: each coordinate in ±range
 SECAGG_SCALE = "secagg-scale"  # integers per unit of an update coordinate

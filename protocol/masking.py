@@ -1,5 +1,6 @@
-"""The SecAgg+ masks, which the clients add and the server removes (:mod:`strategies.secagg`
-drives the protocol, :mod:`client_app.secagg_mod` answers it).
+"""The SecAgg+ masks, which the clients add and the server removes
+(:mod:`strategies.secure.secagg_plus` drives the protocol, :mod:`client_app.secagg_mod`
+answers it).
 
 **Masks.** Flower's ``pseudo_rand_gen`` folds its 32-byte seed into 32 bits by XOR and
 draws from NumPy's MT19937: 2³² possible masks per seed, a search an honest-but-curious

@@ -19,7 +19,7 @@ from server_app.recorder import RoundRecorder, restore
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
 from strategies import StopTraining, threat_models
-from strategies.capabilities import innermost, ledger_of
+from strategies.runtime.capabilities import innermost, ledger_of
 
 app = ServerApp()
 

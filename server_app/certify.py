@@ -14,7 +14,7 @@ from privacy.audit import AuditResult
 from privacy.certificates import run_certificates
 from server_app.config import RunConfig
 from server_app.results import RunDirectory
-from strategies import threat_models
+from strategies.mechanisms import threat_models
 
 AUDIT_KEYS = ("epsilon_estimate", "epsilon_lower_bound", "confidence", "canaries",
               "exceeds_accountant")  # fmt: skip

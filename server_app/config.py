@@ -26,15 +26,15 @@ from server_app.console import ConsoleSettings
 from server_app.failures import FailurePolicy
 from server_app.tracking import TrackingSettings
 from strategies import registry
-from strategies.aggregation import AggregationSettings
-from strategies.clustered import ClusterSettings
-from strategies.hierarchical_fedavg import HierSettings
-from strategies.private import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
-from strategies.secagg import SecAggSettings
-from strategies.server_optimizer import ServerOptimizerSettings
+from strategies.algorithms.clustered import ClusterSettings
+from strategies.algorithms.hierarchical_fedavg import HierSettings
+from strategies.algorithms.server_optimizer import ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.strategy import SmartSettings
+from strategies.mechanisms.base import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
+from strategies.mechanisms.subspace_dp import SubspaceSettings
+from strategies.runtime.aggregation import AggregationSettings
+from strategies.secure.secagg_plus import SecAggSettings
 from strategies.settings import Choice, Settings, listed
-from strategies.smart_fedprox import SmartSettings
-from strategies.subspace_dp import SubspaceSettings
 from tasks.base import NUM_SERVER_ROUNDS, SEED
 from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 
@@ -322,7 +322,7 @@ def _check_ledger(cfg: RunConfig) -> None:
         sampling, mechanisms = registry.dp_sampling(settings), registry.dp_mechanisms(settings)
         neighboring = registry.dp_neighboring(settings)
     elif cfg.privacy == "laplace":
-        # Never charged as amplified (strategies.laplace), whatever dp.sampling is.
+        # Never charged as amplified (strategies.mechanisms.laplace), whatever dp.sampling is.
         sampling, mechanisms = "none", ("laplace",)
         neighboring = registry.LAPLACE_NEIGHBORING
     else:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from strategies.capabilities import MultiModel, provides
+from strategies.runtime.capabilities import MultiModel, provides
 from tasks.base import Task
 
 # Metric-name parts that say which way is better (tasks' EVAL_* keys).
@@ -23,7 +23,7 @@ def central_eval(
     """Evaluation of the global model on the central test set (``test_set``, loaded
     now when not given).
 
-    A strategy that keeps several models (:class:`~strategies.capabilities.MultiModel`)
+    A strategy that keeps several models (:class:`~strategies.runtime.capabilities.MultiModel`)
     has each one evaluated too, as ``<label>-<k>-<key>``. For clusters (K global
     models) the plain keys are :func:`best_of_clusters`; otherwise (hierarchical edges)
     they are the global model's own.

@@ -13,7 +13,7 @@ from server_app.config import RunConfig
 from server_app.failures import FailureWatch
 from server_app.results import CURATOR_DIR, RunDirectory
 from server_app.rounds import RoundResult
-from strategies.capabilities import (
+from strategies.runtime.capabilities import (
     MultiModel,
     Resumable,
     WritesTables,
@@ -21,7 +21,7 @@ from strategies.capabilities import (
     ledger_of,
     provides,
 )
-from strategies.checkpoint import (
+from strategies.runtime.checkpoint import (
     decode,
     encode,
     global_rng_state,
@@ -29,8 +29,8 @@ from strategies.checkpoint import (
     set_global_rng_state,
     strategy_state,
 )
-from strategies.nodes import wait_for_nodes
-from strategies.partitions import partition_map
+from strategies.runtime.nodes import wait_for_nodes
+from strategies.runtime.partitions import partition_map
 
 LOCAL_VIEW_FILE = f"{CURATOR_DIR}/local-view.json"  # each client's ε against the server
 

@@ -159,7 +159,7 @@ class RunDirectory:
     """Creates the run directory and writes everything a run produces into it.
 
     ``released``: under a privacy mechanism, which train metric keys the ε covers
-    (:meth:`strategies.private.PrivacyWrapper.releases_metric`); the rest goes to
+    (:meth:`strategies.mechanisms.base.PrivacyWrapper.releases_metric`); the rest goes to
     ``curator/`` (see the module docstring). None: no mechanism, one layout.
     """
 

@@ -35,11 +35,11 @@ from protocol.records import InvalidReply, non_finite_array
 from protocol.replies import check_reply, oversized_reason, reply_limit, unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
-from strategies.capabilities import provides
 from strategies.errors import BudgetExhausted
-from strategies.messaging import send_and_receive
-from strategies.partitions import PartitionMap, partition_map
-from strategies.secure import SecureExchange
+from strategies.runtime.capabilities import provides
+from strategies.runtime.messaging import send_and_receive
+from strategies.runtime.partitions import PartitionMap, partition_map
+from strategies.secure.secure_aggregation import SecureExchange
 
 CentralEval = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -217,7 +217,7 @@ def _clock(seconds: float) -> str:
 def _exchange(
     grid: Grid, messages: list[Message], timeout: float, what: str, arrays: ArrayRecord
 ) -> list[Message]:
-    """:func:`~strategies.messaging.send_and_receive`, logging the nodes that did not
+    """:func:`~strategies.runtime.messaging.send_and_receive`, logging the nodes that did not
     answer in ``timeout`` seconds (what arrived by then is returned; the strategy
     decides what that means). A reply larger than the global ``arrays`` (or the
     largest ArrayRecord a message carries, if larger) plus a margin is refused as it

@@ -1,7 +1,7 @@
 """What a result is worth: a run's ε, δ, the party the ε holds against, and how the
 run ended, in one line for plot titles and as table columns.
 
-Read live from the threat-model report (:func:`strategies.threat_models.run_report`)
+Read live from the threat-model report (:func:`strategies.mechanisms.threat_models.run_report`)
 or afterwards from a run directory's ``ledger.json`` (its ``threat-models``),
 ``config.json`` and ``outcome.json``. No Flower import (the analysis commands and the
 notebook use it).

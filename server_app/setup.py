@@ -18,9 +18,9 @@ import strategies
 import tasks
 from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
-from strategies.capabilities import Accounted, innermost, provides
-from strategies.clustered import ClusteredFedAvg, model_seeds
-from strategies.private import NOISE_PARAMETER
+from strategies.algorithms.clustered import ClusteredFedAvg, model_seeds
+from strategies.mechanisms.base import NOISE_PARAMETER
+from strategies.runtime.capabilities import Accounted, innermost, provides
 from tasks.base import Task
 from tasks.options import ConfigError
 

@@ -32,10 +32,10 @@ from flwr.serverapp import Grid
 
 from server_app.config import RunConfig
 from strategies import StopTraining
-from strategies.capabilities import innermost
-from strategies.clustered import ClusteredFedAvg
-from strategies.partitions import partition_map
-from strategies.sampling import fedavg_sample_size
+from strategies.algorithms.clustered import ClusteredFedAvg
+from strategies.runtime.capabilities import innermost
+from strategies.runtime.partitions import partition_map
+from strategies.runtime.sampling import fedavg_sample_size
 from tasks.base import Task
 
 SETTLE_S = 1.0  # simulation: virtual SuperNodes register within this of the first one

@@ -15,8 +15,8 @@ from flwr.common.logger import log
 
 from privacy.subspace import top_subspace
 from server_app.config import RunConfig
-from strategies.capabilities import layers
-from strategies.subspace_dp import POOLED, SubspaceDP
+from strategies.mechanisms.subspace_dp import POOLED, SubspaceDP
+from strategies.runtime.capabilities import layers
 from tasks.base import Task
 from tasks.options import ConfigError
 

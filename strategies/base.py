@@ -11,7 +11,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from protocol import keys
-from strategies.partitions import PartitionMap
+from strategies.runtime.partitions import PartitionMap
 
 
 class TrainingWrapper(Strategy, ABC):

@@ -15,24 +15,24 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
-from strategies.aggregation import AggregationSettings
-from strategies.clustered import ClusteredFedAvg
-from strategies.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
-from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
-from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
-from strategies.dpsgd_clients import DPSGDClients
-from strategies.frontloaded_clients import FrontLoadedDPClients
-from strategies.hierarchical_fedavg import HierarchicalFedAvg
-from strategies.laplace import LaplaceDP
-from strategies.local import LocalOnly
-from strategies.private import DATA_DEPENDENT_SELECTION
-from strategies.secagg import SecAggSettings
-from strategies.secure import SecureAggregation
-from strategies.seeded import SeededSampling
-from strategies.server_optimizer import ServerOptimizer, ServerOptimizerSettings
+from strategies.algorithms.clustered import ClusteredFedAvg
+from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg
+from strategies.algorithms.local import LocalOnly
+from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.strategy import SmartFedProx
+from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION
+from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
+from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed
+from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
+from strategies.mechanisms.dpsgd_clients import DPSGDClients
+from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients
+from strategies.mechanisms.laplace import LaplaceDP
+from strategies.mechanisms.subspace_dp import SubspaceDP
+from strategies.runtime.aggregation import AggregationSettings
+from strategies.runtime.seeded import SeededSampling
+from strategies.secure.secagg_plus import SecAggSettings
+from strategies.secure.secure_aggregation import SecureAggregation
 from strategies.settings import Settings, setting
-from strategies.smart_fedprox import SmartFedProx
-from strategies.subspace_dp import SubspaceDP
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
@@ -220,7 +220,7 @@ def dp_generator(s: StrategySettings):
 
 
 def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:
-    """What every privacy wrapper takes (:class:`strategies.private.PrivacyWrapper`)."""
+    """What every privacy wrapper takes (:class:`strategies.mechanisms.base.PrivacyWrapper`)."""
     return {
         "client_metrics": bool(s.options["dp.client-metrics"]),
         "noise_from_seed": bool(s.options["dp.reproducible-noise"]),
@@ -323,7 +323,7 @@ def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
         expected_clients=int(o["dp.num-sampled-clients"]) if poisson else None,
         min_available_nodes=s.min_available_nodes,
         connect_timeout=s.round_timeout,
-        # Charged without amplification either way (strategies.laplace's docstring).
+        # Charged without amplification either way (strategies.mechanisms.laplace's docstring).
         ledger=make_ledger(s, "none", ("laplace",), LAPLACE_NEIGHBORING),
         rng=dp_generator(s),
         **_wrapper_kwargs(s),
@@ -390,7 +390,7 @@ def self_sampling(privacy: str, options: Mapping[str, Any]) -> bool:
 
 def build(privacy: str, settings: StrategySettings) -> Strategy:
     """Build ``settings.strategy`` wrapped by the privacy strategy ``privacy``, and by
-    the server optimizer when one is asked for (:mod:`strategies.server_optimizer`)."""
+    the server optimizer when one is asked for (:mod:`strategies.algorithms.server_optimizer`)."""
     base_settings = settings
     if self_sampling(privacy, settings.options):
         base_settings = replace(

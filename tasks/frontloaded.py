@@ -13,7 +13,8 @@ with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloa
 * **CP-NP** (``clip_and_noise_delta``): after ordinary local training the update
   ``dw = w_after - w_before`` is clipped to global L2 norm ``C`` and ``N(0, sigma^2)``
   is added to every coordinate; only the noisy ``dw`` is sent. The edge applies
-  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (``strategies.hierarchical_fedavg.apply_deltas``).
+  ``w_edge + eta * sum_i (n_i / sum n) dw_i``
+  (``strategies.algorithms.hierarchical_fedavg.apply_deltas``).
 
 All noise comes from an explicit ``torch.Generator``, one draw per trainable parameter
 in ``model.parameters()`` order; the global RNG is never used.

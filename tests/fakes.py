@@ -43,6 +43,6 @@ def error_from(node_id: int, reason: str = "boom") -> Message:
 
 
 def partition_reply(message: Message, partition_id: int) -> Message:
-    """A ClientApp's answer to the ``query.partition`` message (strategies.partitions)."""
+    """A ClientApp's answer to the ``query.partition`` message (strategies.runtime.partitions)."""
     content = RecordDict({keys.METRICS: MetricRecord({keys.PARTITION_ID: partition_id})})
     return Message(content, reply_to=message)

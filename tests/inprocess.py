@@ -29,7 +29,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from lab.engine import InProcessGrid as EngineGrid
 from lab.launcher import _RUN_DIR_LINE, RunOutcome
 from server_app import app as server_app
-from strategies.private import NOISE_PARAMETER
+from strategies.mechanisms.base import NOISE_PARAMETER
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from server_app import config
-from strategies import threat_models
+from strategies.mechanisms import threat_models
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -1,12 +1,12 @@
 """``bench/pull_cost.py``: it pulls from Flower's own simulation grid, the one
-`strategies.messaging` must recognise to poll it at the simulation's cap."""
+`strategies.runtime.messaging` must recognise to poll it at the simulation's cap."""
 
 from __future__ import annotations
 
 from flwr.app import Message, RecordDict
 
 from bench import pull_cost
-from strategies import messaging
+from strategies.runtime import messaging
 
 
 def test_the_bench_builds_flowers_simulation_grid_which_messaging_recognises():

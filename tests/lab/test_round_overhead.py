@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from bench import round_overhead
-from strategies import messaging
+from strategies.runtime import messaging
 
 
 def test_the_gap_is_each_later_rounds_wall_time_less_its_clients_learning(tmp_path):

@@ -290,7 +290,7 @@ def test_mismatched_neighboring_and_release_sampling_are_refused():
         _ledger(sampling="without-replacement", neighboring="add-or-remove-one")
     with pytest.raises(AccountingError, match=r"neighboring in \['add-or-remove-one'\]"):
         _ledger(sampling="poisson", neighboring=NR.REPLACE_ONE)
-    # Zero-out (local noise) is never amplified by sampling (strategies.laplace).
+    # Zero-out (local noise) is never amplified by sampling (strategies.mechanisms.laplace).
     with pytest.raises(AccountingError, match=r"neighboring in \['add-or-remove-one'\]"):
         _ledger(sampling="poisson", neighboring="zero-out")
     ledger = _ledger(sampling="without-replacement")

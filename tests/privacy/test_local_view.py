@@ -199,7 +199,7 @@ def test_zero_out_is_dp_accountings_replace_special_without_amplification():
     assert ledger.accountant_epsilon() == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
     assert ledger.summary()["neighboring-relation"] == "zero-out"
     # Sampling is never amplified under zero-out: with local noise an unsampled client
-    # (no noise term) is not a zeroed-out one (strategies.laplace's docstring).
+    # (no noise term) is not a zeroed-out one (strategies.mechanisms.laplace's docstring).
     for sampling, accountant in (("poisson", "pld"), ("without-replacement", "rdp")):
         with pytest.raises(AccountingError, match="neighboring in"):
             PrivacyLedger(

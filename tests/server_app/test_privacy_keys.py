@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server_app import config
-from strategies.secagg import MAX_MODULUS, SecAggSettings
+from strategies.secure.secagg_plus import MAX_MODULUS, SecAggSettings
 from tasks.options import ConfigError
 from tests.inprocess import run_config
 

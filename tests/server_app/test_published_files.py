@@ -31,7 +31,7 @@ from flwr.supercore.task_identity import TaskIdentity
 import tasks
 from privacy.accounting import PrivacyLedger
 from privacy.composition import gaussian_epsilon
-from strategies import dp_fedavg
+from strategies.mechanisms import dp_fedavg
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]

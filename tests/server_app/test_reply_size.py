@@ -16,7 +16,7 @@ from protocol.replies import (
     reply_bytes,
     reply_limit,
 )
-from strategies.messaging import send_and_receive
+from strategies.runtime.messaging import send_and_receive
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]

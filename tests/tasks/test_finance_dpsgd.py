@@ -11,7 +11,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 
 from server_app import config
-from strategies.dpsgd_clients import DPSGDClients
+from strategies.mechanisms.dpsgd_clients import DPSGDClients
 from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.dpsgd import (
     CALIBRATED_KEY,

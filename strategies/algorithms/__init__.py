@@ -1,0 +1,1 @@
+"""Base algorithms: how the clients' updates become the next model(s)."""

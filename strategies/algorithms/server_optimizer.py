@@ -1,0 +1,222 @@
+"""Server optimizers on the aggregate (Reddi et al. 2021, "Adaptive Federated
+Optimization"; Hsu et al. 2019, FedAvgM), for every strategy with one global model.
+
+The wrapped strategy's aggregate x̃ (under DP: the released, noised model) gives the
+pseudo-gradient Δ = x̃ − x of the round; the optimizer turns it into the new global
+model. Each rule is Flower's own Message-API strategy, used only for its update: ``sgd``
+and ``momentum`` are :class:`flwr.serverapp.strategy.FedAvgM` (learning rate
+``server.lr``, momentum ``server.momentum``), ``adam``, ``yogi`` and ``adagrad`` are
+``FedAdam``, ``FedYogi`` and ``FedAdagrad`` (``server.lr`` = their η, ``server.tau``;
+``server.beta1`` and ``server.beta2`` for adam and yogi). The wrapper hands the rule the
+round's global arrays and the aggregate as the single reply of weight 1 (FedAvg's
+average of one reply is that reply), and takes the rule's new arrays; non-floating
+arrays (counters) keep the aggregate's values.
+
+Under DP this is post-processing of the released aggregate: no privacy cost, and the
+ledger says so. ``sgd`` with ``server.lr = 1`` is the plain update (no wrapper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi, Strategy
+
+from protocol import keys
+from protocol.records import arrays_of, to_record
+from strategies.base import TrainingWrapper
+from strategies.settings import Choice, Settings, SettingsError, listed, setting
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "yogi", "adagrad")
+# Strategies that keep one global model, which a server optimizer can move.
+ONE_GLOBAL_MODEL = ("fedavg", "fedprox", "smart-fedprox", "hierarchical")
+
+
+@dataclass(frozen=True)
+class ServerOptimizerSettings(Settings):
+    """The server optimizer's run-config keys (``server.*``)."""
+
+    PREFIX: ClassVar[str] = "server"
+    optimizer: str = setting(
+        "sgd",
+        "Server optimizer on the round's aggregate (strategies with one global model;"
+        " under DP post-processing of the released aggregate): `sgd` and `momentum` "
+        "(Flower's FedAvgM), `adam`, `yogi`, `adagrad` (FedAdam, FedYogi, FedAdagrad;"
+        " Reddi et al. 2021).",
+        choices=OPTIMIZERS,
+    )
+    lr: float = setting(
+        1.0,
+        "Server learning rate (sgd/momentum) or eta (adam/yogi/adagrad); sgd with 1.0"
+        " is plain FedAvg.",
+        low=0.0,
+        low_open=True,
+    )
+    momentum: float = setting(
+        0.9,
+        "Server momentum of `server.optimizer = momentum`.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    beta1: float = setting(
+        0.9,
+        "First-moment decay of adam and yogi.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    beta2: float = setting(
+        0.99,
+        "Second-moment decay of adam and yogi.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    tau: float = setting(
+        0.001,
+        "Adaptivity tau of adam, yogi and adagrad (added to the root of the second moment).",
+        low=0.0,
+        low_open=True,
+    )
+
+    @property
+    def name(self) -> str:
+        """The optimizer's name (``server.optimizer``)."""
+        return self.optimizer
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """A server optimizer moves one global model."""
+        optimizer = ServerOptimizerSettings.from_options(choice.options)
+        if not optimizer.is_identity and choice.strategy not in ONE_GLOBAL_MODEL:
+            raise SettingsError(
+                f"'server.optimizer' = {optimizer.name!r} (lr {optimizer.lr:g}) needs a "
+                f"strategy with one global model, not 'strategy' = {choice.strategy!r}; "
+                "valid strategies: " + listed(ONE_GLOBAL_MODEL)
+            )
+
+    @property
+    def is_identity(self) -> bool:
+        """Plain SGD with learning rate 1: the aggregate is the new model."""
+        return self.name == "sgd" and self.lr == 1.0
+
+    def rule(self) -> Strategy:
+        """Flower's strategy whose update rule this optimizer is."""
+        if self.name in ("sgd", "momentum"):
+            momentum = self.momentum if self.name == "momentum" else 0.0
+            return FedAvgM(server_learning_rate=self.lr, server_momentum=momentum)
+        if self.name == "adagrad":  # Flower's FedAdagrad: no moment decay (m = Δ)
+            return FedAdagrad(eta=self.lr, tau=self.tau)
+        cls = FedAdam if self.name == "adam" else FedYogi
+        return cls(eta=self.lr, tau=self.tau, beta_1=self.beta1, beta_2=self.beta2)
+
+
+# The state each Flower rule carries between rounds (restored on resume).
+_RULE_STATE = {FedAvgM: ("momentum_vector",), FedAdam: ("m_t", "v_t")}
+_RULE_STATE |= {FedYogi: ("m_t", "v_t"), FedAdagrad: ("m_t", "v_t")}
+
+
+def _floating(reference: ArrayRecord) -> list[bool]:
+    return [np.issubdtype(np.dtype(reference[k].dtype), np.floating) for k in reference]
+
+
+class ServerOptimizer(TrainingWrapper):
+    """Apply a server optimizer to the wrapped strategy's aggregate (module docstring).
+
+    Attributes the wrapped strategy has (the ledger, the privacy views, its summary)
+    are read through this wrapper.
+    """
+
+    def __init__(self, strategy: Strategy, settings: ServerOptimizerSettings) -> None:
+        super().__init__(strategy)
+        self.settings = settings
+        self.rule = settings.rule()
+        self._current: ArrayRecord | None = None
+        ledger = getattr(strategy, "ledger", None)
+        if ledger is not None:
+            ledger.post_processing.append(
+                f"server optimizer {settings.name} (lr {settings.lr:g}) on the released aggregate"
+            )
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes this wrapper lacks: the wrapped strategy's.
+        if name == "strategy":
+            raise AttributeError(name)
+        return getattr(self.strategy, name)
+
+    @property
+    def rule_state(self) -> dict[str, Any]:
+        """The rule's moments (plain data, for the checkpoint)."""
+        return {name: getattr(self.rule, name) for name in _RULE_STATE[type(self.rule)]}
+
+    @rule_state.setter
+    def rule_state(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            if name not in _RULE_STATE[type(self.rule)]:
+                raise ValueError(f"unexpected server optimizer state {name!r}")
+            setattr(self.rule, name, value)
+
+    def step(self, server_round: int, current: ArrayRecord, aggregate: ArrayRecord) -> ArrayRecord:
+        """The rule's new global arrays from ``current`` and the round's ``aggregate``."""
+        if isinstance(self.rule, FedAvgM):
+            self.rule.current_arrays = current
+        else:
+            self.rule.current_arrays = dict(zip(current.keys(), arrays_of(current), strict=True))
+        sent = Message(RecordDict(), dst_node_id=0, message_type="train")
+        content = {keys.ARRAYS: aggregate, keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 1})}
+        reply = Message(RecordDict(content), reply_to=sent)
+        moved, _ = self.rule.aggregate_train(server_round, [reply])
+        assert moved is not None
+        triples = zip(arrays_of(moved), arrays_of(aggregate), _floating(current), strict=True)
+        return to_record(current, [new if floating else old for new, old, floating in triples])
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's round; the global arrays are kept for the step."""
+        self._current = arrays
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The wrapped strategy's aggregate, moved by the optimizer."""
+        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        current, self._current = self._current, None
+        if arrays is None or current is None:
+            return arrays, metrics
+        return self.step(server_round, current, arrays), metrics
+
+    # -- checkpoint (strategies.runtime.checkpoint) ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's moments."""
+        return {"rule": self.rule_state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.rule_state = state["rule"]
+
+    def summary(self) -> None:
+        """Log the optimizer, then the wrapped strategy's summary."""
+        s = self.settings
+        log(
+            INFO,
+            "\t├──> Server optimizer %s: lr %g, momentum %g, beta1 %g, beta2 %g, tau %g "
+            "(Flower's %s; post-processing of the aggregate)",
+            s.name,
+            s.lr,
+            s.momentum,
+            s.beta1,
+            s.beta2,
+            s.tau,
+            type(self.rule).__name__,
+        )
+        self.strategy.summary()

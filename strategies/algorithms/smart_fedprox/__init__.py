@@ -1,0 +1,1 @@
+"""SmartFedProx: FedProx with divergence-aware hybrid client selection and adaptive mu."""

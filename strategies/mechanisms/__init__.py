@@ -1,0 +1,1 @@
+"""Privacy mechanisms: wrappers around a base algorithm, each with its ledger events."""

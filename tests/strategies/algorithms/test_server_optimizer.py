@@ -1,0 +1,125 @@
+"""Server optimizers: one hand-computed round each, and the same arrays as Flower's own
+FedAvgM / FedAdam / FedYogi / FedAdagrad given the same replies."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
+
+from privacy.accounting import PrivacyLedger
+from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
+from tests.fakes import FakeGrid, record, reply_from
+
+GLOBAL = {"w": [1.0, -1.0], "b": [0.5]}
+# Two clients, weighted 1 and 3: the FedAvg aggregate is GLOBAL + (0.25, -0.5 | 1.0).
+REPLIES = [
+    ({"w": [2.0, -1.0], "b": [0.5]}, 1),
+    ({"w": [1.0, -1 - 2 / 3], "b": [0.5 + 4 / 3]}, 3),
+]
+DELTA = np.array([0.25, -0.5, 1.0])
+
+
+def _settings(name, lr=0.1, momentum=0.9, beta1=0.9, beta2=0.99, tau=1e-3):
+    return ServerOptimizerSettings(name, lr, momentum, beta1, beta2, tau)
+
+
+def _round(strategy, server_round, current):
+    messages = list(
+        strategy.configure_train(server_round, record(current), ConfigRecord(), FakeGrid([1, 2]))
+    )
+    replies = [
+        reply_from(m.metadata.dst_node_id, arrays, {"num-examples": weight})
+        for m, (arrays, weight) in zip(messages, REPLIES, strict=True)
+    ]
+    arrays, _ = strategy.aggregate_train(server_round, replies)
+    return {k: arrays[k].numpy() for k in arrays}
+
+
+def _flat(arrays):
+    return np.concatenate([np.asarray(arrays["w"]).ravel(), np.asarray(arrays["b"]).ravel()])
+
+
+def _ours(name, **kw):
+    base = FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    return ServerOptimizer(base, _settings(name, **kw))
+
+
+def test_sgd_and_momentum_by_hand():
+    x = _flat(GLOBAL)
+    got = _flat(_round(_ours("sgd", lr=0.5), 1, GLOBAL))
+    np.testing.assert_allclose(got, x + 0.5 * DELTA, rtol=1e-6)
+    # FedAvgM: momentum buffer v = Δ then 0.9 v + Δ (no dampening); x -= lr * (-v).
+    strategy = _ours("momentum", lr=0.5, momentum=0.9)
+    first = _round(strategy, 1, GLOBAL)
+    np.testing.assert_allclose(_flat(first), x + 0.5 * DELTA, rtol=1e-6)
+    second = _round(strategy, 2, GLOBAL)  # the same replies, from the same point
+    np.testing.assert_allclose(_flat(second), x + 0.5 * (0.9 * DELTA + DELTA), rtol=1e-6)
+
+
+def test_adam_by_hand():
+    lr, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
+    got = _flat(_round(_ours("adam", lr=lr, beta1=b1, beta2=b2, tau=tau), 1, GLOBAL))
+    m = (1 - b1) * DELTA
+    v = (1 - b2) * DELTA**2
+    eta = lr * math.sqrt(1 - b2**2) / (1 - b1**2)  # Flower's bias correction at round 1
+    np.testing.assert_allclose(got, _flat(GLOBAL) + eta * m / (np.sqrt(v) + tau), rtol=1e-5)
+
+
+def test_yogi_and_adagrad_by_hand():
+    lr, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
+    m = (1 - b1) * DELTA
+    got = _flat(_round(_ours("yogi", lr=lr, beta1=b1, beta2=b2, tau=tau), 1, GLOBAL))
+    v = -(1 - b2) * DELTA**2 * np.sign(0 - DELTA**2)  # v_0 = 0
+    np.testing.assert_allclose(got, _flat(GLOBAL) + lr * m / (np.sqrt(v) + tau), rtol=1e-5)
+    got = _flat(_round(_ours("adagrad", lr=lr, tau=tau), 1, GLOBAL))
+    v = DELTA**2  # FedAdagrad keeps no first moment: m = Δ
+    np.testing.assert_allclose(got, _flat(GLOBAL) + lr * DELTA / (np.sqrt(v) + tau), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "flower"),
+    [
+        ("sgd", lambda s: FedAvgM(server_learning_rate=s.lr)),
+        ("momentum", lambda s: FedAvgM(server_learning_rate=s.lr, server_momentum=s.momentum)),
+        ("adam", lambda s: FedAdam(eta=s.lr, beta_1=s.beta1, beta_2=s.beta2, tau=s.tau)),
+        ("yogi", lambda s: FedYogi(eta=s.lr, beta_1=s.beta1, beta_2=s.beta2, tau=s.tau)),
+        ("adagrad", lambda s: FedAdagrad(eta=s.lr, tau=s.tau)),
+    ],
+)
+def test_equal_to_flowers_strategy_over_three_rounds(name, flower):
+    settings = _settings(name, lr=0.3)
+    ours, theirs = _ours(name, lr=0.3), flower(settings)
+    theirs.min_available_nodes = theirs.min_train_nodes = 1
+    current_ours = current_theirs = GLOBAL
+    for rnd in range(1, 4):
+        current_ours = _round(ours, rnd, current_ours)
+        current_theirs = _round(theirs, rnd, current_theirs)
+        for key in GLOBAL:
+            np.testing.assert_allclose(current_ours[key], current_theirs[key], rtol=1e-6)
+
+
+def test_state_survives_a_checkpoint():
+    strategy = _ours("adam")
+    _round(strategy, 1, GLOBAL)
+    state = strategy.rule_state
+    restored = _ours("adam")
+    restored.rule_state = state
+    np.testing.assert_array_equal(
+        _flat(_round(restored, 2, GLOBAL)), _flat(_round(strategy, 2, GLOBAL))
+    )
+    with pytest.raises(ValueError, match="unexpected server optimizer state"):
+        restored.rule_state = {"momentum_vector": None}
+
+
+def test_the_wrapped_strategys_attributes_are_read_through_and_the_ledger_says_so():
+    base = FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    base.ledger = PrivacyLedger(accountant="pld", target_delta=1e-5, sampling="poisson")
+    strategy = ServerOptimizer(base, _settings("adam"))
+    assert strategy.ledger is base.ledger and strategy.strategy is base
+    assert not hasattr(strategy, "on_resume")
+    statements = base.ledger.summary()["statements"]
+    assert any("Post-processing, no privacy cost: server optimizer adam" in s for s in statements)
