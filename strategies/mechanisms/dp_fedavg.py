@@ -56,7 +56,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -86,11 +86,22 @@ from strategies.runtime.checkpoint import ledger_state, load_ledger
 from strategies.runtime.nodes import GridView
 from strategies.runtime.sampling import poisson_sample, sample_uniform
 
-if TYPE_CHECKING:
-    from strategies.secure.distributed_dp import SecureNoise
-
 # z·√d/m above which the noise on the mean update drowns any client's signal.
 NOISE_TO_SIGNAL_WARNING = 20.0
+
+
+class SecureNoiseSite(Protocol):
+    """Where the noise is added when the round runs as a secure sum
+    (:class:`strategies.secure.distributed_dp.SecureNoise`, set by SecureAggregation)."""
+
+    distributed: bool
+
+    def release(
+        self, dp, noise_multiplier: float, server_round: int, population: int, count: int
+    ) -> Release: ...
+    def client_config(self, dp) -> dict: ...
+    def eligible(self, dp, nodes: list[int]) -> list[int]: ...
+    def planned_participations(self, dp, population: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -227,9 +238,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             if noise_site == "client" and self.LOCAL_VIEW
             else None
         )
-        self.secure: SecureNoise | None = (
-            None  # set by strategies.secure.secure_aggregation.SecureAggregation
-        )
+        self.secure: SecureNoiseSite | None = None  # set by SecureAggregation
         self._mask: list[bool] | None = None
         self._released_dim = 0  # d of the released arrays, known from round 1
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
