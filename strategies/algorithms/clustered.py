@@ -1,9 +1,10 @@
 """Clustered FedAvg: K global models, updated by k-means over the clients' uploads or
 by each client's assignment (IFCA).
 
-Seed 000, section 5 ("Clustered Federated Learning", ``cluster_and_average_models`` and
-``find_closest_model``), with the loss-based assignment of IFCA (Ghosh et al. 2020,
-"An Efficient Framework for Clustered Federated Learning", arXiv:2006.04088).
+The clustered FL of the federated-RL study ("Clustered Federated Learning",
+``cluster_and_average_models`` and ``find_closest_model``), with the loss-based
+assignment of IFCA (Ghosh et al. 2020, "An Efficient Framework for Clustered Federated
+Learning", arXiv:2006.04088).
 
 Every round:
 
@@ -58,6 +59,7 @@ from protocol.keys import cluster_model_key, cluster_score_key
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
 from protocol.replies import checked_metrics, metrics_of
 from strategies.runtime.aggregation import weighted_metrics
+from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.messaging import send_and_receive
 from strategies.runtime.nodes import nodes_for_round
 from strategies.runtime.partitions import PartitionMap
@@ -176,7 +178,7 @@ def mean_arrays(uploads: list[list[np.ndarray]]) -> list[np.ndarray]:
     ]
 
 
-class ClusteredFedAvg(Strategy):
+class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
     """K global models; clients are assigned to one, and each model becomes the mean of
     a k-means cluster of the uploads, or of the uploads of the clients assigned to it.
 
@@ -477,13 +479,14 @@ class ClusteredFedAvg(Strategy):
         self._record(server_round, pending or {}, matched)
 
     # -- evaluation -----------------------------------------------------------------
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
+    def evaluation_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes the evaluation round samples (seeded)."""
+        return self._connected(grid, self.min_evaluate_nodes)
+
+    def evaluation_messages(
+        self, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord, server_round: int
+    ) -> list[Message]:
         """Each sampled node evaluates the model of its last cluster (else the largest)."""
-        if self.fraction_evaluate == 0.0:
-            return []
-        nodes = self._sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         models = self.models or [arrays]  # before round 1: the one model there is
         largest = self.largest_cluster()
         messages = []
@@ -492,12 +495,10 @@ class ClusteredFedAvg(Strategy):
             messages.append(self._message(node, k, models[k], config, server_round, False))
         return messages
 
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
+    def evaluation_metrics(self, server_round: int, replies: list[Message]) -> MetricRecord | None:
         """num-examples-weighted mean of the valid replies' metrics."""
         records = []
-        for message in self.partitions.sort_replies(replies):
+        for message in replies:
             try:
                 records.append(checked_metrics(message))
             except InvalidReply as err:
@@ -506,14 +507,17 @@ class ClusteredFedAvg(Strategy):
         return weighted_metrics(records) if records else None
 
     # -- internals ------------------------------------------------------------------
-    def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
-        nodes = nodes_for_round(
+    def _connected(self, grid: Grid, minimum: int) -> list[int]:
+        return nodes_for_round(
             grid,
             self.partitions,
             min_available=self.min_available_nodes,
             min_sample=minimum,
             timeout=self.query_timeout,
         )
+
+    def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        nodes = self._connected(grid, minimum)
         return seeded_sample(nodes, fraction, minimum, self.rng, self.partitions)
 
     def _random(self) -> tuple[int, str, float]:

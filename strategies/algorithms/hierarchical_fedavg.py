@@ -1,6 +1,6 @@
 """Hierarchical FedAvg (HierFAVG): client -> edge -> cloud on Flower's Message API.
 
-Seed 003 (front-loaded DP for hierarchical FL: "Aggregation", "Topology /
+The topology of front-loaded DP for hierarchical FL ("Aggregation", "Topology /
 Participation"), after HierFL (Liu et al. 2020, "Client-Edge-Cloud Hierarchical
 Federated Learning", arXiv:1905.06641). Edges are logical groups of SuperNodes kept by
 the server. One cloud round is ``tau_2`` edge aggregations (each: a fresh sample of every
@@ -28,10 +28,11 @@ from protocol import keys
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
 from protocol.replies import checked_metrics, is_number, metrics_of
 from strategies.runtime.aggregation import weighted_metrics
+from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.messaging import send_and_receive
 from strategies.runtime.nodes import nodes_for_round, wait_for_nodes
 from strategies.runtime.partitions import PartitionMap
-from strategies.runtime.sampling import sample_uniform, seeded_sample
+from strategies.runtime.sampling import sample_uniform
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0x4E  # edge and client sampling
@@ -134,7 +135,7 @@ class _CloudRound:
     failed_queries: int = 0
 
 
-class HierarchicalFedAvg(FedAvg):
+class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
     """HierFAVG: ``tau_2`` edge aggregations per cloud round, then FedAvg over the edges.
 
     Mapping onto Flower's calls. ``configure_train`` (1) sends a query
@@ -355,29 +356,19 @@ class HierarchicalFedAvg(FedAvg):
         log(INFO, "aggregate_train: cloud = FedAvg of edges %s", edges)
         return to_record(state.cloud, average), self._round_metrics(state)
 
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """FedAvg's weighted evaluation metrics, summed in partition order."""
-        return super().aggregate_evaluate(server_round, self.partitions.sort_replies(replies))
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's evaluation of the cloud model, sampled with the seeded generator."""
-        if self.fraction_evaluate == 0.0:
-            return []
+    def evaluation_nodes(self, grid: Grid) -> list[int] | None:
+        """The connected nodes FedAvg's evaluation of the cloud model samples; None (the
+        round skipped) when too few are connected."""
         needed = max(self.min_available_nodes, self.min_evaluate_nodes)
         nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.timeout, discover=False)
         if len(nodes) < needed:
             log(WARNING, "configure_evaluate: too few nodes connected, evaluation skipped")
-            return []
-        own = ConfigRecord({**config, keys.SERVER_ROUND: server_round})
-        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: own})
-        picked = seeded_sample(
-            nodes, self.fraction_evaluate, self.min_evaluate_nodes, self.eval_rng, self.partitions
-        )
-        return [_message(n, content, MessageType.EVALUATE, server_round) for n in picked]
+            return None
+        return nodes
+
+    def evaluation_rng(self) -> np.random.Generator:
+        """Evaluation samples with its own seeded generator (training's is untouched)."""
+        return self.eval_rng
 
     # -- internals ------------------------------------------------------------------------
     def _register(self, server_round: int, nodes: list[int], grid: Grid) -> int:

@@ -1,6 +1,6 @@
 """SmartFedProx: FedProx with divergence-aware client selection and adaptive mu.
 
-Seed 001 ("FedProx with Smart Client Selection"), sections 1-3, on Flower's Message
+"FedProx with Smart Client Selection", sections 1-3, on Flower's Message
 API. The server keeps, per node, the model divergences ``||w_local - w_global||`` it
 reported and their exponential moving average (section 3.3); it selects clients at
 random (cold start, exploration, or ``selection="random"``) or by the hybrid rule of
@@ -40,9 +40,10 @@ from strategies.algorithms.smart_fedprox.hybrid_selection import (
     sample_hybrid_groups,
     smoothed_divergence,
 )
+from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.nodes import nodes_for_round
 from strategies.runtime.partitions import PartitionMap
-from strategies.runtime.sampling import fedavg_sample_size, sample_uniform, seeded_sample
+from strategies.runtime.sampling import fedavg_sample_size, sample_uniform
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0x5F  # the strategy's one generator: sampling, exploration coin, ties, fills
@@ -63,7 +64,7 @@ def finite_metric(metrics: MetricRecord, key: str) -> float:
     return float(value)
 
 
-class SmartFedProx(FedProx):
+class SmartFedProx(PartitionOrderedEvaluation, FedProx):
     r"""FedProx with hybrid divergence-based selection and per-client adaptive mu.
 
     Contract with the client. Every train message carries the global model in
@@ -298,26 +299,9 @@ class SmartFedProx(FedProx):
         return valid, len(pending) - len(valid)
 
     # -- evaluation -----------------------------------------------------------------
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """FedAvg's weighted evaluation metrics, summed in partition order."""
-        return super().aggregate_evaluate(server_round, self.partitions.sort_replies(replies))
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's evaluation round, sampled with the run's generator."""
-        if self.fraction_evaluate == 0.0:
-            return []
-        nodes = self._connected(grid, self.min_evaluate_nodes)
-        picked = seeded_sample(
-            nodes, self.fraction_evaluate, self.min_evaluate_nodes, self.rng, self.partitions
-        )
-        return [
-            _message(node, arrays, config, server_round, MessageType.EVALUATE, {})
-            for node in picked
-        ]
+    def evaluation_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes FedAvg's evaluation round samples (seeded, run's generator)."""
+        return self._connected(grid, self.min_evaluate_nodes)
 
     # -- internals ------------------------------------------------------------------
     def _connected(self, grid: Grid, minimum: int) -> list[int]:
