@@ -55,7 +55,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
 )
 from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 
-from client_app.mods import _generator
+from privacy.mechanisms import client_noise_generator
 from privacy.skellam import SecureSumEncoding
 from privacy.subspace import flatten
 from protocol import keys
@@ -215,7 +215,9 @@ def _collect(
     except Exception as err:
         error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(err))
         reply = Message(error, reply_to=msg)
-    vector = _vector(msg, reply, _generator(msg, ctxt))
+    server_round = int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 0))
+    rng = client_noise_generator(ctxt.run_config, ctxt.node_config, server_round)
+    vector = _vector(msg, reply, rng)
     modulus = 2 ** int(msg.content[keys.CONFIG][keys.SECAGG_MODULUS_BITS])
     vector += mask(state.rd_seed, vector.size, modulus)  # uint64: wraps mod 2^64
     for other in neighbours:

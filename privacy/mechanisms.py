@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -514,3 +514,19 @@ def noise_generator(
     knows ``seed`` can recompute, so no ε holds against them.
     """
     return make_generator(seed, *streams) if reproducible else secure_generator()
+
+
+CLIENT_NOISE_STREAM = 0xD9  # separates a client's noise from other streams of the same seed
+
+
+def client_noise_generator(
+    run_config: Mapping[str, Any], node_config: Mapping[str, Any], server_round: int
+) -> np.random.Generator:
+    """A client's noise generator for one message (the client mods, SecAgg+): secret
+    unless ``dp.reproducible-noise``, then a function of the seed, the round and the
+    partition."""
+    return noise_generator(
+        seed=int(run_config.get("seed", 0)),
+        streams=(server_round, int(node_config.get("partition-id", 0)), CLIENT_NOISE_STREAM),
+        reproducible=bool(run_config.get("dp.reproducible-noise", False)),
+    )

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from flwr.clientapp.typing import Mod
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
@@ -21,12 +22,13 @@ from strategies.algorithms.local import LocalOnly
 from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartFedProx
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION
+from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
-from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed
+from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed, dp_fedavg_mod
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
-from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients
-from strategies.mechanisms.laplace import LaplaceDP
+from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients, front_loaded_mod
+from strategies.mechanisms.laplace import LaplaceDP, laplace_mod
 from strategies.mechanisms.subspace_dp import SubspaceDP
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.runtime.seeded import SeededSampling
@@ -375,6 +377,27 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "dp-sgd": _dp_sgd,
     **{mode: _front_loaded(mode) for mode in FRONT_LOADED_MODES},
 }
+
+# The client half of each privacy mechanism: the mods the ClientApp runs for it
+# (:func:`client_mods`), beside the server wrapper above.
+CLIENT_MODS: dict[str, tuple[Mod, ...]] = {
+    "none": (),
+    "dp-fedavg-fixed": (dp_fedavg_mod,),
+    "dp-fedavg-adaptive": (dp_fedavg_mod,),
+    "subspace-dp": (dp_fedavg_mod,),
+    "laplace": (laplace_mod,),
+    "dp-sgd": (report_metrics_mod,),
+    **{mode: (front_loaded_mod,) for mode in FRONT_LOADED_MODES},
+}
+
+
+def client_mods(privacy: str) -> tuple[Mod, ...]:
+    """The client mods of the privacy mechanism ``privacy`` (``"none"``: none)."""
+    try:
+        return CLIENT_MODS[privacy]
+    except KeyError:
+        raise ValueError(f"privacy = {privacy!r}; valid values: {sorted(CLIENT_MODS)}") from None
+
 
 # Wrappers that sample clients themselves (Laplace: under Poisson sampling): the base
 # strategy must take every node of the (restricted) grid it is shown.

@@ -1,53 +1,14 @@
-"""DP-FedAvg wrappers with fixed and adaptive clipping (seed 002).
+"""DP-FedAvg with a fixed clip norm around any strategy, and its client mod.
 
-McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models";
-Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping".
-
-Any strategy of the registry can be wrapped. The wrapper
-
-* samples the round's clients with the secret DP generator (OS entropy; the run seed
-  only under ``dp.reproducible-noise``) and lets the wrapped strategy configure only
-  those nodes (it sees a grid holding just them): by default **Poisson sampling**, each
-  connected client (one partition: one unit of privacy) independently with probability
-  q = m/N, accounted as ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under
-  add-or-remove-one; or exactly m uniformly without replacement
-  (``dp.sampling = "fixed"``), accounted under replace-one (sensitivity 2C: z/2);
-* calibrates z to ``dp.target-epsilon`` over the planned rounds once it knows N (the
-  first round), unless z is given;
-* adds ``dpfedavg_clip_norm`` (and, with client-side noising,
-  ``dpfedavg_noise_stddev`` = z·C/√m) to every node's config, and what the clients may
-  report (``report-metrics``);
-* never aborts a round: a sampled client that fails, times out or replies with
-  something unusable contributes a zero update (a value an honest client may send, so
-  the sensitivity is unchanged), and the round is released and charged like any other
-  (an empty Poisson cohort releases the noise alone). With client-side noising the
-  server adds that client's missing noise share itself;
-* divides the sum of the clipped updates by the fixed m (the expected cohort under
-  Poisson sampling, so one client moves the mean by at most C/m) and, with server-side
-  noising, adds N(0, (zC)²) once to the sum;
-* around SmartFedProx (``divergence``): asks every sampled client for its model
-  divergence clipped to a public bound D and noised with N(0, (z_d D)²) from the
-  client's secret generator (``divergence-clip``, ``divergence-noise-stddev``), hands
-  the wrapped strategy only those noised reports (:meth:`SmartFedProx.observe_train`),
-  and charges them as one more Gaussian release per round, without amplification;
-* charges every released aggregate to the run's :class:`privacy.accounting.PrivacyLedger`
-  and, with client-side noising, each sampled client's own noisy upload to a
-  :class:`privacy.local_view.LocalViewLedger` (what the server itself sees, without
-  amplification); refuses, before sending anything, a round that would exceed the
-  budget in either.
-
-Contract with the client (``client_app.mods.privacy_mod`` implements it)::
-
-    delta = trained - received
-    delta = delta * min(1, C / ||delta||_2)            # C = config["dpfedavg_clip_norm"]
-    if "dpfedavg_noise_stddev" in config:
-        delta += N(0, config["dpfedavg_noise_stddev"]**2 I)   # from a secret generator
-    if config.get("dpfedavg_adaptive_clip_enabled"):
-        metrics["dpfedavg-norm-bit"] = float(||delta_before_clip||_2 <= C)
-    reply arrays = received + delta
-    if "divergence-clip" in config:                  # SmartFedProx's report
-        metrics["divergence"] = min(max(d, 0), D) + N(0, config["divergence-noise-stddev"]**2)
-    reply metrics = only config["report-metrics"] (num-examples sent as 1)
+McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models". The
+wrapper samples the round's clients with the secret DP generator (Poisson, or exactly m
+without replacement), lets the wrapped strategy configure only those, releases the mean
+of their clipped updates with Gaussian noise added by the server or by each client, and
+charges every release to the run's ledger (and, with client-side noise, each upload to
+the clients' local-view ledger) before it is published. ``dp_fedavg_mod`` is the client
+half: it clips the update, adds the client's noise share when asked, and reports the
+adaptive-clipping bit. The contract between the halves and the rationale are in
+docs/privacy.md ("The mechanisms' server and client halves").
 """
 
 from __future__ import annotations
@@ -72,6 +33,7 @@ from privacy.mechanisms import (
     GaussianMechanism,
     NonFiniteUpdateError,
     clip_by_l2_norm,
+    gaussian_noise_like,
     is_released,
 )
 from protocol import keys
@@ -81,6 +43,7 @@ from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted, StopTraining
 from strategies.mechanisms.base import PrivacyWrapper
 from strategies.mechanisms.calibrated import CalibratedNoise
+from strategies.mechanisms.client import client_mod
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
 from strategies.runtime.nodes import GridView
@@ -739,3 +702,45 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 self.local_release(0).noise_multiplier,
             )
         self.strategy.summary()
+
+
+# -- the client half ----------------------------------------------------------------
+def privatise_update(
+    config: ConfigRecord, delta: list[np.ndarray], metrics: MetricRecord, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Clip Δ to L2 norm C, add the client's noise share when it noises its own upload,
+    set the adaptive-clipping bit, and release SmartFedProx's divergence when asked."""
+    mechanism = GaussianMechanism(
+        clip_norm=float(config[keys.DP_CLIP_NORM]), noise_multiplier=1.0
+    )  # only its clip is used here
+    clipped = mechanism.clip(delta)
+    delta = clipped.arrays
+    if keys.DP_NOISE_STDDEV in config:
+        noise = gaussian_noise_like(delta, std=float(config[keys.DP_NOISE_STDDEV]), rng=rng)
+        delta = [d + n for d, n in zip(delta, noise, strict=True)]
+    if config.get(keys.DP_ADAPTIVE):
+        metrics[keys.DP_NORM_BIT] = 0.0 if clipped.clipped else 1.0
+    if keys.DIVERGENCE_CLIP in config:
+        release_divergence(config, metrics, rng)
+    return delta
+
+
+def release_divergence(config: ConfigRecord, metrics: MetricRecord, rng) -> None:
+    """Replace the raw divergence by its clipped, noised release (0 when none was
+    computed: a failed client's zero update)."""
+    bound = float(config[keys.DIVERGENCE_CLIP])
+    std = float(config[keys.DIVERGENCE_NOISE_STDDEV])
+    raw = metrics.get(keys.DIVERGENCE, 0.0)
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise InvalidReply(f"'{keys.DIVERGENCE}' = {raw!r} is not a number")
+    release = BoundedScalarRelease(bound=bound, noise_multiplier=std / bound)
+    metrics[keys.DIVERGENCE] = release.release(float(raw), rng=rng)
+
+
+# DP-FedAvg's client mod (fixed and adaptive clipping, under SecAgg+ too).
+dp_fedavg_mod = client_mod(
+    privatise_update,
+    applies=lambda config: keys.DP_CLIP_NORM in config,
+    client_noised=lambda config: keys.DP_NOISE_STDDEV in config,
+    name="dp_fedavg_mod",
+)

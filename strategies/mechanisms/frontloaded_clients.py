@@ -1,4 +1,4 @@
-"""Front-loaded DP for hierarchical FL (seed 003): CG-NG, CG-NP, CP-NP, and their ledger.
+"""Front-loaded DP for hierarchical FL: CG-NG, CG-NP, CP-NP, and their ledger.
 
 The mechanisms run on the clients (``tasks.frontloaded``); this wrapper tells the
 hierarchical strategy's clients which one to run, switches the edges to delta
@@ -44,6 +44,7 @@ from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from strategies.errors import BudgetExhausted
 from strategies.mechanisms.base import PrivacyWrapper
+from strategies.mechanisms.client import client_mod
 from strategies.mechanisms.dpsgd_clients import record_local_epsilons
 from strategies.runtime.checkpoint import ledger_state, load_ledger
 
@@ -254,3 +255,27 @@ class FrontLoadedDPClients(PrivacyWrapper):
         log(INFO, "\t├──> Front-loaded DP %s: clip %g, sigma %g", self.mode, self.clip, self.sigma)
         log(INFO, "\t│\t└── Formal guarantee: %s", guarantee)
         self.strategy.summary()
+
+
+# -- the client half ----------------------------------------------------------------
+def noised_zero_delta(
+    config: ConfigRecord, reference: list[np.ndarray], rng: np.random.Generator
+) -> list[np.ndarray]:
+    """CP-NP: what a client whose training failed sends, the noise of a zero delta
+    (N(0, sigma²) on every floating coordinate)."""
+    sigma = float(config[keys.FRONT_LOADED_SIGMA])
+    return [
+        rng.normal(0.0, sigma, size=a.shape)
+        if np.issubdtype(a.dtype, np.floating)
+        else np.zeros(a.shape)
+        for a in reference
+    ]
+
+
+# The front-loaded modes' client mod: the task clips and noises (CG-NG, CG-NP: per step;
+# CP-NP: the delta); under CP-NP a failed client sends the noised zero delta.
+front_loaded_mod = client_mod(
+    client_noised=lambda config: config.get(keys.FRONT_LOADED_MODE) == "cp-np",
+    noised_zero=noised_zero_delta,
+    name="front_loaded_mod",
+)

@@ -1,52 +1,12 @@
-"""The Laplace mechanism on client updates (seed 000, DP-FL on LunarLander).
+"""The Laplace mechanism on client updates (local DP), and its client mod.
 
-Each sampled client clips its update Δ to L1 norm S (``dp.sensitivity``) and adds
-Laplace(0, S/ε) noise to every coordinate before sending it (ε = ``dp.epsilon``, the
-per-round budget, or calibrated to ``dp.target-epsilon`` over the planned rounds), from
-a generator only it knows. The server averages the noisy deltas and adds the mean to
-the global model; a client that failed counts as a zero update, whose Laplace noise the
-server draws itself (secret generator), so the released mean is distributed as if it
-had sent a noised zero.
-
-Sampling. With ``dp.sampling = "poisson"`` the wrapper samples itself, each connected
-client independently with probability q = m/N from the secret generator, and divides by
-the expected m. With ``"fixed"`` the wrapped strategy samples (``fraction-train``,
-seeded: public) and the mean is over the clients asked. Neither is charged as
-amplification (the ledger's sampling is "none"): a client that is not sampled sends no
-noise, so "not sampled" and "sampled with a zeroed update" differ by one Laplace term in
-the mean, and the add-or-remove amplification bound that dp-accounting applies to
-``PoissonSampledDpEvent`` (also under REPLACE_SPECIAL) assumes they coincide, as they do
-for noise the server adds once. A sound amplified bound for this mechanism (by joint
-convexity, privacy loss 0 with probability 1 - q and the Laplace loss with probability
-q) is not computed here.
-
-Privacy unit: one client's whole contribution to a round (its data or, for RL, its
-whole environment interaction). Neighbouring relation: zero-out (Kairouz et al. 2021;
-dp-accounting's REPLACE_SPECIAL): a client's clipped update replaced by zero while it
-still takes part, sending its noise. That is the relation local noise supports: whether
-a client sent an upload is visible in the noise of the mean (one Laplace term per
-upload), so add-or-remove-one, which hides presence, does not hold. Each noisy upload
-is ε-DP for it (L1 sensitivity S); against replacing the update by another client's
-the sensitivity is 2S and the bound 2ε. Noise is added locally, so no amplification by
-subsampling is claimed, and the same ε holds against the server, which sees every
-upload: the ledger composes every round (against observers of the model) and
-:class:`~privacy.local_view.LocalViewLedger` each client's own rounds (against the
-server). Both report the smaller of the accountant's ε and basic composition's k·ε.
-
-Around a strategy that aggregates the uploads itself (``AGGREGATES_UPLOADS``, e.g.
-clustered FedAvg: k-means over the uploads, one average per cluster), the wrapper
-checks and charges, then hands the valid noisy uploads to it: every upload is
-already ε-DP, so whatever the strategy computes from them is post-processing (a
-client's data-dependent failure reaches the server as a noised zero upload,
-``client_app.mods.privacy_mod``).
-
-Contract with the client (``client_app.mods.privacy_mod``)::
-
-    delta = trained - received
-    delta = delta * min(1, S / ||delta||_1)             # S = config["laplace-sensitivity"]
-    delta += Laplace(0, config["laplace-scale"]) per coordinate   # secret generator
-    reply arrays = received + delta
-    reply metrics = only config["report-metrics"] (num-examples sent as 1)
+Each sampled client clips its update to L1 norm S and adds Laplace(0, S/ε) noise to
+every coordinate from a generator only it knows (``laplace_mod``); the server averages
+the noisy uploads (a failed client counts as a zero update whose noise the server
+draws) and charges each round to the ledger under the zero-out relation, and each
+client's own uploads to its local view (against the server). The sampling, the
+neighbouring relation and the client contract are in docs/privacy.md ("The mechanisms'
+server and client halves").
 """
 
 from __future__ import annotations
@@ -71,6 +31,7 @@ from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted
 from strategies.mechanisms.base import PrivacyWrapper
 from strategies.mechanisms.calibrated import CalibratedNoise
+from strategies.mechanisms.client import client_mod
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
 from strategies.runtime.nodes import GridView
@@ -355,3 +316,23 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             "poisson" if self.expected_clients else "the strategy's",
         )
         self.strategy.summary()
+
+
+# -- the client half ----------------------------------------------------------------
+def privatise_update(
+    config: ConfigRecord, delta: list[np.ndarray], metrics: MetricRecord, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Clip Δ to L1 norm S and add Laplace noise of scale b to every coordinate."""
+    sensitivity = float(config[keys.LAPLACE_SENSITIVITY])
+    scale = float(config[keys.LAPLACE_SCALE])
+    mechanism = LaplaceMechanism(sensitivity=sensitivity, epsilon=sensitivity / scale)
+    return mechanism.noise(mechanism.clip(delta).arrays, rng=rng)
+
+
+# The Laplace mechanism's client mod: every client noises its own upload.
+laplace_mod = client_mod(
+    privatise_update,
+    applies=lambda config: keys.LAPLACE_SENSITIVITY in config,
+    client_noised=lambda config: keys.LAPLACE_SENSITIVITY in config,
+    name="laplace_mod",
+)

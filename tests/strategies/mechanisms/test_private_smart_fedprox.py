@@ -13,14 +13,13 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from client_app.mods import privacy_mod
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import BoundedScalarRelease, NonFiniteUpdateError
 from protocol import keys
 from server_app import config as app_config
 from strategies import registry
 from strategies.algorithms.smart_fedprox.strategy import SmartFedProx
-from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed
+from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed, dp_fedavg_mod
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.threat_models import run_report
 from tests.fakes import FakeGrid, instruction, record
@@ -85,7 +84,7 @@ def _client(raw_divergence: float, delta=(0.1, 0.0)):
 
 
 def _round(strategy, server_round: int, raw: dict[int, float]) -> list[Message]:
-    """One round: configure, each selected node's reply through privacy_mod, aggregate.
+    """One round: configure, each selected node's reply through dp_fedavg_mod, aggregate.
     Returns the replies as the server received them."""
     messages = strategy.configure_train(
         server_round, record(GLOBAL), ConfigRecord({}), FakeGrid(NODES)
@@ -93,7 +92,7 @@ def _round(strategy, server_round: int, raw: dict[int, float]) -> list[Message]:
     replies = []
     for message in messages:
         node = message.metadata.dst_node_id
-        reply = privacy_mod(message, _context(node), _client(raw[node]))
+        reply = dp_fedavg_mod(message, _context(node), _client(raw[node]))
         replies.append(reply)
     strategy.aggregate_train(server_round, replies)
     return replies
@@ -122,7 +121,7 @@ def test_client_releases_its_divergence_with_the_scale_the_ledger_charges():
     for rnd in range(1, 2001):
         config = ConfigRecord({**config, keys.SERVER_ROUND: rnd})
         msg = instruction(GLOBAL, dict(config))
-        reply = privacy_mod(msg, _context(2), _client(10.0))  # raw 10 is clipped to 3
+        reply = dp_fedavg_mod(msg, _context(2), _client(10.0))  # raw 10 is clipped to 3
         released.append(reply.content[keys.METRICS][keys.DIVERGENCE])
     (_, charged) = strategy.release(1, 8)
     assert charged.kind == "divergence-report" and charged.sampling == "none"
@@ -143,7 +142,7 @@ def test_a_failed_client_reports_zero_plus_noise():
     def failing(msg, ctxt):
         raise RuntimeError("diverged")
 
-    reply = privacy_mod(msg, _context(1), failing)
+    reply = dp_fedavg_mod(msg, _context(1), failing)
     assert reply.content[keys.METRICS][keys.DIVERGENCE] == pytest.approx(0.0, abs=1e-6)
 
 
