@@ -165,7 +165,7 @@ class DPSettings(Settings):
         "poisson",
         "How DP-FedAvg, subspace-dp and Laplace sample clients: `poisson` (each "
         "client independently, add-or-remove-one, PLD by default) or `fixed` (exactly"
-        " m without replacement, replace-one, RDP; seed 002's DP-FedAvg). Laplace: "
+        " m without replacement, replace-one, RDP; McMahan et al.'s DP-FedAvg). Laplace: "
         "`poisson` samples q = m/N, `fixed` is the strategy's `fraction-train`; "
         "neither is charged as amplified (local noise).",
         choices=("poisson", "fixed"),

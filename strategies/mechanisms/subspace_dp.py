@@ -1,4 +1,4 @@
-"""Subspace-DP-FL around any strategy (seed 004): geometry-aligned DP-FedAvg.
+"""Subspace-DP-FL around any strategy: geometry-aligned DP-FedAvg.
 
 The wrapper is DP-FedAvg (:class:`strategies.mechanisms.dp_fedavg.DPFedAvgFixed`: the same
 fixed-size uniform sampling from the secret generator, failed clients counted as zero

@@ -1,4 +1,4 @@
-"""Who each ε holds against: the threat models of DESIGN.md, per privacy mechanism.
+"""Who each ε holds against: the threat models of docs/privacy.md, per privacy mechanism.
 
 Three parties may want to learn about one client's data:
 

@@ -1,12 +1,12 @@
 """Seeded node sampling around Flower's FedAvg family (fedavg, fedprox, local).
 
-Flower's ``FedAvg`` samples nodes with Python's global ``random`` over whatever node
-ids the grid returns, and sums replies in arrival order: two runs of one
-configuration train different clients and add in different orders (adap/flower
-issue 3328). :class:`SeededSampling` samples instead with a generator derived from
-the run seed, over the nodes in partition order (:mod:`strategies.runtime.partitions`), and
-hands the wrapped strategy (built with ``fraction_* = 1``) a grid holding only the
-sampled nodes; replies reach it sorted by partition id.
+Flower's ``FedAvg`` samples nodes with Python's global ``random`` over whatever node ids
+the grid returns, and sums replies in arrival order: two runs of one configuration train
+different clients and add in different orders. :class:`SeededSampling` samples instead
+with a generator derived from the run seed, over the nodes in partition order
+(:mod:`strategies.runtime.partitions`), and hands the wrapped strategy (built with
+``fraction_* = 1``) a grid holding only the sampled nodes; replies reach it sorted by
+partition id.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Seed 001's hybrid client selection (section 1.4), as pure functions of the nodes'
-divergence histories and an explicit generator: rank nodes by smoothed divergence,
-split them into high / middle / low thirds, take 30 / 50 / 20 % of the round's
-clients from them, and fill what a group cannot give uniformly from the rest.
-"""
+"""SmartFedProx's hybrid client selection ("FedProx with Smart Client Selection",
+section 1.4), as pure functions of the nodes' divergence histories and an explicit
+generator: rank nodes by smoothed divergence, split them into high / middle / low
+thirds, take 30 / 50 / 20 % of the round's clients from them, and fill what a group
+cannot give uniformly from the rest."""
 
 from __future__ import annotations
 
