@@ -31,6 +31,7 @@ from strategies.aggregation import weighted_metrics
 from strategies.messaging import send_and_receive
 from strategies.nodes import nodes_for_round, wait_for_nodes
 from strategies.partitions import PartitionMap
+from strategies.private import DPSettings
 from strategies.sampling import sample_uniform, seeded_sample
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
@@ -597,7 +598,7 @@ class HierSettings(Settings):
                 f"iterations; 'task' = {choice.task!r} does not; valid tasks: "
                 + listed(choice.tasks_with.get("hierarchical", ()))
             )
-        if bool(choice.options["dp.per-example"]) and choice.privacy != "cg-ng":
+        if choice.part(DPSettings).per_example and choice.privacy != "cg-ng":
             raise SettingsError(
                 f"'dp.per-example' = true applies to 'privacy' = 'cg-ng' only (got "
                 f"{choice.privacy!r}): noise added once to the final parameters (cg-np) has "
