@@ -37,7 +37,7 @@ def main(grid: Grid, context: Context) -> None:
 def _run(grid: Grid, context: Context) -> None:
     run = setup.load(context.run_config, setup.explicit_keys(grid))
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
-    console.quiet_flower_rounds(bool(cfg.options["log.flower-rounds"]))
+    console.quiet_flower_rounds(cfg.part(console.ConsoleSettings).flower_rounds)
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
