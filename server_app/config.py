@@ -6,8 +6,9 @@ it, declared once as a field of its settings dataclass (:mod:`strategies.setting
 ``subspace.*``, ``secagg.*``, ``audit.*``, ``run.*``) or as the task's ``OPTIONS``.
 :func:`load` rejects unknown keys and invalid values with a message naming the key and
 the valid values, then lets each part check the combination (``check``), before
-anything is trained. ``pyproject.toml`` carries the same defaults (a test checks they
-agree) because Flower only accepts overrides of keys it has a default for.
+anything is trained. ``pyproject.toml`` carries the same defaults, generated from the
+declarations (:func:`pyproject_defaults`, written by ``docs/gen_tables.py``), because
+Flower only accepts overrides of keys it has a default for.
 """
 
 from __future__ import annotations

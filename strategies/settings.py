@@ -2,8 +2,9 @@
 
 Each field is one run-config key (``PREFIX.field-name``) declared once with
 :func:`setting` (default, help, range or choices); the ServerApp derives from these
-classes the option list it validates, the ``pyproject.toml`` defaults check and the
-docs' run-config table (:mod:`server_app.config`). ``check`` refuses, with the key and
+classes the option list it validates, the ``pyproject.toml`` defaults and the docs'
+run-config table (:mod:`server_app.config`), and each part reads its own settings
+typed through :meth:`Typed.part`, never back by string. ``check`` refuses, with the key and
 the valid values, combinations the part cannot run or cannot account for.
 
 This module imports nothing of the app or of Flower (``strategies/`` never imports
