@@ -56,6 +56,20 @@ def replace_block(text: str, name: str, table: str) -> str:
     return pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
 
 
+PYPROJECT = REPO / "pyproject.toml"
+
+
+def replace_defaults(text: str, defaults: str) -> str:
+    """``pyproject.toml``'s text with the run-config defaults between its markers
+    (``# BEGIN run-config`` ... ``# END run-config``) replaced by ``defaults``."""
+    pattern = re.compile(r"(# BEGIN run-config[^\n]*\n).*?(\n# END run-config)", re.S)
+    if len(pattern.findall(text)) != 1:
+        raise ValueError(
+            "expected exactly one '# BEGIN run-config' ... END block in pyproject.toml"
+        )
+    return pattern.sub(lambda m: m.group(1) + defaults + m.group(2), text)
+
+
 BENCHMARKS = REPO / "bench" / "BENCHMARKS.md"
 BENCHMARK_DIR = "benchmarks"  # under docs/
 MKDOCS = REPO / "mkdocs.yml"
@@ -128,9 +142,13 @@ def replace_nav(text: str, nav: str) -> str:
 
 
 def generated_files() -> dict[Path, str]:
-    """Every generated file (benchmark pages, mkdocs.yml's nav) -> its text."""
+    """Every generated file (benchmark pages, mkdocs.yml's nav, pyproject.toml's
+    run-config defaults) -> its text."""
+    from server_app import config
+
     files = {DOCS / page: text for page, text in benchmark_pages().items()}
     files[MKDOCS] = replace_nav(MKDOCS.read_text(), benchmark_nav())
+    files[PYPROJECT] = replace_defaults(PYPROJECT.read_text(), config.pyproject_defaults())
     return files
 
 

@@ -145,6 +145,7 @@ def check(
     import strategies
     import tasks
     from server_app import config, setup, startup
+    from server_app.audit import AuditSettings
     from strategies import StopTraining
 
     try:
@@ -166,7 +167,7 @@ def check(
                 f'{max(short.values())} client-resources-num-cpus=1" or lower the key'
             )
         try:
-            startup._check_size(size, int(cfg.options["audit.canaries"]), cfg.task, task)
+            startup._check_size(size, cfg.part(AuditSettings).canaries, cfg.task, task)
         except StopTraining as err:
             raise CheckError(str(err)) from None
     return f"OK: {setup.privacy_line(cfg)}; federation: {where}"

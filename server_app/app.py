@@ -18,7 +18,8 @@ from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, restore
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
-from strategies import StopTraining, threat_models
+from strategies import StopTraining
+from strategies.mechanisms import threat_models
 from strategies.runtime.capabilities import innermost, ledger_of
 
 app = ServerApp()
@@ -37,7 +38,7 @@ def main(grid: Grid, context: Context) -> None:
 def _run(grid: Grid, context: Context) -> None:
     run = setup.load(context.run_config, setup.explicit_keys(grid))
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
-    console.quiet_flower_rounds(bool(cfg.options["log.flower-rounds"]))
+    console.quiet_flower_rounds(cfg.part(console.ConsoleSettings).flower_rounds)
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)

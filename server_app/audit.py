@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from privacy import audit
+from strategies.mechanisms.base import DPSettings
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 if TYPE_CHECKING:  # config reads AuditSettings from here
@@ -38,21 +39,22 @@ class RunAudit:
 
     def __init__(self, cfg: RunConfig, initial: ArrayRecord, ledger) -> None:
         self.cfg, self.ledger = cfg, ledger
-        self.canaries = int(cfg.options["audit.canaries"])
-        self.every = int(cfg.options["audit.every"])
+        self.settings = cfg.part(AuditSettings)
+        self.canaries, self.every = self.settings.canaries, self.settings.every
         self.initial = _flat(initial) if self.canaries else None
         self.history: list[dict] = []
 
     def _audit(self, arrays: ArrayRecord) -> audit.AuditResult:
         ledger = self.ledger
         epsilon = ledger.epsilon() if ledger is not None and ledger.releases else None
-        delta = ledger.target_delta if ledger is not None else self.cfg.options["dp.target-delta"]
+        dp = self.cfg.part(DPSettings)
+        delta = ledger.target_delta if ledger is not None else dp.target_delta
         return audit.audit(
             _flat(arrays) - self.initial,
             seed=self.cfg.seed,
             canaries=self.canaries,
             delta=float(delta),
-            confidence=float(self.cfg.options["audit.confidence"]),
+            confidence=self.settings.confidence,
             accountant_epsilon=epsilon,
         )
 
@@ -80,7 +82,7 @@ class RunAudit:
         if not self.canaries:
             return None
         result = self._audit(final)
-        if self.cfg.options["dp.reproducible-noise"] and self.cfg.privacy != "none":
+        if self.cfg.part(DPSettings).reproducible_noise and self.cfg.privacy != "none":
             result.notes.append(
                 "dp.reproducible-noise: the noise derives from the seed; this audit is of an "
                 "auditor who does not subtract it"
@@ -217,7 +219,7 @@ class AuditSettings(Settings):
     @staticmethod
     def check(choice: Choice) -> None:
         """Enough canaries, in a run whose release the audit's method fits."""
-        k = int(choice.options["audit.canaries"])
+        k = choice.part(AuditSettings).canaries
         if not k:
             return
         if k < 4:

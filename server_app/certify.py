@@ -15,6 +15,7 @@ from privacy.certificates import run_certificates
 from server_app.config import RunConfig
 from server_app.results import RunDirectory
 from strategies.mechanisms import threat_models
+from strategies.mechanisms.base import DPSettings
 
 AUDIT_KEYS = ("epsilon_estimate", "epsilon_lower_bound", "confidence", "canaries",
               "exceeds_accountant")  # fmt: skip
@@ -56,7 +57,7 @@ def _log_summary(ledger: PrivacyLedger, cfg: RunConfig, doc: dict) -> None:
         log(INFO, "\t├── accountant %s, sampling %s, neighbouring relation %s",
             ledger.accountant, ledger.sampling, ledger.neighboring)  # fmt: skip
     if cfg.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"):
-        log(INFO, "\t├── noise added by the %s", cfg.options["dp.noise-site"])
+        log(INFO, "\t├── noise added by the %s", cfg.part(DPSettings).noise_site)
     for line in threat_models.summary_lines(doc["threat-models"]):
         log(INFO, "\t├── %s", line)
     for line in summary.get("statements", []):

@@ -6,14 +6,16 @@ it, declared once as a field of its settings dataclass (:mod:`strategies.setting
 ``subspace.*``, ``secagg.*``, ``audit.*``, ``run.*``) or as the task's ``OPTIONS``.
 :func:`load` rejects unknown keys and invalid values with a message naming the key and
 the valid values, then lets each part check the combination (``check``), before
-anything is trained. ``pyproject.toml`` carries the same defaults (a test checks they
-agree) because Flower only accepts overrides of keys it has a default for.
+anything is trained. ``pyproject.toml`` carries the same defaults, generated from the
+declarations (:func:`pyproject_defaults`, written by ``docs/gen_tables.py``), because
+Flower only accepts overrides of keys it has a default for.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -34,7 +36,7 @@ from strategies.mechanisms.base import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSe
 from strategies.mechanisms.subspace_dp import SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.secure.secagg_plus import SecAggSettings
-from strategies.settings import Choice, Settings, listed
+from strategies.settings import Choice, Settings, Typed, listed
 from tasks.base import NUM_SERVER_ROUNDS, SEED
 from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 
@@ -144,11 +146,13 @@ def all_options() -> tuple[Option, ...]:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Typed):
     """The validated run-config.
 
     Top-level keys are typed fields; the namespaced options of strategies, privacy
-    and the task are in ``options`` (read-only, keyed as in the run-config).
+    and the task are in ``options`` (read-only, keyed as in the run-config), and each
+    part reads its own typed settings with ``part`` (``cfg.part(DPSettings).clip_norm``),
+    each built once per run and shared with the strategy settings and the checks.
     """
 
     task: str
@@ -167,6 +171,7 @@ class RunConfig:
     resume_from: str
     preset: str
     options: Mapping[str, Scalar]
+    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def strategy_settings(self) -> strategies.StrategySettings:
         """The settings the strategy factories take."""
@@ -182,6 +187,7 @@ class RunConfig:
             round_timeout=self.round_timeout,
             local_epochs=self.local_epochs,
             num_rounds=self.num_server_rounds,
+            parts=self.parts,
         )
 
     @property
@@ -262,6 +268,7 @@ def check_combinations(cfg: RunConfig) -> None:
         options=cfg.options,
         traits=_traits(cfg.task),
         tasks_with={t: tuple(n for n in tasks.REGISTRY if t in _traits(n)) for t in TRAITS},
+        parts=cfg.parts,
     )
     for part in PARTS:
         try:
@@ -316,7 +323,7 @@ def _check_head_only(cfg: RunConfig) -> None:
 def _check_ledger(cfg: RunConfig) -> None:
     """The accountant x sampling x mechanism of the run must be one dp-accounting
     supports; adaptive clipping's count noise must leave the updates their share."""
-    o = cfg.options
+    dp = cfg.part(DPSettings)
     settings = cfg.strategy_settings()
     if cfg.privacy in registry.SELF_SAMPLING:
         sampling, mechanisms = registry.dp_sampling(settings), registry.dp_mechanisms(settings)
@@ -330,8 +337,8 @@ def _check_ledger(cfg: RunConfig) -> None:
     try:
         registry.make_ledger(settings, sampling, mechanisms, neighboring)
     except AccountingError as err:
-        raise ConfigError(f"'dp.accountant' = {o['dp.accountant']!r}: {err}") from None
-    z = float(o["dp.noise-multiplier"])
+        raise ConfigError(f"'dp.accountant' = {dp.accountant!r}: {err}") from None
+    z = dp.noise_multiplier
     if cfg.privacy == "dp-fedavg-adaptive" and z:
         sigma_b = registry.count_stddev(settings)
         if sigma_b <= z / 2:
@@ -377,6 +384,17 @@ def _toml_value(value: Scalar) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def pyproject_defaults() -> str:
+    """The ``[tool.flwr.app.config]`` lines of ``pyproject.toml``, one per declared key
+    with its default, generated from the declarations (``docs/gen_tables.py``)."""
+    lines = []
+    for opt in all_options():
+        key = opt.key if "." not in opt.key else json.dumps(opt.key)
+        value = json.dumps(opt.default) if isinstance(opt.default, str) else None
+        lines.append(f"{key} = {value or _toml_value(opt.default)}")
+    return "\n".join(lines)
 
 
 def markdown_table() -> str:

@@ -19,8 +19,9 @@ import tasks
 from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
 from strategies.algorithms.clustered import ClusteredFedAvg, model_seeds
-from strategies.mechanisms.base import NOISE_PARAMETER
+from strategies.mechanisms.base import NOISE_PARAMETER, DPSettings
 from strategies.runtime.capabilities import Accounted, innermost, provides
+from strategies.secure.secagg_plus import SecAggSettings
 from tasks.base import Task
 from tasks.options import ConfigError
 
@@ -104,14 +105,14 @@ def explicit_keys(grid: Any) -> frozenset[str] | None:
 
 def privacy_line(cfg: config.RunConfig) -> str:
     """One plain line: private or NOT PRIVATE, the mechanism and the epsilon target."""
-    o = cfg.options
+    o, dp, secure = cfg.options, cfg.part(DPSettings), SecAggSettings.enabled_in(cfg)
     what = f"task {cfg.task}, strategy {cfg.strategy}"
     if cfg.preset:
         what += f", preset {cfg.preset!r}"
     if cfg.privacy == "none":
-        hidden = "; SecAgg+ hides single updates" if o["secagg.enabled"] else ""
+        hidden = "; SecAgg+ hides single updates" if secure else ""
         return f"NOT PRIVATE: privacy='none', no differential privacy{hidden} ({what})"
-    target, delta = float(o["dp.target-epsilon"]), float(o["dp.target-delta"])
+    target, delta = dp.target_epsilon, dp.target_delta
     noise_key = NOISE_PARAMETER.get(cfg.privacy)
     if target:
         goal = f"epsilon target {target:g} at delta {delta:g}"
@@ -122,12 +123,12 @@ def privacy_line(cfg: config.RunConfig) -> str:
         goal = "epsilon as the mechanism's keys set it (the ledger reports it)"
     how = [cfg.privacy]
     if cfg.privacy.startswith("dp-fedavg") or cfg.privacy == "subspace-dp":
-        how.append(f"{o['dp.sampling']} sampling")
-        if o["secagg.enabled"] and o["dp.noise-site"] == "client":
+        how.append(f"{dp.sampling} sampling")
+        if secure and dp.noise_site == "client":
             how.append("distributed Skellam noise under SecAgg+")
         else:
-            how.append(f"noise added by the {o['dp.noise-site']}")
-    elif o["secagg.enabled"]:
+            how.append(f"noise added by the {dp.noise_site}")
+    elif secure:
         how.append("SecAgg+")
     return f"PRIVATE: {', '.join(how)}; {goal} ({what})"
 

@@ -30,9 +30,11 @@ from logging import INFO
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from server_app.audit import AuditSettings
 from server_app.config import RunConfig
 from strategies import StopTraining
 from strategies.algorithms.clustered import ClusteredFedAvg
+from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.runtime.capabilities import innermost
 from strategies.runtime.partitions import partition_map
 from strategies.runtime.sampling import fedavg_sample_size
@@ -53,7 +55,7 @@ def needs(cfg: RunConfig, strategy) -> dict[str, int]:
     if cohort:
         need["dp.num-sampled-clients"] = int(cohort)
     if cfg.strategy == "hierarchical":
-        need["hier.num-edges"] = int(cfg.options["hier.num-edges"])
+        need["hier.num-edges"] = cfg.part(HierSettings).num_edges
     return need
 
 
@@ -141,7 +143,7 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
             f"the SuperNodes' node configs disagree on num-partitions ({listed}); give every "
             "SuperNode the same 'num-partitions=<n>'"
         )
-    canaries = int(cfg.options["audit.canaries"])
+    canaries = cfg.part(AuditSettings).canaries
     if sizes:
         (size,) = sizes
         _check_size(size, canaries, cfg.task, task)

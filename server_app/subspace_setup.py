@@ -15,7 +15,7 @@ from flwr.common.logger import log
 
 from privacy.subspace import top_subspace
 from server_app.config import RunConfig
-from strategies.mechanisms.subspace_dp import POOLED, SubspaceDP
+from strategies.mechanisms.subspace_dp import POOLED, SubspaceDP, SubspaceSettings
 from strategies.runtime.capabilities import layers
 from tasks.base import Task
 from tasks.options import ConfigError
@@ -23,7 +23,7 @@ from tasks.options import ConfigError
 
 def check(cfg: RunConfig, task: Task) -> None:
     """Refuse, before any work, what the task cannot provide."""
-    if cfg.privacy != "subspace-dp" or cfg.options["subspace.allocation"] != "fairness":
+    if cfg.privacy != "subspace-dp" or cfg.part(SubspaceSettings).allocation != "fairness":
         return
     groups = task.groups() if hasattr(task, "groups") else {}
     if len(groups) < 2:
@@ -40,13 +40,13 @@ def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, releas
     strategy = next((layer for layer in layers(strategy) if isinstance(layer, SubspaceDP)), None)
     if strategy is None:
         return
-    o = cfg.options
-    wants_basis = o["subspace.init"] == "public"
+    sub = cfg.part(SubspaceSettings)
+    wants_basis = sub.init == "public"
     if not wants_basis and strategy.allocation == "uniform":
         return
     gradients = task.public_gradients(model, released)
     if wants_basis:
-        strategy.initial_basis = top_subspace(gradients, int(o["subspace.rank"]))
+        strategy.initial_basis = top_subspace(gradients, sub.rank)
         log(
             INFO,
             "Subspace-DP: initial metric from %d public per-example gradients (no privacy cost)",

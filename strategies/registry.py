@@ -8,7 +8,7 @@ the strategy with :func:`build`: the base strategy, wrapped by the privacy strat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from flwr.clientapp.typing import Mod
@@ -16,12 +16,12 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
-from strategies.algorithms.clustered import ClusteredFedAvg
-from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg
+from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
+from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg, HierSettings
 from strategies.algorithms.local import LocalOnly
 from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
-from strategies.algorithms.smart_fedprox.strategy import SmartFedProx
-from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION
+from strategies.algorithms.smart_fedprox.strategy import SmartFedProx, SmartSettings
+from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
 from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed, dp_fedavg_mod
@@ -29,12 +29,12 @@ from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
 from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients, front_loaded_mod
 from strategies.mechanisms.laplace import LaplaceDP, laplace_mod
-from strategies.mechanisms.subspace_dp import SubspaceDP
+from strategies.mechanisms.subspace_dp import SubspaceDP, SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.runtime.seeded import SeededSampling
 from strategies.secure.secagg_plus import SecAggSettings
 from strategies.secure.secure_aggregation import SecureAggregation
-from strategies.settings import Settings, setting
+from strategies.settings import Settings, Typed, setting
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
@@ -44,8 +44,9 @@ LAPLACE_NEIGHBORING = "zero-out"
 
 
 @dataclass(frozen=True)
-class StrategySettings:
-    """What every factory needs, already validated by the ServerApp."""
+class StrategySettings(Typed):
+    """What every factory needs, already validated by the ServerApp; each part reads
+    its typed settings with ``part`` (e.g. ``s.part(DPSettings).clip_norm``)."""
 
     strategy: str
     fraction_train: float
@@ -54,12 +55,13 @@ class StrategySettings:
     min_evaluate_nodes: int
     min_available_nodes: int
     seed: int
-    options: Mapping[str, Any]  # the namespaced options: "fedprox.mu", "dp.clip-norm", ...
+    options: Mapping[str, Any]  # the parsed namespaced options the parts are built from
     round_timeout: float = 600.0  # seconds to wait for replies (also for in-round queries)
     local_epochs: int = 1  # the task's local epochs per round (SmartFedProx's epoch factor)
     num_rounds: int = 1  # rounds the run plans (subspace-dp splits its noise budget over them)
     released_keys: tuple[str, ...] | None = None  # head-only: the arrays DP wrappers release
     train_sample_size: int | None = None  # clients a data-dependent selection picks (DP: m)
+    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -88,74 +90,84 @@ def _seeded(strategy: Strategy, s: StrategySettings) -> Strategy:
         **_sampling(s),
         seed=s.seed,
         timeout=s.round_timeout,
-        aggregation=AggregationSettings.from_options(
-            {**{key: default for key, default, _ in AggregationSettings.specs()}, **s.options}
-        ),
+        aggregation=s.part(AggregationSettings),
+    )
+
+
+def _clustered(s: StrategySettings) -> Strategy:
+    c = s.part(ClusterSettings)
+    return ClusteredFedAvg(
+        **_sampling(s),
+        k=c.k,
+        assign=c.assign,
+        space=c.space,
+        update=c.update,
+        init=c.init,
+        seed=s.seed,
+        query_timeout=s.round_timeout,
+    )
+
+
+def _smart_fedprox(s: StrategySettings) -> Strategy:
+    smart = s.part(SmartSettings)
+    return SmartFedProx(
+        **_sampling(s),
+        proximal_mu=s.part(FedProxSettings).mu,
+        selection=smart.selection,
+        adaptive_mu=smart.adaptive_mu,
+        cold_start_rounds=smart.cold_start_rounds,
+        exploration_rate=smart.exploration_rate,
+        mu_min=smart.mu_min,
+        mu_max=smart.mu_max,
+        local_epochs=s.local_epochs,
+        ema_alpha=smart.ema_alpha,
+        seed=s.seed,
+        sample_size=s.train_sample_size,
+        connect_timeout=s.round_timeout,
+    )
+
+
+def _hierarchical(s: StrategySettings) -> Strategy:
+    h = s.part(HierSettings)
+    return HierarchicalFedAvg(
+        fraction_evaluate=s.fraction_evaluate,
+        min_evaluate_nodes=s.min_evaluate_nodes,
+        num_edges=h.num_edges,
+        edge_rounds=h.edge_rounds,
+        local_updates=h.local_updates,
+        client_fraction=h.client_fraction,
+        edge_fraction=h.edge_fraction,
+        eta=h.eta,
+        seed=s.seed,
+        timeout=s.round_timeout,
+        min_available_nodes=s.min_available_nodes,
     )
 
 
 STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
     "fedavg": lambda s: _seeded(FedAvg(**_TAKE_ALL), s),
-    "fedprox": lambda s: _seeded(
-        FedProx(**_TAKE_ALL, proximal_mu=float(s.options["fedprox.mu"])), s
-    ),
+    "fedprox": lambda s: _seeded(FedProx(**_TAKE_ALL, proximal_mu=s.part(FedProxSettings).mu), s),
     "local": lambda s: _seeded(LocalOnly(**_TAKE_ALL), s),
-    "clustered": lambda s: ClusteredFedAvg(
-        **_sampling(s),
-        k=int(s.options["cluster.k"]),
-        assign=str(s.options["cluster.assign"]),
-        space=str(s.options["cluster.space"]),
-        update=str(s.options["cluster.update"]),
-        init=str(s.options["cluster.init"]),
-        seed=s.seed,
-        query_timeout=s.round_timeout,
-    ),
-    "smart-fedprox": lambda s: SmartFedProx(
-        **_sampling(s),
-        proximal_mu=float(s.options["fedprox.mu"]),
-        selection=str(s.options["smart.selection"]),
-        adaptive_mu=bool(s.options["smart.adaptive-mu"]),
-        cold_start_rounds=int(s.options["smart.cold-start-rounds"]),
-        exploration_rate=float(s.options["smart.exploration-rate"]),
-        mu_min=float(s.options["smart.mu-min"]),
-        mu_max=float(s.options["smart.mu-max"]),
-        local_epochs=s.local_epochs,
-        ema_alpha=float(s.options["smart.ema-alpha"]),
-        seed=s.seed,
-        sample_size=s.train_sample_size,
-        connect_timeout=s.round_timeout,
-    ),
-    "hierarchical": lambda s: HierarchicalFedAvg(
-        fraction_evaluate=s.fraction_evaluate,
-        min_evaluate_nodes=s.min_evaluate_nodes,
-        num_edges=int(s.options["hier.num-edges"]),
-        edge_rounds=int(s.options["hier.edge-rounds"]),
-        local_updates=int(s.options["hier.local-updates"]),
-        client_fraction=float(s.options["hier.client-fraction"]),
-        edge_fraction=float(s.options["hier.edge-fraction"]),
-        eta=float(s.options["hier.eta"]),
-        seed=s.seed,
-        timeout=s.round_timeout,
-        min_available_nodes=s.min_available_nodes,
-    ),
+    "clustered": _clustered,
+    "smart-fedprox": _smart_fedprox,
+    "hierarchical": _hierarchical,
 }
 
 
-def secagg_settings(options: Mapping[str, Any]) -> SecAggSettings | None:
-    """The ``secagg.*`` options, or None when ``secagg.enabled`` is false."""
-    if not bool(options.get("secagg.enabled", False)):
-        return None
-    return SecAggSettings.from_options(options)
+def secagg_settings(s: Typed) -> SecAggSettings | None:
+    """The ``secagg.*`` settings, or None when ``secagg.enabled`` is false (the other
+    ``secagg.*`` keys are then not checked)."""
+    return s.part(SecAggSettings) if SecAggSettings.enabled_in(s) else None
 
 
-def distributed_dp(options: Mapping[str, Any]) -> bool:
+def distributed_dp(s: Typed) -> bool:
     """Client-side noise under secure aggregation: the distributed Skellam mechanism."""
-    return bool(options.get("secagg.enabled", False)) and options["dp.noise-site"] == "client"
+    return SecAggSettings.enabled_in(s) and s.part(DPSettings).noise_site == "client"
 
 
 def dp_mechanisms(s: StrategySettings) -> tuple[str, ...]:
     """The mechanisms a DP-FedAvg ledger charges."""
-    return ("skellam",) if distributed_dp(s.options) else ("gaussian",)
+    return ("skellam",) if distributed_dp(s) else ("gaussian",)
 
 
 def dp_sampling(s: StrategySettings) -> str:
@@ -163,9 +175,9 @@ def dp_sampling(s: StrategySettings) -> str:
     ``dp.sampling`` ("poisson", or "without-replacement" for "fixed"), or "none" around
     a strategy that selects clients by their data, and for distributed DP (the server
     that samples is the party the ε holds against): no amplification claimed."""
-    if s.strategy in DATA_DEPENDENT_SELECTION or distributed_dp(s.options):
+    if s.strategy in DATA_DEPENDENT_SELECTION or distributed_dp(s):
         return "none"
-    return "poisson" if s.options["dp.sampling"] == "poisson" else "without-replacement"
+    return "poisson" if s.part(DPSettings).sampling == "poisson" else "without-replacement"
 
 
 def dp_neighboring(s: StrategySettings) -> str | None:
@@ -174,7 +186,7 @@ def dp_neighboring(s: StrategySettings) -> str | None:
     replaced by none while it stays selectable: update 0, reports 0), since removing a
     client would also change whom the selection picks. For the unamplified Gaussian
     releases charged there it gives the same epsilon as add-or-remove-one."""
-    if s.strategy in DATA_DEPENDENT_SELECTION or distributed_dp(s.options):
+    if s.strategy in DATA_DEPENDENT_SELECTION or distributed_dp(s):
         return "zero-out"  # distributed DP: a client always sends its noise share
     return None
 
@@ -198,16 +210,16 @@ def make_ledger(
     accountant x sampling x mechanism combination dp-accounting cannot account.
     ``neighboring``: the relation, when not the one ``sampling`` implies (Laplace:
     :data:`LAPLACE_NEIGHBORING`)."""
-    o = s.options
+    dp = s.part(DPSettings)
     ledger = PrivacyLedger(
-        accountant=resolved_accountant(str(o["dp.accountant"]), sampling),
-        target_delta=float(o["dp.target-delta"]),
-        max_epsilon=float(o["dp.max-epsilon"]) or None,
+        accountant=resolved_accountant(dp.accountant, sampling),
+        target_delta=dp.target_delta,
+        max_epsilon=dp.max_epsilon or None,
         sampling=sampling,
         neighboring=neighboring,
         mechanisms=mechanisms,
     )
-    ledger.noise_from_seed = bool(o["dp.reproducible-noise"])
+    ledger.noise_from_seed = dp.reproducible_noise
     return ledger
 
 
@@ -217,47 +229,37 @@ def dp_generator(s: StrategySettings):
     return noise_generator(
         seed=s.seed,
         streams=(_SERVER_STREAM,),
-        reproducible=bool(s.options["dp.reproducible-noise"]),
+        reproducible=s.part(DPSettings).reproducible_noise,
     )
 
 
 def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:
     """What every privacy wrapper takes (:class:`strategies.mechanisms.base.PrivacyWrapper`)."""
-    return {
-        "client_metrics": bool(s.options["dp.client-metrics"]),
-        "noise_from_seed": bool(s.options["dp.reproducible-noise"]),
-    }
+    dp = s.part(DPSettings)
+    return {"client_metrics": dp.client_metrics, "noise_from_seed": dp.reproducible_noise}
 
 
 def count_stddev(s: StrategySettings) -> float | None:
     """σ_b of adaptive clipping: ``dp.clip-count-stddev``; when 0, max(m/20, z), and
     None while z is still to be calibrated (the wrapper then sets it with z)."""
-    o = s.options
-    z = float(o["dp.noise-multiplier"])
-    if float(o["dp.clip-count-stddev"]):
-        return float(o["dp.clip-count-stddev"])
-    return max(int(o["dp.num-sampled-clients"]) / 20, z) if z else None
-
-
-def _noise(s: StrategySettings, key: str) -> float | None:
-    """The noise parameter ``key`` (``dp.noise-multiplier``, ``dp.epsilon``), or None when
-    it is 0: calibrated from ``dp.target-epsilon`` once the nodes are known."""
-    return float(s.options[key]) or None
-
-
-def _target(s: StrategySettings) -> float | None:
-    return float(s.options["dp.target-epsilon"]) or None
+    dp = s.part(DPSettings)
+    z = dp.noise_multiplier
+    if dp.clip_count_stddev:
+        return dp.clip_count_stddev
+    return max(dp.num_sampled_clients / 20, z) if z else None
 
 
 def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
-    """What DP-FedAvg and subspace-dp take from the ``dp.*`` options."""
-    o = s.options
+    """What DP-FedAvg and subspace-dp take from the ``dp.*`` options (a noise parameter
+    or target of 0 is None: calibrated from ``dp.target-epsilon`` once the nodes are
+    known)."""
+    dp = s.part(DPSettings)
     return {
-        "clip_norm": float(o["dp.clip-norm"]),
-        "noise_multiplier": _noise(s, "dp.noise-multiplier"),
-        "target_epsilon": _target(s),
+        "clip_norm": dp.clip_norm,
+        "noise_multiplier": dp.noise_multiplier or None,
+        "target_epsilon": dp.target_epsilon or None,
         "planned_rounds": s.num_rounds,
-        "num_sampled_clients": int(o["dp.num-sampled-clients"]),
+        "num_sampled_clients": dp.num_sampled_clients,
         "ledger": make_ledger(s, dp_sampling(s), dp_mechanisms(s), dp_neighboring(s)),
         "rng": dp_generator(s),
         "min_available_nodes": s.min_available_nodes,
@@ -272,57 +274,57 @@ def divergence_release(s: StrategySettings) -> DivergenceRelease | None:
     """SmartFedProx's divergence report under DP-FedAvg (``smart.divergence-*``)."""
     if s.strategy != "smart-fedprox":
         return None
-    o = s.options
+    smart = s.part(SmartSettings)
     return DivergenceRelease(
-        bound=float(o["smart.divergence-clip"]),
-        noise_multiplier=float(o["smart.divergence-noise"]) or None,
+        bound=smart.divergence_clip,
+        noise_multiplier=smart.divergence_noise or None,
     )
 
 
 def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
-    o = s.options
-    kwargs = {**_dp_fedavg_kwargs(s), "noise_site": str(o["dp.noise-site"])}
+    dp = s.part(DPSettings)
+    kwargs = {**_dp_fedavg_kwargs(s), "noise_site": dp.noise_site}
     kwargs["divergence"] = divergence_release(s)
     clustered = s.strategy == "clustered"
     if not adaptive:
         return (ClusteredDPFedAvgFixed if clustered else DPFedAvgFixed)(base, **kwargs)
     return (ClusteredDPFedAvgAdaptive if clustered else DPFedAvgAdaptive)(
         base,
-        target_quantile=float(o["dp.target-quantile"]),
-        clip_lr=float(o["dp.clip-lr"]),
+        target_quantile=dp.target_quantile,
+        clip_lr=dp.clip_lr,
         count_stddev=count_stddev(s),
         **kwargs,
     )
 
 
 def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
-    o = s.options
+    sub = s.part(SubspaceSettings)
     return SubspaceDP(
         base,
-        rank=int(o["subspace.rank"]),
-        tau=float(o["subspace.tau"]),
-        trace_budget=float(o["subspace.trace-budget"]),
-        sketch_dim=int(o["subspace.sketch-dim"]),
-        pmu_every=int(o["subspace.pmu-every"]),
-        lambda_ptr=float(o["subspace.lambda-ptr"]),
-        pmu_reserve=float(o["subspace.pmu-budget-reserve"]),
-        allocation=str(o["subspace.allocation"]),
-        quantize_bits=int(o["subspace.quantize-bits"]),
+        rank=sub.rank,
+        tau=sub.tau,
+        trace_budget=sub.trace_budget,
+        sketch_dim=sub.sketch_dim,
+        pmu_every=sub.pmu_every,
+        lambda_ptr=sub.lambda_ptr,
+        pmu_reserve=sub.pmu_budget_reserve,
+        allocation=sub.allocation,
+        quantize_bits=sub.quantize_bits,
         seed=s.seed,
         **_dp_fedavg_kwargs(s),
     )
 
 
 def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
-    o = s.options
-    poisson = o["dp.sampling"] == "poisson"
+    dp = s.part(DPSettings)
+    poisson = dp.sampling == "poisson"
     return LaplaceDP(
         base,
-        sensitivity=float(o["dp.sensitivity"]),
-        epsilon=_noise(s, "dp.epsilon"),
-        target_epsilon=_target(s),
+        sensitivity=dp.sensitivity,
+        epsilon=dp.epsilon or None,
+        target_epsilon=dp.target_epsilon or None,
         planned_rounds=s.num_rounds,
-        expected_clients=int(o["dp.num-sampled-clients"]) if poisson else None,
+        expected_clients=dp.num_sampled_clients if poisson else None,
         min_available_nodes=s.min_available_nodes,
         connect_timeout=s.round_timeout,
         # Charged without amplification either way (strategies.mechanisms.laplace's docstring).
@@ -333,12 +335,12 @@ def _laplace(base: Strategy, s: StrategySettings) -> Strategy:
 
 
 def _dp_sgd(base: Strategy, s: StrategySettings) -> Strategy:
-    o = s.options
+    dp = s.part(DPSettings)
     return DPSGDClients(
         base,
-        noise_multiplier=float(o["dp.noise-multiplier"]),  # 0 with a target: calibrated
-        max_grad_norm=float(o["dp.clip-norm"]),
-        target_epsilon=float(o["dp.target-epsilon"]),
+        noise_multiplier=dp.noise_multiplier,  # 0 with a target: calibrated
+        max_grad_norm=dp.clip_norm,
+        target_epsilon=dp.target_epsilon,
         ledger=make_ledger(s, "none", mechanisms=()),
         **_wrapper_kwargs(s),
     )
@@ -346,14 +348,14 @@ def _dp_sgd(base: Strategy, s: StrategySettings) -> Strategy:
 
 def _front_loaded(mode: str) -> Callable[[Strategy, StrategySettings], Strategy]:
     def build(base: Strategy, s: StrategySettings) -> Strategy:
-        o = s.options
+        dp = s.part(DPSettings)
         cp_np = mode == "cp-np"
         return FrontLoadedDPClients(
             base,
             mode=mode,
-            clip=float(o["dp.clip-norm"]),
-            sigma=float(o["dp.noise-std"]),
-            per_example=bool(o["dp.per-example"]),
+            clip=dp.clip_norm,
+            sigma=dp.noise_std,
+            per_example=dp.per_example,
             ledger=make_ledger(
                 s, "without-replacement" if cp_np else "none", ("gaussian",) if cp_np else ()
             ),
@@ -404,10 +406,10 @@ def client_mods(privacy: str) -> tuple[Mod, ...]:
 SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptive", "subspace-dp"})
 
 
-def self_sampling(privacy: str, options: Mapping[str, Any]) -> bool:
+def self_sampling(privacy: str, s: Typed) -> bool:
     """Whether the privacy wrapper ``privacy`` samples the clients itself."""
     return privacy in SELF_SAMPLING or (
-        privacy == "laplace" and options.get("dp.sampling") == "poisson"
+        privacy == "laplace" and s.part(DPSettings).sampling == "poisson"
     )
 
 
@@ -415,19 +417,19 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
     """Build ``settings.strategy`` wrapped by the privacy strategy ``privacy``, and by
     the server optimizer when one is asked for (:mod:`strategies.algorithms.server_optimizer`)."""
     base_settings = settings
-    if self_sampling(privacy, settings.options):
+    if self_sampling(privacy, settings):
         base_settings = replace(
             settings, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1
         )
         if settings.strategy in DATA_DEPENDENT_SELECTION:  # it picks the wrapper's m
-            m = int(settings.options["dp.num-sampled-clients"])
+            m = settings.part(DPSettings).num_sampled_clients
             base_settings = replace(base_settings, train_sample_size=m)
     base = STRATEGIES[settings.strategy](base_settings)
     strategy = PRIVACY[privacy](base, settings)
-    secagg = secagg_settings(settings.options)
+    secagg = secagg_settings(settings)
     if secagg is not None:
         strategy = SecureAggregation(strategy, secagg)
-    optimizer = ServerOptimizerSettings.from_options(settings.options)
+    optimizer = settings.part(ServerOptimizerSettings)
     if optimizer.is_identity:
         return strategy
     return ServerOptimizer(strategy, optimizer)

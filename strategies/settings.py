@@ -2,8 +2,9 @@
 
 Each field is one run-config key (``PREFIX.field-name``) declared once with
 :func:`setting` (default, help, range or choices); the ServerApp derives from these
-classes the option list it validates, the ``pyproject.toml`` defaults check and the
-docs' run-config table (:mod:`server_app.config`). ``check`` refuses, with the key and
+classes the option list it validates, the ``pyproject.toml`` defaults and the docs'
+run-config table (:mod:`server_app.config`), and each part reads its own settings
+typed through :meth:`Typed.part`, never back by string. ``check`` refuses, with the key and
 the valid values, combinations the part cannot run or cannot account for.
 
 This module imports nothing of the app or of Flower (``strategies/`` never imports
@@ -12,9 +13,10 @@ This module imports nothing of the app or of Flower (``strategies/`` never impor
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 Scalar = bool | int | float | str
 
@@ -39,8 +41,32 @@ def setting(
     return field(default=default, metadata={"option": spec})
 
 
+S = TypeVar("S", bound="Settings")
+
+
+class Typed:
+    """A run's parsed options, read typed: ``part(DPSettings).clip_norm``.
+
+    Mixed into the frozen dataclasses that carry a run's ``options`` (the run-config,
+    the strategy factories' settings, the checks' choice); each part's settings object
+    is built once, on first use, and shared by every holder of the same ``parts`` and
+    ``options`` (a copy with other ``options`` builds its own)."""
+
+    options: Mapping[str, Scalar]
+    parts: dict[type, tuple[Mapping[str, Scalar], Any]]
+
+    def part(self, cls: type[S]) -> S:
+        """The settings of part ``cls``, from ``options`` (its defaults for a key the
+        options lack)."""
+        source, found = self.parts.get(cls, (None, None))
+        if source is not self.options:
+            found = cls.from_options(ChainMap(self.options, cls.defaults()))  # type: ignore[arg-type]
+            self.parts[cls] = (self.options, found)
+        return found
+
+
 @dataclass(frozen=True)
-class Choice:
+class Choice(Typed):
     """What the parts' checks see of a run: the choices, the options and the task's
     traits (``traits``: what the chosen task supports; ``tasks_with``: the tasks with
     each trait, for the error message)."""
@@ -52,6 +78,7 @@ class Choice:
     options: Mapping[str, Scalar]
     traits: frozenset[str] = frozenset()
     tasks_with: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class Settings:
@@ -72,6 +99,11 @@ class Settings:
             for f in fields(cls)  # type: ignore[arg-type]
             if "option" in f.metadata
         ]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Scalar]:
+        """Every key of this part with its declared default."""
+        return {key: default for key, default, _ in cls.specs()}
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:

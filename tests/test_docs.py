@@ -47,6 +47,26 @@ def test_gen_tables_finds_nothing_stale():
     assert _gen_tables().stale_pages() == []
 
 
+def test_pyproject_defaults_block_is_generated_from_the_declarations():
+    text = (REPO / "pyproject.toml").read_text()
+    found = re.findall(r"# BEGIN run-config[^\n]*\n(.*?)\n# END run-config", text, re.S)
+    assert found == [config.pyproject_defaults()]
+    assert found[0].splitlines()[:2] == ['task = "digits"', 'strategy = "fedavg"']
+    assert '"dp.target-delta" = 1e-05' in found[0].splitlines()
+    assert '"dp.reproducible-noise" = false' in found[0].splitlines()
+
+
+def test_a_changed_default_makes_pyproject_stale(monkeypatch):
+    gen = _gen_tables()
+    declared = config.pyproject_defaults()
+    changed = declared.replace('"fedprox.mu" = 0.1', '"fedprox.mu" = 0.2')
+    assert changed != declared
+    monkeypatch.setattr(config, "pyproject_defaults", lambda: changed)
+    assert gen.PYPROJECT in gen.stale_pages()
+    with pytest.raises(ValueError):
+        gen.replace_defaults("[tool.flwr.app.config]\nseed = 1\n", declared)
+
+
 def test_gen_tables_replaces_only_the_marked_block():
     gen = _gen_tables()
     text = "before\n<!-- BEGIN t -->\nold\n<!-- END t -->\nafter\n"

@@ -58,6 +58,7 @@ from protocol import keys
 from protocol.keys import cluster_model_key, cluster_score_key
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
 from protocol.replies import checked_metrics, metrics_of
+from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.messaging import send_and_receive
@@ -689,43 +690,40 @@ class ClusterSettings(Settings):
         """The privacy settings under which clustering stays sound."""
         if choice.strategy != "clustered":
             return
+        cluster = choice.part(ClusterSettings)
         if choice.privacy not in CLUSTERED_PRIVACY:
             raise SettingsError(
                 f"'privacy' = {choice.privacy!r} cannot protect 'strategy' = 'clustered': "
                 "valid values with clustered: " + listed(CLUSTERED_PRIVACY)
             )
-        if choice.options["cluster.update"] == "assignment" and (
-            choice.options["cluster.space"] != "weights"
-        ):
+        if cluster.update == "assignment" and cluster.space != "weights":
             raise SettingsError(
-                f"'cluster.space' = {choice.options['cluster.space']!r} has no effect with "
+                f"'cluster.space' = {cluster.space!r} has no effect with "
                 "'cluster.update' = 'assignment': no k-means runs there (each model is the "
                 "mean of its assignees' uploads); valid value: 'weights'"
             )
-        if choice.options["cluster.init"] == "distinct" and (
-            int(choice.options.get("subspace.warm-start", 0)) > 0
-        ):
+        if cluster.init == "distinct" and (int(choice.options.get("subspace.warm-start", 0)) > 0):
             raise SettingsError(
                 "'cluster.init' = 'distinct' draws models 1..K-1 afresh, which would skip "
                 f"'subspace.warm-start' = {choice.options['subspace.warm-start']}; valid "
                 "values with a warm start: 'shared'"
             )
         if choice.privacy in CENTRAL_CLUSTERED:
-            if choice.options["cluster.space"] != "weights":
+            if cluster.space != "weights":
                 raise SettingsError(
-                    f"'cluster.space' = {choice.options['cluster.space']!r} has no effect with "
+                    f"'cluster.space' = {cluster.space!r} has no effect with "
                     f"'privacy' = {choice.privacy!r}: no k-means runs there (each client's "
                     "update enters the private mean of the model it was assigned); "
                     "valid value: 'weights'"
                 )
-            if choice.options["dp.noise-site"] != "server":
+            if choice.part(DPSettings).noise_site != "server":
                 raise SettingsError(
                     f"'strategy' = 'clustered' with 'privacy' = {choice.privacy!r} needs "
                     "'dp.noise-site' = 'server': the server assigns each client a model from "
                     "its raw scores or upload, so no guarantee could hold against it"
                 )
             return
-        if choice.privacy != "none" and choice.options["cluster.assign"] == "loss":
+        if choice.privacy != "none" and cluster.assign == "loss":
             raise SettingsError(
                 "'cluster.assign' = 'loss' lets each client release which model fits its data "
                 f"best, which no mechanism protects; with 'privacy' = {choice.privacy!r} use "

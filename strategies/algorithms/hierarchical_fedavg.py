@@ -27,6 +27,7 @@ from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
 from protocol.replies import checked_metrics, is_number, metrics_of
+from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.messaging import send_and_receive
@@ -588,7 +589,7 @@ class HierSettings(Settings):
                 f"iterations; 'task' = {choice.task!r} does not; valid tasks: "
                 + listed(choice.tasks_with.get("hierarchical", ()))
             )
-        if bool(choice.options["dp.per-example"]) and choice.privacy != "cg-ng":
+        if choice.part(DPSettings).per_example and choice.privacy != "cg-ng":
             raise SettingsError(
                 f"'dp.per-example' = true applies to 'privacy' = 'cg-ng' only (got "
                 f"{choice.privacy!r}): noise added once to the final parameters (cg-np) has "

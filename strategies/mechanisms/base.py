@@ -261,9 +261,8 @@ class DPSettings(Settings):
     def check(choice: Choice) -> None:
         """Exactly one of a mechanism's noise parameter and dp.target-epsilon, a budget
         not below the target; client-side noise only with fixed-size sampling."""
-        o = choice.options
-        target = float(o["dp.target-epsilon"])
-        budget = float(o["dp.max-epsilon"])
+        o, dp = choice.options, choice.part(DPSettings)
+        target, budget = dp.target_epsilon, dp.max_epsilon
         if target and budget and budget < target:
             raise SettingsError(
                 f"'dp.max-epsilon' = {budget:g} is below 'dp.target-epsilon' = {target:g}: "
@@ -292,8 +291,8 @@ class DPSettings(Settings):
             )
         if (
             choice.privacy in ("dp-fedavg-fixed", "dp-fedavg-adaptive")
-            and o["dp.noise-site"] == "client"
-            and o["dp.sampling"] == "poisson"
+            and dp.noise_site == "client"
+            and dp.sampling == "poisson"
             and choice.strategy not in DATA_DEPENDENT_SELECTION  # it samples nothing
         ):
             raise SettingsError(

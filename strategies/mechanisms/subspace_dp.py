@@ -70,6 +70,7 @@ from privacy.subspace import (
 )
 from protocol.records import InvalidReply
 from strategies.errors import StopTraining
+from strategies.mechanisms.base import DPSettings
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from strategies.settings import Choice, Settings, SettingsError, setting
 
@@ -581,47 +582,48 @@ class SubspaceSettings(Settings):
         codes of at least 2 bits that a top-up can make Gaussian, server-side noise."""
         if choice.privacy != "subspace-dp":
             return
-        o = choice.options
-        rank, sketch = int(o["subspace.rank"]), int(o["subspace.sketch-dim"])
+        o, sub, dp = choice.options, choice.part(SubspaceSettings), choice.part(DPSettings)
+        rank, sketch = sub.rank, sub.sketch_dim
         if rank >= sketch:
             raise SettingsError(
                 f"'subspace.rank' = {rank} must be below 'subspace.sketch-dim' = {sketch} "
                 "(PMU takes the top-k eigenpairs of an s x s sketch and tests the gap to the "
                 "next)"
             )
-        for key, default in (("subspace.init", "isotropic"), ("subspace.allocation", "uniform")):
-            if o[key] != default and int(o.get("subspace.warm-start", 0)) == 0:
+        for name, default in (("init", "isotropic"), ("allocation", "uniform")):
+            key, value = SubspaceSettings.key(name), getattr(sub, name)
+            if value != default and int(o.get("subspace.warm-start", 0)) == 0:
                 raise SettingsError(
-                    f"{key!r} = {o[key]!r} needs public data: set 'subspace.warm-start' > 0 "
+                    f"{key!r} = {value!r} needs public data: set 'subspace.warm-start' > 0 "
                     "(a vision task's public split of the held-out set), or "
                     f"{key!r} = {default!r}"
                 )
-        bits = int(o["subspace.quantize-bits"])
+        bits = sub.quantize_bits
         if bits == 1:
             raise SettingsError(
                 "'subspace.quantize-bits' = 1 cannot code a coordinate of a clipped update "
                 "(the dithered codes take at least three values); valid values: 0 (off) or "
                 "2..16"
             )
-        if bits and float(o["dp.noise-multiplier"]):  # calibrated z: checked when calibrated
-            rounds, every = choice.num_rounds, int(o["subspace.pmu-every"])
+        if bits and dp.noise_multiplier:  # calibrated z: checked when calibrated
+            rounds, every = choice.num_rounds, sub.pmu_every
             z_train, _ = pmu_noise_multiplier(
-                float(o["dp.noise-multiplier"]),
-                float(o["subspace.pmu-budget-reserve"]),
+                dp.noise_multiplier,
+                sub.pmu_budget_reserve,
                 rounds,
                 pmu_rounds(rounds, every),
             )
-            clip = float(o["dp.clip-norm"])
+            clip = dp.clip_norm
             try:
                 topup_noise_multiplier(
                     z_train,
                     clip_norm=clip,
                     step=step_for_bits(clip, bits),
-                    num_clients=int(o["dp.num-sampled-clients"]),
+                    num_clients=dp.num_sampled_clients,
                 )
             except ValueError as err:
                 raise SettingsError(f"'subspace.quantize-bits' = {bits}: {err}") from None
-        if str(o["dp.noise-site"]) != "server":
+        if dp.noise_site != "server":
             raise SettingsError(
                 "'privacy' = 'subspace-dp' clips in the P-norm and adds elliptical noise on "
                 "the server (clients would need U, d x k, every round); set 'dp.noise-site' "

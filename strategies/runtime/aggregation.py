@@ -9,7 +9,7 @@ screening decoded; rationale and numbers in docs/robustness.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, ClassVar
@@ -82,7 +82,7 @@ class AggregationSettings(Settings):
     @staticmethod
     def check(choice: Choice) -> None:
         """A robust rule replaces the mean of fedavg/fedprox, without DP or SecAgg+."""
-        rule = str(choice.options.get("aggregation.rule", "mean"))
+        rule = choice.part(AggregationSettings).rule
         if rule == "mean":
             return
         if choice.strategy not in ROBUST_STRATEGIES:
@@ -254,7 +254,7 @@ def robust_arrays(
     screened: list[tuple[Message, list[np.ndarray]]],
     weights: Sequence[float],
     reference: ArrayRecord,
-    options: Mapping[str, Any],
+    settings: AggregationSettings,
 ) -> Aggregate:
     """The screened replies aggregated by ``rule`` (:data:`RULES`), in ``reference``'s
     keys and dtypes. ``mean``, ``krum`` and ``multi-krum`` average with ``weights``
@@ -269,12 +269,12 @@ def robust_arrays(
         median = [np.median(x, axis=0) for x in layers]
         return Aggregate(to_record(reference, median), everyone, {})
     if rule == "trimmed-mean":  # FedTrimmedAvg
-        beta = float(options["aggregation.trim-fraction"])
+        beta = settings.trim_fraction
         return Aggregate(to_record(reference, [trim_mean(x, beta) for x in layers]), everyone, {})
-    f = int(options["aggregation.num-byzantine"])
+    f = settings.num_byzantine
     contents = [message.content for message, _ in screened]
     if rule in ("krum", "multi-krum"):
-        k = 1 if rule == "krum" else int(options["aggregation.num-selected"]) or max(1, n - f)
+        k = 1 if rule == "krum" else settings.num_selected or max(1, n - f)
         chosen = select_multikrum(contents, num_malicious_nodes=f, num_nodes_to_select=k)
         used = sorted(_indices(contents, chosen))
         picked = [screened[i] for i in used]

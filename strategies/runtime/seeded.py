@@ -143,7 +143,7 @@ class SeededSampling(Strategy):
             # from the arrays the screening decoded
             log(INFO, "aggregate_train: Received %d results and 0 failures", len(replies))
             rule = self.aggregation.rule
-            result = robust_arrays(rule, screened, weights, reference, self._options())
+            result = robust_arrays(rule, screened, weights, reference, self.aggregation)
             left_out = [replies[i].metadata.src_node_id for i in result.left_out]
             for node, why in zip(left_out, result.left_out.values(), strict=True):
                 self.partitions.note(node, why)
@@ -169,11 +169,6 @@ class SeededSampling(Strategy):
             # round's replies are checked against.
             arrays = to_record(reference, [arrays[key].numpy() for key in reference])
         return arrays, metrics
-
-    def _options(self) -> dict[str, Any]:
-        return {
-            AggregationSettings.key(name): value for name, value in vars(self.aggregation).items()
-        }
 
     def _bounded(self, server_round: int, replies: list[Message]) -> list[float]:
         """The replies' ``num-examples``, each bounded (:func:`bounded_weights`); a

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import ChainMap
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import ClassVar
@@ -61,8 +62,9 @@ from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
 from protocol.masking import MASKED, mask, pairwise_seed, reduce, transport_dtype
+from strategies.mechanisms.base import DPSettings
 from strategies.runtime.messaging import send_and_receive
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
+from strategies.settings import Choice, Settings, SettingsError, Typed, listed, setting
 
 ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding parameters
 # The largest modulus: the largest power of two a run-config integer (64-bit signed, as
@@ -155,12 +157,18 @@ class SecAggSettings(Settings):
         low=0,
     )
 
+    @classmethod
+    def enabled_in(cls, run: Typed) -> bool:
+        """``secagg.enabled`` of a run, read without building (and so checking) the
+        other ``secagg.*`` keys, which matter only when it is true."""
+        return bool(ChainMap(run.options, cls.defaults())[cls.key("enabled")])
+
     @staticmethod
     def check(choice: Choice) -> None:
         """What secure aggregation can run with."""
-        o = choice.options
-        if not bool(o["secagg.enabled"]):
+        if not SecAggSettings.enabled_in(choice):
             return
+        o, dp = choice.options, choice.part(DPSettings)
         if choice.strategy not in SECAGG_STRATEGIES:
             raise SettingsError(
                 f"'secagg.enabled' = true gives the server only the sum of the updates; "
@@ -173,7 +181,7 @@ class SecAggSettings(Settings):
                 f"'secagg.enabled' = true is not available with 'privacy' = {choice.privacy!r}; "
                 "valid values: " + listed(SECAGG_PRIVACY)
             )
-        if choice.privacy != "none" and o["dp.sampling"] != "fixed":
+        if choice.privacy != "none" and dp.sampling != "fixed":
             raise SettingsError(
                 f"'secagg.enabled' = true with 'privacy' = {choice.privacy!r} needs 'dp.sampling' "
                 "= 'fixed': under Poisson sampling the cohort's size depends on who was sampled, "
@@ -181,7 +189,7 @@ class SecAggSettings(Settings):
                 "threshold) is abandoned, a release the subsampled Gaussian's bound does not "
                 "cover; valid value: 'fixed'"
             )
-        if choice.privacy == "dp-fedavg-adaptive" and o["dp.noise-site"] == "client":
+        if choice.privacy == "dp-fedavg-adaptive" and dp.noise_site == "client":
             raise SettingsError(
                 "'secagg.enabled' = true with 'dp.noise-site' = 'client' (distributed DP) "
                 "supports 'privacy' = 'dp-fedavg-fixed' only: adaptive clipping's count of norm "
@@ -192,13 +200,13 @@ class SecAggSettings(Settings):
             raise SettingsError(
                 "'subspace.head-only' = true is not available with 'secagg.enabled' = true"
             )
-        if int(o["audit.canaries"]):
+        if int(o["audit.canaries"]):  # server_app's key: no import of it here
             raise SettingsError(
                 "'audit.canaries' > 0 is not available with 'secagg.enabled' = true (the "
                 "audit's canaries upload crafted updates the secure sum would hide)"
             )
-        settings = SecAggSettings.from_options(o)  # its own ranges: ValueError, a SettingsError
-        cohort = int(o["dp.num-sampled-clients"]) if choice.privacy != "none" else 0
+        settings = choice.part(SecAggSettings)  # its own ranges: ValueError, a SettingsError
+        cohort = dp.num_sampled_clients if choice.privacy != "none" else 0
         if choice.privacy != "none" and cohort < 2:
             raise SettingsError(
                 f"'dp.num-sampled-clients' = {cohort} with 'secagg.enabled' = true: secure "

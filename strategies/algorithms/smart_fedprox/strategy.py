@@ -508,7 +508,7 @@ class SmartSettings(Settings):
         """The privacy settings that make the divergence reports private."""
         if choice.strategy != "smart-fedprox":
             return
-        o = choice.options
+        smart = choice.part(SmartSettings)
         if choice.privacy not in SMART_PRIVACY:
             raise SettingsError(
                 f"'privacy' = {choice.privacy!r} cannot protect 'strategy' = 'smart-fedprox': "
@@ -516,15 +516,15 @@ class SmartSettings(Settings):
                 "which only DP-SGD and the DP-FedAvg family make private; valid values with "
                 "smart-fedprox: " + listed(SMART_PRIVACY)
             )
-        reports = [k for k in ("smart.divergence-clip", "smart.divergence-noise") if o[k]]
+        reports = [n for n in ("divergence_clip", "divergence_noise") if getattr(smart, n)]
         if reports and choice.privacy not in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
-            key = reports[0]
+            key, value = SmartSettings.key(reports[0]), getattr(smart, reports[0])
             raise SettingsError(
-                f"{key!r} = {o[key]:g} sets the divergence release of DP-FedAvg; with "
+                f"{key!r} = {value:g} sets the divergence release of DP-FedAvg; with "
                 f"'privacy' = {choice.privacy!r} nothing is released that way; valid privacy "
                 "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'"
             )
-        low, high = float(o["smart.mu-min"]), float(o["smart.mu-max"])
+        low, high = smart.mu_min, smart.mu_max
         if low > high:
             raise SettingsError(
                 f"'smart.mu-min' = {low:g} must not exceed 'smart.mu-max' = {high:g}"
