@@ -21,7 +21,7 @@ on ``cpu`` and on ``cuda`` on the same machine, from the same weights and seeds:
   the other (``agg/round``, the goal of bench/privacy_cost.py: <= 5 %).
 * ``ppo``: ``LunarLanderTask.train`` of one client for ``--ppo-steps`` env steps with
   ``ppo.device`` cpu and cuda (SB3's MlpPolicy, the PPO settings of
-  experiments/lunar-fl-lands-fedavg.toml, the app's ``ppo.torch-threads``), env steps
+  studies/lunar-lands/presets/lunar-fl-lands-fedavg.toml, the app's ``ppo.torch-threads``), env steps
   per second.
 
 Reproduce on a machine with a CUDA GPU (CPU-only machines stop with a message)::
@@ -183,7 +183,7 @@ def section_epochs(
 
 def section_ppo(steps: int, gpu: str = "cuda") -> list[dict]:
     """Env steps per second of one client's local PPO on the CPU and on ``gpu``, with
-    the PPO settings of experiments/lunar-fl-lands-fedavg.toml (4 envs x 512 steps a rollout,
+    the PPO settings of studies/lunar-lands/presets/lunar-fl-lands-fedavg.toml (4 envs x 512 steps a rollout,
     batch 64, 10 epochs)."""
     config = {
         "ppo.derived-per-base": 0, "ppo.local-steps": steps, "ppo.n-envs": 4,

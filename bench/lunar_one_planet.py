@@ -9,7 +9,7 @@ exactly the local training of a federated round). After every ``ppo.local-steps`
 chunk its policy plays the central evaluation's seeded episodes of that planet.
 No Flower, no federation::
 
-    python bench/lunar_one_planet.py experiments/lunar-fl-lands-fedavg.toml --planet moon \\
+    python bench/lunar_one_planet.py studies/lunar-lands/presets/lunar-fl-lands-fedavg.toml --planet moon \\
         --steps 1572864 --seeds 0 1 --out results/lunar-one-planet
 
 One torch thread. Writes ``one_planet.csv`` (``seed, planet, env-steps, reward, se``)

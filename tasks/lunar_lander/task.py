@@ -341,7 +341,7 @@ class LunarLanderTask(Task):
             TRAIN_APPROX_KL: values.get("train/approx_kl"),
             TRAIN_LEARNING_RATE: values.get("train/learning_rate"),  # of the last update
             TRAIN_EPOCHS: epochs / rollouts if epochs is not None and rollouts else None,
-            TRAIN_SECONDS: result.learn_seconds,  # SB3's own work, for bench/ppo_throughput
+            TRAIN_SECONDS: result.learn_seconds,  # SB3's own work, against the round's wall time
         }
         # Left out rather than sent as NaN: the server rejects a reply with a non-finite
         # metric, so a round too short to end an episode would aggregate nothing.
