@@ -1,4 +1,4 @@
-"""Deployed digits rounds on loopback, four ways of running SuperNodes and ClientApps (issue 26).
+"""Deployed digits rounds on loopback, four ways of running SuperNodes and ClientApps.
 
     python bench/deployed.py --rounds 4 --subprocess-rounds 2
 

@@ -1,4 +1,4 @@
-"""Does federated PPO land, and does it beat single agents? (issue 28, seed 000)
+"""Does federated PPO land, and does it beat single agents?
 
 Runs presets x seeds through :mod:`lab.comparison`, then reads every run the same way:
 
@@ -30,7 +30,7 @@ Runs presets x seeds through :mod:`lab.comparison`, then reads every run the sam
 ::
 
     python bench/lunar_lands.py experiments/lunar-fl-lands.toml \\
-        studies/lunar-lands/presets/lunar-fl-lands-pairs-single-agent-reward-scale-target-kl.toml \\
+        studies/lunar-lands/presets/*-pairs-single-agent-reward-scale-target-kl.toml \\
         --seeds 0 1 2 --out results/lunar-lands
     python bench/lunar_lands.py --from results/lunar-lands/comparison.json \\
         --out results/lunar-lands

@@ -1,4 +1,4 @@
-"""How do the final policies' episodes end? (issue 28)
+"""How do the final policies' episodes end?
 
 A mean evaluation reward hides how it is made: LunarLander's episodes end in a crash
 (last reward −100: the body touches the ground or the lander leaves the screen), at

@@ -1,4 +1,4 @@
-"""The shared peer workload (``shared/peers/README.md``) in this app, beside
+"""The shared peer workload in this app, beside
 pfl-research's numbers measured on this machine.
 
 Workload, exactly as the peers run it: scikit-learn digits, X / 16 (``data.normalize =
@@ -46,7 +46,7 @@ from lab import comparison  # noqa: E402
 from tests.inprocess import InProcessGrid, run_config, run_server  # noqa: E402
 
 COHORT = {100: 10, 1000: 50}
-# pfl-research 0.6 on this workload (shared/peers/README.md): adaptive clipping; its
+# pfl-research 0.6 on this workload: adaptive clipping; its
 # noise calibrated for Poisson sampling although its cohorts are fixed-size.
 PFL = {
     (100, None): 0.71,

@@ -1,6 +1,6 @@
 """pfl-research on the shared peer workload, over the same seeds as ``peer_digits.py``.
 
-The peer's published accuracies (``shared/peers/README.md``) are one seed each; this
+The peer's published accuracies are one seed each; this
 runs the peer's own script (``shared/peers/pfl_digits.py --child``, unchanged, pfl's own
 settings) for several seeds so that both systems are compared as mean ± std over the
 same seeds on this machine. pfl is not a dependency of the app: install it in a

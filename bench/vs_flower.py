@@ -1,7 +1,7 @@
 """This app against bare Flower on the peer workload, on one SuperLink, interleaved.
 
 The peer is ``shared/peers/flower_digits`` (Flower 1.41's FedAvg, Message API, no
-extras). Both apps run the workload of ``shared/peers/README.md``: digits, the MLP
+extras). Both apps run the shared peer workload: digits, the MLP
 64-64-10, IID ``array_split`` partitions, local SGD lr 0.1 / batch 16 / one epoch, 30
 rounds, no federated or central evaluation; N = 100 with 10 clients per round and
 N = 1000 with 50. Our app keeps its default per-round outputs on (checkpoint,

@@ -1,4 +1,4 @@
-"""Seed 001's ``run_comparison.py`` on this app: run every preset once per seed, then
+"""The SmartFedProx study's ``run_comparison.py`` on this app: run every preset once per seed, then
 compare the experiments as mean ± std over the seeds.
 
 ::

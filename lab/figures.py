@@ -1,7 +1,7 @@
 """Paper figures over finished run directories: utility against ε, per-group fairness,
 the privacy ledger stacked by release kind, and SPI(k).
 
-Seed 004 (Subspace-DP-FL, ``/work/shared/seeds/004_faf96a1cb9f07583.txt``) claims
+Subspace-DP-FL claims
 utility-privacy trade-offs, group fairness, rigorous client-level accounting and an
 SPI(k) "Subspace Privacy Index"; these figures show each of them for any set of runs::
 

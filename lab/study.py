@@ -1,4 +1,4 @@
-"""Seed 000's study from the command line: run each preset as one `flwr run`, then draw
+"""The federated PPO study from the command line: run each preset as one `flwr run`, then draw
 the learning curves, comparisons, t-SNE / UMAP plots and the final-reward table.
 
 ::

@@ -1,6 +1,6 @@
-"""Optimal eigenvalue allocation for the metric ``P = U diag(λ) Uᵀ + τI`` (seed 004).
+"""Optimal eigenvalue allocation for the metric ``P = U diag(λ) Uᵀ + τI`` (Subspace-DP-FL).
 
-Seed 004 (``/work/shared/seeds/004_faf96a1cb9f07583.txt``, "Subspace-DP-FL") chooses
+Subspace-DP-FL chooses
 the metric by minimising the distortion ``D(P) = a·Tr(PG) + b·Tr(P⁻¹)``, G the second
 moment of the updates: the first term is the clipping bias (a larger P-norm clips more
 of the signal), the second the elliptical noise ``σ²Tr(P⁻¹)``.

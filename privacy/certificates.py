@@ -1,6 +1,6 @@
 """Attack-aware certificates of a run: μ-GDP, membership-inference bounds, SPI(k).
 
-Seed 004 (Subspace-DP-FL) lists "μ-GDP bounds for membership inference" and "SPI(k):
+Subspace-DP-FL lists "μ-GDP bounds for membership inference" and "SPI(k):
 Subspace Privacy Index for k-dimensional inversion" among its guarantees, without
 formulas. This module states and computes both, from what the ledger recorded.
 

@@ -1,4 +1,4 @@
-"""Two-phase privacy mechanisms on model updates (seed 002: DP-FedAvg).
+"""Two-phase privacy mechanisms on model updates (DP-FedAvg, McMahan et al. 2018).
 
 A model update is a list of numpy arrays; clipping and norms act on the whole update
 at once (all arrays together), as in McMahan et al. 2018, "Learning Differentially
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 ArrayList = list[np.ndarray]
 
-# Front-loaded DP for hierarchical FL (seed 003): the client modes, i.e. the ``privacy``
+# Front-loaded DP for hierarchical FL (frontloaded-dp-hfl): the client modes, i.e. the ``privacy``
 # values that run under ``strategy = hierarchical`` (tasks.frontloaded trains them,
 # strategies.frontloaded_clients asks for them and keeps their ledger).
 FRONT_LOADED_MODES = ("cg-ng", "cg-np", "cp-np")

@@ -1,8 +1,7 @@
-"""Anisotropic quantization with a Gaussian top-up (seed 004, Subspace-DP-FL).
+"""Anisotropic quantization with a Gaussian top-up (Subspace-DP-FL).
 
-Seed: ``/work/shared/seeds/004_faf96a1cb9f07583.txt`` ("Subspace-DP-FL"), whose
-``mechanisms/quantization.py`` is "anisotropic quantization + Gaussian top-up". The
-metric ``P = U diag(λ) Uᵀ + τ I`` and the mechanism it serves (clip each update to
+Subspace-DP-FL's ``mechanisms/quantization.py`` is "anisotropic quantization + Gaussian
+top-up". The metric ``P = U diag(λ) Uᵀ + τ I`` and the mechanism it serves (clip each update to
 ``‖x‖_P ≤ C``, add ``N(0, σ²C² P⁻¹)`` to the sum) are in ``privacy.subspace``.
 
 **Quantizing along the metric.** A clipped update x is whitened, ``y = P^½ x``, so

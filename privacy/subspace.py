@@ -1,4 +1,4 @@
-"""Geometry-aligned DP (seed 004, Subspace-DP-FL): P-norm clipping, elliptical noise, PMU.
+"""Geometry-aligned DP (Subspace-DP-FL): P-norm clipping, elliptical noise, PMU.
 
 The metric is ``P = U Λ Uᵀ + τ I`` with ``U`` (d×k) orthonormal, ``Λ = diag(λ)`` and
 ``τ > 0``. It is never materialised as a d×d matrix: every product with a power of

@@ -1,6 +1,6 @@
 """The run directory: config, per-round metrics, checkpoint, final model, plots.
 
-Layout (DESIGN.md)::
+Layout::
 
     <output-dir>/<YYYYmmdd-HHMMSS>-<task>-<strategy>-<privacy>/
         config.json      resolved run-config + environment (no secrets)

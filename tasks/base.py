@@ -154,7 +154,7 @@ class LocalTraining:
         Hierarchical FL (tau_1): train this many mini-batch iterations instead of the
         task's local epochs (under CG-NG / CG-NP: this many epochs of one step each).
     front_loaded : tasks.frontloaded.FrontLoadedDP, optional
-        Seed 003's client mode (CG-NG, CG-NP, CP-NP) to train under.
+        frontloaded-dp-hfl's client mode (CG-NG, CG-NP, CP-NP) to train under.
     dp_seed : int
         Seed of the randomness a DP guarantee rests on (DP-SGD's batch sampling and
         noise, CG/CP-NP noise): 63 bits of OS entropy unless given (the ClientApp gives
@@ -191,7 +191,7 @@ class Task(ABC):
     # The option holding the local epochs per round (SmartFedProx scales mu by it);
     # None: the task has no epochs (e.g. PPO's env steps), counted as 1.
     EPOCHS_KEY: ClassVar[str | None] = None
-    # Trains for LocalTraining.local_updates iterations and runs the seed-003 client
+    # Trains for LocalTraining.local_updates iterations and runs the frontloaded-dp-hfl client
     # modes (LocalTraining.front_loaded): usable under strategy = "hierarchical".
     HIERARCHICAL: ClassVar[bool] = False
 

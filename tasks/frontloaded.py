@@ -1,4 +1,4 @@
-"""Front-loaded DP client modes for hierarchical FL (seed 003): CG-NG, CG-NP, CP-NP.
+"""Front-loaded DP client modes for hierarchical FL (frontloaded-dp-hfl): CG-NG, CG-NP, CP-NP.
 
 Ratnayake, Chen & Ding (2025), "Privacy-Preserving Hierarchical Federated Learning
 with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloaded-dp-hfl).

@@ -1,7 +1,7 @@
 """The Indian personal-finance table: schema, CSV loading, synthetic twin, preprocessing.
 
 The real data is Kaggle's "Indian Personal Finance and Spending Habits" CSV (20 000
-rows, 27 columns; seed 001, section 4). It cannot be downloaded here, so
+rows, 27 columns; the SmartFedProx study, section 4). It cannot be downloaded here, so
 ``finance.data-path`` names a local copy; when it is empty a synthetic table with the
 same schema and plausible relations is generated from the run seed
 (``generate_synthetic``). Either way the table goes through the seed's

@@ -1,4 +1,4 @@
-"""The seed's regression MLP for disposable income (seed 001, section 5.1).
+"""The seed's regression MLP for disposable income (the SmartFedProx study, section 5.1).
 
 26 -> 128 -> 64 -> 32 -> 1: three Linear-norm-ReLU blocks (dropout 0.3 and 0.2 after
 the first two) and a linear output. The normalisation layer is ``norm``:

@@ -1,4 +1,4 @@
-"""The seed's three non-IID partitionings of the finance pool (seed 001, section 4.3),
+"""The SmartFedProx study's three non-IID partitionings of the finance pool (section 4.3),
 composable, disjoint and deterministic.
 
 Written by hand: flwr-datasets has no partitioner that combines key groups, an

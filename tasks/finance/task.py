@@ -1,4 +1,4 @@
-"""Disposable-income regression on the Indian personal-finance table (seed 001).
+"""Disposable-income regression on the Indian personal-finance table (the SmartFedProx study).
 
 Each client trains the seed's MLP (``tasks.finance.model``) with Adam on the MSE
 of the standardised target, plus the FedProx proximal term (Li et al., 2020) when
@@ -268,7 +268,7 @@ def regression_metrics(prediction: np.ndarray, target: np.ndarray) -> tuple[floa
 
 
 class FinanceTask(Task):
-    """Federated regression of disposable income (seed 001).
+    """Federated regression of disposable income (the SmartFedProx study).
 
     Options are ``FINANCE_OPTIONS`` (``finance.*``) plus the top-level ``seed``
     and ``privacy`` (which ``finance.norm = auto`` reads).

@@ -1,4 +1,4 @@
-"""Per-client PPO training logs: episodes and policy-weight snapshots (seed 000's
+"""Per-client PPO training logs: episodes and policy-weight snapshots (the PPO study's
 ``WeightStorageCallback`` data), one ``.npz`` per client and round.
 
 A client writes ``<dir>/<label>-round-<r>.npz`` after its local training in round

@@ -1,5 +1,5 @@
 """Local PPO (Schulman et al., 2017, "Proximal Policy Optimization Algorithms") with
-Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
+Stable-Baselines3, as the PPO study trains each client: ``PPO("MlpPolicy", ...)`` on
 ``n_envs`` copies of the client's environment, plus what federating it needs.
 
 * ``build_policy``: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy:
@@ -251,7 +251,7 @@ def proximal_gradient_hooks(module: torch.nn.Module, mu: float) -> Iterator[None
 
 
 class WeightStorageCallback(BaseCallback):
-    """Seed 000's ``WeightStorageCallback``: every finished episode and a snapshot of
+    """The PPO study's ``WeightStorageCallback``: every finished episode and a snapshot of
     the policy weights every ``check_freq`` env steps, plus the trained weights.
 
     Steps are the client's cumulative env steps: ``start_step`` (steps of earlier

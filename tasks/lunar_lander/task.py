@@ -1,4 +1,4 @@
-"""Federated PPO on LunarLander-v3 across planets (seed 000): each client is one
+"""Federated PPO on LunarLander-v3 across planets (the PPO study): each client is one
 environment (moon, earth or mars gravity, its own wind), trains SB3's PPO locally
 from the global policy and sends the policy's weights back.
 
@@ -175,7 +175,7 @@ def parameter_shapes(model: torch.nn.Module) -> list[list[Any]]:
 
 
 class LunarLanderTask(Task):
-    """PPO on LunarLander-v3, one environment per client (seed 000).
+    """PPO on LunarLander-v3, one environment per client (the PPO study).
 
     Options: ``LUNAR_OPTIONS`` (``ppo.*``) plus the top-level ``seed``, which
     also draws the derived clients' winds (``client_table``). ``self.clients``

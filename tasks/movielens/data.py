@@ -1,6 +1,6 @@
 """MovieLens-1M ratings: ``ratings.dat`` loading, a synthetic twin, the NCF splits.
 
-Seed 004 ("Subspace-DP-FL", /work/shared/seeds/004_faf96a1cb9f07583.txt) lists
+Subspace-DP-FL lists
 "MovieLens-1M Recommendations: Neural Collaborative Filtering (NCF), per-user
 personalized datasets, AUC-based evaluation". The real data is GroupLens's
 ``ratings.dat`` (lines ``UserID::MovieID::Rating::Timestamp``); it cannot be

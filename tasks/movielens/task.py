@@ -1,6 +1,6 @@
-"""MovieLens-1M recommendations with NCF, one or more users per client (seed 004).
+"""MovieLens-1M recommendations with NCF, one or more users per client (Subspace-DP-FL).
 
-Seed 004 ("Subspace-DP-FL", /work/shared/seeds/004_faf96a1cb9f07583.txt): "MovieLens-1M
+Subspace-DP-FL: "MovieLens-1M
 Recommendations: Neural Collaborative Filtering (NCF), per-user personalized datasets,
 AUC-based evaluation".
 

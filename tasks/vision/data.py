@@ -6,7 +6,7 @@ shipped with scikit-learn, so it works offline: a seeded stratified split holds 
 With a central warm start, ``split_public`` splits the held-out set once more
 into public warm-start data and the central test set.
 
-Label groups (seed 004, Subspace-DP-FL: "group fairness metrics (digits vs.
+Label groups (Subspace-DP-FL: "group fairness metrics (digits vs.
 letters)" on EMNIST): ``label_groups`` names disjoint sets of labels, EMNIST's
 ``digits`` (0-9) and ``letters`` (10-61), or ``low`` / ``high`` halves of any label
 set, the offline stand-in on digits. ``thin_labels`` keeps a seeded fraction of
@@ -371,7 +371,7 @@ def load_digits_central_test(
     return CentralTestSet(digits_tensors(normalize).subset(central))
 
 
-# --- label groups (seed 004: digits vs. letters) -------------------------------------
+# --- label groups (Subspace-DP-FL: digits vs. letters) -------------------------------------
 
 GROUPINGS = ("auto", "none", "digits-letters", "low-high")
 GROUP_KEEP_STREAM = 1  # tells the thinning generator apart from the local split's

@@ -8,7 +8,7 @@
   where the image is too small for the classic unpadded 5x5 stack.
 - ``cnn``: three conv-GroupNorm-ReLU-maxpool blocks and a two-layer head with dropout,
   the usual small CIFAR-10 network of federated-learning papers.
-- ``cnn-complex-2`` and ``cnn-complex-3``: seed 003's CIFAR-10 CNNs (frontloaded-dp-hfl
+- ``cnn-complex-2`` and ``cnn-complex-3``: frontloaded-dp-hfl's CIFAR-10 CNNs (frontloaded-dp-hfl
   ``--model cnn_complex_2`` / ``cnn_complex_3``, from HierFL, Liu et al., 2020,
   ``models/cifar_cnn_3conv_layer.py`` and ``cifar_cnn_2conv``). ``cnn-complex-2``: two
   unpadded 5x5 conv(64)-ReLU-maxpool blocks and a 200-unit hidden layer (429,538
@@ -157,7 +157,7 @@ class SmallCNN(nn.Module):
 
 
 class CifarCNN2Conv(nn.Module):
-    """Seed 003's ``cnn_complex_2``: conv5x5(64)-pool-conv5x5(64)-pool-fc(200)-fc.
+    """frontloaded-dp-hfl's ``cnn_complex_2``: conv5x5(64)-pool-conv5x5(64)-pool-fc(200)-fc.
 
     Parameters
     ----------
@@ -207,7 +207,7 @@ def conv_block(channels: tuple[int, int, int], dropout: float = 0.0) -> list[nn.
 
 
 class CifarCNN3Conv(nn.Module):
-    """Seed 003's ``cnn_complex_3``: three two-conv blocks and a 1024-512 MLP head.
+    """frontloaded-dp-hfl's ``cnn_complex_3``: three two-conv blocks and a 1024-512 MLP head.
 
     Parameters
     ----------
@@ -288,7 +288,7 @@ def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Modu
 
 class MLP(nn.Module):
     """The flattened image through one hidden ReLU layer: 64 -> 64 -> 10 on digits, the
-    model of the shared peer workload (``shared/peers/README.md``; pfl-research's and
+    model of the shared peer workload (the peer workload's description; pfl-research's and
     bare Flower's digits MLP), with PyTorch's default initialisation as theirs.
 
     Parameters

@@ -21,7 +21,7 @@ Modes (run-config ``data.partitioner``):
   the classes spread over the edges of hierarchical FL (``one_class_partition``,
   written here: flwr-datasets has no edge-aware partitioner).
 
-Seed 003 (frontloaded-dp-hfl, after HierFL) names its splits by ``--iid``; they map
+frontloaded-dp-hfl (after HierFL) names its splits by ``--iid``; they map
 to these modes as follows.
 
 - ``1`` (IID labels, equal sizes) -> ``iid``.
@@ -67,7 +67,7 @@ PARTITIONERS = (
     "iid", "dirichlet", "pathological", "linear", "square", "exponential", "one-class",
     "array-split",
 )  # fmt: skip
-# The shared peer workload's split (shared/peers/README.md), digits only: the central
+# The shared peer workload's split, digits only: the central
 # test set of scikit-learn's train_test_split(random_state=0), and the training rows in
 # that split's order permuted by numpy's default_rng(0) and cut by np.array_split.
 ARRAY_SPLIT_SEED = 0
@@ -230,7 +230,7 @@ def one_class_partition(
     edge_iid: bool,
     rng: np.random.Generator,
 ) -> list[np.ndarray]:
-    """Give every client one class; spread the classes over the edges (seed 003, -2).
+    """Give every client one class; spread the classes over the edges (frontloaded-dp-hfl, -2).
 
     The classes are shuffled with ``rng`` and dealt by ``one_class_assignment``;
     the examples of a class are shuffled with ``rng`` and split among the clients

@@ -5,7 +5,7 @@ proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``, or, w
 the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
 ``tasks.dpsgd``.
 
-As in seed 003 (frontloaded-dp-hfl, after HierFL), the learning rate can decay
+As in frontloaded-dp-hfl (after HierFL), the learning rate can decay
 exponentially with the client's cumulative local epochs (``train.lr-decay`` every
 ``train.lr-decay-epochs``; ``decayed_lr``), and ``train.deterministic`` runs local
 training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
@@ -95,7 +95,7 @@ WARM_START_ACCURACY = "warm-start-accuracy"
 
 
 def decayed_lr(lr: float, decay: float, decay_epochs: int, epochs_done: int) -> float:
-    """``lr * decay ** floor(epochs_done / decay_epochs)`` (seed 003's exponential decay).
+    """``lr * decay ** floor(epochs_done / decay_epochs)`` (frontloaded-dp-hfl's decay).
 
     ``epochs_done`` counts the client's local epochs before the current one, over all
     the rounds it trained in.
