@@ -12,8 +12,7 @@ No Flower, no federation::
     python bench/lunar_one_planet.py studies/lunar-lands/presets/lunar-fl-lands-fedavg.toml \\
         --planet moon --steps 1572864 --seeds 0 1 --out results/lunar-one-planet
 
-One torch thread. Writes ``one_planet.csv`` (``seed, planet, env-steps, reward, se``)
-into ``--out`` and prints the reward every ``--print-every`` chunks.
+Design notes: ``docs/notes.md``, ``bench.lunar_one_planet``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,7 @@ separate environment and pass its interpreter:
     python bench/peer_pfl.py --python /tmp/pflvenv/bin/python --seeds 0 1 2 \\
         --out bench/results/peer-pfl
 
-writes ``runs.csv`` (one row per run: N, epsilon, seed, noise multiplier, accuracy) and
-``results.md`` (mean ± std per (N, epsilon)). At N = 100 and epsilon 2 it passes
-``--indicator-std 3.0``, as the peer did: pfl refuses its recommended clipping-indicator
-noise there (noise multiplier 1.50 >= 1.0).
+Design notes: ``docs/notes.md``, ``bench.peer_pfl``.
 """
 
 from __future__ import annotations

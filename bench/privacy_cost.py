@@ -12,67 +12,7 @@ with h = round((d - 10) / 75), i.e. 75 h + 10 ≈ d parameters. An update is tha
 arrays as float32 numpy arrays of global L2 norm 10 C (so clipping scales it; ``clip in
 C`` times an update of norm C/2, which is only checked and copied). C = z = 1.
 
-* ``train+export`` (the reference, "train" below): one local epoch of that MLP, torch on
-  the CPU with the default thread count, SGD (lr 0.05, momentum 0.9 = the app's
-  ``train.momentum``, batch 32, cross-entropy) over 144 random examples of 64 features /
-  10 classes (one of 10 clients' share of scikit-learn digits), plus the client's export
-  ``ArrayRecord(model.state_dict())`` (``client_app/app.py``, ``_reply``); ``export``
-  times that export alone.
-* ``clip``: ``privacy.mechanisms.clip_by_l2_norm`` on one update; ``noise``: one client's
-  share, ``GaussianMechanism.noise_client`` (N(0, (zC)²/m)).
-* ``aggregate``: the app's own ``DPFedAvgFixed._private_mean`` (strategies/dp_fedavg.py),
-  called on a stand-in ``self`` with server-side noise: for each of the m = ``--clients``
-  updates ``clip`` then ``noise_client``, sum, divide by m. ``agg noise_sum once`` is the
-  other order (clip m, sum, one ``noise_sum``): not what the app does, other noise draws.
-* Ratios: ``update/train`` = (clip + noise) / train; ``agg/train`` = aggregate / train of
-  one client; ``agg/round`` = aggregate / (m · train), a round whose m clients train one
-  after the other on this machine. Goal: DP <= 5 % of a round.
-
-Section ``models``: the same DP work against the app's own vision models
-(``tasks.vision.models.build_model``, ``--models``, default lenet on digits' 1x8x8 images,
-cnn, mobilenet_v2 and resnet18 on CIFAR-10's 3x32x32, 10 classes each). The MLP above is
-a cheap reference (~11 ns per parameter for an epoch), which makes any O(d) float64
-pass look like a whole round; these are the models a run trains. For each model:
-
-* ``d``: its parameters (the arrays a client sends, ``model.state_dict()``).
-* ``step ms``: one SGD step as the app takes it, ``tasks.vision.steps.train_batch``
-  (cross-entropy, ``torch.optim.SGD`` with the app's default ``train.lr`` 0.05 and
-  ``train.momentum`` 0.9) on a batch of ``data.batch-size`` = 32 random inputs of the
-  dataset's shape, torch on the CPU with the default thread count, ``model.train()``:
-  the median of max(5, ``--repeats``) steps after 2 warm-up steps.
-* ``epoch ms`` = ``step ms`` x ``steps``, the steps of one local epoch of the default
-  experiment (10 clients, iid, ``data.test-fraction`` f = 0.2, no ``drop_last``):
-  ``steps = ceil(train / 32)``, ``train = n - round(f n)``, ``n = ceil(pool / 10)`` the
-  largest iid partition, and ``pool`` the examples partitioned: digits 1797 - ceil(c 1797)
-  = 1437 with ``data.central-test-fraction`` c = 0.2 (scikit-learn's stratified split),
-  so n = 144, train = 115, 4 steps; CIFAR-10 has its own test split (c is unused), pool =
-  50 000, n = 5000, train = 4000, 125 steps. The epoch time is EXTRAPOLATED from the
-  per-step time (data loading and the per-epoch overhead are left out), not measured.
-* ``clip ms`` / ``noise ms`` / ``aggregate m=10 ms``: as in section ``update``, on
-  float32 updates of the model's shapes (global norm 10 C).
-* ``update/epoch`` = (clip + noise) / epoch of one client; ``agg/round`` = aggregate /
-  (m x epoch), the m clients training one after the other on this machine.
-
-Table ``noise``: the app's ``gaussian_noise_like`` (numpy PCG64 ``Generator.normal``,
-float64) against numpy ``standard_normal(dtype=float32)``, ``torch.randn`` float32/64 on
-the CPU (seeded ``torch.Generator``) and on CUDA when available (generation, and with the
-copy to a host numpy array); each scaled by the std; ``x app`` = time / the app's time.
-
-Section ``ledger``: ms per round of a real ``PrivacyLedger`` (max_epsilon set, so charge
-projects the budget) for the app's calls each round: ``accounting`` = ``would_exceed``
-(configure_train) + ``charge`` + ``epsilon()`` for ``dp-epsilon`` (aggregate_train);
-``record`` = what server_app does after each round without the disk writes: ``state_dict()``
-(checkpoint) and ``summary()`` + ``state_dict()`` + ``json.dumps(indent=2)`` (ledger.json).
-Releases as ``DPFedAvgFixed.release``: Gaussian z / l2_sensitivity_factor, m of 10 m
-clients (q = 0.1). Cases: RDP without replacement (replace-one, DP-FedAvg's), RDP and PLD
-Poisson (add-or-remove-one); each with the same event every round or z·(1 + 1e-4 r) in
-round r. Windows: rounds 1-10, the 10 ending at R/2, the last 10. Round k-1 is reached by
-``load_state_dict`` of k-1 releases and one ``epsilon()`` (what round k-1 last computed,
-so the app's and dp-accounting's caches are as in a run). The fast-forward and each window
-stop after ``--ledger-budget-s`` s; ``timed`` says how many rounds the median covers.
-
-Every time is the median of ``--repeats`` runs after one warm-up call (ledger: of the
-window's rounds, after a warm-up ledger of another event); ratios use times of this run.
+Design notes: ``docs/notes.md``, ``bench.privacy_cost``.
 """
 
 from __future__ import annotations

@@ -8,13 +8,7 @@ the learning curves, comparisons, t-SNE / UMAP plots and the final-reward table.
         --out results/lunar-study
     python -m lab.study --runs standard-fl=runs/A single-agent=runs/B --out results/x
 
-Each preset (flat run-config keys, as in ``experiments/*.toml``) is one experiment,
-named after its file stem. Presets are validated before anything runs (the app's own
-config validation, merged over ``pyproject.toml``'s defaults), grouped by the number
-of SuperNodes their task needs (``Task.num_partitions()``; ``--num-supernodes`` when
-the task takes any number) and run on one :class:`LocalSimulation` per size. With
-``--runs`` the study only analyses existing run directories. The plots and tables
-are :mod:`tasks.lunar_lander.plots`; this module runs, names and saves them.
+Design notes: ``docs/notes.md``, ``lab.study``.
 """
 
 from __future__ import annotations

@@ -379,13 +379,9 @@ def compare_to_single_agent(
     """Per federated experiment and planet: does its final training reward beat the
     Single Agent experiment's?
 
-    ``strategy = 'local'`` samples clients as FedAvg does, so with equal
-    ``num-server-rounds``, ``ppo.local-steps`` and ``fraction-train`` both runs take
-    the same env steps in all, and each client the same in expectation (the sampled
-    clients themselves differ from run to run; ``planet-env-steps`` shows what they
-    took). Only then is the comparison one at equal local experience: a run that
-    differs in any of the three keys is flagged (``comparable`` False, ``differs-in``
-    says how) and warned about.
+    Only runs with equal ``num-server-rounds``, ``ppo.local-steps`` and
+    ``fraction-train`` take the same env steps (in expectation per client); a run that
+    differs in one is flagged (``comparable`` False, ``differs-in``) and warned about.
 
     Parameters
     ----------
