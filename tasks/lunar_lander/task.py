@@ -146,8 +146,8 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            "torch's intra-op threads while a client's PPO learns; 0: as many as its "
            "process has (under Ray, the ClientApp's num-cpus). One by default: a second "
            "thread speeds up SB3's small MLPs little or not at all, and spins on the core "
-           "the simulation's own processes need (bench/BENCHMARKS.md, \"One torch thread "
-           "for PPO.learn\").",
+           "the simulation's own processes need (studies/lunar-lands/README.md, "
+           "\"Throughput\").",
            low=0),
 )  # fmt: skip
 
