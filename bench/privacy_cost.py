@@ -5,7 +5,6 @@ Reproduce from the repository root (the first is the full run, the second a shor
     .venv/bin/python bench/privacy_cost.py --ledger-budget-s 60
     .venv/bin/python bench/privacy_cost.py --dims 1e4 1e5 1e6 --repeats 3 --rounds 300
     .venv/bin/python bench/privacy_cost.py --sections models --repeats 5
-    .venv/bin/python bench/privacy_cost.py --sections ledger --ledger-cases pld/poisson/same
     .venv/bin/python bench/privacy_cost.py --sections subspace --dims 1e4 1e5 1e6 1e7
 
 Section ``update``, for models of d parameters (``--dims``): an MLP 64 -> h -> 10 (ReLU)
