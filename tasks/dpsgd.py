@@ -9,23 +9,7 @@ Opacus' ``RDPAccountant``, whose history ``[(z, q, steps), ...]`` persists acros
 rounds in the client's state, so the reported epsilon covers all DP-SGD training
 the client has done in the run.
 
-The pieces are those ``opacus.PrivacyEngine.make_private`` assembles: per-example
-gradient hooks (``GradSampleHooks``, attached to the model itself, no wrapper), a
-``DPOptimizer`` and a ``DPDataLoader``, with the accountant on the optimizer's step
-hook. They are built here directly because ``make_private`` fixes the sample rate to
-``1 / len(data_loader)`` (``1 / ceil(n / B)``); here it is exactly ``B / n``, the rate
-the sampler uses and the accountant records.
-
-Data-independent gradient terms (the FedProx proximal term) must not go through the
-loss: Opacus replaces ``p.grad`` with the noisy clipped per-example sum, so a term
-that is not per-example would be dropped. They are added to ``p.grad`` after the
-noise (``public_gradient``); being a function of the parameters only, they cost no
-privacy.
-
-``train_private`` is a task's whole DP-SGD training round on these pieces: the
-noise multiplier calibrated to ``dp.target-epsilon`` (``calibrated_settings``), the
-budget check, the proximal gradient on the public path, the task's own epochs on the
-private loader and optimizer, and the accountant history and epsilon report.
+Design notes: ``docs/notes.md``, ``tasks.dpsgd``.
 """
 
 from __future__ import annotations
