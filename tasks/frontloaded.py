@@ -193,22 +193,16 @@ def train_clipped_gradients(
 
     Parameters
     ----------
-    model : nn.Module
-        On ``device``; its trainable parameters are those ``optimizer`` updates.
-    loader : iterable of (inputs, targets)
-        Re-iterated once per epoch.
+    model, loader
+        The model (on ``device``); batches of (inputs, targets), re-iterated each epoch.
     dp : FrontLoadedDP
         Mode ``cg-ng`` or ``cg-np``, C, sigma, per-example clipping.
     local_epochs : int
-        Epochs, i.e. optimizer steps.
-    optimizer : torch.optim.Optimizer
-        Over ``model``'s trainable parameters.
+        Epochs, i.e. optimizer steps (``optimizer`` over ``model``'s trainable parameters).
     loss_fn : callable
         ``loss_fn(outputs, targets)``: the batch's MEAN loss.
-    generator : torch.Generator
-        Source of all noise.
-    device : torch.device or str
-        Where batches are moved.
+    generator, device
+        The source of all noise (``torch.Generator``); where batches are moved.
     state : dict, optional
         The client's persistent state; required with ``dp.per_example`` (its
         accountant history under ``tasks.dpsgd.HISTORY_KEY`` is extended).
