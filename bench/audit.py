@@ -7,30 +7,7 @@ Every run is the real ServerApp against the real ClientApp in one process
 The expected cohort is 20 (sampling rate 0.1, as the peer workload's 10 of 100), so a
 round samples about 10 real clients and 10 canaries, about 5 of them inserted.
 
-Configurations:
-
-* ``none``: plain FedAvg, no DP (the audit's power: the bound should be near its
-  maximum for these canaries);
-* ``dp-fedavg-adaptive``: the DP preset of the peer workload (``experiments/
-  digits-dp-eps*.toml``) at the target ε;
-* ``dp-fedavg-fixed``: the preset with a fixed clip (0.5);
-* ``subspace-dp`` and ``laplace`` at the target ε (their defaults otherwise);
-* ``reproducible noise``: ``dp-fedavg-fixed`` with ``dp.reproducible-noise``, server
-  SGD at lr 1, audited as it ran and after an attacker who knows the seed regenerated
-  the server's sampling and noise draws (the same code the server runs, from the seed)
-  and subtracted the noise from the final delta: what the ledger's "no ε holds against
-  whoever knows the seed" means. At ε = 8 with 100 canaries (whose bound cannot exceed
-  1.78) and at ε = 2 with 300 (ceiling 3.16): there the audit must fail.
-
-Cost: the per-round wall time (median of rounds 2–30, ``round-seconds``) of the
-adaptive preset with and without the 100 canaries, side by side, seed by seed: in
-process, and through ``flwr run . local-simulation`` (Ray) with ``num-supernodes`` 100
-and 200.
-
-    python bench/audit.py --out bench/results/audit --seeds 0 1 2
-    python bench/audit.py --out bench/results/audit --seeds 0 1 2 --cost-only
-
-writes ``runs.csv`` (one row per run) and ``results.md`` (the tables in BENCHMARKS.md).
+Design notes: ``docs/notes.md``, ``bench.audit``.
 """
 
 from __future__ import annotations

@@ -8,15 +8,7 @@
 * ``sign-flip``: the honest update, sign-flipped and scaled x10 (global - 10 delta);
 * ``noise``: the global model plus N(0, 1) noise on every weight.
 
-Every rule (``aggregation.rule``) runs with the default weight bound
-(``aggregation.max-weight-share`` = 0.5); ``mean-unbounded`` is the mean with the bound
-off (share 1), as before the bound. Robust rules resist f = 4
-(``aggregation.num-byzantine``; trimmed-mean cuts 0.2 = 4 of 20 at each end). Central
-test accuracy after round 20. Each run is the real ServerApp against the real ClientApp
-in one process (``tests/inprocess.py``); an adversary is an honest ClientApp whose train
-reply is rewritten before the server sees it.
-
-    python bench/byzantine.py --out bench/results/byzantine
+Design notes: ``docs/notes.md``, ``bench.byzantine``.
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
-"""Deployed digits rounds on loopback, four ways of running SuperNodes and ClientApps (issue 26).
+"""Deployed digits rounds on loopback, four ways of running SuperNodes and ClientApps.
 
     python bench/deployed.py --rounds 4 --subprocess-rounds 2
 
-One SuperLink and 3 SuperNodes on 127.0.0.1, with TLS and SuperNode authentication as
-docs/deploy.md sets them up. It uses the harness of ``tests/e2e/test_deployment.py``
-(:class:`Deployment`): certificates and keys from :mod:`lab.deploy`, and the guide's own
-blocks to start the SuperLink and register the keys. One digits run is then made four
-ways, on the same SuperLink:
-
-- ``subprocess``: ``flower-supernode`` with its default ``--isolation subprocess``.
-  The SuperExec it starts launches a new ``flwr-clientapp`` per message.
-- ``process``: ``flower-supernode --isolation process`` plus a ``flower-superexec``
-  started here against its Runtime API, with Flower's default task poll of 1 s. It
-  also launches a new ``flwr-clientapp`` per message.
-- ``warm``: ``flower-supernode --isolation process`` plus ``python -m lab.superexec``,
-  which forks a preloaded process per message. The run starts once every executor has
-  logged that it is ready.
-- ``warm-poll``: the same with ``python -m lab.supernode`` in place of
-  ``flower-supernode``: Flower's SuperNode pulling again 0.5 s after a pull that
-  brought no message instead of 3 s (:mod:`lab.supernode`).
-
-The same run also goes through ``flwr run . local-simulation`` with 3 virtual
-SuperNodes. Each way starts its own SuperNodes (same keys, so same node ids) and stops
-them before the next way starts.
-
-Run config: digits, FedAvg, ``--rounds`` rounds (``--subprocess-rounds`` for the slow
-first way). Every SuperNode trains in every round (``fraction-train=1``), with no
-federated and no central evaluation. Every process it starts has ``OMP_NUM_THREADS``
-= ``--threads`` (default 1: three SuperNodes share the 2 cores, as Ray gives each
-simulated ClientApp one). For each way the benchmark reports:
-
-- round 1: ``round-seconds`` in ``metrics.csv``, from sending the round's messages to
-  the end of the round. Round 1 also carries the ``query.partition`` exchange.
-- the median warm round: rounds 2 to R.
-- the whole ``flwr run``: from the command to its exit.
-
-Every process it starts (SuperLink, SuperNodes, executors, the local SuperLink) is
-stopped by PID, and its folders are removed. Run it from a clean checkout (see
-bench/BENCHMARKS.md): ``flwr run`` packages the app's files when the benchmark starts.
+Design notes: ``docs/notes.md``, ``bench.deployed``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Each preset (``experiments/*.toml``) is fused with ``pyproject.toml``'s defaults
 ``--nodes``, and run by the app's own ServerApp loop against the real ClientApp in this
 process (``tests/inprocess.py``: one Context per node, ``--nodes`` of them). Printed per
 run: the final central accuracy, the ledger's ε and calibrated z, the seconds taken; then
-a markdown table of the means. Results: bench/BENCHMARKS.md, "Distributed DP".
+a markdown table of the means. Results: bench/BENCHMARKS.md, "What does holding ε
+against the server itself cost".
 
 Reproduce from the repository root::
 

@@ -4,7 +4,7 @@
 Each measurement is a fresh ``python`` process (what a user starts), timed from start
 to exit, with its exit status and its first line of output; the median of
 ``--repeats``, as wall time and as CPU time (what it takes on an idle core). Prints
-Markdown tables (bench/BENCHMARKS.md, "The first hour").
+Markdown tables (bench/BENCHMARKS.md, "How soon does a user learn of a mistake?").
 
     python bench/first_hour.py --repeats 3
 """

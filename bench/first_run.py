@@ -10,15 +10,7 @@ in the environment, no staging of the app):
 2. ``flwr run . local-simulation --stream`` in the checkout: the default experiment
    (digits, FedAvg, 10 virtual SuperNodes, 10 rounds, central evaluation).
 
-It prints each step's wall time, the run's first round and its median warm round
-(``metrics.csv``), and stops the SuperLink it started, by PID.
-
-    python bench/first_run.py --repeats 3
-
-``--runtime-install`` measures the old path instead: the connection written with
-``--no-start``, so that ``flwr run`` starts the SuperLink and it ``uv sync``s the app's
-dependencies into a fresh environment for the run (this downloads PyTorch into uv's
-cache the first time: several GB).
+Design notes: ``docs/notes.md``, ``bench.first_run``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,7 @@
 """The app's GPU paths, run on a GPU: do they work, do they agree with the CPU, and what
 does DP cost there.
 
-Every task with a ``*.device`` option trains through its own ``Task.train`` (the
-ClientApp's path: the task's loader, ``on_device``, the model back on the CPU on return)
-on ``cpu`` and on ``cuda`` on the same machine, from the same weights and seeds:
-
-* ``agree``: digits (LeNet, the real scikit-learn data, 2 local epochs) and finance
-  (synthetic rows; the BatchNorm MLP, LayerNorm under DP-SGD), each plain and under
-  DP-SGD (Opacus, z = 1, C = 1).
-  Reported: train loss on each device and the largest absolute difference of the
-  trained weights (float32 kernels differ between devices, so equal to a tolerance,
-  not bitwise), and DP-SGD's ``local-epsilon`` (the accountant's, device-independent:
-  it must be identical).
-* ``epochs``: one local epoch of the default experiment's largest client (4 000
-  examples of CIFAR-10's shape 3x32x32, random: CIFAR-10 itself cannot be downloaded
-  here) for the vision models, plain SGD and DP-SGD, on each device, measured through
-  ``CIFAR10Task.train`` (not extrapolated from steps); beside it the server's DP
-  aggregate of m = 10 such updates (``DPFedAvgFixed._private_mean``, numpy float64 on
-  the CPU, as the app runs it) and its share of a round whose 10 clients train one after
-  the other (``agg/round``, the goal of bench/privacy_cost.py: <= 5 %).
-* ``ppo``: ``LunarLanderTask.train`` of one client for ``--ppo-steps`` env steps with
-  ``ppo.device`` cpu and cuda (SB3's MlpPolicy, the PPO settings of
-  experiments/lunar-fl-lands-fedavg.toml, the app's ``ppo.torch-threads``), env steps
-  per second.
-
-Reproduce on a machine with a CUDA GPU (CPU-only machines stop with a message)::
-
-    python bench/gpu_paths.py --out /tmp/gpu
-    python bench/gpu_paths.py --models cnn --ppo-steps 2048   # a short check
-
-Writes ``gpu_paths.json`` (every row) under ``--out`` and prints markdown tables.
+Design notes: ``docs/notes.md``, ``bench.gpu_paths``.
 """
 
 from __future__ import annotations
@@ -183,8 +155,8 @@ def section_epochs(
 
 def section_ppo(steps: int, gpu: str = "cuda") -> list[dict]:
     """Env steps per second of one client's local PPO on the CPU and on ``gpu``, with
-    the PPO settings of experiments/lunar-fl-lands-fedavg.toml (4 envs x 512 steps a rollout,
-    batch 64, 10 epochs)."""
+    the PPO settings of the lunar-lands study's lunar-fl-lands-fedavg preset (4 envs x 512
+    steps a rollout, batch 64, 10 epochs)."""
     config = {
         "ppo.derived-per-base": 0, "ppo.local-steps": steps, "ppo.n-envs": 4,
         "ppo.n-steps": 512, "ppo.batch-size": 64, "ppo.n-epochs": 10, "ppo.check-freq": steps,

@@ -1,43 +1,6 @@
-"""Does federated PPO land, and does it beat single agents? (issue 28, seed 000)
+"""Does federated PPO land, and does it beat single agents?
 
-Runs presets x seeds through :mod:`lab.comparison`, then reads every run the same way:
-
-* **Per round, per planet**: the mean evaluation reward of the model the planet's base
-  client (``moon-00``, ``earth-00``, ``mars-00``) would use, over the run's
-  ``ppo.eval-episodes`` episodes (acting as ``ppo.eval-policy`` says), seeded per episode
-  (:meth:`~tasks.lunar_lander.LunarLanderTask.eval_seeds`, the same episodes in every
-  round and every run of one seed):
-
-  - FedAvg-like strategies: the central evaluation of the global model (``metrics.csv``);
-  - clustered FedAvg, per round: the central evaluation's best of the K cluster models
-    per planet (what the run reports; picking the best of K noisy means is biased
-    upwards). The final table instead takes, per planet, the model the strategy's own
-    L2 rule would hand the base client next (the final model nearest its last upload),
-    a choice made without looking at any evaluation;
-  - single agents (``strategy = 'local'``, no global model): each base client's own
-    policy as of the end of the round (the last weight snapshot it logged in
-    ``clients/``, carried forward through rounds it was not sampled in), evaluated
-    here on the same seeded episodes as the central evaluation.
-
-* **Env steps**: the env steps all clients took up to that round (``participation.csv``).
-* **Final table**: per experiment and planet, the final round's reward, mean over seeds
-  with a 95 % confidence interval (Student t, n - 1 degrees of freedom), plus the mean
-  per-run standard error of the episodes.
-* **Stability**: after a run first reaches 150 on a planet, the largest drop between
-  consecutive rounds (the issue's bound: 50) and its standard error.
-* **Curves**: reward against env steps, mean over seeds with the 95 % band.
-
-::
-
-    python bench/lunar_lands.py experiments/lunar-fl-lands.toml \\
-        experiments/lunar-fl-lands-pairs-single-agent-reward-scale-target-kl.toml \\
-        --seeds 0 1 2 --out results/lunar-lands
-    python bench/lunar_lands.py --from results/lunar-lands/comparison.json \\
-        --out results/lunar-lands
-
-Writes ``per_round.csv``, ``final.csv``, ``final.md``, ``stability.csv``,
-``clustered_assigned.csv`` (clustered runs) and ``learning_curves.png`` into ``--out``
-and prints the tables.
+Design notes: ``docs/notes.md``, ``bench.lunar_lands``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""How far does PPO get on one planet alone with the whole budget? (issue 28)
+"""How far does PPO get on one planet alone with the whole budget?
 
-The federated study splits seed 000's 1.6 M env steps over 9 clients on three planets.
+The federated study splits the PPO study's 1.6 M env steps over 9 clients on three planets.
 This is the other extreme, an upper bound for what one planet's base client could
 reach: one agent on one base environment (e.g. ``moon-00``) takes *every* env step,
 with a preset's PPO settings, as a client that is sampled every round and keeps its
@@ -9,11 +9,10 @@ exactly the local training of a federated round). After every ``ppo.local-steps`
 chunk its policy plays the central evaluation's seeded episodes of that planet.
 No Flower, no federation::
 
-    python bench/lunar_one_planet.py experiments/lunar-fl-lands-fedavg.toml --planet moon \\
-        --steps 1572864 --seeds 0 1 --out results/lunar-one-planet
+    python bench/lunar_one_planet.py studies/lunar-lands/presets/lunar-fl-lands-fedavg.toml \\
+        --planet moon --steps 1572864 --seeds 0 1 --out results/lunar-one-planet
 
-One torch thread. Writes ``one_planet.csv`` (``seed, planet, env-steps, reward, se``)
-into ``--out`` and prints the reward every ``--print-every`` chunks.
+Design notes: ``docs/notes.md``, ``bench.lunar_one_planet``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""How do the final policies' episodes end? (issue 28)
+"""How do the final policies' episodes end?
 
-A mean evaluation reward hides how it is made: LunarLander's episodes end in a crash
-(last reward −100: the body touches the ground or the lander leaves the screen), at
-rest (+100: it settles, anywhere), or at the 1 000-step time limit (hovering without
-settling). For each run, each planet's final policy (:func:`lunar_lands.final_policies`:
-the cluster model the L2 rule assigns its base client, the single agent's own policy,
-or the global model) plays ``--episodes`` seeded episodes of the central evaluation
-(:meth:`~tasks.lunar_lander.LunarLanderTask.eval_seeds`, whose first
-``ppo.eval-episodes`` are the run's own) on its most likely actions and on sampled
-actions, and this counts the outcomes::
-
-    python bench/lunar_outcomes.py --from results/lunar-lands/comparison.json \\
-        --episodes 100 --out results/lunar-outcomes
-    python bench/lunar_outcomes.py --runs clustered:0=runs/<run> --out results/lunar-outcomes
-
-Writes ``outcomes.csv`` (``experiment, seed, planet, policy, episodes, reward, se,
-crashed, at-rest, time-limit``; counts of episodes) and ``outcomes.md`` into ``--out``
-and prints the table, with the sums over seeds per experiment, planet and policy.
+Design notes: ``docs/notes.md``, ``bench.lunar_outcomes``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """What Flower adds to federated training on digits, per round and at start-up.
 
-For each N (virtual SuperNodes, 10 % sampled per round, at least 2) the same training
-is timed three ways, each median of ``--repeats`` runs:
-
-- ``plain``: a Python loop over the task API (no Flower, no Ray): per sampled client,
-  load its (cached) partition, load the global weights, train, export the weights;
-  then the weighted average. Its training time alone is the reference.
-- ``in-process``: the real ServerApp run loop (``server_app.app._run``) against the
-  real ClientApp, called directly in one process (``tests/inprocess.py``), every
-  message serialised to protobuf bytes and back as on the wire. It splits the round
-  into training, task set-up per message (cache look-ups, loading the weights,
-  restoring the client's state), replies (weights into an ``ArrayRecord``), client
-  state writes, serialisation, and the server's work (sampling, aggregation, metrics
-  and checkpoint files).
-- packaging: ``flwr run .`` first builds the app's FAB; Flower's builder walks every
-  file under the app directory, a ``.venv`` inside it included, before it applies
-  ``.gitignore``; ``lab.launcher`` stages the app's files first. Both are timed
-  on this checkout (same FAB).
-- ``flwr run``: ``flwr run . local-simulation`` (Ray simulation engine, default client
-  resources: one ClientApp process per core). Warm rounds are the rounds after the
-  first (``elapsed-s`` differences in metrics.csv); start-up is everything before the
-  first round starts (CLI, SuperLink, simulation process, ServerApp set-up), and the
-  first round's extra time is Ray starting the ClientApp processes (imports, first
-  data load). Peak RSS of the ServerApp's process and of each ClientApp process is
-  sampled every 0.1 s.
-
-    python bench/orchestration.py --clients 10 50 100 1000 --rounds 6 --repeats 5
-
-Run it from a clean checkout on an idle machine (see bench/BENCHMARKS.md).
+Design notes: ``docs/notes.md``, ``bench.orchestration``.
 """
 
 from __future__ import annotations

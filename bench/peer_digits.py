@@ -1,4 +1,4 @@
-"""The shared peer workload (``shared/peers/README.md``) in this app, beside
+"""The shared peer workload in this app, beside
 pfl-research's numbers measured on this machine.
 
 Workload, exactly as the peers run it: scikit-learn digits, X / 16 (``data.normalize =
@@ -9,20 +9,7 @@ training rows cut by ``np.array_split(default_rng(0).permutation(n_train), N)``
 rounds; central test accuracy after round 30. N = 100 with 10 clients per round and
 N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, client-level.
 
-Our configuration is the preset's (``experiments/digits-dp-eps8.toml`` and
-``-eps2.toml``: Poisson sampling of the expected cohort, the PLD accountant, z
-calibrated to the target epsilon over the 30 rounds, adaptive clipping, the server
-optimizer the preset names); the cohort follows N. Every run is the real ServerApp
-against the real ClientApp in one process (``tests/inprocess.py``: no Ray, the same
-code path as ``flwr run``), and its epsilon is the one its ledger prints.
-
-    python bench/peer_digits.py --out bench/results/peer-digits --seeds 0 1 2
-    python bench/peer_digits.py --out bench/results/peer-digits --curve-only
-
-writes ``results.csv`` / ``results.md`` (mean ± std over seeds per (N, epsilon)) and,
-for the privacy-utility curve (N = 100, epsilon 1, 2, 4, 8, 16), the comparison
-command's analysis of those runs (``lab.comparison``) with the curve under
-``plots/``.
+Design notes: ``docs/notes.md``, ``bench.peer_digits``.
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ from lab import comparison  # noqa: E402
 from tests.inprocess import InProcessGrid, run_config, run_server  # noqa: E402
 
 COHORT = {100: 10, 1000: 50}
-# pfl-research 0.6 on this workload (shared/peers/README.md): adaptive clipping; its
+# pfl-research 0.6 on this workload: adaptive clipping; its
 # noise calibrated for Poisson sampling although its cohorts are fixed-size.
 PFL = {
     (100, None): 0.71,

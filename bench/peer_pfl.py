@@ -1,6 +1,6 @@
 """pfl-research on the shared peer workload, over the same seeds as ``peer_digits.py``.
 
-The peer's published accuracies (``shared/peers/README.md``) are one seed each; this
+The peer's published accuracies are one seed each; this
 runs the peer's own script (``shared/peers/pfl_digits.py --child``, unchanged, pfl's own
 settings) for several seeds so that both systems are compared as mean ± std over the
 same seeds on this machine. pfl is not a dependency of the app: install it in a
@@ -10,10 +10,7 @@ separate environment and pass its interpreter:
     python bench/peer_pfl.py --python /tmp/pflvenv/bin/python --seeds 0 1 2 \\
         --out bench/results/peer-pfl
 
-writes ``runs.csv`` (one row per run: N, epsilon, seed, noise multiplier, accuracy) and
-``results.md`` (mean ± std per (N, epsilon)). At N = 100 and epsilon 2 it passes
-``--indicator-std 3.0``, as the peer did: pfl refuses its recommended clipping-indicator
-noise there (noise multiplier 1.50 >= 1.0).
+Design notes: ``docs/notes.md``, ``bench.peer_pfl``.
 """
 
 from __future__ import annotations

@@ -5,75 +5,14 @@ Reproduce from the repository root (the first is the full run, the second a shor
     .venv/bin/python bench/privacy_cost.py --ledger-budget-s 60
     .venv/bin/python bench/privacy_cost.py --dims 1e4 1e5 1e6 --repeats 3 --rounds 300
     .venv/bin/python bench/privacy_cost.py --sections models --repeats 5
-    .venv/bin/python bench/privacy_cost.py --sections ledger --ledger-cases pld/poisson/same
+    .venv/bin/python bench/privacy_cost.py --sections subspace --dims 1e4 1e5 1e6 1e7
 
 Section ``update``, for models of d parameters (``--dims``): an MLP 64 -> h -> 10 (ReLU)
 with h = round((d - 10) / 75), i.e. 75 h + 10 ≈ d parameters. An update is that model's
 arrays as float32 numpy arrays of global L2 norm 10 C (so clipping scales it; ``clip in
 C`` times an update of norm C/2, which is only checked and copied). C = z = 1.
 
-* ``train+export`` (the reference, "train" below): one local epoch of that MLP, torch on
-  the CPU with the default thread count, SGD (lr 0.05, momentum 0.9 = the app's
-  ``train.momentum``, batch 32, cross-entropy) over 144 random examples of 64 features /
-  10 classes (one of 10 clients' share of scikit-learn digits), plus the client's export
-  ``ArrayRecord(model.state_dict())`` (``client_app/app.py``, ``_reply``); ``export``
-  times that export alone.
-* ``clip``: ``privacy.mechanisms.clip_by_l2_norm`` on one update; ``noise``: one client's
-  share, ``GaussianMechanism.noise_client`` (N(0, (zC)²/m)).
-* ``aggregate``: the app's own ``DPFedAvgFixed._private_mean``
-  (strategies/mechanisms/dp_fedavg.py), called on a stand-in ``self`` with server-side
-  noise: for each of the m = ``--clients`` updates ``clip`` then ``noise_client``, sum,
-  divide by m. ``agg noise_sum once`` is the other order (clip m, sum, one
-  ``noise_sum``): not what the app does, other noise draws.
-* Ratios: ``update/train`` = (clip + noise) / train; ``agg/train`` = aggregate / train of
-  one client; ``agg/round`` = aggregate / (m · train), a round whose m clients train one
-  after the other on this machine. Goal: DP <= 5 % of a round.
-
-Section ``models``: the same DP work against the app's own vision models
-(``tasks.vision.models.build_model``, ``--models``, default lenet on digits' 1x8x8 images,
-cnn, mobilenet_v2 and resnet18 on CIFAR-10's 3x32x32, 10 classes each). The MLP above is
-a cheap reference (~11 ns per parameter for an epoch), which makes any O(d) float64
-pass look like a whole round; these are the models a run trains. For each model:
-
-* ``d``: its parameters (the arrays a client sends, ``model.state_dict()``).
-* ``step ms``: one SGD step as the app takes it, ``tasks.vision.steps.train_batch``
-  (cross-entropy, ``torch.optim.SGD`` with the app's default ``train.lr`` 0.05 and
-  ``train.momentum`` 0.9) on a batch of ``data.batch-size`` = 32 random inputs of the
-  dataset's shape, torch on the CPU with the default thread count, ``model.train()``:
-  the median of max(5, ``--repeats``) steps after 2 warm-up steps.
-* ``epoch ms`` = ``step ms`` x ``steps``, the steps of one local epoch of the default
-  experiment (10 clients, iid, ``data.test-fraction`` f = 0.2, no ``drop_last``):
-  ``steps = ceil(train / 32)``, ``train = n - round(f n)``, ``n = ceil(pool / 10)`` the
-  largest iid partition, and ``pool`` the examples partitioned: digits 1797 - ceil(c 1797)
-  = 1437 with ``data.central-test-fraction`` c = 0.2 (scikit-learn's stratified split),
-  so n = 144, train = 115, 4 steps; CIFAR-10 has its own test split (c is unused), pool =
-  50 000, n = 5000, train = 4000, 125 steps. The epoch time is EXTRAPOLATED from the
-  per-step time (data loading and the per-epoch overhead are left out), not measured.
-* ``clip ms`` / ``noise ms`` / ``aggregate m=10 ms``: as in section ``update``, on
-  float32 updates of the model's shapes (global norm 10 C).
-* ``update/epoch`` = (clip + noise) / epoch of one client; ``agg/round`` = aggregate /
-  (m x epoch), the m clients training one after the other on this machine.
-
-Table ``noise``: the app's ``gaussian_noise_like`` (numpy PCG64 ``Generator.normal``,
-float64) against numpy ``standard_normal(dtype=float32)``, ``torch.randn`` float32/64 on
-the CPU (seeded ``torch.Generator``) and on CUDA when available (generation, and with the
-copy to a host numpy array); each scaled by the std; ``x app`` = time / the app's time.
-
-Section ``ledger``: ms per round of a real ``PrivacyLedger`` (max_epsilon set, so charge
-projects the budget) for the app's calls each round: ``accounting`` = ``would_exceed``
-(configure_train) + ``charge`` + ``epsilon()`` for ``dp-epsilon`` (aggregate_train);
-``record`` = what server_app does after each round without the disk writes: ``state_dict()``
-(checkpoint) and ``summary()`` + ``state_dict()`` + ``json.dumps(indent=2)`` (ledger.json).
-Releases as ``DPFedAvgFixed.release``: Gaussian z / l2_sensitivity_factor, m of 10 m
-clients (q = 0.1). Cases: RDP without replacement (replace-one, DP-FedAvg's), RDP and PLD
-Poisson (add-or-remove-one); each with the same event every round or z·(1 + 1e-4 r) in
-round r. Windows: rounds 1-10, the 10 ending at R/2, the last 10. Round k-1 is reached by
-``load_state_dict`` of k-1 releases and one ``epsilon()`` (what round k-1 last computed,
-so the app's and dp-accounting's caches are as in a run). The fast-forward and each window
-stop after ``--ledger-budget-s`` s; ``timed`` says how many rounds the median covers.
-
-Every time is the median of ``--repeats`` runs after one warm-up call (ledger: of the
-window's rounds, after a warm-up ledger of another event); ratios use times of this run.
+Design notes: ``docs/notes.md``, ``bench.privacy_cost``.
 """
 
 from __future__ import annotations
@@ -105,6 +44,8 @@ from privacy.mechanisms import (
     gaussian_noise_like,
     make_generator,
 )
+from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
+from privacy.subspace import EllipticalGaussianMechanism, SubspaceMetric, uniform_allocation
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from tasks.vision.data import CIFAR10, DIGITS, DatasetSpec
 from tasks.vision.models import MODEL_NAMES, build_model
@@ -502,6 +443,47 @@ def rows_keys(rows: list[dict[str, object]]) -> list[str]:
     return list(dict.fromkeys(k for r in rows for k in r))
 
 
+def orthonormal_basis(dim: int, rank: int, rng: np.random.Generator) -> np.ndarray:
+    """A random d×k orthonormal basis (reduced QR, column by column in float64)."""
+    q, _ = np.linalg.qr(rng.standard_normal((dim, rank)))
+    return q
+
+
+def subspace_row(dim: int, rank: int, repeats: int) -> dict[str, float]:
+    """Isotropic against elliptical clip + noise of one update of ``dim`` values."""
+    rng = make_generator(0, dim)
+    update = [rng.standard_normal(dim).astype(np.float32) * 10.0]
+    iso = GaussianMechanism(clip_norm=1.0, noise_multiplier=1.0)
+    metric = SubspaceMetric(
+        basis=orthonormal_basis(dim, rank, rng), lam=uniform_allocation(rank, 25.0), tau=0.8
+    )
+    ell = EllipticalGaussianMechanism(metric, clip_norm=1.0, noise_multiplier=1.0)
+    row = {"d": dim, "k": rank}
+    row["iso clip ms"] = median_ms(lambda: iso.clip(update), repeats)
+    row["ell clip ms"] = median_ms(lambda: ell.clip(update), repeats)
+    row["iso noise ms"] = median_ms(lambda: iso.noise_sum(update, rng=rng), repeats)
+    row["ell noise ms"] = median_ms(lambda: ell.noise_sum(update, rng=rng), repeats)
+    iso_total = row["iso clip ms"] + row["iso noise ms"]
+    ell_total = row["ell clip ms"] + row["ell noise ms"]
+    row["ell/iso"] = ell_total / iso_total
+    row["ell ns/coord"] = ell_total * 1e6 / dim
+    row["iso ns/coord"] = iso_total * 1e6 / dim
+    return row
+
+
+def section_subspace(args: argparse.Namespace) -> None:
+    """Geometry-aligned DP (P-norm clip, N(0, z²C² P⁻¹), rank-k U) against isotropic DP
+    as d grows; the metric's QR (once per PMU adoption) is not timed. About 4 GB at
+    d = 1e7, k = 32."""
+    rows = [subspace_row(int(dim), args.rank, args.repeats) for dim in args.dims]
+    print("\n## Subspace DP against isotropic DP\n")
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " ---: |" * len(cols))
+    for row in rows:
+        print("| " + " | ".join(f"{row[c]:.3g}" for c in cols) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=float, nargs="+", default=[1e4, 1e5, 1e6, 1e7])
@@ -531,9 +513,10 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         nargs="+",
-        choices=("update", "models", "ledger"),
+        choices=("update", "models", "ledger", "subspace"),
         default=["update", "models", "ledger"],
     )
+    parser.add_argument("--rank", type=int, default=32, help="section subspace: k of U")
     args = parser.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's order warnings
     print("# Privacy cost benchmark\n\n" + machine_info("dp-accounting"))
@@ -543,6 +526,8 @@ def main() -> None:
         section_models(args)
     if "ledger" in args.sections:
         section_ledger(args)
+    if "subspace" in args.sections:
+        section_subspace(args)
 
 
 if __name__ == "__main__":

@@ -1,57 +1,13 @@
 """This app against bare Flower on the peer workload, on one SuperLink, interleaved.
 
 The peer is ``shared/peers/flower_digits`` (Flower 1.41's FedAvg, Message API, no
-extras). Both apps run the workload of ``shared/peers/README.md``: digits, the MLP
+extras). Both apps run the shared peer workload: digits, the MLP
 64-64-10, IID ``array_split`` partitions, local SGD lr 0.1 / batch 16 / one epoch, 30
 rounds, no federated or central evaluation; N = 100 with 10 clients per round and
 N = 1000 with 50. Our app keeps its default per-round outputs on (checkpoint,
 ``metrics.csv`` and participation rows, TensorBoard).
 
-One private Flower home and one local SuperLink (runtime dependency installation off,
-as for every benchmark here) serve every run. For each N, ``--pairs`` pairs run back to
-back, the order alternating (peer first in even pairs), after one warm-up run of each
-app that is not counted. Per run:
-
-- warm round: median of rounds 2–30, each round timed end to end (the peer stamps
-  each round from its ``evaluate_fn``; ours is the difference of consecutive
-  ``elapsed-s`` in ``metrics.csv``, which is written after the round's outputs); and
-  their mean, which is what the whole run adds up (rounds in Flower's engine are
-  bimodal: the median can hide a tail);
-- round 1: its own time (the peer's includes Ray starting the ClientApp processes;
-  ours does not: they start while the ServerApp asks the nodes for their partition
-  ids, which ours counts in its start-up to round 1);
-- whole run: the ``flwr run --stream`` command's wall time, start-up included;
-- peak RSS of the ServerApp's process (``flwr-simulation``, which also hosts Ray's
-  driver) and of the largest ClientApp process (Ray actor), sampled every 0.1 s.
-
-Ratios are ours / peer per pair; the table gives their median and range.
-
-Client resources: each run gets ``--federation-config "num-supernodes=N
-client-resources-num-cpus=C"`` (``--num-cpus``, default 1: the peers' own driver,
-``shared/peers/flower_digits/bench/run_bench.py``, gives each ClientApp 1 CPU, so two
-ClientApps run at once on 2 cores). Flower 1.41 replaces *all* of a connection's
-``options.*`` with what ``--federation-config`` names, so a run given only
-``num-supernodes`` falls back to Flower's default of 2 CPUs per ClientApp: one ClientApp
-at a time on this machine (``--num-cpus 2`` measures that).
-
-    python bench/vs_flower.py --clients 100 1000 --pairs 3 --out bench/results/vs-flower
-
-The scale sweep (one run each, fewer rounds, the peer where it runs)::
-
-    python bench/vs_flower.py --clients 10 100 1000 --pairs 1 --rounds 5 \\
-        --out bench/results/scale
-
-Digits' client pool holds 1 437 examples: the app refuses a larger federation at
-start-up (a client would hold no data). Past that, ``--task finance`` runs our app on
-the finance task instead (IID partitions of a synthetic table sized to give every
-client ``FINANCE_ROWS_PER_CLIENT`` rows, one local epoch, no evaluation), while the
-peer, which has only digits, runs its digits workload beside it (its
-``np.array_split`` then leaves most of its clients with empty shards)::
-
-    python bench/vs_flower.py --task finance --clients 10 100 1000 10000 --pairs 1 \
-        --rounds 5 --run-timeout 600 --out bench/results/scale-finance
-
-Run it from a clean checkout on an idle machine (bench/BENCHMARKS.md).
+Design notes: ``docs/notes.md``, ``bench.vs_flower``.
 """
 
 from __future__ import annotations

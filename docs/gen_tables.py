@@ -5,12 +5,14 @@
 
 Each table sits between two marker comments in its page, e.g.
 ``<!-- BEGIN run-config -->`` and ``<!-- END run-config -->``; only the text between
-them is replaced. The benchmark results (``bench/BENCHMARKS.md``, one long file) are
+them is replaced. The benchmark results (``bench/BENCHMARKS.md``) are
 shown on the site one page per ``## `` section: ``docs/benchmarks/<nn>-<slug>.md``, each
 including its lines of the file, and their nav entries between ``# BEGIN benchmarks``
-and ``# END benchmarks`` in ``mkdocs.yml``. The build stays static: ``mkdocs build``
-imports nothing of the app, and ``tests/test_docs.py`` checks that the committed tables
-and pages are the code's.
+and ``# END benchmarks`` in ``mkdocs.yml``, followed by one page per study
+(``docs/studies/<study>/README.md``, including ``studies/<study>/README.md``, so that the
+results' links to the studies resolve on the site as in the repository). The build
+stays static: ``mkdocs build`` imports nothing of the app, and ``tests/test_docs.py``
+checks that the committed tables and pages are the code's.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def replace_defaults(text: str, defaults: str) -> str:
 BENCHMARKS = REPO / "bench" / "BENCHMARKS.md"
 BENCHMARK_DIR = "benchmarks"  # under docs/
 MKDOCS = REPO / "mkdocs.yml"
+STUDIES = REPO / "studies"
 # Not for a page title: references to where a benchmark was asked for.
 _NOT_IN_TITLES = re.compile(r"\s*\(issue \d+\)|,?\s*seed \d{3}\b|`")
 
@@ -123,13 +126,25 @@ def benchmark_pages() -> dict[str, str]:
     return pages
 
 
+def study_pages() -> dict[str, str]:
+    """Page (relative to docs/) -> its text: one page per ``studies/<study>/README.md``."""
+    pages = {}
+    for readme in sorted(STUDIES.glob("*/README.md")):
+        source = readme.relative_to(REPO).as_posix()
+        pages[source] = f'--8<-- "{source}"\n'
+    return pages
+
+
 def benchmark_nav() -> str:
-    """The nav entries of the benchmark pages (for ``mkdocs.yml``)."""
+    """The nav entries of the benchmark and study pages (for ``mkdocs.yml``)."""
     entries = ['      - "Overview": benchmarks.md']
     for page, text in benchmark_pages().items():
         if page != "benchmarks.md":
             title = text.splitlines()[0][2:].replace('"', "'")
             entries.append(f'      - "{title}": {page}')
+    for page in study_pages():
+        title = (REPO / page).read_text().splitlines()[0].removeprefix("# ").replace('"', "'")
+        entries.append(f'      - "Study: {title}": {page}')
     return "\n".join(entries)
 
 
@@ -147,9 +162,17 @@ def generated_files() -> dict[Path, str]:
     from server_app import config
 
     files = {DOCS / page: text for page, text in benchmark_pages().items()}
+    files |= {DOCS / page: text for page, text in study_pages().items()}
     files[MKDOCS] = replace_nav(MKDOCS.read_text(), benchmark_nav())
     files[PYPROJECT] = replace_defaults(PYPROJECT.read_text(), config.pyproject_defaults())
     return files
+
+
+def _generated_pages() -> list[Path]:
+    """The generated benchmark and study pages on disk."""
+    return sorted((DOCS / BENCHMARK_DIR).glob("*.md")) + sorted(
+        (DOCS / "studies").glob("*/README.md")
+    )
 
 
 def stale_pages() -> list[Path]:
@@ -165,7 +188,7 @@ def stale_pages() -> list[Path]:
     for path, text in files.items():
         if not path.is_file() or path.read_text() != text:
             stale.append(path)
-    stale += [p for p in sorted((DOCS / BENCHMARK_DIR).glob("*.md")) if p not in files]
+    stale += [p for p in _generated_pages() if p not in files]
     return stale
 
 
@@ -186,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(new)
             print(f"rewrote {path.relative_to(REPO)} ({name})")
     files = generated_files()
-    for old in sorted((DOCS / BENCHMARK_DIR).glob("*.md")):
+    for old in _generated_pages():
         if old not in files:
             old.unlink()
             print(f"removed {old.relative_to(REPO)}")

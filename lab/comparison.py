@@ -1,4 +1,4 @@
-"""Seed 001's ``run_comparison.py`` on this app: run every preset once per seed, then
+"""The SmartFedProx study's ``run_comparison.py`` on this app: run every preset once per seed, then
 compare the experiments as mean ± std over the seeds.
 
 ::
@@ -8,14 +8,7 @@ compare the experiments as mean ± std over the seeds.
     python -m lab.comparison --runs fedavg:0=runs/A fedavg:1=runs/B ... --out x
     python -m lab.comparison --from results/finance-comparison/comparison.json --out x
 
-Each preset is one experiment, named after its file stem; each seed is one trial: a
-``flwr run`` of the preset with the run-config key ``seed`` overridden. Presets are
-validated before anything runs and run through :func:`lab.study.run_presets`
-(one :class:`LocalSimulation` per SuperNode count), every preset of the first seed
-first, so an interrupted comparison holds whole seeds. ``comparison.json`` records the
-presets, seeds and run directories (rewritten after each run), so ``--from`` redoes the
-analysis; ``--runs`` analyses finished runs. The figures are :mod:`lab.comparison_plots`;
-the results table (final and best central-evaluation metrics) is built here.
+Design notes: ``docs/notes.md``, ``lab.comparison``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures of a multi-seed strategy comparison (seed 001's ``run_comparison.py``):
+"""Figures of a multi-seed strategy comparison (the SmartFedProx study's ``run_comparison.py``):
 per-round curves as the mean over seeds with a ± std band, one line per experiment,
 and how often each client was selected.
 

@@ -12,32 +12,7 @@ connections instead, through Flower's own config API, touching no other entry::
     python -m lab.connections ray-lab --ray-address 10.0.0.5:6379 \\
         --num-supernodes 100                           # simulation on a Ray cluster
 
-``local-simulation`` is a local SuperLink running the simulation runtime with 10
-virtual SuperNodes of 1 CPU each. Unless ``--no-start`` is given, this command also
-starts that SuperLink (:func:`start_local_superlink`), with runtime dependency
-installation off, so that ``flwr run`` runs the app in this environment instead of
-``uv sync``-ing its dependencies into a new one for every run; otherwise ``flwr run``
-starts it on demand, with its shell's environment. Its simulation
-options are per-connection ``options.*``, which Flower 1.41 still honours but flags
-as deprecated; per run they can be overridden with ``flwr run . local-simulation
---federation-config "num-supernodes=20 client-resources-num-cpus=1"``. Name the CPUs
-too: Flower replaces *all* the connection's options with what ``--federation-config``
-names, and a run given only ``num-supernodes`` gets Flower's default of 2 CPUs per
-ClientApp (one ClientApp at a time on a 2-core machine).
-
-A Ray-cluster connection (``--ray-address``) is the same local-SuperLink simulation,
-whose Ray backend joins a cluster started with ``ray start``. Flower 1.41 cannot store a
-Ray address in a connection: its ``init-args`` are only ``num-cpus``, ``num-gpus``,
-``logging-level`` and ``log-to-driver`` (an ``address`` key in ``config.toml`` is
-dropped, ``--federation-config "init-args-address=..."`` is refused as an unknown
-field), and its Ray backend calls ``ray.init()`` without an address. Ray then reads
-``RAY_ADDRESS`` from the environment, which the simulation inherits from the local
-SuperLink, which inherits it from the ``flwr run`` that started it. So the connection
-carries the simulation size and client resources, and never ``init-args.num-cpus``/
-``num-gpus``: ``ray.init`` refuses them when it joins a cluster. This module starts the
-local SuperLink with that ``RAY_ADDRESS``; with ``--no-start``, or when a local SuperLink
-is already running, it prints the ``export RAY_ADDRESS=...`` to run ``flwr run`` with,
-and warns when the running one has another (or no) ``RAY_ADDRESS``.
+Design notes: ``docs/notes.md``, ``lab.connections``.
 """
 
 from __future__ import annotations

@@ -7,24 +7,7 @@ Flower's guides: "Enable TLS connections" and "Authenticate SuperNodes")::
     python -m lab.deploy certs --out certs \\
         --hosts 127.0.0.1 localhost superlink.lab.example --supernodes 3
 
-* ``ca.crt`` / ``ca.key``: a self-signed certificate authority. ``ca.crt`` is what
-  ``flower-superlink --ssl-ca-certfile``, ``flower-supernode --root-certificates`` and
-  the ``lab`` connection (``root-certificates``) are given; ``ca.key`` signs and then
-  belongs offline.
-* ``server.pem`` / ``server.key``: the SuperLink's certificate, signed by the CA, with
-  every host as a SubjectAltName (IP addresses as ``IPAddress``, names as
-  ``DNSName``). Clients check the address they dial against these names, and the
-  SuperLink's own SuperExec dials ``127.0.0.1`` when the SuperLink binds ``0.0.0.0``,
-  so keep ``127.0.0.1`` in the list.
-* ``supernode-<k>.key`` / ``supernode-<k>.pub``: one ECDSA key pair on NIST P-384 per
-  SuperNode, the private key in OpenSSH format (``flower-supernode
-  --auth-supernode-private-key`` loads it with ``load_ssh_private_key``), the public
-  key as an OpenSSH line ``ecdsa-sha2-nistp384 AAAA... supernode-<k>`` (what
-  ``flwr supernode register <public-key> <connection>`` loads), i.e. what
-  ``ssh-keygen -t ecdsa -b 384`` writes.
-
-Private keys are written with mode 0600. Existing files are left alone unless
-``--force`` (``force=True``) is given.
+Design notes: ``docs/notes.md``, ``lab.deploy``.
 """
 
 from __future__ import annotations

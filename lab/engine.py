@@ -11,10 +11,7 @@ them. Messages are not serialised: the ClientApp reads the server's records, the
 the ClientApp's (neither side writes into a record it received). The ClientApp's
 per-process caches (task, partitions, model object) then serve every client of the run.
 
-What it runs faithfully: every strategy, privacy mechanism and SecAgg+ (its stages are
-messages like any other, answered by ``secagg_mod``), a ClientApp that raises answering
-with Flower's error reply. What it does not do: time out a client (a reply is computed
-before ``send_and_receive`` returns) or lose one. See docs/engine.md.
+Design notes: ``docs/notes.md``, ``lab.engine``.
 """
 
 from __future__ import annotations

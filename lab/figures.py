@@ -1,23 +1,13 @@
 """Paper figures over finished run directories: utility against ε, per-group fairness,
 the privacy ledger stacked by release kind, and SPI(k).
 
-Seed 004 (Subspace-DP-FL, ``/work/shared/seeds/004_faf96a1cb9f07583.txt``) claims
+Subspace-DP-FL claims
 utility-privacy trade-offs, group fairness, rigorous client-level accounting and an
 SPI(k) "Subspace Privacy Index"; these figures show each of them for any set of runs::
 
     python -m lab.figures PATH [PATH ...] --out DIR [--metric eval-accuracy]
 
-A PATH is a run directory (``config.json`` + ``metrics.csv``, see
-:mod:`server_app.results`) or a directory holding some at any depth. Runs whose
-run-configs differ only in ``seed`` (and ``output-dir``) are one configuration: mean ±
-std (ddof 1) over its runs. DIR gets ``utility_vs_epsilon.png``, ``fairness.png``,
-``ledger.png``, ``spi.png`` (each skipped, with the reason printed, when no run has
-its data; drawn by :mod:`lab.figures_plots`) and ``figures.csv``.
-
-ε does not add, so the ledger bands are exact increments: with the kinds ordered
-(most releases first), band j at round r is ε(releases of kinds 1..j up to r) −
-ε(kinds 1..j−1 up to r), each from a fresh :class:`~privacy.accounting.PrivacyLedger`
-of the run's config; the top of the stack is the run's own ε.
+Design notes: ``docs/notes.md``, ``lab.figures``.
 """
 
 from __future__ import annotations

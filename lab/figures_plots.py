@@ -1,4 +1,4 @@
-"""The figures of :mod:`lab.figures` (seed 004, Subspace-DP-FL): utility against
+"""The figures of :mod:`lab.figures` (Subspace-DP-FL): utility against
 ε, per-group accuracy, the ledger stacked by release kind, SPI(k).
 
 Each function takes the numbers :mod:`lab.figures` computed (its ``figures.csv``

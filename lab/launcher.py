@@ -10,10 +10,7 @@ our ``FLWR_HOME`` and so is unique to us).
 Dependencies are not re-installed per run: ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION
 =1`` is set for the SuperLink (see the README's "Where the app's dependencies come from").
 
-Each run packages a staged copy of the app (:func:`stage_app`), not the checkout itself:
-``flwr run .`` walks every file under the app directory before it applies
-``.gitignore``, which with a virtual environment inside the checkout costs seconds per
-run (``bench/orchestration.py``).
+Design notes: ``docs/notes.md``, ``lab.launcher``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Seed 000's study from the command line: run each preset as one `flwr run`, then draw
+"""The federated PPO study from the command line: run each preset as one `flwr run`, then draw
 the learning curves, comparisons, t-SNE / UMAP plots and the final-reward table.
 
 ::
@@ -8,13 +8,7 @@ the learning curves, comparisons, t-SNE / UMAP plots and the final-reward table.
         --out results/lunar-study
     python -m lab.study --runs standard-fl=runs/A single-agent=runs/B --out results/x
 
-Each preset (flat run-config keys, as in ``experiments/*.toml``) is one experiment,
-named after its file stem. Presets are validated before anything runs (the app's own
-config validation, merged over ``pyproject.toml``'s defaults), grouped by the number
-of SuperNodes their task needs (``Task.num_partitions()``; ``--num-supernodes`` when
-the task takes any number) and run on one :class:`LocalSimulation` per size. With
-``--runs`` the study only analyses existing run directories. The plots and tables
-are :mod:`tasks.lunar_lander.plots`; this module runs, names and saves them.
+Design notes: ``docs/notes.md``, ``lab.study``.
 """
 
 from __future__ import annotations
@@ -91,6 +85,25 @@ def supernodes_needed(run_config: Mapping[str, Scalar]) -> int | None:
     return tasks.build(run_config).num_partitions()
 
 
+def study_base(path: Path) -> Path | None:
+    """The ``base.toml`` a study preset is merged over: ``studies/<study>/base.toml`` for
+    ``studies/<study>/presets/<name>.toml``; None for any other file."""
+    base = path.parent.parent / "base.toml"
+    return base if path.parent.name == "presets" and base.is_file() else None
+
+
+def read_preset(
+    path: Path, flatten: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Scalar]:
+    """A preset's flat run-config keys. A study preset (``studies/<study>/presets/*.toml``)
+    is its study's ``base.toml`` with the preset's own keys replacing the base's: TOML
+    has no inheritance, so a study keeps its shared keys once and each preset the keys
+    it varies. Any other file is read as it is."""
+    base = study_base(path)
+    shared = flatten(tomllib.loads(base.read_text())) if base else {}
+    return {**shared, **flatten(tomllib.loads(path.read_text()))}
+
+
 def load_preset(
     path: str | Path,
     defaults: Mapping[str, Scalar],
@@ -111,7 +124,7 @@ def load_preset(
 
     path = Path(path)
     try:
-        overrides = flatten_dict(tomllib.loads(path.read_text()))
+        overrides = read_preset(path, flatten_dict)
     except (OSError, tomllib.TOMLDecodeError, ValueError) as err:
         raise ConfigError(f"{path}: cannot read the preset: {err}") from None
     run_config = {**defaults, **overrides}

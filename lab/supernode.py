@@ -9,37 +9,7 @@ the ServerApp sends the round's messages, so the round waits for the last of the
 wake: with 3 SuperNodes about 2.3 s on average, half a warm digits round with the warm
 executor (:mod:`lab.superexec`; bench/BENCHMARKS.md, "Deployed rounds").
 
-This command runs ``flower-supernode`` unchanged (same options, same code, same log)
-after replacing the ``time`` module that ``start_client_internal`` sees with
-:class:`PollClock`. Its ``sleep`` waits ``--poll-interval`` seconds instead of the 3 s
-after an empty pull, and ``--reply-poll-interval`` seconds instead of the 0.5 s
-between two looks at the SuperNode's own state for a reply. Every other use of
-``time`` is the real module's. Pulls are what the SuperLink serves: an idle SuperNode
-asks every ``--poll-interval`` seconds instead of every 3 s (default 0.5 s, so 6 times
-as many requests; Flower's SuperExec polls its SuperNode every 1 s, and
-:mod:`lab.superexec` every 0.2 s).
-
-The replacement is tied to the code it replaces. Before it patches anything,
-:func:`check_flower` reads the module's source and requires Flower 1.41 and exactly
-the waits above (``time.sleep(3)`` once, ``time.sleep(0.5)`` twice); with any other
-Flower it exits with a message and changes nothing. Use ``flower-supernode`` there.
-
-It also survives a restart right after a crash. A SuperNode with an authentication
-key (``--auth-supernode-private-key``) keeps its node id; the SuperLink activates that
-node only once it is ``offline`` (``LinkState.activate_node``: registered or offline
-nodes only), and marks a node offline only ``HEARTBEAT_PATIENCE`` (2) heartbeat
-intervals (30 s) after its last heartbeat. A SuperNode restarted sooner is refused
-(ApiError 2004, HTTP 412) and Flower's SuperNode exits with code 305.
-:class:`ActivationRetry` retries the activation every ``--activation-retry-interval``
-seconds for up to ``--activation-wait`` seconds (default 75: the 60 s patience and a
-margin), with a log line; then it gives up as Flower does. 2004 also answers a key that
-was never registered (``flwr supernode register``): the SuperLink tells the two causes
-apart only in its own log, so such a SuperNode now exits after the wait instead of at
-once, naming both causes.
-
-Use it as ``flower-supernode``, with more options::
-
-    python -m lab.supernode --poll-interval 0.5 --superlink superlink.lab.example:9093 ...
+Design notes: ``docs/notes.md``, ``lab.supernode``.
 """
 
 from __future__ import annotations

@@ -165,15 +165,11 @@ class PrivacyLedger:
     sampling : {"poisson", "without-replacement", "none"}
         How the run samples clients; releases use it or "none".
     neighboring : {"add-or-remove-one", "replace-one"}, optional
-        Must match ``sampling`` (replace-one for fixed-size sampling without
-        replacement, add-or-remove-one otherwise); derived from it when omitted.
+        Must match ``sampling`` (replace-one for fixed-size sampling); derived if omitted.
     mechanisms : tuple of str
-        Mechanisms the run will release with, checked at construction ("skellam":
-        accountant "rdp", sampling "none", neighboring "zero-out" or "replace-one").
-    rdp_orders : tuple of float, optional
-        RDP orders (default ``privacy.events.RDP_ORDERS``); RDP only.
-    pld_discretization : float, optional
-        PLD value discretisation interval (default 1e-4); PLD only.
+        Mechanisms the run will release with, checked at construction.
+    rdp_orders, pld_discretization : optional
+        RDP orders (``privacy.events.RDP_ORDERS``), PLD interval (1e-4).
 
     Raises
     ------

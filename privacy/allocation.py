@@ -1,6 +1,6 @@
-"""Optimal eigenvalue allocation for the metric ``P = U diag(λ) Uᵀ + τI`` (seed 004).
+"""Optimal eigenvalue allocation for the metric ``P = U diag(λ) Uᵀ + τI`` (Subspace-DP-FL).
 
-Seed 004 (``/work/shared/seeds/004_faf96a1cb9f07583.txt``, "Subspace-DP-FL") chooses
+Subspace-DP-FL chooses
 the metric by minimising the distortion ``D(P) = a·Tr(PG) + b·Tr(P⁻¹)``, G the second
 moment of the updates: the first term is the clipping bias (a larger P-norm clips more
 of the signal), the second the elliptical noise ``σ²Tr(P⁻¹)``.
@@ -11,39 +11,7 @@ free. With ``g_i = u_iᵀ G u_i`` (``subspace_energies``),
 
     D = Σ_i [a g_i p_i + b / p_i]  +  a τ Tr(G (I − UUᵀ)) + b (d − k)/τ,
 
-and the trailing constant (the complement, where P = τ) does not depend on λ:
-``distortion`` returns the sum only. Constraints: ``P ⪰ τI`` ⇔ ``λ ≥ 0``, and the
-trace budget ``Σ_i λ_i ≤ B``. The seed writes ``Tr(P) ≤ B``; on ℝᵈ with a floor τ that
-is infeasible once ``dτ > B``, so the budget applies to ``Tr(P − τI) = Σλ``, the same
-convention as part 1's ``subspace.trace-budget`` (``privacy.subspace.uniform_allocation``).
-
-**Water-filling (the seed's Theorem 5).** The problem is separable and strictly convex
-(``b/p`` is). Its KKT conditions, with ν ≥ 0 the budget multiplier and μ_i ≥ 0 the
-floor multipliers, ``a g_i − b/p_i² + ν − μ_i = 0``, ``μ_i λ_i = 0``,
-``ν (B − Σλ) = 0``, give
-
-    p_i(ν) = max(τ, √(b / (a g_i + ν))),
-
-with ν = 0 if ``Σ(p_i(0) − τ) ≤ B`` (possible only when every ``a g_i > 0``), else the
-unique ν > 0 with ``Σ(p_i(ν) − τ) = B`` (``water_filling``). Low-energy directions
-get large eigenvalues (little noise where clipping costs little).
-
-**Group fairness (the seed's Theorem 9).** For G groups with energies ``g_{g,i}``,
-minimise ``max_g D_g(λ)`` under the same constraints (``fair_allocation``). Since D
-is linear in the energies, for weights w in the simplex the inner problem
-``min_λ Σ_g w_g D_g(λ)`` is water-filling on the pooled energies ``Σ_g w_g g_g``, and
-
-    L(w) = Σ_g w_g D_g(λ(w)),   λ(w) = water_filling(Σ_g w_g g_g),
-
-is a concave lower bound on the minimax value; by Slater's condition (λ = B/(2k) is
-strictly feasible) ``max_w L(w)`` equals it. Because ``b > 0`` the inner minimiser is
-unique, so L is differentiable with ``∂L/∂w_g = D_g(λ(w))`` (Danskin) and the primal
-optimum is ``λ(w*)`` itself: no mixing is needed at the optimum. For G = 2,
-``L'(t) = D_1 − D_2`` along ``w = (t, 1 − t)`` is monotone and its root is found to
-machine precision. For G > 2, SLSQP maximises L over the simplex; as L is flat at its
-maximum that pins w only to about √ftol, so λ(w*) is then polished by an epigraph
-SLSQP solve (``min t`` s.t. ``t ≥ D_g(λ)``) warm-started there. The returned gap
-``max_g D_g(λ) − L(w*) ≥ 0`` certifies the answer (weak duality).
+Design notes: ``docs/notes.md``, ``privacy.allocation``.
 """
 
 from __future__ import annotations

@@ -6,53 +6,7 @@ pipeline *as it ran* (sampling, clipping, noise, aggregation, server optimizer) 
 what it released, so that a bug or a broken assumption shows as an audit above the
 accountant's ε.
 
-**Canaries** (Andrew, Kairouz, Oh, Oprea, McMahan & Suriyakumar, "One-shot Empirical
-Privacy Estimation for Federated Learning", ICLR 2024). ``k`` canary clients take part
-in the federation like any client. Canary ``j`` owns a direction ``c_j``, uniform on the
-unit sphere of the model's floating-point parameters, drawn from the run seed and ``j``
-only (``canary_direction``): independent of any data and of the DP noise (OS
-entropy). An independent fair coin ``S_j`` (``inclusion``) decides whether canary
-``j`` is *inserted*: whenever the strategy samples it (and, with ``audit.canary-rate``
-< 1, a further per-round coin says so) it uploads ``c_j`` scaled to at least the
-mechanism's clip bound (``canary_norm``), which clipping brings to exactly the
-bound; a *held-out* canary is sampled alike and uploads the zero update, which adds
-nothing to any released sum (under the adaptive clip its norm bit differs, as a real
-client's may). In-versus-out of one canary is therefore a pair of neighbouring inputs
-of the client-level guarantee.
-
-**Scores.** From the released global models only, the auditor computes the final
-model delta ``Δ = θ_T − θ_0`` and each canary's cosine ``ρ_j = <c_j, Δ> / ‖Δ‖``. A
-held-out canary's cosine is that of a random direction, about N(0, 1/d).
-
-**ε estimate** (after Andrew et al.): Gaussians are fitted to the inserted and to the
-held-out cosines, and the estimate is the ε at ``δ`` of that pair of Gaussians
-(``gaussian_pair_epsilon``, exact through normal CDFs, both orders). With a
-common (pooled) variance (``estimate_epsilon``) this is μ-Gaussian DP with μ the
-gap of the means in units of σ: the shape of the Gaussian mechanism the paper
-analyses (equal variances), and our reading of its estimator (the paper's full text
-was not at hand offline when this was written). With each group's own variance
-(``estimate_epsilon_two_variances``, also reported) the privacy loss of two
-Gaussians grows without bound in the tails, and with tens of canaries a chance
-variance ratio dominates: measured on digits with 10 + 10 canaries, 7.5 at an
-accountant ε of 3.9, from cosines no test separates. It is an estimate, not a bound:
-the benchmark reports its spread over seeds.
-
-**Lower bound** (Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training
-Run", NeurIPS 2023). The auditor guesses "inserted" for the ``r`` canaries with the
-highest scores and abstains on the rest; with ``v`` correct guesses, an
-(ε, δ)-DP mechanism makes ``v`` or more correct guesses with probability at most
-``one_run_p_value`` (their Theorem 5.2: the Binomial(r, e^ε/(1+e^ε)) tail plus
-their δ term). The bound is the largest ε that this rejects at ``1 − confidence``,
-Bonferroni-corrected over the guess counts tried (``GUESS_COUNTS`` up to ``k``),
-so it is below the true ε with probability at least ``confidence``. With ``k``
-canaries no bound exceeds ``largest_lower_bound`` (every inserted canary ranked
-first: about 1.8 at k = 100, 2.5 at k = 200), so a small ``k`` cannot falsify a large
-ε: the bound detects bugs, it does not certify.
-
-Written by hand: dp-accounting has no auditing; Google's ``jax_privacy.auditing``
-implements both methods but needs JAX (hundreds of MB for a few CDF evaluations). The
-tests check the formulas against dp-accounting's Gaussian mechanism and by
-simulation.
+Design notes: ``docs/notes.md``, ``privacy.audit``.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ Examples
 clipped updates / clip norm C. Under fixed-size sampling (replace-one) one client moves
 the sum by 2C, so the release is accounted with z/2 (``accounted_noise_multiplier``).
 
-Prints one JSON object. A combination dp-accounting cannot account, or an unreachable
-target, is reported on stderr with exit code 2.
+Design notes: ``docs/notes.md``, ``privacy.budget``.
 """
 
 from __future__ import annotations

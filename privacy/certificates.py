@@ -1,42 +1,10 @@
 """Attack-aware certificates of a run: μ-GDP, membership-inference bounds, SPI(k).
 
-Seed 004 (Subspace-DP-FL) lists "μ-GDP bounds for membership inference" and "SPI(k):
+Subspace-DP-FL lists "μ-GDP bounds for membership inference" and "SPI(k):
 Subspace Privacy Index for k-dimensional inversion" among its guarantees, without
 formulas. This module states and computes both, from what the ledger recorded.
 
-μ-GDP (Dong, Roth, Su 2022, "Gaussian differential privacy")
-    A Gaussian release with noise multiplier z (noise std over the L2 sensitivity of the
-    ledger's neighbouring relation) is exactly (1/z)-GDP, and μ-GDP mechanisms compose
-    to ``μ = √(Σ μ_i²)``. Sampling a subset of clients first can only help (the sampled
-    mechanism's trade-off function is ``≥`` the unsampled one's, for Poisson sampling and
-    for fixed-size sampling under replace-one), so ``μ = √(Σ count_i / z_i²)`` over the
-    ledger's Gaussian releases is a SOUND, amplification-free bound
-    (``gdp_mu_unamplified``). With a Laplace or unaccounted release no μ is given.
-    The central-limit μ of Bu et al. (2020) for subsampled runs is tighter but only an
-    asymptotic approximation, so it is not reported.
-
-Membership inference
-    Any test of "was client X in the run?" with false-positive rate α has true-positive
-    rate ``TPR <= Φ(Φ⁻¹(α) + μ)`` under μ-GDP (``tpr_bound_gdp``), and
-    ``TPR <= min(e^ε α + δ, 1 − e^{−ε}(1 − δ − α))`` under (ε, δ)-DP for every pair on the
-    ledger's curve δ(ε) (Kairouz et al. 2015; ``tpr_bound_dp``), which includes the
-    sampling amplification. Each pair is a valid bound, so the minimum over a finite grid
-    of ε is sound. The reported bound is the smaller of the two.
-
-SPI(k), the Subspace Privacy Index (our definition; the seed names it only)
-    An attacker inverting one client's update restricted to a k-dimensional subspace V
-    from one release sees, in V, the client's clipped update plus the mechanism's noise
-    ``N(0, σ²C² P⁻¹)`` (isotropic DP: P = I). The noise energy there is
-    ``σ²C² Tr(VᵀP⁻¹V)``, and the largest signal energy a clipped update (``‖g‖_P <= C``)
-    can put in V is ``C² λ_max(VᵀP⁻¹V)``. SPI(k) is the smallest noise-to-signal ratio
-    over all k-dimensional V, i.e. the relative error floor (Cramér–Rao, unbiased
-    estimators, the other clients known) of the most exposed k-dimensional inversion:
-    by Cauchy interlacing it is ``σ² (1 + p_min Σ_{i<k} 1/p_(i))``, with p_(1) >= p_(2) >= …
-    the eigenvalues of P and p_min the smallest, attained by V = the top k − 1 eigenvectors
-    plus the bottom one (``spi``). Isotropic noise gives ``kσ²``; an elliptical metric
-    lowers it (more signal-to-noise along P's large directions), which is the price of
-    aligning the noise. Higher is more private. It is a per-release index, not a DP
-    guarantee, and is labelled so wherever it is printed.
+Design notes: ``docs/notes.md``, ``privacy.certificates``.
 """
 
 from __future__ import annotations

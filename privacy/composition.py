@@ -7,25 +7,7 @@ milliseconds, whereas composing round by round costs a PLD construction and a
 convolution per round. The result depends only on the groups, in first-charge order,
 so replaying a saved ledger gives a bit-identical ε.
 
-RDP: dp-accounting's ``RdpAccountant`` recomputes an event's RDP curve on every
-``compose`` (0.1–0.6 s for sampling without replacement), and a ledger charged every
-round would recompute it every round. We therefore memoise each event's curve, taken
-from a fresh ``RdpAccountant`` (``compose(event).rdp``), and add the curves as that
-accountant does (``rdp += count * curve``, Mironov 2017, Prop. 1), so the total equals
-bit for bit an ``RdpAccountant`` composing the same groups in the same order. ε and δ
-then come from dp-accounting's own conversions (``compute_epsilon``/``compute_delta``).
-The Skellam event, which dp-accounting's accountants do not know, has its curve from
-``privacy.skellam.skellam_rdp`` and is added in the same way.
-
-PLD: likewise, ``PLDAccountant.compose(event, count)`` rebuilds the event's PLD (0.3-0.4 s
-for a Poisson-subsampled Gaussian at the default discretisation) on every composition,
-and the ledger composes its groups afresh whenever a count changes, i.e. every round. We
-memoise each event's PLD (``event_pld``) and compose the groups as that accountant
-does (``_group_plds``, which mirrors ``PLDAccountant._maybe_compose``): from
-``identity()``, ``pld = pld.compose(event_pld.self_compose(count))`` in group order, so ε
-and δ equal bit for bit a ``PLDAccountant`` composing the same groups. Events that
-function does not mirror (or that PLD does not support) go through a fresh
-``PLDAccountant``, as before.
+Design notes: ``docs/notes.md``, ``privacy.composition``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Private releases and the dp-accounting events that describe them.
 
-A ``Release`` is what the ledger records: one private release (or ``count``
-identical ones) of a Gaussian, Laplace or distributed Skellam mechanism, possibly on a
-sampled subset of the client population. ``to_dp_event`` turns it into the
-``DpEvent`` that dp-accounting composes (google/differential-privacy, ``dp_accounting``):
-
-* ``GaussianDpEvent(z)`` with z = noise std / L2 sensitivity;
-* ``LaplaceDpEvent(1/ε)``: dp-accounting's Laplace parameter is scale/sensitivity,
-  the inverse of the pure ε of one release;
-* ``SkellamDpEvent(Δ2, Δ1, μ)`` (``privacy.skellam_accounting``): one client's integer L2/L1
-  bounds times the relation's factor, and the variance of the summed Skellam shares;
-  only unsampled, under zero-out or replace-one, and with the RDP accountant (the
-  client's noise share must be in both neighbouring sums; dp-accounting's accountants
-  do not know the event, the ledger composes its RDP curve, ``privacy.composition``);
-* ``PoissonSampledDpEvent(q = sample_size/population, ·)`` for Poisson sampling,
-  ``SampledWithoutReplacementDpEvent(population, sample_size, ·)`` for fixed-size
-  sampling, nothing when no amplification is claimed;
-* ``SelfComposedDpEvent(·, count)`` for ``count > 1``.
-
-Sampling fixes the neighbouring relation: Poisson sampling (and no sampling) is
-analysed for adding or removing one client, fixed-size sampling without replacement
-for replacing one (Wang, Balle, Kasiviswanathan 2019; dp-accounting supports it only
-under ``REPLACE_ONE``). Under replace-one the sensitivity of a sum of norm-bounded
-updates doubles: see ``l2_sensitivity_factor``.
+Design notes: ``docs/notes.md``, ``privacy.events``.
 """
 
 from __future__ import annotations

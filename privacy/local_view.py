@@ -8,21 +8,7 @@ knows whom it asked: no amplification by sampling holds against it. Against the 
 each client's ε is then the composition of the releases of the rounds it was asked to
 train in (the local threat model), counted when the message is sent, answered or not.
 
-``LocalViewLedger`` keeps those per-client counts and reports the worst client's ε
-and a bound on every client's (below), exact for Gaussian uploads (unsampled Gaussians
-compose into one Gaussian), the run's accountant otherwise. Releases are grouped by mechanism (a
-``Release`` with its round, note and sample sizes blanked), so a
-client's history is a vector of counts; clients with the same counts share one ε
-computation, and with one mechanism the worst client is simply the one asked most often.
-``charge_all`` adds a release to every client, present and future: a resumed run charges
-the round that was under way when the server stopped (its sample is lost with the
-process, and any client may have sent an upload).
-
-Who was sampled is secret whenever the run's central ε claims amplification by
-sampling, so nothing published may depend on it: ``bound`` is the ε of a client
-asked in every round charged so far (a function of the rounds run, the same whoever was
-sampled), and the budget (``would_exceed``) is checked against it. ``worst``,
-the ε of the client actually asked most, is for the curator only.
+Design notes: ``docs/notes.md``, ``privacy.local_view``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Two-phase privacy mechanisms on model updates (seed 002: DP-FedAvg).
+"""Two-phase privacy mechanisms on model updates (DP-FedAvg, McMahan et al. 2018).
 
 A model update is a list of numpy arrays; clipping and norms act on the whole update
 at once (all arrays together), as in McMahan et al. 2018, "Learning Differentially
@@ -8,32 +8,7 @@ what is released. The same ``GaussianMechanism`` serves server-side noising
 (N(0, (zC)²) once on the sum) and client-side noising (each of m clients adds
 N(0, (zC)²/m), so the sum carries the same N(0, (zC)²)).
 
-Clipping guarantees its bound in floating point: the norm of the returned arrays, as
-computed by ``global_l2_norm`` / ``global_l1_norm`` (and by a plain float64
-sum), never exceeds the clip norm, also after casting back to float32. Non-finite
-input raises ``NonFiniteUpdateError`` instead of producing garbage.
-
-Integer arrays (e.g. BatchNorm's ``num_batches_tracked``, a count of local steps)
-are not released: clipping returns them as zero deltas (the receiver keeps its own,
-public value) and adds nothing of them to the norm, and noise leaves them as they are.
-The ε then covers every array released, and a counter that grows with a client's data
-never reaches the server (docs/privacy.md, "Integer arrays").
-
-Randomness always comes from an explicit ``numpy.random.Generator``
-(``make_generator``, ``secure_generator``, ``noise_generator``); the noise a
-guarantee relies on is secret (OS entropy) unless the run opts into reproducible noise.
-
-Floating point. Noise is drawn and added in float64 (``numpy``'s Gaussian and Laplace
-samplers) and the sum is cast back to the update's dtype. A textbook floating-point
-Laplace or Gaussian sampler leaks through the gaps of the representable values
-(Mironov 2012, "On significance of the least significant bits for differential
-privacy"; Jin et al. 2022, "Are we there yet? Timing and floating-point attacks on
-differential privacy systems"): an attacker who sees the noisy float64 value of a
-single scalar can sometimes tell which of two inputs produced it. This module does not
-implement the snapping mechanism or a discrete Gaussian; the released values here are
-float32/float64 model weights after further arithmetic (summation, averaging, the
-model update), which blurs but does not provably remove that leak. The formal ε is for
-the idealised real-valued mechanism; see README, "Privacy".
+Design notes: ``docs/notes.md``, ``privacy.mechanisms``.
 """
 
 from __future__ import annotations
@@ -51,7 +26,7 @@ if TYPE_CHECKING:
 
 ArrayList = list[np.ndarray]
 
-# Front-loaded DP for hierarchical FL (seed 003): the client modes, i.e. the ``privacy``
+# Front-loaded DP for hierarchical FL (frontloaded-dp-hfl): the client modes, i.e. the ``privacy``
 # values that run under ``strategy = hierarchical`` (tasks.frontloaded trains them,
 # strategies.mechanisms.frontloaded_clients asks for them and keeps their ledger).
 FRONT_LOADED_MODES = ("cg-ng", "cg-np", "cp-np")

@@ -1,8 +1,7 @@
-"""Anisotropic quantization with a Gaussian top-up (seed 004, Subspace-DP-FL).
+"""Anisotropic quantization with a Gaussian top-up (Subspace-DP-FL).
 
-Seed: ``/work/shared/seeds/004_faf96a1cb9f07583.txt`` ("Subspace-DP-FL"), whose
-``mechanisms/quantization.py`` is "anisotropic quantization + Gaussian top-up". The
-metric ``P = U diag(λ) Uᵀ + τ I`` and the mechanism it serves (clip each update to
+Subspace-DP-FL's ``mechanisms/quantization.py`` is "anisotropic quantization + Gaussian
+top-up". The metric ``P = U diag(λ) Uᵀ + τ I`` and the mechanism it serves (clip each update to
 ``‖x‖_P ≤ C``, add ``N(0, σ²C² P⁻¹)`` to the sum) are in ``privacy.subspace``.
 
 **Quantizing along the metric.** A clipped update x is whitened, ``y = P^½ x``, so
@@ -13,39 +12,7 @@ the integer codes ``q = round((y + u)/Δ)`` and the server decodes
 
     ŷ = Δ·q − u,        x̂ = P^(-½) ŷ.
 
-By Schuchman's theorem (a uniform dither over one step), the error ``ŷ − y`` is
-``Uniform[−Δ/2, Δ/2)^d``, independent of y, with covariance ``(Δ²/12)·I``; so the error
-of x̂ has covariance ``(Δ²/12)·P⁻¹``: exactly the *shape* of the mechanism's noise (the
-cells ``P^(-½)·cube`` are elongated where P is small, like the noise). All products
-with ``P^(±½)`` cost O(kd) (``SubspaceMetric.power``).
-
-**Bits.** With ``t = C/Δ``: ``|y_j + u_j|/Δ ≤ t + 1/2``, so ``|q_j| ≤ ceil(t + 1/2) =: L``
-and the codes take ``2L + 1`` values: ``bits_for_step = ceil(log2(2L + 1))``. In b bits
-the symmetric range ``|q| ≤ M := 2^(b−1) − 1`` fits (two's complement), hence
-
-    L ≤ M  ⇔  t + 1/2 ≤ M  ⇔  Δ ≥ C/(M − 1/2) = 2C/(2^b − 3)  =: step_for_bits(C, b),
-
-the smallest step whose codes provably fit. At that step the adversarial corners reach
-the range exactly (``y_j = C, u_j → Δ/2`` gives ``q_j = M``; ``y_j = −C, u_j = −Δ/2``
-gives ``−M``), and the bound keeps half a step of margin against float rounding. Every
-step gives ``L ≥ 1`` (three values −1, 0, 1), so ``b = 1`` is never possible: b ≥ 2.
-The dither costs no bits (shared seed), nor do Δ and P (known to the server), so an
-update costs ``d·b`` bits.
-
-**Gaussian top-up.** The sum of m decoded updates carries m independent quantization
-errors, whitened covariance ``m·Δ²/12·I``; the mechanism's whitened noise on the sum is
-``σ²C²·I``. The server adds ``N(0, (σ²C² − mΔ²/12)·P⁻¹)``, so the total noise covariance
-equals the mechanism's exactly: ``σ²C²·P⁻¹``. If ``σ²C² ≤ mΔ²/12`` there is no valid
-top-up and ``topup_noise_multiplier`` raises.
-
-**Privacy (plainly).** The uniform errors are independent of the data but are not
-Gaussian and give no DP guarantee by themselves. A sound accountant charges only the
-Gaussian top-up: noise multiplier ``z_top = √(σ² − mΔ²/(12C²))``, not σ. The server
-re-clips each decoded update to P-norm C before summing
-(``EllipticalGaussianMechanism.clip``): that keeps the sensitivity at C whatever a
-client sends, and then z_top is sound without relying on the dither argument at all
-(the re-clip moves only decoded updates with ``‖x̂‖_P > C``, i.e. near the ball's
-surface, so the covariance identity above is then approximate for those).
+Design notes: ``docs/notes.md``, ``privacy.quantization``.
 """
 
 from __future__ import annotations

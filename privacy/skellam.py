@@ -6,42 +6,7 @@ Learning" (NeurIPS 2021). Each client clips its update to L2 norm C, scales it b
 ``Sk(μ_i) = Poisson(μ_i/2) − Poisson(μ_i/2)`` (mean 0, variance μ_i) to every coordinate,
 and reduces mod M; secure aggregation reveals only the sum mod M.
 
-**Rounding.** Conditional randomized rounding (Kairouz, Liu & Steinke 2021, "The
-Distributed Discrete Gaussian Mechanism for Federated Learning with Secure
-Aggregation", Sec. 4): unbiased stochastic rounding, repeated until the integer vector's
-norm is at most ``min(√(c² + d/4 + √(2 ln(1/β))(c + √d/2)), c + √d)`` for a real vector
-of norm ≤ c = C·s in d coordinates (``rounded_l2_bound``); after ``max_tries``
-failures we round toward zero, whose norm is ≤ c. Every client's integer vector thus
-has L2 norm ≤ Δ2 whatever the randomness, and L1 norm ≤ ``min(Δ2², √d Δ2)``
-(``l1_bound``: ``|v| ≤ v²`` for integers).
-
-**Sum of shares.** Independent Poisson variables add (``Poisson(a) + Poisson(b) =
-Poisson(a + b)``), so the sum of the survivors' shares is exactly ``Sk(Σ μ_i)``: one
-Skellam mechanism whose variance is the summed variance. A client that drops out before
-its share is summed only lowers that variance, so a sum is released only when enough
-shares reached it, and charged at no more than the variance they carry.
-
-**Privacy.** For an integer query whose L2/L1 sensitivities are Δ2, Δ1, adding ``Sk(μ)``
-to each coordinate is (α, ε(α))-RDP for integer α > 1 (Agarwal et al. 2021, Thm. 3.5 and
-Cor. 3.6, here with μ the per-coordinate variance)::
-
-    ε(α) ≤ α Δ2²/(2μ) + min( ((2α − 1) Δ2² + 6 Δ1)/(4μ²), 3 Δ1/(2μ) )
-
-The bound concerns one sum shifted by one client's integer vector with the noise
-unchanged: the client still takes part and sends its share. That is the zero-out relation
-(its data replaced by zero: Δ = one client's bound) or replace-one (Δ doubled); under
-add-or-remove-one the client's noise share would leave with it, so the ledger refuses it
-(``privacy.events.check_supported``). No amplification by sampling is claimed.
-Composition adds RDP curves and ε comes from dp-accounting's conversion
-(``compute_epsilon``, Canonne, Kamath & Steinke 2020 / Balle et al. 2020).
-
-**Modular reduction** is post-processing: ``x mod M`` is a fixed function of the noisy
-integer sum, so the sum mod M is at least as private as the sum. It is exact (the decoded
-sum is the integer sum) when the sum stays in ``[−M/2, M/2)``: ``SecureSumEncoding.fits``.
-
-The mechanism's dp-accounting event and the RDP accountant that composes it live in
-``privacy.skellam_accounting``, so that the encoding (every ClientApp imports it)
-does not import dp-accounting.
+Design notes: ``docs/notes.md``, ``privacy.skellam``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Geometry-aligned DP (seed 004, Subspace-DP-FL): P-norm clipping, elliptical noise, PMU.
+"""Geometry-aligned DP (Subspace-DP-FL): P-norm clipping, elliptical noise, PMU.
 
 The metric is ``P = U Λ Uᵀ + τ I`` with ``U`` (d×k) orthonormal, ``Λ = diag(λ)`` and
 ``τ > 0``. It is never materialised as a d×d matrix: every product with a power of
@@ -12,43 +12,7 @@ updates is released with aligned elliptical noise ``z ~ N(0, σ²C² P⁻¹)``::
 
     R = Σ ḡ_i + z.
 
-*Why this is a Gaussian mechanism with L2 sensitivity C and noise multiplier σ.* Let
-``W = P^½`` (symmetric, invertible). Then ``W R = Σ W ḡ_i + W z`` with
-``‖W ḡ_i‖₂ = ‖ḡ_i‖_P ≤ C`` and ``W z ~ N(0, σ²C² W P⁻¹ W) = N(0, σ²C² I)``. So ``W R`` is
-the sum of vectors of L2 norm ≤ C plus isotropic N(0, (σC)² I): the Gaussian mechanism
-with sensitivity C (add/remove one client; 2C for replace-one) and noise multiplier σ,
-whose RDP is ε(α) = α/(2σ²). ``R = W⁻¹(W R)`` is post-processing, so R has the same
-guarantee, and the ledger composes it as a ``GaussianDpEvent(σ)`` (subsampled as the
-run samples). This holds only if P does not depend on the private data except through
-earlier DP releases (adaptive composition): P comes from public data or from a
-``release_sketch`` output, both charged (or free) in the ledger.
-``tests/privacy/test_subspace.py`` checks the whitened clip bound and the whitened
-noise covariance σ²C² I statistically.
-
-**Private Metric Updates (PMU, the seed's Section 6).** Each sampled client's update
-direction ``ĝ = g/‖g‖`` is sketched with a Johnson–Lindenstrauss matrix ``Ω`` (d×s,
-entries N(0, 1/s), drawn from a public seed): ``ŝ = Ωᵀĝ``. Its contribution to the
-sketch is the pair ``(ĝŝᵀ, ŝŝᵀ)`` scaled so that each part has Frobenius norm ≤ 1; the
-server releases both sums with Gaussian noise of std √2·σ_PMU per entry (one Gaussian
-mechanism, L2 sensitivity √2, multiplier σ_PMU). Then (Nyström):
-
-1. ``S̃`` (s×s, the second moment in sketch space, symmetrised): top-k eigenpairs;
-2. lift ``Ỹ W_k`` to ℝᵈ (``Y = GΩ`` spans the range of the directions' second moment
-   G) and orthonormalise (QR) → the new ``U``;
-3. Propose-Test-Release gate: adopt the new ``U`` only if (a) the noisy eigengap
-   ``θ̃_k − θ̃_{k+1}`` is at least ``λ_PTR`` times the spectral-norm bound of the noise on
-   ``S̃`` (Davis–Kahan: the sketch noise cannot rotate the top-k eigenvectors by much) and
-   (b) ``θ̃_k`` is at least ``λ_PTR`` times the spectral-norm bound of the noise on the
-   lifted d×k matrix (the lift's signal dominates its noise). The test reads only the
-   released sketch: it is post-processing and costs no extra budget.
-
-Estimating a d-dimensional subspace privately needs noise of order √d per direction
-(private PCA lower bounds), so with few clients per round and large d the gate will
-mostly refuse; that is the honest behaviour.
-
-**Allocation (part 1).** A simple documented rule, ``uniform_allocation``: the trace
-budget B is split evenly over the k directions, ``λ_i = B/k`` (``P ⪰ τI``,
-``Tr(Λ) = B``). Water-filling over the spectrum is part 2.
+Design notes: ``docs/notes.md``, ``privacy.subspace``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ SERVER_ROUND = "server-round"  # injected by Flower's FedAvg.configure_train
 PROXIMAL_MU = "proximal-mu"  # injected by Flower's FedProx.configure_train
 LOCAL_ONLY = "local-only"  # strategy=local: train/evaluate the client's own model
 
-# DP-FedAvg (seed 002: the exact names of Flower's original wrappers).
+# DP-FedAvg (the exact names of Flower's original wrappers).
 DP_CLIP_NORM = "dpfedavg_clip_norm"
 DP_NOISE_STDDEV = "dpfedavg_noise_stddev"
 DP_ADAPTIVE = "dpfedavg_adaptive_clip_enabled"
@@ -35,7 +35,7 @@ DP_EPSILON_LOCAL_WORST = "dp-epsilon-local-worst"
 DP_NOISE_FROM_SEED = "dp-noise-from-seed"  # 1: dp.reproducible-noise, no epsilon vs seed holders
 DP_FAILED_CLIENTS = "dp-failed-clients"  # sampled clients counted as a zero update (curator)
 
-# Laplace mechanism (seed 000): client clips the L1 norm and adds Laplace noise.
+# Laplace mechanism (the PPO study): client clips the L1 norm and adds Laplace noise.
 LAPLACE_SENSITIVITY = "laplace-sensitivity"
 LAPLACE_SCALE = "laplace-scale"
 
@@ -69,7 +69,7 @@ ARTIFACTS_DIR = "artifacts-dir"
 # resumed server deletes the files of rounds it did not commit (server_app.results).
 STATE_DIR = "client-state"
 
-# Clustered FedAvg (seed 000 section 5; IFCA for cluster.assign = "loss").
+# Clustered FedAvg (the PPO study section 5; IFCA for cluster.assign = "loss").
 CLUSTER_ID = "cluster-id"  # train/evaluate config: index k of the global model sent
 CLUSTER_K = "cluster-k"  # query config: the number K of global models
 CLUSTER_QUERY = "cluster"  # query action: message_type "evaluate.cluster"
@@ -87,7 +87,7 @@ def cluster_score_key(k: int) -> str:
     return f"{CLUSTER_SCORE}-{k}"
 
 
-# SmartFedProx (seed 001): the adaptive-mu inputs the server sends each client (one
+# SmartFedProx (the SmartFedProx study): the adaptive-mu inputs the server sends each client (one
 # ConfigRecord per node) and the metrics every SmartFedProx train reply carries.
 SMART_ADAPTIVE_MU = "smart-adaptive-mu"  # bool: compute the effective mu adaptively
 SMART_CLIENT_DIVERGENCE = "smart-client-divergence"  # server's EMA of this node (0.0 unseen)
@@ -112,7 +112,7 @@ FAIRNESS_GAP = "fairness-gap"  # MetricRecord: best minus worst group accuracy
 # Reproducibility: every strategy orders nodes by the partition id they report.
 PARTITION_QUERY = "partition"  # query action: message_type "query.partition"
 
-# Hierarchical FedAvg (seed 003, HierFAVG: client -> edge -> cloud).
+# Hierarchical FedAvg (HierFAVG: client -> edge -> cloud).
 HIER_QUERY = "edge"  # query action: message_type "query.edge" (learn a node's edge)
 NUM_EDGES = "num-edges"  # query config: the number of edges E (edge ids 0..E-1)
 EDGE_ID = "edge-id"  # query reply metric (the node's edge) and train config
@@ -121,7 +121,7 @@ NUM_PARTITIONS = "num-partitions"  # query reply metric: the partitions its node
 EDGE_ROUND = "edge-round"  # train config: edge aggregation k = 1..tau_2 of the cloud round
 LOCAL_UPDATES = "local-updates"  # train config: tau_1, local updates per edge aggregation
 
-# Front-loaded DP of hierarchical FL (seed 003): train config of the client modes.
+# Front-loaded DP of hierarchical FL (frontloaded-dp-hfl): train config of the client modes.
 FRONT_LOADED_MODE = "fl-mode"  # "cg-ng" | "cg-np" | "cp-np" (absent: baseline)
 FRONT_LOADED_CLIP = "fl-clip"  # C: per-batch (per-example) gradient clip, or delta clip
 FRONT_LOADED_SIGMA = "fl-sigma"  # sigma: std of the Gaussian noise

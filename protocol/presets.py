@@ -71,6 +71,12 @@ def load_preset(value: str) -> dict[str, Any]:
     if not path.is_file():
         close = difflib.get_close_matches(name, available(), n=3, cutoff=0.5)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        # A checkout (not the FAB) also holds the studies' presets, run by their study.
+        for study in sorted(APP_DIR.glob(f"studies/*/presets/{name}.toml")):
+            hint = (
+                f" ({name!r} is a preset of the study studies/{study.parent.parent.name}/: "
+                "run it with the command of that study's README.md)"
+            )
         raise PresetError(
             f"'{PRESET_KEY}' = {value!r}: no preset {name!r} in experiments/{hint}; "
             f"{len(available())} presets ship with the app (ls experiments/)"

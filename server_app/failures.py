@@ -1,49 +1,6 @@
 """One failure policy for every strategy, and the outcome record of a run.
 
-A run ends in one of three ways, written to ``outcome.json`` in the run directory
-(:class:`Outcome`) and said in the last line of the log:
-
-``completed``
-    every planned round ran;
-``stopped``
-    the run ended as planned before its last round: the next round would exceed the
-    privacy budget (:class:`~strategies.errors.BudgetExhausted`);
-``failed``
-    the run cannot learn, and stopped rather than go on:
-
-    * ``run.max-failed-rounds`` consecutive **failed rounds**, rounds in which no client
-      contributed (every train message was answered with an error, not answered, or
-      answered with a reply that may not enter an aggregate: non-finite arrays or
-      metrics). The reasons are grouped by message ("10 of 10 clients: ...");
-    * a run shorter than that in which **no round** had a contribution, judged after its
-      last round (it would otherwise end "completed" with the initial model);
-    * in the **first round** of a run, every sampled client answered with the same
-      error: a check only the client can make failed (e.g. its partition does not
-      exist), and the next rounds would fail the same way;
-    * the **global model diverged**: an evaluation metric is not finite, or a loss is
-      above ``run.divergence-factor`` times its first value (central evaluation:
-      round 0). The last good model stays in ``checkpoint/global.pt``;
-    * a start-up check against the federation failed, or a strategy cannot go on
-      (:class:`~strategies.errors.StopTraining`: too few nodes, duplicate partition
-      ids, a setting that cannot be met);
-    * the ServerApp raised (written when the process lives long enough).
-
-A round is committed (checkpointed) before it is evaluated; a round whose model then
-fails the divergence guard is marked rejected in the checkpoint, so ``resume-from``
-refuses to continue that run rather than go on from the diverged model (under DP the
-round stays charged: it was released). The guard's reference values, the failed-round
-streak and its reasons are part of the checkpoint (:meth:`FailureWatch.state_dict`),
-so a resumed run applies the same policy as the run it continues. ``outcome.json``
-also says when the last round trained nothing (``empty-last-round``), and a resumed
-run keeps the outcomes of the runs it continues (``previous-outcomes``).
-
-Under a privacy mechanism no stop reads the clients' outcomes: a failed client is a
-zero update of a charged round (the privacy wrappers), and the failed-round rules
-(``run.max-failed-rounds``, the first-round rule, a run with no contribution) are off,
-since whether clients failed can depend on their data and no ε covers it. What can
-still end a private run is covered or public: the budget, the divergence guard on the
-central evaluation of the released model (post-processing), start-up checks and node
-counts, and errors of the server itself (docs/privacy.md, "Stops under DP").
+Design notes: ``docs/notes.md``, ``server_app.failures``.
 """
 
 from __future__ import annotations

@@ -1,46 +1,6 @@
 """The run directory: config, per-round metrics, checkpoint, final model, plots.
 
-Layout (DESIGN.md)::
-
-    <output-dir>/<YYYYmmdd-HHMMSS>-<task>-<strategy>-<privacy>/
-        config.json      resolved run-config + environment (no secrets)
-        metrics.csv      one row per (round, scope); scope in train, federated-eval,
-                         central-eval
-        participation.csv one row per (round, client sent a train message): node-id,
-                         replied, error, and the metrics the client reported
-        tensorboard/     the metrics.csv numbers as TensorBoard scalars
-                         (``tensorboard --logdir <run dir>``)
-        checkpoint/      the last finished round: global.pt (and cluster-<k>.pt),
-                         state.json, and server.pt, everything ``resume-from`` needs
-                         (global arrays, strategy state, ledger, generators)
-        model.pt         final global model (torch state dict; not for a failed run)
-        outcome.json     how the run ended: status completed | stopped | failed,
-                         reason, last-round, checkpoint, empty-last-round, and the
-                         previous-outcomes of runs it resumed (server_app/failures.py)
-        plots/learning_curve.png
-
-Under a privacy mechanism (``released`` given) the directory separates what the ε
-covers from what it does not. The top level keeps the released outputs: global models,
-central evaluation, the ledger, the train metrics the wrapper computes from released
-quantities only (ε, noised counts), config.json. Everything else the server learned goes
-to ``curator/``: ``curator/metrics.csv`` (aggregated client reports, federated
-evaluation, raw diagnostics, wall-clock timing, anything that depends on who was
-sampled), ``curator/participation.csv`` (who was sampled: voids amplification for its
-reader), ``curator/local-view.json`` (each client's ε against the server), the
-strategies' per-client tables and ``curator/clients/``, the clients' own files (their
-state, accountant histories, logs) in a simulation. ``checkpoint/server.pt`` holds the
-secret DP generator state: never publish it. ``curator/`` and ``checkpoint/`` are
-created owner-only (directories 0700, files 0600) whatever the umask.
-
-A round is committed before anything of it is observable: ``server.pt`` is written
-(atomically, first) right after the round's aggregate, before federated and central
-evaluation or any other file of the round. A resumed run continues from the last
-committed round: it drops every row of that round and later rounds, evaluates the
-committed model again (the evaluation generators are in the checkpoint, so the rows are
-the same) and goes on. A charged round is therefore never released twice.
-
-Every file is written to a temporary name and renamed, so a run killed mid-write
-leaves the previous version intact.
+Design notes: ``docs/notes.md``, ``server_app.results``.
 """
 
 from __future__ import annotations

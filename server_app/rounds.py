@@ -6,15 +6,7 @@ It drives a Flower ``Strategy`` through the same four calls as ``Strategy.start`
 aggregated train/eval metrics, which the run directory records and checkpoints
 every round.
 
-A round is committed (``on_commit``: the checkpoint) right after its aggregate and
-before its model leaves the server (federated evaluation sends it to clients; central
-evaluation and the results files publish it): a charged round is never released by a
-run that then dies and re-runs it. A round whose evaluation then fails the divergence
-guard is marked rejected (``on_reject``): its charge stays committed, and its
-checkpoint is not a resume point (``resume-from`` refuses it, naming the reason and the
-last good round). A resumed run evaluates the committed round again
-(:func:`evaluate_round`), applies the guard to it with the reference values the
-checkpoint kept, and goes on with the next.
+Design notes: ``docs/notes.md``, ``server_app.rounds``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Start-up checks against the federation, before round 1.
 
-What the server can know before it trains (the connected nodes, and what each node's
-ClientApp reports from its node config: ``partition-id`` and ``num-partitions``) is
-checked against the run-config and the task. A mismatch stops the run
-(:class:`~strategies.errors.StopTraining`, outcome ``failed``) naming the key, the
-value and the fix, instead of failing in every client of every round or waiting
-``round-timeout`` for nodes that will not come:
-
-* enough nodes for every key that needs them (``min-available-nodes``,
-  ``min-train-nodes``, a DP cohort ``dp.num-sampled-clients``, ``hier.num-edges``).
-  In a simulation every virtual SuperNode registers at once, so the count is final
-  as soon as one is there; a deployment is waited for up to ``round-timeout``;
-* every node answers the partition query (its node config has ``partition-id`` and
-  ``num-partitions``), they agree on ``num-partitions``, no two share a partition id;
-* a task whose configuration fixes the number of clients (lunar-lander's client
-  table) gets a federation of that size (plus ``audit.canaries``, the last partition
-  ids, which hold no data);
-* clustered FedAvg's ``cluster.k`` is at most the clients a round trains (the DP
-  cohort, else FedAvg's sample of the connected nodes): with more models than
-  clients, some models never leave their initialisation.
+Design notes: ``docs/notes.md``, ``server_app.startup``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What subspace-dp takes from public data before round 1 (seed 004), at no privacy cost.
+"""What subspace-dp takes from public data before round 1 (Subspace-DP-FL), at no privacy cost.
 
 The server's public split (the vision tasks' warm-start data) gives per-example
 gradients of the released arrays; from them the app sets the strategy's initial U

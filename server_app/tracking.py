@@ -11,11 +11,7 @@ At the end of a run, from the files of its run directory:
   against, and the run directory's published files as artifacts. Default store: a local
   file store ``<output-dir>/mlruns`` (``mlflow ui --backend-store-uri runs/mlruns``).
 
-Under a privacy mechanism only what the run directory publishes goes to a tracker: the
-top-level ``metrics.csv`` (what the ε covers), ``ledger.json``'s ε and the files
-``ledger.json`` lists as covered; never ``curator/``, ``clients/`` nor the secret
-``checkpoint/server.pt``. Weights & Biases is not
-wired (its offline mode needs ``wandb`` installed and a sync step; docs/results.md).
+Design notes: ``docs/notes.md``, ``server_app.tracking``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adaptive proximal coefficient of SmartFedProx (seed 001, sections 2.3 and 3).
+"""Adaptive proximal coefficient of SmartFedProx (the SmartFedProx study, sections 2.3 and 3).
 
 Pure functions, no Flower: the client computes its effective mu from the base mu
 the server sends, its historical divergence and the server's average divergence
@@ -53,7 +53,7 @@ def adaptive_mu(
     mu_min: float,
     mu_max: float,
 ) -> float:
-    """The client's effective proximal coefficient (seed 001, ``compute_adaptive_mu``).
+    """The client's effective proximal coefficient (``compute_adaptive_mu``).
 
     ``clamp(base_mu * divergence_factor * epoch_factor, mu_min, mu_max)``.
 
@@ -112,7 +112,7 @@ def _squared_distance(
 def model_divergence(
     local: Sequence[np.ndarray | torch.Tensor], global_: Sequence[np.ndarray | torch.Tensor]
 ) -> float:
-    """L2 distance of the local from the global weights (seed 001, section 2.3).
+    """L2 distance of the local from the global weights (the SmartFedProx study, section 2.3).
 
     ``sqrt(sum_i ||w_local_i - w_global_i||^2)`` over paired tensors or arrays,
     accumulated in float64 (the seed's ``compute_model_divergence``).

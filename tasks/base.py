@@ -128,38 +128,26 @@ class LocalTraining:
 
     Attributes
     ----------
-    server_round : int
-        The round being trained (1-based).
+    server_round, partition_id : int
+        The round being trained (1-based) and the client's partition id.
     seed : int
-        Seed for this client's local randomness this round (shuffling, dropout);
-        derived from the run seed, the round and the partition id.
+        Seed of this round's local randomness (from the run seed, round and partition).
     proximal_mu : float
-        Weight of the FedProx proximal term ``(mu/2)||w - w_global||^2``; 0 disables it.
+        Weight of FedProx's term ``(mu/2)||w - w_global||^2``; 0 disables it.
     dp_sgd : DPSGD, optional
-        Train with sample-level DP-SGD; the task then reports ``local-epsilon``.
-    state : dict
-        This client's persistent state (JSON-serialisable), kept by the ClientApp
-        between rounds; tasks read and update it in place (e.g. the DP-SGD
-        accountant's history).
-    state_tensors : dict
-        This client's persistent tensors (e.g. PPO's Adam moments), kept like
-        ``state``; tasks read and replace entries in place. Never sent anywhere.
-    partition_id : int
-        The client's partition id (names its files).
+        Train with sample-level DP-SGD (the task reports ``local-epsilon``).
+    state, state_tensors : dict
+        The client's persistent JSON state and tensors (e.g. PPO's Adam moments), kept
+        by the ClientApp between rounds, updated in place; never sent anywhere.
     artifacts_dir : str, optional
-        Directory for the client's own diagnostic files (e.g. PPO episode logs);
-        ``None``: write none. These files stay where the client runs: they are never
-        sent to the server and are not covered by any privacy mechanism.
+        Directory for the client's own diagnostic files (never sent); ``None``: none.
     local_updates : int, optional
-        Hierarchical FL (tau_1): train this many mini-batch iterations instead of the
-        task's local epochs (under CG-NG / CG-NP: this many epochs of one step each).
+        Hierarchical FL (tau_1): this many mini-batch iterations instead of epochs.
     front_loaded : tasks.frontloaded.FrontLoadedDP, optional
-        Seed 003's client mode (CG-NG, CG-NP, CP-NP) to train under.
+        The front-loaded DP client mode (CG-NG, CG-NP, CP-NP).
     dp_seed : int
-        Seed of the randomness a DP guarantee rests on (DP-SGD's batch sampling and
-        noise, CG/CP-NP noise): 63 bits of OS entropy unless given (the ClientApp gives
-        ``seed``-derived values only under ``dp.reproducible-noise``). Never derived
-        from anything the server or another client knows.
+        Seed of the randomness a DP guarantee rests on: 63 bits of OS entropy unless
+        ``dp.reproducible-noise``; never derived from what the server or others know.
     """
 
     server_round: int
@@ -191,7 +179,7 @@ class Task(ABC):
     # The option holding the local epochs per round (SmartFedProx scales mu by it);
     # None: the task has no epochs (e.g. PPO's env steps), counted as 1.
     EPOCHS_KEY: ClassVar[str | None] = None
-    # Trains for LocalTraining.local_updates iterations and runs the seed-003 client
+    # Trains for LocalTraining.local_updates iterations and runs the frontloaded-dp-hfl client
     # modes (LocalTraining.front_loaded): usable under strategy = "hierarchical".
     HIERARCHICAL: ClassVar[bool] = False
 

@@ -9,23 +9,7 @@ Opacus' ``RDPAccountant``, whose history ``[(z, q, steps), ...]`` persists acros
 rounds in the client's state, so the reported epsilon covers all DP-SGD training
 the client has done in the run.
 
-The pieces are those ``opacus.PrivacyEngine.make_private`` assembles: per-example
-gradient hooks (``GradSampleHooks``, attached to the model itself, no wrapper), a
-``DPOptimizer`` and a ``DPDataLoader``, with the accountant on the optimizer's step
-hook. They are built here directly because ``make_private`` fixes the sample rate to
-``1 / len(data_loader)`` (``1 / ceil(n / B)``); here it is exactly ``B / n``, the rate
-the sampler uses and the accountant records.
-
-Data-independent gradient terms (the FedProx proximal term) must not go through the
-loss: Opacus replaces ``p.grad`` with the noisy clipped per-example sum, so a term
-that is not per-example would be dropped. They are added to ``p.grad`` after the
-noise (``public_gradient``); being a function of the parameters only, they cost no
-privacy.
-
-``train_private`` is a task's whole DP-SGD training round on these pieces: the
-noise multiplier calibrated to ``dp.target-epsilon`` (``calibrated_settings``), the
-budget check, the proximal gradient on the public path, the task's own epochs on the
-private loader and optimizer, and the accountant history and epsilon report.
+Design notes: ``docs/notes.md``, ``tasks.dpsgd``.
 """
 
 from __future__ import annotations
@@ -364,24 +348,20 @@ def make_private(
 
     Parameters
     ----------
-    model : nn.Module
-        Trained in place; hooks are attached to it, not to a wrapper.
-    optimizer : torch.optim.Optimizer
-        Over ``model``'s parameters; wrapped in a ``DPOptimizer``.
+    model, optimizer : nn.Module, torch.optim.Optimizer
+        Trained in place (hooks on ``model`` itself); ``optimizer`` becomes a DPOptimizer.
     loader : DataLoader
         Its dataset is Poisson-sampled at ``q = batch_size / len(dataset)``.
     dp : DPSGD
         Noise multiplier, clip norm and delta.
     generator_seed : int
-        Seed of the sampling and noise generators (``seeded_generators``).
+        Seed of the sampling and noise generators.
     history : sequence of (noise_multiplier, sample_rate, steps)
         The accountant history of earlier DP-SGD training, to continue from.
     public_gradient : callable, optional
-        Adds data-independent gradient terms to ``p.grad`` after noising and before
-        the update (e.g. ``add_proximal_gradient``).
+        Adds data-independent terms to ``p.grad`` after noising (``add_proximal_gradient``).
     model_name : str, optional
-        The model's ``model.name``, for the incompatibility error (default: the
-        class name).
+        For the incompatibility error (default: the class name).
 
     Returns
     -------
@@ -443,12 +423,9 @@ def train_private(
 ) -> dict[str, float]:
     """One client's DP-SGD training round; extends the accountant history in ``local.state``.
 
-    The noise multiplier is ``local.dp_sgd``'s or, with a target epsilon, the calibrated
-    one (``calibrated_settings``); a round that would exceed ``dp.max_epsilon`` is
-    refused before training (``check_budget``). The proximal gradient
-    ``mu (w - w_global)`` does not depend on the data: it is added to the noisy clipped
-    gradient (Opacus would drop it from the loss), so ``run_epochs`` must not put it in
-    its loss.
+    z is ``local.dp_sgd``'s or calibrated to its target; a round over ``dp.max_epsilon``
+    is refused before training. The data-independent proximal gradient is added to the
+    noisy clipped gradient, so ``run_epochs`` must not put it in its loss.
 
     Parameters
     ----------
@@ -456,10 +433,8 @@ def train_private(
         As for ``make_private``; ``loader``'s batch size is the expected batch size.
     local : LocalTraining
         ``dp_sgd`` (set), ``proximal_mu``, ``dp_seed`` and the client's ``state``.
-    epochs : int
-        The local epochs ``run_epochs`` runs (for the calibration and the budget check).
-    global_params : sequence of torch.Tensor
-        The proximal anchor (the received parameters).
+    epochs, global_params
+        The local epochs ``run_epochs`` runs; the proximal anchor (received parameters).
     run_epochs : callable
         ``run_epochs(private_loader, private_optimizer)`` trains ``epochs`` epochs without
         the proximal term and returns the task's training metrics.
@@ -469,8 +444,7 @@ def train_private(
     Returns
     -------
     dict
-        ``run_epochs``' metrics, the cumulative ``local-epsilon`` and this round's steps
-        (``round_report``).
+        ``run_epochs``' metrics, the cumulative ``local-epsilon`` and the round's steps.
     """
     num_examples, batch_size = len(loader.dataset), int(loader.batch_size or 1)
     dp = calibrated_settings(local, sample_rate=batch_size / num_examples, epochs=epochs)

@@ -21,7 +21,7 @@ round; at 0.05 s, 0.025 s, for 20 pulls a second.
 
 A pull's cost grows with the replies still pending: Flower's in-memory LinkState checks
 every pending ID, in the ServerApp's thread, under the lock its engine needs to hand
-out messages and store replies (about 5 µs each, ``bench/pull_cost.py``). So each wait
+out messages and store replies (about 5 µs each; studies/lunar-lands/README.md). So each wait
 also lasts at least ``1 / MAX_PULL_SHARE - 1`` times the CPU time of the last pull that
 found nothing: such pulls use at most :data:`MAX_PULL_SHARE` of a core, however many
 replies are pending. CPU time, not wall time: a pull that waited for the lock or for

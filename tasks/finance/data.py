@@ -1,24 +1,6 @@
 """The Indian personal-finance table: schema, CSV loading, synthetic twin, preprocessing.
 
-The real data is Kaggle's "Indian Personal Finance and Spending Habits" CSV (20 000
-rows, 27 columns; seed 001, section 4). It cannot be downloaded here, so
-``finance.data-path`` names a local copy; when it is empty a synthetic table with the
-same schema and plausible relations is generated from the run seed
-(``generate_synthetic``). Either way the table goes through the seed's
-preprocessing (``prepare``):
-
-1. hold out ``finance.central-test-fraction`` of the rows as the server's central
-   test set (seeded, before partitioning);
-2. encode ``Occupation`` and ``City_Tier`` with a fixed mapping (the sorted category
-   list of the schema: the codes scikit-learn's ``LabelEncoder`` gives when every
-   category is present, but independent of which rows happen to be present);
-3. fit ``StandardScaler``s on the 26 features and on the target ``Disposable_Income``
-   using the client pool only, never the central test rows;
-4. compute the seed's partition key per row: Occupation x City_Tier x income bracket
-   (quartile of the pool's incomes), 4 x 3 x 4 = 48 groups.
-
-Tables and prepared arrays are cached per process (``functools.lru_cache``): every
-client of a simulation process asks for them. Callers must not mutate them.
+Design notes: ``docs/notes.md``, ``tasks.finance.data``.
 """
 
 from __future__ import annotations

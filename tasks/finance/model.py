@@ -1,25 +1,6 @@
-"""The seed's regression MLP for disposable income (seed 001, section 5.1).
+"""The seed's regression MLP for disposable income (the SmartFedProx study, section 5.1).
 
-26 -> 128 -> 64 -> 32 -> 1: three Linear-norm-ReLU blocks (dropout 0.3 and 0.2 after
-the first two) and a linear output. The normalisation layer is ``norm``:
-
-* ``batch`` (the seed's model, the default without DP-SGD): BatchNorm1d (Ioffe &
-  Szegedy, 2015). It normalises with the statistics of the whole batch, so one
-  example's output, and hence its gradient, depends on the other examples: per-example
-  gradients are undefined and the model is unfit for DP-SGD. Its running mean and
-  variance are data-dependent buffers outside the parameters. Under ``finance.bn =
-  local`` its layers stay on the clients, as in FedBN (Li et al., 2021, "FedBN:
-  Federated Learning on Non-IID Features via Local Batch Normalization").
-* ``layer`` (what ``finance.norm = auto`` builds under ``privacy = 'dp-sgd'``):
-  LayerNorm (Ba, Kiros & Hinton, 2016) over the block's features. It normalises each
-  example on its own, so the per-example gradients Opacus computes (it has a LayerNorm
-  grad sampler) depend on that example alone, and it has no running statistics, so
-  nothing data-dependent is kept outside the parameters that DP-SGD clips and noises.
-  On a ``(batch, features)`` input GroupNorm with one group is the same normalisation
-  (Opacus' ``ModuleValidator.fix`` would replace BatchNorm by GroupNorm); LayerNorm is
-  the plainer name for it here. It has the same parameters as BatchNorm (``weight``
-  and ``bias`` per feature, same names) and neither draws from the RNG at init, so
-  one seed gives both models the same Linear weights.
+Design notes: ``docs/notes.md``, ``tasks.finance.model``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The seed's three non-IID partitionings of the finance pool (seed 001, section 4.3),
+"""The SmartFedProx study's three non-IID partitionings of the finance pool (section 4.3),
 composable, disjoint and deterministic.
 
 Written by hand: flwr-datasets has no partitioner that combines key groups, an
@@ -6,37 +6,7 @@ income filter by partition parity and per-client size factors.
 
 Run-config ``finance.partitioning``: ``iid`` or a ``+``-joined combination of
 
-- ``multi-key`` (Strategy 1): each client draws 70 % of its rows from a *primary* and
-  30 % from a *secondary* key group (Occupation x City_Tier x income quartile).
-- ``label-skew`` (Strategy 2): odd partition ids draw only rows at or above the 25th
-  income percentile (quartiles 2-4), even ids only rows below the 75th (quartiles 1-3).
-- ``quantity-skew`` (Strategy 3): client ``k``'s size is proportional to a factor
-  ``f_k``; the factors are ``linspace(0.5, 1.3, K)`` in a seeded random order, so the
-  largest client holds 2.6 times as many rows as the smallest.
-
-Algorithm (every mode is a special case):
-
-1. *Cells.* Rows fall into disjoint cells: the key groups with ``multi-key``, else the
-   income quartiles with ``label-skew``, else one cell holding every row.
-2. *Sources.* Each client has sources, a set of cells and a share of its rows:
-   ``multi-key`` gives ``({primary}, 0.7)`` and ``({secondary}, 0.3)``, otherwise one
-   source ``(eligible cells, 1.0)``. ``label-skew`` restricts every client to the
-   cells of its parity's quartiles. Primary and secondary groups are assigned
-   greedily, largest size factor first: each takes the eligible group that keeps
-   the most rows per unit of demand, ``rows_c / (demand_c + share * f_k)`` (ties
-   broken by a seeded order). Round-robin over a fixed list would ignore the group
-   sizes (0 to 1 000+ rows), and one small primary group would then cap every
-   client's size, since sizes share one scale (step 3).
-3. *One scale.* Client ``k`` asks ``b * share * f_k`` rows of each source, spread
-   over its cells in proportion to their sizes. The scale ``b`` is the largest with
-   which no cell is over-subscribed, ``b = 1 / max_c sum_{sources with c}
-   share * f_k / rows(source)``; counts are floored.
-4. *Hand-out.* Each cell's rows are shuffled (seeded) and handed out in consecutive
-   slices, in client order: partitions are disjoint by construction.
-
-Rows no source claims (e.g. quartile 1 rows beyond the even clients' demand) are left
-out. ``iid`` gives every client ``floor(n / K)`` random rows. Each client must get at
-least ``MIN_PARTITION_ROWS`` rows, else a ConfigError says what to change.
+Design notes: ``docs/notes.md``, ``tasks.finance.partitioning``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Disposable-income regression on the Indian personal-finance table (seed 001).
+"""Disposable-income regression on the Indian personal-finance table (the SmartFedProx study).
 
 Each client trains the seed's MLP (``tasks.finance.model``) with Adam on the MSE
 of the standardised target, plus the FedProx proximal term (Li et al., 2020) when
@@ -7,19 +7,7 @@ the server sends ``proximal_mu > 0``. Clients hold the seed's non-IID partitions
 on a held-out central test set. Metrics: MSE on the standardised target and R²
 (R² is invariant to the target's affine scaling, so it equals R² in rupees).
 
-Sample-level DP-SGD (``privacy = 'dp-sgd'``, Abadi et al., 2016) runs through
-``tasks.dpsgd.train_private``, as the vision tasks do: Poisson-sampled batches of
-expected size ``finance.batch-size``, each example's gradient clipped and the sum
-noised, Adam on the noisy gradient, the FedProx gradient added after the noise (it
-depends on the parameters only), and the cumulative sample-level ``local-epsilon`` with
-this round's steps reported for the server's ledger. BatchNorm mixes the examples of a
-batch, so per-example gradients are undefined: under DP-SGD the MLP normalises each
-example on its own with LayerNorm instead (``finance.norm = auto`` resolves to
-``layer`` when ``privacy = 'dp-sgd'``, to ``batch``, the seed's model, otherwise; the
-server and every client resolve it from the same run-config, so they build the same
-architecture). With ``finance.bn = local`` the BatchNorm layers stay on each client
-(FedBN, Li et al., 2021): ``FinanceTask.local_state_keys`` names them; with
-LayerNorm there are none, and ``finance.bn = local`` is refused.
+Design notes: ``docs/notes.md``, ``tasks.finance.task``.
 """
 
 from __future__ import annotations
@@ -268,7 +256,7 @@ def regression_metrics(prediction: np.ndarray, target: np.ndarray) -> tuple[floa
 
 
 class FinanceTask(Task):
-    """Federated regression of disposable income (seed 001).
+    """Federated regression of disposable income (the SmartFedProx study).
 
     Options are ``FINANCE_OPTIONS`` (``finance.*``) plus the top-level ``seed``
     and ``privacy`` (which ``finance.norm = auto`` reads).

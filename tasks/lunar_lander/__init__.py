@@ -1,4 +1,4 @@
-"""Federated PPO on LunarLander-v3 across planets (seed 000): the task, its clients'
+"""Federated PPO on LunarLander-v3 across planets (the PPO study): the task, its clients'
 environments, local PPO, the clients' training logs and the study plots."""
 
 from tasks.lunar_lander.clients import ClientEnv, client_from_node_config, client_table

@@ -1,4 +1,4 @@
-"""The clients of federated PPO on LunarLander (seed 000, "Environment Configurations"):
+"""The clients of federated PPO on LunarLander (the PPO study, "Environment Configurations"):
 one LunarLander-v3 environment per client, on the moon, the earth or mars.
 
 The seed's ``experiment.py`` starts from three base clients (one per planet, wind

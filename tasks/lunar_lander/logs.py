@@ -1,30 +1,7 @@
-"""Per-client PPO training logs: episodes and policy-weight snapshots (seed 000's
+"""Per-client PPO training logs: episodes and policy-weight snapshots (the PPO study's
 ``WeightStorageCallback`` data), one ``.npz`` per client and round.
 
-A client writes ``<dir>/<label>-round-<r>.npz`` after its local training in round
-``r``; ``load_episodes`` and ``load_snapshots`` read a whole directory back for the
-study plots. Every file holds:
-
-===================  =========  ==================================================
-key                  dtype      meaning
-===================  =========  ==================================================
-label                str        client label, e.g. ``moon-00`` (unique per client)
-planet               str        ``moon`` / ``earth`` / ``mars``
-gravity              float64    the environment's gravity (m/s^2, negative)
-wind_power           float64    the environment's wind power (0 = no wind)
-partition_id         int64      the client's partition id
-server_round         int64      the round this file belongs to
-rollout_size         int64      steps per PPO rollout (n_steps x n_envs): one
-                                "local epoch" on the study's x axis
-episode_rewards      float64[E] return of every episode finished in the round
-episode_lengths      int64[E]   its length in steps
-episode_end_steps    int64[E]   the client's cumulative env steps when it ended
-weight_steps         int64[S]   cumulative env steps of each weight snapshot
-weights              float32[S, P]  flattened ``policy.state_dict()`` snapshots
-===================  =========  ==================================================
-
-Cumulative steps count every step the client took in all rounds so far, so curves
-of several rounds line up on one axis.
+Design notes: ``docs/notes.md``, ``tasks.lunar_lander.logs``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Study plots and tables of federated PPO on LunarLander (seed 000, "Results and
+"""Study plots and tables of federated PPO on LunarLander (the PPO study, "Results and
 Visualization"): learning curves per client, experiment comparisons, t-SNE / UMAP of
 the policy-weight snapshots, and the final-reward table.
 
@@ -27,13 +27,13 @@ from matplotlib.lines import Line2D
 
 from tasks.lunar_lander.logs import clients_dir, load_episodes, load_snapshots
 
-WINDOW = 100  # episodes in the rolling mean (seed 000) and in the final training reward
+WINDOW = 100  # episodes in the rolling mean (the PPO study) and in the final training reward
 MIN_EPISODES = 10  # a client's curve starts at its 10th episode (fewer: too noisy to read)
 PLANETS = ("moon", "earth", "mars")
 PLANET_COLOURS = {"moon": "tab:gray", "earth": "tab:blue", "mars": "tab:red"}
 PLANET_STYLES = {"moon": ":", "earth": "-", "mars": "--"}
 PLANET_MARKERS = {"moon": "o", "earth": "s", "mars": "^"}
-TIME_CMAP = "viridis_r"  # weight snapshots: darker = later (seed 000)
+TIME_CMAP = "viridis_r"  # weight snapshots: darker = later (the PPO study)
 # Run-config keys that must agree for "same env steps per client" (see compare_to_single_agent).
 COMPARABLE_KEYS = (
     "num-server-rounds", "ppo.local-steps", "ppo.local-steps-moon", "ppo.local-steps-earth",
@@ -79,7 +79,7 @@ def rolling_rewards(
 
 def learning_curves(episodes: pd.DataFrame, title: str) -> Figure:
     """One line per client: rolling-100 episode reward over its local epochs, coloured
-    by planet (seed 000's ``plot_learning_curves``)."""
+    by planet (the PPO study's ``plot_learning_curves``)."""
     frame = rolling_rewards(episodes)
     fig, ax = plt.subplots(figsize=(9, 5), constrained_layout=True)
     planets = planets_in(frame)
@@ -379,13 +379,9 @@ def compare_to_single_agent(
     """Per federated experiment and planet: does its final training reward beat the
     Single Agent experiment's?
 
-    ``strategy = 'local'`` samples clients as FedAvg does, so with equal
-    ``num-server-rounds``, ``ppo.local-steps`` and ``fraction-train`` both runs take
-    the same env steps in all, and each client the same in expectation (the sampled
-    clients themselves differ from run to run; ``planet-env-steps`` shows what they
-    took). Only then is the comparison one at equal local experience: a run that
-    differs in any of the three keys is flagged (``comparable`` False, ``differs-in``
-    says how) and warned about.
+    Only runs with equal ``num-server-rounds``, ``ppo.local-steps`` and
+    ``fraction-train`` take the same env steps (in expectation per client); a run that
+    differs in one is flagged (``comparable`` False, ``differs-in``) and warned about.
 
     Parameters
     ----------

@@ -1,20 +1,8 @@
 """Local PPO (Schulman et al., 2017, "Proximal Policy Optimization Algorithms") with
-Stable-Baselines3, as seed 000 trains each client: ``PPO("MlpPolicy", ...)`` on
+Stable-Baselines3, as the PPO study trains each client: ``PPO("MlpPolicy", ...)`` on
 ``n_envs`` copies of the client's environment, plus what federating it needs.
 
-* ``build_policy``: the federated model, SB3's ``ActorCriticPolicy`` (MlpPolicy:
-  two hidden layers, 64 units by default) for LunarLander's spaces, optionally with the
-  gravity input (``GravityObservation``). Only its
-  ``state_dict()`` (the policy and value networks) travels; PPO's Adam state never
-  does. Training and evaluation read what the policy observes from its observation
-  space (``observes_gravity``).
-* ``train_ppo``: one round of local PPO from the received weights, optionally
-  resuming the client's own Adam state (``optimizer_tensors``).
-* ``proximal_gradient_hooks``: the FedProx term (Li et al., 2020) inside SB3's
-  own update.
-* ``WeightStorageCallback``: the federated PPO study's callback (episodes and weight snapshots).
-* ``play_episodes`` / ``evaluate_episodes``: evaluation episodes
-  (deterministic or sampled actions), one seed each, with how each ended.
+Design notes: ``docs/notes.md``, ``tasks.lunar_lander.ppo``.
 """
 
 from __future__ import annotations
@@ -251,7 +239,7 @@ def proximal_gradient_hooks(module: torch.nn.Module, mu: float) -> Iterator[None
 
 
 class WeightStorageCallback(BaseCallback):
-    """Seed 000's ``WeightStorageCallback``: every finished episode and a snapshot of
+    """The PPO study's ``WeightStorageCallback``: every finished episode and a snapshot of
     the policy weights every ``check_freq`` env steps, plus the trained weights.
 
     Steps are the client's cumulative env steps: ``start_step`` (steps of earlier

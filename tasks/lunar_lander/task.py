@@ -1,4 +1,4 @@
-"""Federated PPO on LunarLander-v3 across planets (seed 000): each client is one
+"""Federated PPO on LunarLander-v3 across planets (the PPO study): each client is one
 environment (moon, earth or mars gravity, its own wind), trains SB3's PPO locally
 from the global policy and sends the policy's weights back.
 
@@ -146,8 +146,8 @@ LUNAR_OPTIONS: tuple[Option, ...] = (
            "torch's intra-op threads while a client's PPO learns; 0: as many as its "
            "process has (under Ray, the ClientApp's num-cpus). One by default: a second "
            "thread speeds up SB3's small MLPs little or not at all, and spins on the core "
-           "the simulation's own processes need (bench/BENCHMARKS.md, \"One torch thread "
-           "for PPO.learn\").",
+           "the simulation's own processes need (studies/lunar-lands/README.md, "
+           "\"Throughput\").",
            low=0),
 )  # fmt: skip
 
@@ -175,7 +175,7 @@ def parameter_shapes(model: torch.nn.Module) -> list[list[Any]]:
 
 
 class LunarLanderTask(Task):
-    """PPO on LunarLander-v3, one environment per client (seed 000).
+    """PPO on LunarLander-v3, one environment per client (the PPO study).
 
     Options: ``LUNAR_OPTIONS`` (``ppo.*``) plus the top-level ``seed``, which
     also draws the derived clients' winds (``client_table``). ``self.clients``
@@ -341,7 +341,7 @@ class LunarLanderTask(Task):
             TRAIN_APPROX_KL: values.get("train/approx_kl"),
             TRAIN_LEARNING_RATE: values.get("train/learning_rate"),  # of the last update
             TRAIN_EPOCHS: epochs / rollouts if epochs is not None and rollouts else None,
-            TRAIN_SECONDS: result.learn_seconds,  # SB3's own work, for bench/ppo_throughput
+            TRAIN_SECONDS: result.learn_seconds,  # SB3's own work, against the round's wall time
         }
         # Left out rather than sent as NaN: the server rejects a reply with a non-finite
         # metric, so a round too short to end an episode would aggregate nothing.

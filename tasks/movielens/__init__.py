@@ -1,4 +1,4 @@
-"""MovieLens-1M recommendations with Neural Collaborative Filtering (seed 004): the real
+"""MovieLens-1M recommendations with Neural Collaborative Filtering (Subspace-DP-FL): the real
 ``ratings.dat`` (``movielens.data-path``) or a synthetic twin with latent structure,
 users as clients, NeuMF, and NCF's leave-one-out evaluation (AUC, HR@10)."""
 

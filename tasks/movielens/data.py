@@ -1,6 +1,6 @@
 """MovieLens-1M ratings: ``ratings.dat`` loading, a synthetic twin, the NCF splits.
 
-Seed 004 ("Subspace-DP-FL", /work/shared/seeds/004_faf96a1cb9f07583.txt) lists
+Subspace-DP-FL lists
 "MovieLens-1M Recommendations: Neural Collaborative Filtering (NCF), per-user
 personalized datasets, AUC-based evaluation". The real data is GroupLens's
 ``ratings.dat`` (lines ``UserID::MovieID::Rating::Timestamp``); it cannot be
@@ -8,22 +8,7 @@ downloaded here, so ``movielens.data-path`` names a local copy. When it is empty
 ``generate_synthetic`` draws ratings with user/item latent structure from the run
 seed.
 
-Implicit feedback follows NCF (He et al., 2017, "Neural Collaborative Filtering"): a
-rating >= ``movielens.positive-threshold`` is a positive interaction; every rated item
-(positive or not) counts as *interacted*, and negatives are sampled among the items a
-user has not interacted with. ``prepare`` makes the leave-one-out splits per user,
-ordering a user's positives by timestamp (ties: file order):
-
-- the latest positive is the user's **central test** interaction (the server holds one
-  held-out interaction per user), if the user has >= 2 positives;
-- the second latest is the user's **local test** interaction (kept by its client), if
-  the user has >= 3 positives;
-- every other positive is a **training** positive (so train, local test and central
-  test never overlap).
-
-Each held-out positive gets ``EVAL_NEGATIVES`` = 99 distinct, seeded, never-rated
-items (NCF's protocol). Loaded and prepared data are cached per process
-(``functools.lru_cache``); callers must not mutate them.
+Design notes: ``docs/notes.md``, ``tasks.movielens.data``.
 """
 
 from __future__ import annotations

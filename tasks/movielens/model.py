@@ -12,18 +12,7 @@ their outputs are concatenated and mapped to one logit by ``Linear(2d, 1)``; the
 sigmoid of the logit is the predicted probability of an interaction. Embeddings are
 initialised ``N(0, 0.01^2)`` as in the paper, linear layers with PyTorch's default.
 
-The user embedding tables are part of the global model (as in the paper, and the
-simplest federated choice). Row ``u`` gets a gradient only from user ``u``'s own
-interactions, so only the client holding user ``u`` changes it (Adam without weight
-decay leaves rows with zero gradient exactly unchanged, as does the FedProx term).
-
-The ranking metrics of NCF's leave-one-out protocol (each held-out positive against
-its sampled negatives) score with this model. With one held-out positive, a user's
-AUC is the Mann-Whitney statistic: the share of its negatives scored below the
-positive, ties counting 1/2 (exactly what ``sklearn.metrics.roc_auc_score`` returns
-for those labels). ``heldout_auc`` computes it for all users with one vectorised
-comparison instead of one sklearn call per user (6040 calls on ML-1M, every
-evaluation).
+Design notes: ``docs/notes.md``, ``tasks.movielens.model``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""MovieLens-1M recommendations with NCF, one or more users per client (seed 004).
+"""MovieLens-1M recommendations with NCF, one or more users per client (Subspace-DP-FL).
 
-Seed 004 ("Subspace-DP-FL", /work/shared/seeds/004_faf96a1cb9f07583.txt): "MovieLens-1M
+Subspace-DP-FL: "MovieLens-1M
 Recommendations: Neural Collaborative Filtering (NCF), per-user personalized datasets,
 AUC-based evaluation".
 
-- **Clients are users.** A seeded permutation ranks the users; partition ``p`` of
-  ``P`` holds the users whose rank is ``p (mod P)``. With ``P`` = the number of users
-  each client is exactly one user (cross-device FL); ``P`` may not exceed it.
-- **Data** (``tasks.movielens.data``): implicit feedback (rating >=
-  ``movielens.positive-threshold``), leave-one-out per user: the latest positive is on
-  the server (central test), the second latest on the client (local test), the rest is
-  the client's training set.
-- **User embeddings** are part of the global model; only the client holding user
-  ``u`` changes row ``u``. Under FedAvg the other clients return that row unchanged,
-  so it moves by its client's weight share of the update (slower than item rows).
-- **Training**: each training positive with ``movielens.negatives`` never-rated items,
-  re-sampled every epoch from ``LocalTraining.seed``; binary cross-entropy; Adam; the
-  FedProx term (Li et al., 2020) when ``proximal_mu > 0``.
-- **Evaluation** (NCF's protocol): each held-out positive against its 99 sampled
-  negatives. ``eval-auc`` is the per-user AUC, averaged over users; ``eval-hr10`` the
-  share of users whose positive ranks in the top 10 of the 100; ``eval-loss`` the BCE
-  of the positive and its first ``movielens.negatives`` negatives (the training
-  objective's 1:k ratio, so it is comparable with ``train-loss``).
+Design notes: ``docs/notes.md``, ``tasks.movielens.task``.
 """
 
 from __future__ import annotations

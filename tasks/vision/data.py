@@ -6,19 +6,7 @@ shipped with scikit-learn, so it works offline: a seeded stratified split holds 
 With a central warm start, ``split_public`` splits the held-out set once more
 into public warm-start data and the central test set.
 
-Label groups (seed 004, Subspace-DP-FL: "group fairness metrics (digits vs.
-letters)" on EMNIST): ``label_groups`` names disjoint sets of labels, EMNIST's
-``digits`` (0-9) and ``letters`` (10-61), or ``low`` / ``high`` halves of any label
-set, the offline stand-in on digits. ``thin_labels`` keeps a seeded fraction of
-one group's training examples, making it a minority as EMNIST's letters are (each
-letter class is rarer than each digit class); ``group_metrics`` turns per-label
-evaluation tallies into per-group accuracies and the fairness gap.
-``mnist``, ``cifar10`` and ``emnist`` come from the Hugging Face Hub through
-``flwr_datasets.FederatedDataset`` (see ``tasks.vision.hub``).
-
-Every loaded partition and test set is converted to normalised float tensors once
-and cached per process (``functools.lru_cache``), keyed by the dataset, the
-partitioning settings, the partition id and the number of partitions.
+Design notes: ``docs/notes.md``, ``tasks.vision.data``.
 """
 
 from __future__ import annotations
@@ -371,7 +359,7 @@ def load_digits_central_test(
     return CentralTestSet(digits_tensors(normalize).subset(central))
 
 
-# --- label groups (seed 004: digits vs. letters) -------------------------------------
+# --- label groups (Subspace-DP-FL: digits vs. letters) -------------------------------------
 
 GROUPINGS = ("auto", "none", "digits-letters", "low-high")
 GROUP_KEEP_STREAM = 1  # tells the thinning generator apart from the local split's

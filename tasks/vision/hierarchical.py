@@ -1,4 +1,4 @@
-"""Local training under hierarchical FL (seed 003) for the vision tasks.
+"""Local training under hierarchical FL (frontloaded-dp-hfl) for the vision tasks.
 
 Each edge aggregation asks a client for tau_1 = ``local.local_updates`` local
 iterations: mini-batch SGD steps for the baseline and CP-NP (the loader is cycled,

@@ -1,40 +1,6 @@
 """Image classifiers for 8x8 to 32x32 inputs, Opacus-compatible (no BatchNorm).
 
-- ``mlp``: the flattened image, one hidden ReLU layer of 64 units (4 810 weights on
-  digits): the model of the shared peer workload. DP noise grows with √d, so a small
-  model is what client-level DP on a few clients can train (LeNet has 21 386).
-- ``lenet``: LeNet-5 (LeCun et al., 1998, "Gradient-based learning applied to
-  document recognition") with ReLU and max-pooling; convolutions are zero-padded
-  where the image is too small for the classic unpadded 5x5 stack.
-- ``cnn``: three conv-GroupNorm-ReLU-maxpool blocks and a two-layer head with dropout,
-  the usual small CIFAR-10 network of federated-learning papers.
-- ``cnn-complex-2`` and ``cnn-complex-3``: seed 003's CIFAR-10 CNNs (frontloaded-dp-hfl
-  ``--model cnn_complex_2`` / ``cnn_complex_3``, from HierFL, Liu et al., 2020,
-  ``models/cifar_cnn_3conv_layer.py`` and ``cifar_cnn_2conv``). ``cnn-complex-2``: two
-  unpadded 5x5 conv(64)-ReLU-maxpool blocks and a 200-unit hidden layer (429,538
-  parameters on CIFAR-10). ``cnn-complex-3``: three blocks of two 3x3 convolutions
-  (32-64, 128-128, 256-256), each block max-pooled, and a 1024-512 head with dropout
-  (5,852,170 parameters on CIFAR-10). Changes from the seed: any input channels and
-  classes; the flattened size follows the image (the seed hard-codes 32x32); below 16
-  pixels ``cnn-complex-2`` pads its convolutions by 2 (digits' 8x8 images would
-  otherwise vanish); GroupNorm replaces ``cnn-complex-3``'s BatchNorm and ReLUs are
-  not in-place (both for Opacus). Both keep PyTorch's default init, as the seed does.
-- ``resnet18`` (He et al., 2016) and ``mobilenet_v2`` (Sandler et al., 2018) from
-  torchvision, randomly initialised, with the first convolution adapted to the input
-  channels and, for images up to 64 pixels, the CIFAR-style stem (3x3 stride-1
-  convolution, no max-pool).
-
-``lenet`` uses He initialisation (He et al., 2015): with PyTorch's default init the
-ReLU LeNet sits on the uniform-prediction plateau for the first hundred or so steps,
-which is most of a federated round on a small client. ``cnn`` keeps PyTorch's default
-init: with GroupNorm, He init of its head diverges at the default ``train.lr`` 0.05.
-
-BatchNorm is replaced by GroupNorm (Wu & He, 2018) everywhere: DP-SGD with Opacus
-needs per-example gradients, which BatchNorm's batch statistics break.
-
-Head-only training (the Subspace-DP-FL seed's "head-only FedAvg: fine-tune final
-layers only"): a model's head is its last ``nn.Linear`` (``head_parameter_names``);
-``train_head_only`` freezes everything else, parameters and running statistics.
+Design notes: ``docs/notes.md``, ``tasks.vision.models``.
 """
 
 from __future__ import annotations
@@ -157,7 +123,7 @@ class SmallCNN(nn.Module):
 
 
 class CifarCNN2Conv(nn.Module):
-    """Seed 003's ``cnn_complex_2``: conv5x5(64)-pool-conv5x5(64)-pool-fc(200)-fc.
+    """frontloaded-dp-hfl's ``cnn_complex_2``: conv5x5(64)-pool-conv5x5(64)-pool-fc(200)-fc.
 
     Parameters
     ----------
@@ -207,7 +173,7 @@ def conv_block(channels: tuple[int, int, int], dropout: float = 0.0) -> list[nn.
 
 
 class CifarCNN3Conv(nn.Module):
-    """Seed 003's ``cnn_complex_3``: three two-conv blocks and a 1024-512 MLP head.
+    """frontloaded-dp-hfl's ``cnn_complex_3``: three two-conv blocks and a 1024-512 MLP head.
 
     Parameters
     ----------
@@ -288,7 +254,7 @@ def mobilenet_v2(in_channels: int, num_classes: int, image_size: int) -> nn.Modu
 
 class MLP(nn.Module):
     """The flattened image through one hidden ReLU layer: 64 -> 64 -> 10 on digits, the
-    model of the shared peer workload (``shared/peers/README.md``; pfl-research's and
+    model of the shared peer workload (the peer workload's description; pfl-research's and
     bare Flower's digits MLP), with PyTorch's default initialisation as theirs.
 
     Parameters

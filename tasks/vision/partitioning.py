@@ -1,52 +1,6 @@
 """Federated partitioning of a labelled dataset with flwr-datasets partitioners.
 
-Modes (run-config ``data.partitioner``):
-
-- ``iid``: ``IidPartitioner``, equal contiguous shards
-  of the seeded-shuffled pool.
-- ``dirichlet``: label skew, ``DirichletPartitioner``
-  (Yurochkin et al., 2019, "Bayesian Nonparametric Federated Learning of Neural
-  Networks"; Hsu et al., 2019): each class is divided among the clients in
-  proportions drawn from ``Dir(alpha)``; small ``alpha`` means strong skew.
-- ``pathological``: ``PathologicalPartitioner`` (Li et
-  al., 2022, "Federated Learning on Non-IID Data Silos: An Experimental Study"): each
-  client holds exactly ``data.classes-per-client`` classes, assigned in the paper's
-  ``first-deterministic`` mode (client ``i`` gets class ``i % num_classes`` plus
-  seeded random others), so every class is used once there are at least as many
-  clients as classes.
-- ``linear`` / ``square`` / ``exponential``: quantity skew with IID labels; client
-  ``i`` (0-based) holds a share of the pool proportional to ``i + 1``,
-  ``(i + 1)^2`` or ``e^(i + 1)`` (flwr-datasets ``IdToSizeFncPartitioner`` family).
-- ``one-class``: every client holds a single class; ``data.edge-iid`` decides how
-  the classes spread over the edges of hierarchical FL (``one_class_partition``,
-  written here: flwr-datasets has no edge-aware partitioner).
-
-Seed 003 (frontloaded-dp-hfl, after HierFL) names its splits by ``--iid``; they map
-to these modes as follows.
-
-- ``1`` (IID labels, equal sizes) -> ``iid``.
-- ``0`` (non-IID labels, equal sizes) -> ``pathological`` with
-  ``data.classes-per-client`` (the seed uses 2). Not identical: the seed sorts the
-  pool by label and hands each client ``2`` random shards of equal size, so sizes
-  are equal and a client holds 1 to 4 classes (a shard can straddle a class
-  boundary); PathologicalPartitioner gives every client *exactly* its classes and
-  divides each class equally among the clients holding it, so sizes vary with how
-  many clients share a class (digits, 10 clients x 2 classes, seed 1: 119 to 215
-  examples; with 1 class per client sizes are equal up to the class frequencies).
-- ``-1`` (IID labels, unequal sizes) -> ``linear`` / ``square`` / ``exponential``.
-  Not identical: the seed draws the sizes at random (``100`` each plus a
-  ``Multinomial`` over ``Dirichlet(1)`` shares); here the sizes grow with the
-  partition id by a fixed law.
-- ``-2`` (one class per client) with ``--edgeiid 1`` / ``0`` -> ``one-class`` with
-  ``data.edge-iid`` true / false. The seed cuts the label-sorted pool into one shard
-  per client and then builds the edges from the clients' classes (edge-iid: one
-  client of each of its 10 classes per edge; edge-non-iid: hand-written 5-class
-  ranges for 5 edges). Here the edges are fixed contiguous blocks of partition ids
-  (``tasks.topology.edge_of``, ``hier.num-edges``) and the *classes* are dealt to
-  fit them, which works for any numbers of clients, edges and classes.
-
-Each partition is then split into a local train and test split with a seeded
-permutation (``split_local``).
+Design notes: ``docs/notes.md``, ``tasks.vision.partitioning``.
 """
 
 from __future__ import annotations
@@ -67,7 +21,7 @@ PARTITIONERS = (
     "iid", "dirichlet", "pathological", "linear", "square", "exponential", "one-class",
     "array-split",
 )  # fmt: skip
-# The shared peer workload's split (shared/peers/README.md), digits only: the central
+# The shared peer workload's split, digits only: the central
 # test set of scikit-learn's train_test_split(random_state=0), and the training rows in
 # that split's order permuted by numpy's default_rng(0) and cut by np.array_split.
 ARRAY_SPLIT_SEED = 0
@@ -230,12 +184,10 @@ def one_class_partition(
     edge_iid: bool,
     rng: np.random.Generator,
 ) -> list[np.ndarray]:
-    """Give every client one class; spread the classes over the edges (seed 003, -2).
+    """Give every client one class; spread the classes over the edges (frontloaded-dp-hfl, -2).
 
-    The classes are shuffled with ``rng`` and dealt by ``one_class_assignment``;
-    the examples of a class are shuffled with ``rng`` and split among the clients
-    holding it in near-equal parts (sizes differ by at most one). A class no client
-    holds (fewer clients than classes) is left out, with a warning.
+    Classes are dealt by ``one_class_assignment``; a class's examples are split among
+    its clients in near-equal parts. A class no client holds is left out, with a warning.
 
     Parameters
     ----------
@@ -244,23 +196,17 @@ def one_class_partition(
     num_partitions : int
         Number of clients.
     num_edges : int
-        Number of edges (``hier.num-edges``); edges are contiguous blocks of ids
-        (``tasks.topology.edge_of``).
+        Number of edges (``hier.num-edges``), contiguous blocks of ids.
     edge_iid : bool
-        ``data.edge-iid``: true, each edge covers as many classes as it can; false,
-        as few as it can (its clients share classes; edges differ).
+        ``data.edge-iid``: each edge covers as many classes as it can (true) or as few.
     rng : numpy.random.Generator
         Source of the class order and of each class's split.
 
     Returns
     -------
     list of numpy.ndarray
-        Sorted positions into ``labels`` of each partition; disjoint.
-
-    Raises
-    ------
-    ValueError
-        If ``num_edges`` is out of range or a class has fewer examples than clients.
+        Sorted positions into ``labels`` of each partition; disjoint. ValueError if
+        ``num_edges`` is out of range or a class has fewer examples than clients.
     """
     labels = np.asarray(labels)
     classes = rng.permutation(np.unique(labels))

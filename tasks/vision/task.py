@@ -5,27 +5,13 @@ proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``, or, w
 the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
 ``tasks.dpsgd``.
 
-As in seed 003 (frontloaded-dp-hfl, after HierFL), the learning rate can decay
+As in frontloaded-dp-hfl (after HierFL), the learning rate can decay
 exponentially with the client's cumulative local epochs (``train.lr-decay`` every
 ``train.lr-decay-epochs``; ``decayed_lr``), and ``train.deterministic`` runs local
 training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
 section; ``deterministic_torch``).
 
-Subspace-DP-FL's CIFAR-10 preset ("central warm-start ... head-only FedAvg,
-fine-tune final layers only"): ``subspace.warm-start`` epochs of central SGD on public
-data before round 1 (``ImageClassificationTask.warm_start``), then, with
-``subspace.head-only``, clients train only the last linear layer
-(``train_head_only``). No client's data is public: the public
-split is a seeded stratified ``subspace.public-fraction`` of the server's held-out set,
-and the central test set is the rest of it.
-
-Subspace-DP-FL also reports "group fairness metrics (digits vs. letters)" on EMNIST:
-with ``data.groups`` (``auto``: digits-letters on emnist), ``evaluate`` adds each
-group's accuracy and example count and the ``fairness-gap`` (best minus worst group
-accuracy), from the same pass as the loss. ``data.group-keep`` < 1 keeps only that
-fraction of the last group in every client's train split (the ``low-high`` stand-in
-on digits then has a minority group, as EMNIST has in its letters), and
-``public_gradients`` can be restricted to one group.
+Design notes: ``docs/notes.md``, ``tasks.vision.task``.
 """
 
 from __future__ import annotations
@@ -95,7 +81,7 @@ WARM_START_ACCURACY = "warm-start-accuracy"
 
 
 def decayed_lr(lr: float, decay: float, decay_epochs: int, epochs_done: int) -> float:
-    """``lr * decay ** floor(epochs_done / decay_epochs)`` (seed 003's exponential decay).
+    """``lr * decay ** floor(epochs_done / decay_epochs)`` (frontloaded-dp-hfl's decay).
 
     ``epochs_done`` counts the client's local epochs before the current one, over all
     the rounds it trained in.

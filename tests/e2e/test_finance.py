@@ -1,4 +1,4 @@
-"""`flwr run` of the tabular regression task (seed 001) on 4 SuperNodes: SmartFedProx
+"""`flwr run` of the tabular regression task (the SmartFedProx study) on 4 SuperNodes: SmartFedProx
 with hybrid selection after a one-round cold start, the same under DP-FedAvg with
 adaptive clipping (noised divergence reports), FedAvg with FedBN layers, and FedAvg
 with sample-level DP-SGD on the LayerNorm MLP.

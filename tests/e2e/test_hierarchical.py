@@ -1,4 +1,4 @@
-"""`flwr run` of hierarchical FL (seed 003) on digits: 4 SuperNodes in 2 edges, every
+"""`flwr run` of hierarchical FL (frontloaded-dp-hfl) on digits: 4 SuperNodes in 2 edges, every
 client mode (baseline, CG-NG, CG-NP, CP-NP), 2 cloud rounds of 2 edge aggregations.
 
 CP-NP goes through `flwr run`; the other modes are made in process

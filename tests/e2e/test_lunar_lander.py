@@ -1,5 +1,5 @@
-"""`flwr run` of the federated PPO task (seed 000) on 3 SuperNodes (one per planet):
-fedavg, clustered FedAvg, the Laplace mechanism and the options of issue 28 (kept Adam
+"""`flwr run` of the federated PPO task (the PPO study) on 3 SuperNodes (one per planet):
+fedavg, clustered FedAvg, the Laplace mechanism and the options of the study that lands (kept Adam
 state, the gravity input, a server optimizer, seeded evaluation with standard errors),
 each for 2 tiny rounds.
 

@@ -1,5 +1,5 @@
 """The same seed twice gives the same metrics.csv through `flwr run` and Ray; another
-seed does not (issue 11).
+seed does not.
 
 Every column is compared bit for bit except the wall-clock ones (``TIMING_COLUMNS``).
 Flower draws new node ids in every run and replies arrive in any order: sampling over

@@ -1,4 +1,4 @@
-"""The statistics of ``bench/lunar_lands.py`` (issue 28's study), on hand-made runs:
+"""The statistics of ``bench/lunar_lands.py`` (federated PPO that lands), on hand-made runs:
 Student-t intervals, the stability rule, env steps from participation.csv and the
 plain verdict on overlapping intervals."""
 

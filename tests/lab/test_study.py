@@ -115,11 +115,16 @@ def test_the_study_refuses_other_tasks():
 
 
 @pytest.mark.skipif("lunar-lander" not in tasks.REGISTRY, reason="lunar-lander not registered")
-@pytest.mark.parametrize(("prefix", "clients"), [("lunar", 9), ("seed-lunar", 33)])
-def test_lunar_presets_need_one_supernode_per_client(prefix, clients):
+@pytest.mark.parametrize(
+    ("study_name", "clients", "base_clients"),
+    [("lunar-laptop", 9, 0), ("lunar-lands", 9, 13), ("lunar-full-size", 33, 0)],
+)
+def test_lunar_presets_need_one_supernode_per_client(study_name, clients, base_clients):
     # The base-clients presets federate the three planets' base clients alone, the
     # pairs presets (lunar-fl-lands among them) one derived client per planet beside them.
-    paths = sorted(str(p) for p in (REPO / "experiments").glob(f"{prefix}-*.toml"))
+    paths = sorted(str(p) for p in (REPO / "studies" / study_name / "presets").glob("*.toml"))
+    if study_name == "lunar-lands":
+        paths += sorted(str(p) for p in (REPO / "experiments").glob("lunar-*.toml"))
     presets = study.load_presets(paths)
     base_only = [p for p in presets if p.name.startswith("lunar-fl-lands-base-clients")]
     pairs = [p for p in presets if p.name.startswith("lunar-fl-lands-pairs")]
@@ -127,8 +132,31 @@ def test_lunar_presets_need_one_supernode_per_client(prefix, clients):
     others = [p for p in presets if p not in base_only + pairs]
     expected = {clients: others, 3: base_only, 6: pairs} if base_only else {clients: others}
     assert study.group_by_size(presets, 10) == expected
-    assert len(base_only) == (13 if prefix == "lunar" else 0)
-    assert len(pairs) == (11 if prefix == "lunar" else 0)
+    assert len(base_only) == base_clients
+
+
+def test_a_study_preset_is_its_base_with_its_own_keys_replacing_the_bases(tmp_path):
+    (tmp_path / "presets").mkdir()
+    base = 'task = "digits"\nnum-server-rounds = 3\n[fedprox]\nmu = 0.5\n'
+    (tmp_path / "base.toml").write_text(base)
+    overlay = tmp_path / "presets" / "fedprox.toml"
+    overlay.write_text('strategy = "fedprox"\nnum-server-rounds = 5\n')
+    preset = study.load_preset(overlay, study.app_defaults(), needed=lambda _: None)
+    assert preset.name == "fedprox"
+    assert preset.overrides == {
+        "task": "digits",
+        "num-server-rounds": 5,
+        "fedprox.mu": 0.5,
+        "strategy": "fedprox",
+    }
+    assert preset.run_config["num-server-rounds"] == 5
+    # base.toml itself, or a file outside a presets/ folder, is read as it is
+    plain = tmp_path / "fedprox.toml"
+    plain.write_text(overlay.read_text())
+    assert study.load_preset(plain, study.app_defaults(), needed=lambda _: None).overrides == {
+        "strategy": "fedprox",
+        "num-server-rounds": 5,
+    }
 
 
 def test_presets_are_grouped_by_the_supernodes_they_need():

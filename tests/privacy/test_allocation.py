@@ -1,4 +1,4 @@
-"""Water-filling (Theorem 5) and the group-fairness program (Theorem 9) of seed 004."""
+"""Water-filling (Theorem 5) and the group-fairness program (Theorem 9) of Subspace-DP-FL."""
 
 from __future__ import annotations
 

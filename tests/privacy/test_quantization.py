@@ -1,4 +1,4 @@
-"""Anisotropic subtractive-dither quantization and the Gaussian top-up (seed 004)."""
+"""Anisotropic subtractive-dither quantization and the Gaussian top-up (Subspace-DP-FL)."""
 
 from __future__ import annotations
 

@@ -114,6 +114,11 @@ def test_an_unknown_preset_names_the_close_ones():
         config.load({**pyproject_defaults(), "preset": "../pyproject"})
 
 
+def test_a_study_preset_named_as_a_preset_points_to_its_study():
+    with pytest.raises(presets.PresetError, match=r"studies/lunar-laptop/: run it with"):
+        presets.load_preset("lunar-standard-fl")
+
+
 def test_a_key_given_at_its_default_that_the_preset_sets_is_refused():
     fused = {**pyproject_defaults(), "preset": PRESET, "num-server-rounds": 10}
     with pytest.raises(ConfigError, match=r"num-server-rounds=10 \(the preset has 30\)"):

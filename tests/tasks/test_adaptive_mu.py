@@ -1,4 +1,4 @@
-"""Adaptive mu, EMA and model divergence (seed 001, sections 2.3 and 3) against
+"""Adaptive mu, EMA and model divergence (the SmartFedProx study, sections 2.3 and 3) against
 hand-computed values."""
 
 import math

@@ -1,4 +1,4 @@
-"""Seed 003's front-loaded DP client modes (tasks.frontloaded): CG-NG, CG-NP, CP-NP.
+"""frontloaded-dp-hfl's front-loaded DP client modes (tasks.frontloaded): CG-NG, CG-NP, CP-NP.
 
 Expected values are computed by hand on models whose gradients are known in closed
 form: ``nn.Linear(2, 1, bias=False)`` with loss ``mean(output)`` has batch gradient

@@ -1,4 +1,4 @@
-"""Federated PPO on LunarLander (seed 000) without Flower: client table, node-config
+"""Federated PPO on LunarLander (the PPO study) without Flower: client table, node-config
 environments, policy weights, the FedProx hooks, tiny local PPO rounds, evaluation
 and options.
 
@@ -119,7 +119,7 @@ def test_client_table_is_reproducible_from_the_seed_alone():
 
     # Assert
     assert first == again
-    assert len(first) == 33  # seed 000: 3 base clients + 10 derived per planet
+    assert len(first) == 33  # the PPO study: 3 base clients + 10 derived per planet
     assert first[:3] == other[:3]
     assert [c.wind_power for c in first[3:]] != [c.wind_power for c in other[3:]]
     assert len({c.wind_power for c in first[3:]}) == 30

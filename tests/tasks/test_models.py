@@ -79,7 +79,7 @@ def _linear(n_in: int, n_out: int) -> int:
     return n_in * n_out + n_out
 
 
-# Seed 003's CIFAR-10 CNNs (HierFL): parameter counts from their layer shapes by hand.
+# frontloaded-dp-hfl's CIFAR-10 CNNs (HierFL): parameter counts from their layer shapes by hand.
 # cnn-complex-2 on 32x32: 32 -5-> 28 -pool-> 14 -5-> 10 -pool-> 5, so 64 * 5 * 5 features.
 CNN2_CIFAR = _conv(3, 64, 5) + _conv(64, 64, 5) + _linear(64 * 5 * 5, 200) + _linear(200, 10)
 # cnn-complex-3 on 32x32: three pools, 256 * 4 * 4 = 4096 features; GroupNorm (like the

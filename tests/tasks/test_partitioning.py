@@ -223,7 +223,7 @@ def test_split_local_sizes(n, fraction, expected):
     assert sorted(np.concatenate([train, test]).tolist()) == list(range(n))
 
 
-# --- one-class (seed 003, --iid -2) -------------------------------------------------
+# --- one-class (frontloaded-dp-hfl, --iid -2) -------------------------------------------------
 
 # 4 classes of 10, 12, 9 and 11 examples, interleaved.
 LABELS = np.array([c for c, k in enumerate([10, 12, 9, 11]) for _ in range(k)])[

@@ -1,4 +1,4 @@
-"""Group fairness metrics of the vision tasks (seed 004: "digits vs. letters").
+"""Group fairness metrics of the vision tasks (Subspace-DP-FL: "digits vs. letters").
 
 EMNIST is on the Hugging Face Hub (offline here); the digits task with
 ``data.groups = "low-high"`` is the offline stand-in: labels 0-4 ("low") and 5-9

@@ -396,7 +396,7 @@ def test_one_class_with_more_edges_than_clients_raises(fake_hub):
 
 
 def test_array_split_is_the_peer_workloads_split_whatever_the_seed():
-    # shared/peers/README.md: X / 16; train_test_split(test_size=0.2, random_state=0,
+    # the peer workload's description: X / 16; train_test_split(test_size=0.2, random_state=0,
     # stratify=y); clients np.array_split(default_rng(0).permutation(n_train), N).
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split

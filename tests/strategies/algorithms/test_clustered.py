@@ -1,4 +1,4 @@
-"""Clustered FedAvg (seed 000 section 5, IFCA) on hand-built uploads with three
+"""Clustered FedAvg (the PPO study section 5, IFCA) on hand-built uploads with three
 well-separated groups, against hand-computed means, assignments and counts."""
 
 import json

@@ -1,4 +1,4 @@
-"""HierarchicalFedAvg (seed 003, HierFAVG) against a scripted grid of clients: edge and
+"""HierarchicalFedAvg (HierFAVG) against a scripted grid of clients: edge and
 cloud aggregates, delta mode and sampling checked against hand-computed values."""
 
 import logging

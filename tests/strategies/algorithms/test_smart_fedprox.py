@@ -1,4 +1,4 @@
-"""SmartFedProx (seed 001, sections 1-3): hybrid selection, per-node adaptive-mu
+"""SmartFedProx (the SmartFedProx study, sections 1-3): hybrid selection, per-node adaptive-mu
 inputs, reply validation and FedAvg aggregation, against hand-computed values."""
 
 import logging

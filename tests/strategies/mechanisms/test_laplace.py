@@ -1,4 +1,4 @@
-"""The Laplace wrapper (seed 000): unweighted mean of noisy deltas over the clients
+"""The Laplace wrapper (the PPO study): unweighted mean of noisy deltas over the clients
 asked (a failed one: a zero delta with server-drawn noise), one charge per round, the
 per-client view against the server, and hand-over of the checked uploads to a strategy
 that aggregates them itself."""

@@ -141,7 +141,7 @@ class CostlyGrid(PollingGrid):
 
 def test_pulls_take_at_most_their_share_of_the_wait_however_many_are_pending(clock):
     # 2 000 clients, all replying at 30 s; a pull costs 5 us per pending ID: 10 ms,
-    # what Flower's in-memory LinkState took on this VM (bench/pull_cost.py: 9.5 ms)
+    # what Flower's in-memory LinkState took on this VM (9.5 ms; studies/lunar-lands)
     grid = CostlyGrid([30.0] * 2000, clock, per_pending=5e-6)
     started = clock.monotonic()
     cap = messaging.SIMULATION_MAX_POLL
