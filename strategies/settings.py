@@ -53,16 +53,17 @@ class Typed:
     ``options`` (a copy with other ``options`` builds its own)."""
 
     options: Mapping[str, Scalar]
-    parts: dict[type, tuple[Mapping[str, Scalar], Any]]
+    parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]]
 
     def part(self, cls: type[S]) -> S:
         """The settings of part ``cls``, from ``options`` (its defaults for a key the
         options lack)."""
-        source, found = self.parts.get(cls, (None, None))
-        if source is not self.options:
-            found = cls.from_options(ChainMap(self.options, cls.defaults()))  # type: ignore[arg-type]
-            self.parts[cls] = (self.options, found)
-        return found
+        # Keyed by the options object too (each entry holds it, so its id stays unique).
+        key = (cls, id(self.options))
+        if key not in self.parts:
+            built = cls.from_options(ChainMap(self.options, cls.defaults()))  # type: ignore[arg-type]
+            self.parts[key] = (self.options, built)
+        return self.parts[key][1]
 
 
 @dataclass(frozen=True)
