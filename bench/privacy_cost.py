@@ -44,7 +44,6 @@ from privacy.mechanisms import (
     gaussian_noise_like,
     make_generator,
 )
-from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from privacy.subspace import EllipticalGaussianMechanism, SubspaceMetric, uniform_allocation
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from tasks.vision.data import CIFAR10, DIGITS, DatasetSpec

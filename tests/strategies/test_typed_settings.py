@@ -6,9 +6,9 @@ import pytest
 
 from server_app import config
 from strategies import registry
-from strategies.private import DPSettings
-from strategies.secagg import SecAggSettings
-from strategies.smart_fedprox import SmartSettings
+from strategies.algorithms.smart_fedprox.strategy import SmartSettings
+from strategies.mechanisms.base import DPSettings
+from strategies.secure.secagg_plus import SecAggSettings
 from tests.inprocess import pyproject_defaults
 
 
