@@ -130,8 +130,8 @@ def participation(
         node = message.metadata.dst_node_id
         row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
         reply = answers.get(id(message))
-        if reply is None:
-            row["error"] = "no reply"
+        if reply is None:  # SecAgg+: a node dropped at a stage, with its reason
+            row["error"] = notes.get(node) or "no reply"
         elif reply.has_error():
             row["error"] = reply.error.reason
         else:

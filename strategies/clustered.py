@@ -58,7 +58,7 @@ from protocol.keys import cluster_model_key, cluster_score_key
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
 from protocol.replies import checked_metrics, metrics_of
 from strategies.aggregation import weighted_metrics
-from strategies.messaging import send_and_receive
+from strategies.messaging import send_and_receive, size_screen
 from strategies.nodes import nodes_for_round
 from strategies.partitions import PartitionMap
 from strategies.sampling import seeded_sample
@@ -550,7 +550,9 @@ class ClusteredFedAvg(Strategy):
         ]
         replies = {
             m.metadata.src_node_id: m
-            for m in send_and_receive(grid, queries, timeout=self.query_timeout)
+            for m in send_and_receive(
+                grid, queries, timeout=self.query_timeout, screen=size_screen(queries)
+            )
         }
         choices = {}
         for node in nodes:

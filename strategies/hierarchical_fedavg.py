@@ -28,7 +28,7 @@ from protocol import keys
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
 from protocol.replies import checked_metrics, is_number, metrics_of
 from strategies.aggregation import weighted_metrics
-from strategies.messaging import send_and_receive
+from strategies.messaging import send_and_receive, size_screen
 from strategies.nodes import nodes_for_round, wait_for_nodes
 from strategies.partitions import PartitionMap
 from strategies.sampling import sample_uniform, seeded_sample
@@ -332,7 +332,9 @@ class HierarchicalFedAvg(FedAvg):
         for k in range(1, self.edge_rounds):
             sample = self._sample_clients(state)
             self._call(self.before_edge_aggregation, state, k, sample)
-            replies = send_and_receive(grid, self._train(state, k, sample), timeout=self.timeout)
+            messages = self._train(state, k, sample)
+            screen = size_screen(messages)
+            replies = send_and_receive(grid, messages, timeout=self.timeout, screen=screen)
             self._aggregate_edges(state, k, sample, replies)
         state.pending = self._sample_clients(state)
         self._call(self.before_edge_aggregation, state, self.edge_rounds, state.pending)
@@ -391,7 +393,8 @@ class HierarchicalFedAvg(FedAvg):
         content = RecordDict({keys.CONFIG: config})
         queries = [_message(n, content, QUERY_TYPE, server_round) for n in unknown]
         replies: dict[int, Message] = {}
-        for reply in send_and_receive(grid, queries, timeout=self.timeout):
+        screen = size_screen(queries)
+        for reply in send_and_receive(grid, queries, timeout=self.timeout, screen=screen):
             replies.setdefault(int(reply.metadata.src_node_id), reply)
         failed = 0
         for node in unknown:
