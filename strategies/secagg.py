@@ -71,7 +71,16 @@ from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
-from protocol.masking import MASKED, mask, pairwise_seed, reduce, transport_dtype
+from protocol.masking import (
+    MASKED,
+    MAX_CIPHERTEXT_BYTES,
+    MAX_KEY_BYTES,
+    MAX_SHARE_BYTES,
+    mask,
+    pairwise_seed,
+    reduce,
+    transport_dtype,
+)
 from protocol.replies import REPLY_MARGIN_BYTES, REPLY_MARGIN_SHARE, oversized_reason
 from strategies.messaging import send_and_receive
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
@@ -81,11 +90,6 @@ ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding p
 # TOML and Flower's ConfigRecord hold it) can state. The masking works in uint64 up to
 # 2^64 (protocol.masking), so this bound is the config's, not the arithmetic's.
 MAX_MODULUS = 2**62
-# The largest item an honest client sends in each stage, with ample room: a P-384
-# public key is 215 bytes (PEM), an encrypted pair of shares 612, a share 52-200.
-MAX_KEY_BYTES = 1024
-MAX_CIPHERTEXT_BYTES = 4096
-MAX_SHARE_BYTES = 2048
 KEY_CURVE = "secp384r1"  # Flower's SecAgg+ key pairs (generate_key_pairs)
 
 
