@@ -118,7 +118,8 @@ def participation(
     one no aggregate took (its metrics are left out of the row, as of the round's
     aggregates), ``note`` for one aggregated otherwise (a clipped weight) or left out
     by a robust rule. ``notes`` are the strategy's verdicts (node -> reason, ""
-    accepted; :meth:`PartitionMap.note`); a reply without one is checked here against
+    accepted; :meth:`PartitionMap.note`; for a node without a reply, e.g. one SecAgg+
+    dropped at a stage, the error); a reply without one is checked here against
     the model it was sent (:func:`check_reply`) unless ``check`` is false (SecAgg+:
     the replies hold masked vectors, not models).
     """
