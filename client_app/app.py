@@ -266,14 +266,18 @@ def cluster_scores(msg: Message, context: Context) -> Message:
 @app.query(keys.PARTITION_QUERY)
 def partition(msg: Message, context: Context) -> Message:
     """Tell the server this node's partition id (it orders nodes by it: reproducible
-    sampling and summation whatever node ids Flower assigned)."""
+    sampling and summation whatever node ids Flower assigned) and, where the task's
+    ``num-examples`` counts data, its training-set size (the most its replies weigh)."""
     pid, num = _node_partition(context.node_config)
     metrics = {keys.PARTITION_ID: pid}
-    task = _task(tuple(sorted(context.run_config.items())))
+    task, _, data, _ = _setup(context)
     if task.partition_from_node_config(context.node_config) is None:
         # Its data is partition pid of num (not named by the node config, e.g. a planet):
         # the server checks num against the task and the other nodes.
         metrics[keys.NUM_PARTITIONS] = num
+    bound = task.weight_bound(data)
+    if bound is not None:
+        metrics[keys.NUM_EXAMPLES] = int(bound)
     return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 

@@ -24,8 +24,9 @@ ClientApp processes): tagged with the round, hidden from the rest of the ClientA
 while it trains (so no saved client state holds them), and dropped when the unmask
 stage ends, on any refusal, and on any message outside a secure round.
 **Refusals**: a request an honest server never sends (:func:`check_unmask`: a survivor
-also listed as dropped, a node that shared no keys with this client, ...) gets an error
-reply, and the secrets are dropped first. Rationale: ``docs/privacy.md``.
+also listed as dropped, a node that shared no keys with this client, a relayed key or
+ciphertext larger than an honest client's, ...) gets an error reply, and the secrets
+are dropped first. Rationale: ``docs/privacy.md``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ from privacy.mechanisms import client_noise_generator
 from privacy.skellam import SecureSumEncoding
 from privacy.subspace import flatten
 from protocol import keys
-from protocol.masking import mask, masked_record, pairwise_seed, reduce
+from protocol.masking import (
+    MAX_CIPHERTEXT_BYTES,
+    MAX_KEY_BYTES,
+    mask,
+    masked_record,
+    pairwise_seed,
+    reduce,
+)
 from protocol.records import InvalidReply, arrays_of
 
 ROUND = "secagg-round"  # the state record's tag: the group id (server round) it belongs to
@@ -93,12 +101,16 @@ def check_setup(configs: ConfigRecord) -> None:
 
 
 def check_neighbours(state: SecAggPlusState, configs: ConfigRecord) -> None:
-    """Refuse a share-keys request naming more neighbours than the shares set up."""
+    """Refuse a share-keys request naming more neighbours than the shares set up, or
+    relaying a public key larger than any honest client's."""
     if len(configs) > state.share_num:
         raise Refused(
             f"share-keys lists {len(configs)} neighbours (this client included), "
             f"more than the {state.share_num} shares set up"
         )
+    for node, pair in configs.items():
+        if any(len(key) > MAX_KEY_BYTES for key in cast(list[bytes], pair)):
+            raise Refused(f"share-keys relays a key of node {node} over {MAX_KEY_BYTES} bytes")
 
 
 def check_unmask(state: SecAggPlusState, configs: ConfigRecord) -> None:
@@ -144,6 +156,8 @@ def _receive_shares(state: SecAggPlusState, configs: ConfigRecord) -> list[int]:
         raise ValueError("SecAgg+: fewer neighbours than the reconstruction threshold")
     if len(set(sources)) != len(sources) or state.nid in sources:
         raise Refused("collect forwards shares from a node twice, or from this client")
+    if any(len(c) > MAX_CIPHERTEXT_BYTES for c in ciphertexts):
+        raise Refused(f"collect forwards a ciphertext over {MAX_CIPHERTEXT_BYTES} bytes")
     for src, ciphertext in zip(sources, ciphertexts, strict=True):
         if src not in state.ss2_dict:
             raise Refused(f"collect forwards shares from node {src}, not a neighbour")

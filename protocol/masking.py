@@ -22,6 +22,13 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
+# The largest item an honest party sends in a SecAgg+ stage, with ample room: a P-384
+# public key is 215 bytes (PEM), an encrypted pair of shares 612, a share 52-200. Both
+# sides refuse larger ones (the server before relaying them, a client before using them).
+MAX_KEY_BYTES = 1024
+MAX_CIPHERTEXT_BYTES = 4096
+MAX_SHARE_BYTES = 2048
+
 MASKED = "secagg-masked"  # the collect reply's ArrayRecord (one flat array) and its key
 
 

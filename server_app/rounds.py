@@ -110,7 +110,8 @@ def participation(
     one no aggregate took (its metrics are left out of the row, as of the round's
     aggregates), ``note`` for one aggregated otherwise (a clipped weight) or left out
     by a robust rule. ``notes`` are the strategy's verdicts (node -> reason, ""
-    accepted; :meth:`PartitionMap.note`); a reply without one is checked here against
+    accepted; :meth:`PartitionMap.note`; for a node without a reply, e.g. one SecAgg+
+    dropped at a stage, the error); a reply without one is checked here against
     the model it was sent (:func:`check_reply`) unless ``check`` is false (SecAgg+:
     the replies hold masked vectors, not models).
     """
@@ -122,8 +123,8 @@ def participation(
         node = message.metadata.dst_node_id
         row: dict = {"round": server_round, "node-id": node, "replied": False, "error": ""}
         reply = answers.get(id(message))
-        if reply is None:
-            row["error"] = "no reply"
+        if reply is None:  # SecAgg+: a node dropped at a stage, with its reason
+            row["error"] = notes.get(node) or "no reply"
         elif reply.has_error():
             row["error"] = reply.error.reason
         else:

@@ -214,6 +214,11 @@ class Task(ABC):
         """Training examples in ``partition`` (hierarchical FL weights edges by them)."""
         return len(partition.train)
 
+    def weight_bound(self, partition: Any) -> int | None:
+        """The most ``num-examples`` a train reply on ``partition`` reports (the server
+        caps that client's weight by it), or None where it counts no data."""
+        return self.train_size(partition)
+
     def num_partitions(self) -> int | None:
         """The number of clients this task's configuration defines, or ``None`` when
         it splits its data among any number of clients."""

@@ -61,7 +61,7 @@ from protocol.replies import checked_metrics, metrics_of
 from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
-from strategies.runtime.messaging import send_and_receive
+from strategies.runtime.messaging import send_and_receive, size_screen
 from strategies.runtime.nodes import nodes_for_round
 from strategies.runtime.partitions import PartitionMap
 from strategies.runtime.sampling import seeded_sample
@@ -557,7 +557,9 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
         ]
         replies = {
             m.metadata.src_node_id: m
-            for m in send_and_receive(grid, queries, timeout=self.query_timeout)
+            for m in send_and_receive(
+                grid, queries, timeout=self.query_timeout, screen=size_screen(queries)
+            )
         }
         choices = {}
         for node in nodes:

@@ -30,7 +30,7 @@ from protocol.replies import checked_metrics, is_number, metrics_of
 from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
-from strategies.runtime.messaging import send_and_receive
+from strategies.runtime.messaging import send_and_receive, size_screen
 from strategies.runtime.nodes import nodes_for_round, wait_for_nodes
 from strategies.runtime.partitions import PartitionMap
 from strategies.runtime.sampling import sample_uniform
@@ -334,7 +334,9 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
         for k in range(1, self.edge_rounds):
             sample = self._sample_clients(state)
             self._call(self.before_edge_aggregation, state, k, sample)
-            replies = send_and_receive(grid, self._train(state, k, sample), timeout=self.timeout)
+            messages = self._train(state, k, sample)
+            screen = size_screen(messages)
+            replies = send_and_receive(grid, messages, timeout=self.timeout, screen=screen)
             self._aggregate_edges(state, k, sample, replies)
         state.pending = self._sample_clients(state)
         self._call(self.before_edge_aggregation, state, self.edge_rounds, state.pending)
@@ -383,7 +385,8 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
         content = RecordDict({keys.CONFIG: config})
         queries = [_message(n, content, QUERY_TYPE, server_round) for n in unknown]
         replies: dict[int, Message] = {}
-        for reply in send_and_receive(grid, queries, timeout=self.timeout):
+        screen = size_screen(queries)
+        for reply in send_and_receive(grid, queries, timeout=self.timeout, screen=screen):
             replies.setdefault(int(reply.metadata.src_node_id), reply)
         failed = 0
         for node in unknown:

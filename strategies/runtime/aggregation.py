@@ -22,7 +22,7 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from protocol import keys
-from protocol.records import InvalidReply, to_record
+from protocol.records import InvalidReply, to_numpy, to_record
 from protocol.replies import check_reply, is_number
 from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
@@ -77,6 +77,12 @@ class AggregationSettings(Settings):
         low=0.0,
         high=1.0,
         low_open=True,
+    )
+    max_update_norm: float = setting(
+        2.0,
+        "rule mean: a reply's update (its model minus the global one) is clipped to this "
+        "multiple of the round's median update norm (n >= 3 replies); 0 disables the clip.",
+        low=0.0,
     )
 
     @staticmethod
@@ -172,12 +178,12 @@ def bounded_weights(
     every clipped one.
 
     A reply whose partition size the server learnt at start-up weighs at most that
-    size. Any other weighs at most ``max(2, s(n-1)/(1-s))`` times the median weight of
-    the round's ``n`` replies (``s = max_share``): with the other replies at the median
-    it carries at most ``max(s, 2/(n+1))`` of the round, and no reply within twice the
-    median is ever clipped. The median is robust while fewer than half the replies
-    lie; with fewer than 3 replies (no robust median) or ``s = 1`` only known sizes
-    bound.
+    size, and every reply at most ``max(2, s(n-1)/(1-s))`` times the median weight of
+    the round's ``n`` replies (``s = max_share``; a size is the client's own word, so
+    it bounds, never raises, the cap): with the other replies at the median it carries
+    at most ``max(s, 2/(n+1))`` of the round, and no reply within twice the median is
+    clipped. The median is robust while fewer than half the replies lie; with fewer
+    than 3 replies (no robust median) or ``s = 1`` only known sizes bound.
     """
     n = len(weights)
     cap = None
@@ -186,13 +192,13 @@ def bounded_weights(
         cap = multiple * float(np.median(np.asarray(weights, dtype=float)))
     bounded, notes = [], {}
     for i, (weight, size) in enumerate(zip(weights, sizes, strict=True)):
-        if size is not None and weight > size:
+        if size is not None and weight > size and (cap is None or size <= cap):
             bounded.append(float(size))
             notes[i] = (
                 f"weight clipped: '{keys.NUM_EXAMPLES}' = {weight:g} above its partition's "
                 f"size {size}"
             )
-        elif size is None and cap is not None and weight > cap:
+        elif cap is not None and weight > cap:
             bounded.append(cap)
             notes[i] = (
                 f"weight clipped: '{keys.NUM_EXAMPLES}' = {weight:g} above {cap:g} "
@@ -201,6 +207,58 @@ def bounded_weights(
         else:
             bounded.append(float(weight))
     return bounded, notes
+
+
+def bounded_updates(
+    screened: list[tuple[Message, list[np.ndarray]]],
+    weights: Sequence[float],
+    reference: ArrayRecord,
+    multiple: float,
+) -> tuple[list[tuple[Message, list[np.ndarray]]], list[float], dict[int, str]]:
+    """The screened replies with each update (model minus ``reference``, floating-point
+    arrays only) clipped to ``multiple`` times the round's median update norm, their
+    weights (a clipped reply's at most the round's median weight), and ``index -> why``
+    for every clipped one.
+
+    Norm bounding (Sun et al., 2019, "Can you really backdoor federated learning?") with
+    a bound taken from the round itself: the median is robust while fewer than half the
+    replies lie; with fewer than 3 replies or ``multiple = 0`` nothing is clipped. A
+    reply outlying in its update gets no more than a typical weight: it then moves the
+    mean by at most about ``multiple / n`` median updates. Written here because
+    Flower's strategies clip only under DP, to a fixed norm.
+    """
+    weights = [float(w) for w in weights]
+    if len(screened) < 3 or not multiple > 0:
+        return screened, weights, {}
+    typical = float(np.median(np.asarray(weights)))
+    base = [to_numpy(reference[key]) for key in reference]
+    floats = [i for i, array in enumerate(base) if np.issubdtype(array.dtype, np.floating)]
+    norms = np.asarray(
+        [
+            np.sqrt(sum(float(np.sum(np.square(arrays[i] - base[i], dtype=np.float64)))
+                        for i in floats))
+            for _, arrays in screened
+        ]
+    )  # fmt: skip
+    bound = multiple * float(np.median(norms))
+    out, notes = [], {}
+    for index, ((message, arrays), norm) in enumerate(zip(screened, norms, strict=True)):
+        if not norm > bound:
+            out.append((message, arrays))
+            continue
+        factor = bound / norm
+        clipped = list(arrays)
+        for i in floats:
+            clipped[i] = (base[i] + (arrays[i] - base[i]) * factor).astype(arrays[i].dtype)
+        out.append((message, clipped))
+        notes[index] = (
+            f"update clipped: norm {norm:.4g} above {bound:.4g} "
+            f"('aggregation.max-update-norm' = {multiple:g} times the round's median)"
+        )
+        if weights[index] > typical:
+            notes[index] += f", weight {weights[index]:g} to the median {typical:g}"
+            weights[index] = typical
+    return out, weights, notes
 
 
 def fedavg_arrays(

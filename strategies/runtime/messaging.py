@@ -44,9 +44,11 @@ import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
-from flwr.app import Error, Message
+from flwr.app import ArrayRecord, Error, Message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.logger import log
+
+from protocol.replies import oversized_reason, reply_limit
 
 FIRST_POLL = 0.002  # seconds before the first pull
 MAX_POLL = 0.5  # the longest wait between two pulls, on a deployed SuperLink
@@ -121,6 +123,15 @@ def send_and_receive(
         time.sleep(nap if left is None else min(nap, left))
         wait = min(wait * BACKOFF, max_poll)
     return replies
+
+
+def size_screen(messages: Iterable[Message]) -> Callable[[Message], str]:
+    """The ``screen`` of replies to ``messages``: one larger than the largest ArrayRecord
+    a message carries (none: no arrays) plus the margin of
+    :func:`protocol.replies.reply_limit` is refused with the reason."""
+    records = [r for m in messages for r in m.content.array_records.values()]
+    limit = max(reply_limit(r) for r in [ArrayRecord(), *records])
+    return lambda reply: oversized_reason(reply, limit)
 
 
 def is_simulation_grid(grid) -> bool:

@@ -32,8 +32,9 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
 from protocol import keys
+from protocol.replies import MAX_NUM_EXAMPLES
 from strategies.errors import DuplicatePartitionError
-from strategies.runtime.messaging import is_simulation_grid, send_and_receive
+from strategies.runtime.messaging import is_simulation_grid, send_and_receive, size_screen
 
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.PARTITION_QUERY}"  # "query.partition"
 SPOT_CHECKS = 8  # simulation: nodes asked to confirm the registration order
@@ -128,7 +129,8 @@ class PartitionMap:
         ]
         self._asked.update(nodes)
         answered = {}
-        for reply in send_and_receive(grid, queries, timeout=timeout):
+        screen = size_screen(queries)
+        for reply in send_and_receive(grid, queries, timeout=timeout, screen=screen):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 self._errors[node] = reply.error.reason
@@ -141,8 +143,17 @@ class PartitionMap:
             if isinstance(num, int | float) and not isinstance(num, bool):
                 self._num_partitions[node] = int(num)
             size = None if metrics is None else metrics.get(keys.NUM_EXAMPLES)
-            if isinstance(size, int | float) and not isinstance(size, bool) and size >= 0:
-                self._size[node] = int(size)
+            if isinstance(size, int | float) and not isinstance(size, bool):
+                if size == int(size) and 0 <= size <= MAX_NUM_EXAMPLES:
+                    self._size[node] = int(size)
+                else:
+                    log(
+                        WARNING,
+                        "node %d: partition size %r ignored (not an integer in [0, %d])",
+                        node,
+                        size,
+                        MAX_NUM_EXAMPLES,
+                    )
         return answered
 
     def _from_registration(self, grid, unknown: list[int], timeout: float) -> bool:

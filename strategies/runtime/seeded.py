@@ -26,6 +26,7 @@ from protocol.records import to_record
 from protocol.replies import metrics_of
 from strategies.runtime.aggregation import (
     AggregationSettings,
+    bounded_updates,
     bounded_weights,
     robust_arrays,
     screen_replies,
@@ -143,6 +144,9 @@ class SeededSampling(Strategy):
             # from the arrays the screening decoded
             log(INFO, "aggregate_train: Received %d results and 0 failures", len(replies))
             rule = self.aggregation.rule
+            if rule == "mean":
+                screened, weights = self._clipped(server_round, screened, weights, reference)
+                records = [metrics_of(m, w) for m, w in zip(replies, weights, strict=True)]
             result = robust_arrays(rule, screened, weights, reference, self.aggregation)
             left_out = [replies[i].metadata.src_node_id for i in result.left_out]
             for node, why in zip(left_out, result.left_out.values(), strict=True):
@@ -183,6 +187,20 @@ class SeededSampling(Strategy):
             log(WARNING, "Round %d: reply of node %d: %s", server_round, nodes[index], why)
             self.partitions.note(nodes[index], why)
         return weights
+
+    def _clipped(
+        self, server_round: int, screened: list, weights: list[float], reference: ArrayRecord
+    ) -> tuple[list, list[float]]:
+        """The screened replies and their weights, each update's norm bounded
+        (:func:`bounded_updates`); a clipped one is logged and noted."""
+        screened, weights, clipped = bounded_updates(
+            screened, weights, reference, float(self.aggregation.max_update_norm)
+        )
+        for index, why in clipped.items():
+            node = screened[index][0].metadata.src_node_id
+            log(WARNING, "Round %d: reply of node %d: %s", server_round, node, why)
+            self.partitions.note(node, why)
+        return screened, weights
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -36,6 +36,15 @@ from OS entropy (SecAgg+); with all of them, every client is every client's
 neighbour (SecAgg). Below t survivors among a client's neighbours the round cannot be
 unmasked: it is abandoned before step 3 and nothing is released.
 
+**Replies screened.** Each stage's replies are sized before they are kept (at most what
+an honest reply of that stage holds plus the margin of :mod:`protocol.replies`) and
+checked for their shape: two parseable public keys; one ciphertext of bounded size per
+neighbour; exactly the masked vector (one array of ``length`` values in the transport
+dtype, nothing else); one bounded share per listed neighbour. A node whose setup,
+share-keys or collect reply fails is dropped at that stage, as one that did not answer
+(the protocol removes its masks); a refused unmask reply contributes no shares.
+:attr:`SecureSum.reasons` says, for every sampled node not summed as sent, why.
+
 **A lying server.** Flower's client unmask stage answers whatever lists it is sent;
 ours (``client_app.secagg_mod``) refuses, with an error reply, a request that lists a
 node as both surviving and dropped or any list its own view of the round contradicts.
@@ -56,12 +65,24 @@ from logging import INFO, WARNING
 from typing import ClassVar
 
 import numpy as np
+from cryptography.exceptions import UnsupportedAlgorithm
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
-from protocol.masking import MASKED, mask, pairwise_seed, reduce, transport_dtype
+from protocol.masking import (
+    MASKED,
+    MAX_CIPHERTEXT_BYTES,
+    MAX_KEY_BYTES,
+    MAX_SHARE_BYTES,
+    mask,
+    pairwise_seed,
+    reduce,
+    transport_dtype,
+)
+from protocol.replies import REPLY_MARGIN_BYTES, REPLY_MARGIN_SHARE, oversized_reason
 from strategies.mechanisms.base import DPSettings
 from strategies.runtime.messaging import send_and_receive
 from strategies.settings import Choice, Settings, SettingsError, Typed, listed, setting
@@ -71,6 +92,7 @@ ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding p
 # TOML and Flower's ConfigRecord hold it) can state. The masking works in uint64 up to
 # 2^64 (protocol.masking), so this bound is the config's, not the arithmetic's.
 MAX_MODULUS = 2**62
+KEY_CURVE = "secp384r1"  # Flower's SecAgg+ key pairs (generate_key_pairs)
 
 
 @dataclass(frozen=True)
@@ -296,6 +318,9 @@ class SecureSum:
     """Why the round was abandoned (empty when it was not)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of each stage, and of the server's unmasking."""
+    reasons: dict[int, str] = field(default_factory=dict)
+    """Why each sampled node's vector is not in the sum as sent (a dropped node: the
+    stage it left and why; a survivor: a refused unmask reply)."""
 
 
 def ring_neighbours(nodes: list[int], shares: int) -> dict[int, set[int]]:
@@ -320,6 +345,7 @@ class _Round:
         self.keys: dict[int, tuple[bytes, bytes]] = {}
         self.neighbours: dict[int, set[int]] = {}
         self.threshold = 0
+        self.reasons: dict[int, str] = {}  # node -> why a stage left it out
 
     def _message(self, node: int, record: dict, content: RecordDict | None = None) -> Message:
         content = RecordDict(dict(content or {}))
@@ -331,10 +357,15 @@ class _Round:
             group_id=str(self.server_round),
         )
 
-    def _exchange(self, stage: str, messages: list[Message]) -> dict[int, Message]:
-        """Send one stage's messages; the usable replies by node."""
+    def _exchange(
+        self, stage: str, messages: list[Message], limit: int | None = None, check=None
+    ) -> dict[int, Message]:
+        """Send one stage's messages; the usable replies by node. A reply over ``limit``
+        bytes is refused as it is pulled, one ``check(node, reply)`` refuses (a reason)
+        is dropped; each node left out gets its reason in :attr:`reasons`."""
         started = time.monotonic()
-        replies = send_and_receive(self.grid, messages, timeout=self.timeout)
+        screen = None if limit is None else (lambda reply: oversized_reason(reply, limit))
+        replies = send_and_receive(self.grid, messages, timeout=self.timeout, screen=screen)
         self.seconds[stage] = time.monotonic() - started
         asked = {m.metadata.dst_node_id for m in messages}
         good = {}
@@ -343,19 +374,61 @@ class _Round:
             if node not in asked or node in good:
                 continue
             if reply.has_error():
-                log(WARNING, "SecAgg+ %s: node %d failed: %s", stage, node, reply.error.reason)
-                continue
-            if RECORD_KEY_CONFIGS not in reply.content.config_records:
-                log(
-                    WARNING,
-                    "SecAgg+ %s: node %d replied without '%s'",
-                    stage,
-                    node,
-                    RECORD_KEY_CONFIGS,
-                )
+                why = reply.error.reason
+            elif RECORD_KEY_CONFIGS not in reply.content.config_records:
+                why = f"rejected: no ConfigRecord '{RECORD_KEY_CONFIGS}'"
+            else:
+                why = check(node, reply) if check is not None else ""
+            if why:
+                log(WARNING, "SecAgg+ %s: node %d left out: %s", stage, node, why)
+                self.reasons.setdefault(node, f"SecAgg+ {stage}: {why}")
                 continue
             good[node] = reply
+        for node in sorted(asked - set(good)):
+            self.reasons.setdefault(node, f"SecAgg+ {stage}: no reply")
         return good
+
+    def _check_keys(self, node: int, reply: Message) -> str:
+        """Why a setup reply is refused ("": it is not): two parseable public keys."""
+        got = reply.content.config_records[RECORD_KEY_CONFIGS]
+        for key in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2):
+            value = got.get(key)
+            if not isinstance(value, bytes) or len(value) > MAX_KEY_BYTES:
+                return f"rejected: '{key}' is not a public key of at most {MAX_KEY_BYTES} bytes"
+            try:
+                curve = bytes_to_public_key(value).curve.name
+            except (ValueError, TypeError, AttributeError, UnsupportedAlgorithm) as err:
+                return f"rejected: '{key}' is not a public key ({type(err).__name__})"
+            if curve != KEY_CURVE:
+                return f"rejected: '{key}' is a key on {curve}, not {KEY_CURVE}"
+        return ""
+
+    def _check_ciphertexts(self, node: int, reply: Message) -> str:
+        """Why a share-keys reply is refused: one bounded ciphertext per neighbour."""
+        got = reply.content.config_records[RECORD_KEY_CONFIGS]
+        dsts, texts = got.get(Key.DESTINATION_LIST, []), got.get(Key.CIPHERTEXT_LIST, [])
+        others = self.neighbours[node] - {node}
+        if not (isinstance(dsts, list) and isinstance(texts, list) and len(dsts) == len(texts)):
+            return "rejected: destination and ciphertext lists of different lengths"
+        if len(set(dsts)) != len(dsts) or not set(dsts) <= others:
+            return "rejected: a destination twice, or one that is not a neighbour"
+        if not all(isinstance(t, bytes) and len(t) <= MAX_CIPHERTEXT_BYTES for t in texts):
+            return f"rejected: a ciphertext is not bytes of at most {MAX_CIPHERTEXT_BYTES}"
+        return ""
+
+    def _check_shares(self, node: int, reply: Message) -> str:
+        """Why an unmask reply is refused: one bounded share per listed neighbour."""
+        got = reply.content.config_records[RECORD_KEY_CONFIGS]
+        owners, shares = got.get(Key.NODE_ID_LIST, []), got.get(Key.SHARE_LIST, [])
+        if not (isinstance(owners, list) and isinstance(shares, list)):
+            return "rejected: node and share lists are not lists"
+        if len(owners) != len(shares) or len(set(owners)) != len(owners):
+            return "rejected: node and share lists of different lengths, or a node twice"
+        if not set(owners) <= self.neighbours[node]:
+            return "rejected: a share of a node that is not a neighbour"
+        if not all(isinstance(x, bytes) and len(x) <= MAX_SHARE_BYTES for x in shares):
+            return f"rejected: a share is not bytes of at most {MAX_SHARE_BYTES}"
+        return ""
 
     def setup(self, nodes: list[int]) -> list[int]:
         shares, self.threshold = self.settings.shares_and_threshold(len(nodes))
@@ -370,12 +443,12 @@ class _Round:
             Key.MOD_RANGE: min(self.settings.modulus_range, 2**62),  # informational; int64 wire
             Key.MAX_WEIGHT: float(self.settings.max_weight),
         }
-        replies = self._exchange(Stage.SETUP, [self._message(n, record) for n in nodes])
+        limit = _limit(2 * MAX_KEY_BYTES)
+        messages = [self._message(n, record) for n in nodes]
+        replies = self._exchange(Stage.SETUP, messages, limit, self._check_keys)
         for node, reply in replies.items():
             got = reply.content.config_records[RECORD_KEY_CONFIGS]
-            pk1, pk2 = got.get(Key.PUBLIC_KEY_1), got.get(Key.PUBLIC_KEY_2)
-            if isinstance(pk1, bytes) and isinstance(pk2, bytes):
-                self.keys[node] = (pk1, pk2)
+            self.keys[node] = (got[Key.PUBLIC_KEY_1], got[Key.PUBLIC_KEY_2])
         return sorted(self.keys)
 
     def share_keys(self, active: list[int]) -> tuple[list[int], dict[int, tuple[list, list]]]:
@@ -387,7 +460,9 @@ class _Round:
             }
             record[Key.STAGE] = Stage.SHARE_KEYS
             messages.append(self._message(node, record))
-        replies = self._exchange(Stage.SHARE_KEYS, messages)
+        most = max((len(self.neighbours[n]) for n in active), default=0)
+        limit = _limit(most * (MAX_CIPHERTEXT_BYTES + 8))
+        replies = self._exchange(Stage.SHARE_KEYS, messages, limit, self._check_ciphertexts)
         forward: dict[int, tuple[list, list]] = {node: ([], []) for node in replies}
         for src, reply in replies.items():
             got = reply.content.config_records[RECORD_KEY_CONFIGS]
@@ -409,23 +484,21 @@ class _Round:
                 Key.CIPHERTEXT_LIST: ciphertexts,
             }
             messages.append(self._message(node, record, train[node].content))
-        replies = self._exchange(Stage.COLLECT_MASKED_VECTORS, messages)
         dtype = transport_dtype(self.settings.modulus_range)
-        usable = {}
-        for node, reply in replies.items():
-            record = reply.content.array_records.get(MASKED)
+
+        def masked_only(node: int, reply: Message) -> str:
+            content = reply.content
+            record = content.array_records.get(MASKED)
             array = record[MASKED].numpy() if record is not None and MASKED in record else None
             if array is None or array.dtype != dtype or array.shape != (length,):
-                log(
-                    WARNING,
-                    "SecAgg+ collect: node %d sent no masked vector of %d %s values; dropped",
-                    node,
-                    length,
-                    dtype,
-                )
-                continue
-            usable[node] = reply
-        return usable
+                return f"rejected: no masked vector of {length} {dtype} values"
+            extra = len(content.array_records) + len(content.metric_records) > 1 or len(record) > 1
+            if extra or len(content.config_records) > 1 or len(content[RECORD_KEY_CONFIGS]):
+                return "rejected: the masked vector is not all the reply holds"
+            return ""
+
+        limit = _limit(length * np.dtype(dtype).itemsize)
+        return self._exchange(Stage.COLLECT_MASKED_VECTORS, messages, limit, masked_only)
 
     def unmask(self, survivors: list[int], dead: list[int]) -> dict[int, list[bytes]]:
         """Shares of b_j (survivors) and sk1_j (the dead) from the survivors, by owner."""
@@ -441,7 +514,9 @@ class _Round:
             )
             for node in survivors
         ]
-        replies = self._exchange(Stage.UNMASK, messages)
+        most = max((len(self.neighbours[n]) for n in survivors), default=0)
+        limit = _limit(most * (MAX_SHARE_BYTES + 8))
+        replies = self._exchange(Stage.UNMASK, messages, limit, self._check_shares)
         shares: dict[int, list[bytes]] = {node: [] for node in alive | gone}
         for src, reply in replies.items():
             got = reply.content.config_records[RECORD_KEY_CONFIGS]
@@ -451,6 +526,12 @@ class _Round:
                 if owner in shares and src in self.neighbours[owner]:
                     shares[owner].append(share)
         return shares
+
+
+def _limit(payload: int) -> int:
+    """The most bytes a stage's reply may hold: ``payload`` plus the reply margin
+    (:func:`protocol.replies.reply_limit`)."""
+    return payload + max(int(REPLY_MARGIN_SHARE * payload), REPLY_MARGIN_BYTES)
 
 
 def secure_sum(
@@ -475,7 +556,10 @@ def secure_sum(
     def abandoned(reason: str, survivors=(), replies=()) -> SecureSum:
         log(WARNING, "SecAgg+ round %d abandoned, nothing released: %s", server_round, reason)
         dropped = sorted(set(sampled) - set(survivors))
-        return SecureSum(None, list(survivors), dropped, list(replies), reason, state.seconds)
+        reasons = {n: state.reasons.get(n, f"SecAgg+ round abandoned: {reason}") for n in sampled}
+        return SecureSum(
+            None, list(survivors), dropped, list(replies), reason, state.seconds, reasons
+        )
 
     if len(sampled) < 2:
         return abandoned(f"{len(sampled)} client(s) sampled; secure aggregation needs 2")
@@ -545,6 +629,7 @@ def secure_sum(
         replies,
         "",
         state.seconds,
+        dict(state.reasons),
     )
 
 

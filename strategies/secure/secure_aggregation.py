@@ -59,6 +59,7 @@ from strategies.base import TrainingWrapper, add_to_config
 from strategies.errors import StopTraining
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
+from strategies.runtime.partitions import partition_map
 from strategies.secure.distributed_dp import DROPPED, SURVIVORS, SecureNoise
 from strategies.secure.secagg_plus import SecAggSettings, SecureSum, secure_sum
 
@@ -213,6 +214,9 @@ class SecureAggregation(TrainingWrapper):
         result, self._result = self._result, None
         if result is None:  # nothing was sampled: the wrapped strategy's empty round
             return self.strategy.aggregate_train(server_round, [])
+        partitions = partition_map(self.strategy)
+        for node, why in result.reasons.items():  # the participation record's reasons
+            partitions.note(node, why)
         if self.dp is not None:
             assert self.dp.secure is not None
             return self.dp.secure.aggregate(self.dp, server_round, result)

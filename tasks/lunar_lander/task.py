@@ -264,6 +264,10 @@ class LunarLanderTask(Task):
         includes the environment's gravity."""
         return build_policy(seed, observe_gravity=self.observe_gravity, net_width=self.net_width)
 
+    def weight_bound(self, partition: ClientEnv) -> None:
+        """None: a train reply's ``num-examples`` counts env steps, not data."""
+        return None
+
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientEnv:
         """Client ``partition_id``'s environment; the table fixes ``num_partitions``."""
         size = len(self.clients)

@@ -136,8 +136,13 @@ def test_fedavg_aggregate_is_bit_for_bit_flowers():
         message = reply_from(node, None, {"num-examples": int(rng.integers(1, 400))})
         message.content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         replies.append(message)
-    # Weights unbounded (share 1), as Flower's; the bound is tested in test_bounded_weights.
-    options = {**SETTINGS.options, "aggregation.max-weight-share": 1.0}
+    # Weights and updates unbounded, as Flower's; the bounds are tested in
+    # test_bounded_weights and test_robust_aggregation.
+    options = {
+        **SETTINGS.options,
+        "aggregation.max-weight-share": 1.0,
+        "aggregation.max-update-norm": 0.0,
+    }
     strategy = strategies.build("none", replace(SETTINGS, options=options))
     list(strategy.configure_train(1, reference, ConfigRecord(), FakeGrid(range(1, 8))))
 

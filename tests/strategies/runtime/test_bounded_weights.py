@@ -13,8 +13,10 @@ import pytest
 from flwr.app import ConfigRecord, Message
 
 import strategies
+import tasks
 from protocol import keys
 from strategies.runtime.aggregation import bounded_weights
+from strategies.runtime.partitions import QUERY_TYPE
 from tests.fakes import FakeGrid, record, reply_from
 from tests.inprocess import InProcessGrid, run_config, run_server
 from tests.strategies.runtime.test_aggregation import SETTINGS
@@ -27,6 +29,17 @@ def test_a_weight_is_clipped_to_its_partition_size_where_known():
     weights, notes = bounded_weights([70, HUGE, 50], [None, 72, 72], 1.0)
     assert weights == [70.0, 72.0, 50.0]
     assert notes == {1: "weight clipped: 'num-examples' = 1e+09 above its partition's size 72"}
+
+
+def test_a_size_claimed_at_start_up_never_raises_the_share_cap():
+    # n = 4, s = 0.2: max(2, 0.2 * 3 / 0.8) = 2 times the median 65 = 130. The client
+    # that claimed a huge partition at start-up is still held to the round's share.
+    weights, notes = bounded_weights([70, HUGE, 50, 60], [72, HUGE, 72, 72], 0.2)
+    assert weights == [70.0, 130.0, 50.0, 60.0]
+    assert notes == {
+        1: "weight clipped: 'num-examples' = 1e+09 above 130 "
+        "('aggregation.max-weight-share' = 0.2 of 4 replies)"
+    }
 
 
 def test_otherwise_a_weight_is_clipped_to_the_share_of_the_round():
@@ -101,18 +114,24 @@ def test_the_partition_query_answer_teaches_the_size():
     def record_dict(node):
         from flwr.app import MetricRecord, RecordDict
 
-        metrics = {keys.PARTITION_ID: node - 1, keys.NUM_EXAMPLES: 60 + node}
+        sizes = {1: 61, 2: 62, 3: 10**10, 4: 70.5}  # the last two: not a valid size
+        metrics = {keys.PARTITION_ID: node - 1, keys.NUM_EXAMPLES: sizes[node]}
         return RecordDict({keys.METRICS: MetricRecord(metrics)})
 
-    partitions.discover(Grid(), [1, 2], timeout=1.0)
-    assert (partitions.size_of(1), partitions.size_of(2), partitions.size_of(3)) == (61, 62, None)
+    partitions.discover(Grid(), [1, 2, 3, 4], timeout=1.0)
+    assert [partitions.size_of(n) for n in (1, 2, 3, 4, 5)] == [61, 62, None, None, None]
 
 
 class ZeroHugeGrid(InProcessGrid):
-    """Partition 0 replies an all-zero model with num-examples = 999 999 999."""
+    """Partition 0 replies an all-zero model with num-examples = 999 999 999, and claims
+    that many examples from the start (its partition query answer)."""
 
     def _answer(self, message: Message, context) -> Message:
         reply = super()._answer(message, context)
+        if message.metadata.message_type == QUERY_TYPE and message.metadata.dst_node_id == 1:
+            data = tasks.build(self.run_config).load_partition(0, 10)  # what it trains on
+            assert reply.content[keys.METRICS][keys.NUM_EXAMPLES] == len(data.train) > 0
+            reply.content[keys.METRICS][keys.NUM_EXAMPLES] = HUGE
         if message.metadata.message_type == "train" and message.metadata.dst_node_id == 1:
             arrays = reply.content[keys.ARRAYS]
             for key in arrays:
@@ -123,14 +142,15 @@ class ZeroHugeGrid(InProcessGrid):
 
 def test_the_takeover_no_longer_collapses_a_run(tmp_path):
     """In process, the real ClientApps (digits, MLP): one of 10 clients sends the zero
-    model with a huge weight every round. Unbounded, the model collapses to chance; with
-    the default bound it learns about as well as without the attack (measured: 0.567
-    against 0.572 after 3 rounds), and participation.csv notes every clipped reply."""
+    model with a huge weight every round, and claimed that size at start-up. Unbounded
+    (neither weights nor updates), the model collapses to chance; with the default
+    bounds it learns about as well as without the attack (measured: 0.564 against 0.572
+    after 3 rounds), and participation.csv notes every clipped reply."""
     accuracy = {}
-    for label, share, grid in (
-        ("clean", 0.2, InProcessGrid),
-        ("unbounded", 1.0, ZeroHugeGrid),
-        ("bounded", 0.2, ZeroHugeGrid),
+    for label, share, norm, grid in (
+        ("clean", 0.2, 2.0, InProcessGrid),
+        ("unbounded", 1.0, 0.0, ZeroHugeGrid),
+        ("bounded", 0.2, 2.0, ZeroHugeGrid),
     ):
         out = tmp_path / label
         config = run_config(
@@ -143,6 +163,7 @@ def test_the_takeover_no_longer_collapses_a_run(tmp_path):
                 "min-available-nodes": 10,
                 "fraction-evaluate": 0.0,
                 "aggregation.max-weight-share": share,
+                "aggregation.max-update-norm": norm,
             }
         )
         run_server(config, grid(config, list(range(1, 11))))
@@ -154,6 +175,7 @@ def test_the_takeover_no_longer_collapses_a_run(tmp_path):
         if label == "bounded":
             clipped = rows[rows["node-id"] == 1]
             assert len(clipped) == 3 and clipped["note"].str.startswith("weight clipped").all()
+            assert clipped["note"].str.contains("; update clipped: norm ").all()
             assert rows[rows["node-id"] != 1]["note"].isna().all()
     assert accuracy["unbounded"] < 0.15, accuracy  # chance is 0.1
     assert accuracy["bounded"] > accuracy["clean"] - 0.05 > 0.4, accuracy

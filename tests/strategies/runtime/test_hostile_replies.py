@@ -119,9 +119,13 @@ def _run_round(strategy, spec):
 @given(spec=REPLIES)
 def test_fedavg_family_averages_exactly_the_valid_replies(name, spec):
     one = {"min_available_nodes": 1, "min_train_nodes": 1, "min_evaluate_nodes": 1}
-    # Weights unbounded (share 1): the exact weighted mean of whatever passed the checks;
-    # tests/strategies/runtime/test_bounded_weights.py tests the bound.
-    options = {**SETTINGS.options, "aggregation.max-weight-share": 1.0}
+    # Weights and updates unbounded: the exact weighted mean of whatever passed the checks;
+    # tests/strategies/test_bounded_weights.py tests the bound.
+    options = {
+        **SETTINGS.options,
+        "aggregation.max-weight-share": 1.0,
+        "aggregation.max-update-norm": 0.0,
+    }
     strategy = strategies.build("none", replace(SETTINGS, strategy=name, options=options, **one))
     arrays, _ = _run_round(strategy, spec)
     valid = [(item[1], item[2]) for item in spec if item[0] == "ok"]

@@ -135,11 +135,28 @@ def test_bulyan_with_too_few_replies_keeps_the_model_and_says_why():
 
 
 def test_mean_is_the_weighted_mean():
-    _, arrays, _ = _round("mean", FIVE)
+    # The update-norm bound off: Flower's FedAvg exactly (the bound: the next test).
+    _, arrays, _ = _round("mean", FIVE, max_update_norm=0.0)
     w = np.array([10, 10, 20, 20, 40]) / 100
     np.testing.assert_allclose(
         arrays["w"].numpy(), w @ [[1, 10], [2, 20], [3, 31], [4, 40], [100, -100]]
     )
+
+
+def test_the_mean_bounds_an_outlying_update_to_twice_the_median_norm():
+    # Update norms (global 0): sqrt(101), sqrt(405), sqrt(974), sqrt(1625), 150; the
+    # bound is 2 sqrt(974). Node 5's update is scaled by f = 2 sqrt(974) / 150 and its
+    # weight 40 lowered to the median 20: w = ([170, 1720] + 20 f [100, -100]) / 80.
+    strategy, arrays, _ = _round("mean", FIVE)
+    third = np.sqrt(974) / 3  # 25 f
+    np.testing.assert_allclose(arrays["w"].numpy(), [2.125 + third, 21.5 - third], rtol=1e-6)
+    np.testing.assert_allclose(arrays["b"].numpy(), [1.375 + np.sqrt(974) / 6], rtol=1e-6)
+    notes = strategy.partitions.take_notes()
+    assert notes[5] == (
+        "update clipped: norm 150 above 62.42 ('aggregation.max-update-norm' = 2 times "
+        "the round's median), weight 40 to the median 20"
+    )
+    assert all(notes[n] == "" for n in range(1, 5))
 
 
 def test_a_robust_rule_composes_with_fedprox_and_the_server_optimizer():

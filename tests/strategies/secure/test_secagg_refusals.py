@@ -210,8 +210,20 @@ def _set(key, value):
             _set(Key.SHARE_NUMBER, lambda r, n: 6),
             "an honest server sends 2 <= threshold <= shares <= cohort",
         ),
+        (  # a key larger than any honest client's, relayed
+            Stage.SHARE_KEYS,
+            lambda r, n: [r.__setitem__(k, [b"k" * 2000, r[k][1]]) for k in list(r)
+                          if k != Key.STAGE],
+            "over 1024 bytes",
+        ),
+        (  # a ciphertext larger than any honest client's, forwarded
+            Stage.COLLECT_MASKED_VECTORS,
+            _set(Key.CIPHERTEXT_LIST, lambda r, n: [b"c" * 5000] * len(r[Key.CIPHERTEXT_LIST])),
+            "ciphertext over 4096 bytes",
+        ),
     ],
-    ids=["unknown-node", "left-out", "self-dead", "twice", "threshold-1", "shares>cohort"],
+    ids=["unknown-node", "left-out", "self-dead", "twice", "threshold-1", "shares>cohort",
+         "huge-key", "huge-ciphertext"],
 )  # fmt: skip
 def test_clients_refuse_what_the_round_did_not_produce(stage, change, words):
     grid = _tamper(stage, change)
