@@ -120,7 +120,7 @@ def _run_round(strategy, spec):
 def test_fedavg_family_averages_exactly_the_valid_replies(name, spec):
     one = {"min_available_nodes": 1, "min_train_nodes": 1, "min_evaluate_nodes": 1}
     # Weights and updates unbounded: the exact weighted mean of whatever passed the checks;
-    # tests/strategies/test_bounded_weights.py tests the bound.
+    # tests/strategies/runtime/test_bounded_weights.py tests the bound.
     options = {
         **SETTINGS.options,
         "aggregation.max-weight-share": 1.0,

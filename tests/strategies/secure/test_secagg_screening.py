@@ -16,7 +16,7 @@ from server_app.rounds import participation
 from strategies.runtime.partitions import PartitionMap
 from strategies.secure.secagg_plus import MAX_KEY_BYTES
 from tests.inprocess import InProcessGrid, run_config, run_server
-from tests.strategies.test_secagg import DIM, ModGrid, _expected, _plain, _run, _updates
+from tests.strategies.secure.test_secagg import DIM, ModGrid, _expected, _plain, _run, _updates
 
 NODES = [11, 22, 33, 44, 55]
 BAD = 33
