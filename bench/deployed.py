@@ -13,12 +13,12 @@ ways, on the same SuperLink:
 - ``process``: ``flower-supernode --isolation process`` plus a ``flower-superexec``
   started here against its Runtime API, with Flower's default task poll of 1 s. It
   also launches a new ``flwr-clientapp`` per message.
-- ``warm``: ``flower-supernode --isolation process`` plus ``python -m lab.superexec``,
+- ``warm``: ``flower-supernode --isolation process`` plus ``python -m deploy.superexec``,
   which forks a preloaded process per message. The run starts once every executor has
   logged that it is ready.
-- ``warm-poll``: the same with ``python -m lab.supernode`` in place of
+- ``warm-poll``: the same with ``python -m deploy.supernode`` in place of
   ``flower-supernode``: Flower's SuperNode pulling again 0.5 s after a pull that
-  brought no message instead of 3 s (:mod:`lab.supernode`).
+  brought no message instead of 3 s (:mod:`deploy.supernode`).
 
 The same run also goes through ``flwr run . local-simulation`` with 3 virtual
 SuperNodes. Each way starts its own SuperNodes (same keys, so same node ids) and stops
@@ -76,9 +76,9 @@ LABELS = {
     "simulation": ("`flwr run . local-simulation`", "Ray actor, kept between rounds"),
     "subprocess": ("`--isolation subprocess` (default)", "new `flwr-clientapp`"),
     "process": ("`--isolation process` + `flower-superexec`", "new `flwr-clientapp`"),
-    "warm": ("`--isolation process` + `python -m lab.superexec`", "fork of a warm zygote"),
+    "warm": ("`--isolation process` + `python -m deploy.superexec`", "fork of a warm zygote"),
     "warm-poll": (
-        "`python -m lab.supernode --isolation process` + `python -m lab.superexec`",
+        "`python -m deploy.supernode --isolation process` + `python -m deploy.superexec`",
         "fork of a warm zygote",
     ),
 }
@@ -127,7 +127,7 @@ def start_way(dep: Deployment, way: str) -> list[str]:
     for k in range(NUM_NODES):
         port = free_port()
         isolation = [] if way == "subprocess" else ["--isolation", "process"]
-        polled = [sys.executable, "-m", "lab.supernode"] if way == "warm-poll" else []
+        polled = [sys.executable, "-m", "deploy.supernode"] if way == "warm-poll" else []
         dep.start_supernode(
             f"{way}-supernode-{k}", *isolation,
             "--root-certificates", str(dep.ca.public),
@@ -141,7 +141,7 @@ def start_way(dep: Deployment, way: str) -> list[str]:
             dep.start(f"{way}-superexec-{k}", str(BIN / "flower-superexec"), *api)
             names.append(f"{way}-superexec-{k}")
         elif way in ("warm", "warm-poll"):
-            dep.start(f"{way}-superexec-{k}", sys.executable, "-m", "lab.superexec", *api)
+            dep.start(f"{way}-superexec-{k}", sys.executable, "-m", "deploy.superexec", *api)
             names.append(f"{way}-superexec-{k}")
     return names
 

@@ -1,86 +1,15 @@
 """A warm ClientApp executor for a SuperNode started with ``--isolation process``.
 
-Why it is hand-written: Flower 1.41 starts a fresh ``flwr-clientapp`` process for every
-message a SuperNode receives, and that process handles the one message and exits. This
-is so in both isolation modes: with ``--isolation subprocess`` (the default) the
-SuperNode starts a ``flower-superexec`` itself, and with ``--isolation process`` you
-start one against the SuperNode's Runtime API, and both launch ``flwr-clientapp
---token ...`` through Flower's ``SubprocessExecutor``
-(``flwr/supercore/superexec/executor/subprocess_executor.py``). Each such process
-imports Python, PyTorch and this app again: about 7 s here, several times per round.
-Flower 1.41 has no long-lived ClientApp mode. Its only warm executors are Kubernetes
-pod pools, and those are for the ``flwr-agentapp``, ``flwr-model`` and
-``flwr-connector`` task types only (``WARM_EXECUTOR_TASK_TYPES`` in
-``flwr/supercore/superexec/executor/warm_executor_pool.py``).
-
-Run it on each SuperNode's machine instead of ``flower-superexec``::
+Run it instead of ``flower-superexec`` on each SuperNode's machine::
 
     flower-supernode --isolation process --port 9094 ... &
-    python -m lab.superexec --runtime-api-address 127.0.0.1:9094 --insecure &
+    python -m deploy.superexec --runtime-api-address 127.0.0.1:9094 --insecure &
 
-Three kinds of process:
-
-* **The zygote** is the process you start, the PID to record and to stop. It imports
-  the ``--preload`` modules once (:data:`DEFAULT_PRELOAD`: ``client_app.app``, and so
-  PyTorch and everything else the ClientApp imports, plus the third-party modules it
-  imports only on first use) and then forks. It opens no connection,
-  starts no thread and runs no torch operation. :func:`fork_hazards` checks for Python
-  threads, an initialised CUDA and more than one torch thread before the first fork,
-  and the executor refuses to start if it finds any.
-* **The poller** is forked from the zygote once. It runs Flower's own SuperExec loop
-  (``run_superexec``, what ``flower-superexec`` runs, with Flower's HTTP client,
-  retries and optional ``--superexec-auth-secret-file``), polling for ``flwr-clientapp``
-  tasks every ``--poll-interval`` seconds (default 0.2; Flower's default is 1 s). Its
-  executor (:class:`PipeExecutor`) writes each task's token into a pipe to the zygote,
-  so the poller's HTTP connections and threads exist only in the poller.
-* **One child per message** is forked from the zygote for each token. It runs Flower's
-  ``run_clientapp``, the same function ``flwr-clientapp --token ...`` runs: it pulls the
-  message, context and FAB from the SuperNode, installs the FAB, loads the ClientApp
-  from it, handles the message, pushes the reply and the context, then exits. A message
-  costs a fork instead of a new interpreter and ~7 s of imports. One setting differs
-  from ``flwr-clientapp``: the child retries pulling the message's objects sooner
-  (:func:`run_clientapp_task`), because it asks for them before the SuperNode has them.
-
-The app's own modules are not kept warm. Flower 1.41's ``load_app``
-(``flwr/supercore/object_ref.py``) imports ``client_app.app`` only if it is not yet in
-``sys.modules``, and it never reloads. A ``client_app`` preloaded from the checkout
-would therefore shadow the code of the run's FAB. So :func:`preload` forgets every
-module it loaded from the app's directory (except this package, ``lab``, and what is
-installed in this Python's environment, which may lie inside the checkout: the
-README's ``.venv``), and each child imports those again from its run's FAB (0.1-0.2 s
-here). Only third-party imports stay warm.
-
-Each child starts as a new process would. It gets default signal handlers (Flower's
-``run_clientapp`` installs its own). numpy's global generator is reseeded from OS
-entropy, and torch's CPU generator too (or set to torch's fixed default seed, where
-this torch version gives every new process that one). Python's ``random`` reseeds
-itself at fork. The zygote keeps torch at one intra-op thread, so no OpenMP team exists
-to be forked: a child that inherits one hangs in its first parallel operation. The
-child restores torch's default thread count, and its first parallel operation starts
-its own pool. The child monitors the zygote (Flower's ``--parent-pid`` check), as the
-poller does, and both exit if the zygote dies.
-
-The zygote reaps every child and logs how it ended. If the ClientApp raises, Flower's
-``run_clientapp`` replies with the error and exits with status 1. If a child dies
-without replying (a signal, the out-of-memory killer), the zygote logs the signal at
-once and keeps serving. The SuperNode then fails the task when its heartbeat lapses
-(up to 60 s) and replies to the message with ``ClientApp stopped responding.``, as it
-does for a ``flwr-clientapp`` process that dies. SIGTERM or SIGINT stops the poller and
-every child (SIGTERM, then SIGKILL after ``--stop-timeout`` seconds), then the zygote
-exits 0. If the poller dies, the zygote stops its children and exits 1.
-
-What it does not change or do:
-
-* **No runtime dependency installation.** ClientApps run in this machine's environment
-  (the packages of the Python that runs this module), as
-  ``--allow-runtime-dependency-installation`` is off by default for SuperNodes. The
-  option is refused.
-* **Still one process per message.** Nothing the ClientApp builds stays in memory from
-  one message to the next: ``lru_cache`` s start empty in every child, and state
-  between messages travels in the Flower context, as with ``flwr-clientapp``. Children
-  share the zygote's memory pages copy-on-write and its Python hash seed.
-* Only ``flwr-clientapp`` tasks. A SuperNode that runs AgentApps needs
-  ``flower-superexec``. It needs ``os.fork``, and it was tested on Linux only.
+The process you start (the zygote) imports the ``--preload`` modules once and forks:
+one poller running Flower's SuperExec loop with a ``PipeExecutor``, and one
+child per message running Flower's ``run_clientapp``. The app's own modules are
+re-imported from the run's FAB in every child. Design, limits and measurements:
+docs/deploy.md, "The warm executor".
 """
 
 from __future__ import annotations
@@ -111,7 +40,7 @@ from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_f
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult
 from flwr.supernode.runtime.run_clientapp import run_clientapp  # imported before any fork
 
-OWN_PACKAGE = Path(__file__).resolve().parent  # lab/: kept when app modules are dropped
+OWN_PACKAGE = Path(__file__).resolve().parent  # deploy/: kept when app modules are dropped
 APP_DIR = OWN_PACKAGE.parent  # the checkout whose modules the children import from a FAB
 # This app's ClientApp, and the third-party modules it imports only on first use: the
 # optimizer's torch._dynamo (~1 s), the partitioners' flwr_datasets and datasets
@@ -153,8 +82,8 @@ def installed_dirs() -> tuple[str, ...]:
 
 def app_modules(app_dir: Path = APP_DIR) -> list[str]:
     """Names of the loaded modules whose file (or package path) lies under ``app_dir``,
-    except those of this package (``lab``) and those installed in this Python's
-    environment (:func:`installed_dirs`), even where that lies under ``app_dir``."""
+    except those of this package (``deploy``) and those installed in this Python's
+    environment (``installed_dirs``), even where that lies under ``app_dir``."""
     root, own = str(Path(app_dir).resolve()), str(OWN_PACKAGE)
     installed = [d for d in installed_dirs() if not _under(root, d)]  # the app is not in it
     names = []
@@ -174,7 +103,7 @@ def app_modules(app_dir: Path = APP_DIR) -> list[str]:
 
 def preload(modules: Iterable[str], app_dir: Path = APP_DIR) -> list[str]:
     """Import ``modules`` (and so everything they import), then forget the app's own
-    modules (:func:`app_modules`) so that each child imports them from its run's FAB.
+    modules (``app_modules``) so that each child imports them from its run's FAB.
 
     Returns
     -------
@@ -199,7 +128,7 @@ def preload(modules: Iterable[str], app_dir: Path = APP_DIR) -> list[str]:
     dropped = app_modules(app_dir)
     if "flwr" in dropped:  # forgetting the installed packages breaks every child
         raise SystemExit(
-            f"lab.superexec: Flower itself lies in the app directory {app_dir}, so the "
+            f"deploy.superexec: Flower itself lies in the app directory {app_dir}, so the "
             "app's modules cannot be told from the installed packages; install the app "
             "editable (`pip install -e .`, as docs/deploy.md does)"
         )
@@ -317,7 +246,7 @@ class Zygote:
     tasks_fd : int
         Read end of the pipe the poller writes tasks into.
     run_task : Callable[[dict], Any]
-        What a child runs (:func:`run_clientapp_task`); it runs in the child only.
+        What a child runs (``run_clientapp_task``); it runs in the child only.
     poller_pid : int, optional
         The poller, a child of this process: when it exits, the zygote stops.
     parent_pid : int, optional
@@ -495,7 +424,7 @@ def run_clientapp_task(
     watching the zygote (its parent) and without dependency installation.
 
     It retries pulling the message's objects sooner than Flower does
-    (:data:`OBJECT_PULL_RETRY`): a forked child asks for them milliseconds after the
+    (``OBJECT_PULL_RETRY``): a forked child asks for them milliseconds after the
     SuperNode made the task, often before the SuperNode has them from the SuperLink
     (0.6-1 s later here), and Flower's first retry after 1 s, the next after 2 s
     more, would add up to a second to every message. A new ``flwr-clientapp`` asks
@@ -559,7 +488,7 @@ class PipeExecutor:
 
 
 def run_poller(fd: int, args: argparse.Namespace, zygote_pid: int) -> None:
-    """Flower's SuperExec loop (``run_superexec``) with a :class:`PipeExecutor`; runs in
+    """Flower's SuperExec loop (``run_superexec``) with a ``PipeExecutor``; runs in
     the poller process until it is stopped (or the zygote is gone)."""
     from flwr.supercore.auth import load_superexec_auth_secret
     from flwr.supercore.superexec import run_superexec as superexec
@@ -585,9 +514,9 @@ def run_poller(fd: int, args: argparse.Namespace, zygote_pid: int) -> None:
 
 # -- the command ----------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """``python -m lab.superexec`` options (``flower-superexec``'s, plus the preload)."""
+    """``python -m deploy.superexec`` options (``flower-superexec``'s, plus the preload)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lab.superexec",
+        prog="python -m deploy.superexec",
         description="Warm ClientApp executor for a SuperNode with --isolation process: "
         "one fork of a preloaded process per message instead of a new flwr-clientapp.",
     )
@@ -655,11 +584,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             certificates = Path(args.root_certificates).expanduser().read_bytes()
         except OSError as err:
-            raise SystemExit(f"lab.superexec: --root-certificates: {err}") from None
+            raise SystemExit(f"deploy.superexec: --root-certificates: {err}") from None
     started = time.monotonic()
     dropped = preload(args.preload)
     if hazards := fork_hazards():
-        raise SystemExit("lab.superexec: cannot fork ClientApps safely: " + "; ".join(hazards))
+        raise SystemExit("deploy.superexec: cannot fork ClientApps safely: " + "; ".join(hazards))
     read_fd, write_fd = os.pipe()
     zygote_pid = os.getpid()
     zygote = Zygote(
