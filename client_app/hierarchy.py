@@ -11,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from protocol import keys
-from tasks.frontloaded import FrontLoadedDP, clip_and_noise_delta
+from privacy.frontloaded import FrontLoadedDP, clip_and_noise_delta
 from tasks.topology import edge_of
 
 

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+# DP-SGD's settings and metric, re-exported: a task's LocalTraining carries them.
+from privacy.dpsgd import DPSGD as DPSGD
+from privacy.dpsgd import LOCAL_EPSILON as LOCAL_EPSILON
 from privacy.mechanisms import secret_seed
 from tasks.options import ConfigError, Option, parse_options
 
 if TYPE_CHECKING:
-    from tasks.frontloaded import FrontLoadedDP
+    from privacy.frontloaded import FrontLoadedDP
 
 SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
 NUM_SERVER_ROUNDS = Option("num-server-rounds", 10, "Number of federated rounds.", low=1)
@@ -29,7 +32,6 @@ NUM_SERVER_ROUNDS = Option("num-server-rounds", 10, "Number of federated rounds.
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"
-LOCAL_EPSILON = "local-epsilon"  # sample-level epsilon a DP-SGD client reports
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
 TRAIN_REWARD = "train-reward"  # RL tasks: mean return of the episodes played in training
@@ -93,73 +95,25 @@ def resolve_device(choice: str, key: str) -> str:
 
 
 @dataclass(frozen=True)
-class DPSGD:
-    """Sample-level DP-SGD (Abadi et al. 2016) for local training, via Opacus.
-
-    Attributes
-    ----------
-    noise_multiplier : float
-        Std of the Gaussian noise on each summed batch gradient / max_grad_norm.
-    max_grad_norm : float
-        Per-example gradient clip norm.
-    delta : float
-        delta at which the client reports its epsilon.
-    target_epsilon : float
-        If > 0, the task replaces ``noise_multiplier`` by the smallest one that keeps
-        this client within ``target_epsilon`` after ``planned_rounds`` rounds of
-        local training (worst case: it trains in every round).
-    planned_rounds : int
-        Rounds the run will have (for ``target_epsilon``).
-    """
-
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    target_epsilon: float = 0.0
-    planned_rounds: int = 0
-    max_epsilon: float = 0.0
-    """If > 0, the client refuses (before training) a round that would take its
-    sample-level epsilon above this (``tasks.dpsgd.BudgetExceeded``)."""
-
-
-@dataclass(frozen=True)
 class LocalTraining:
     """What the server asks of one client's local training in one round.
 
-    Attributes
-    ----------
-    server_round : int
-        The round being trained (1-based).
-    seed : int
-        Seed for this client's local randomness this round (shuffling, dropout);
-        derived from the run seed, the round and the partition id.
-    proximal_mu : float
-        Weight of the FedProx proximal term ``(mu/2)||w - w_global||^2``; 0 disables it.
-    dp_sgd : DPSGD, optional
-        Train with sample-level DP-SGD; the task then reports ``local-epsilon``.
-    state : dict
-        This client's persistent state (JSON-serialisable), kept by the ClientApp
-        between rounds; tasks read and update it in place (e.g. the DP-SGD
-        accountant's history).
-    state_tensors : dict
-        This client's persistent tensors (e.g. PPO's Adam moments), kept like
-        ``state``; tasks read and replace entries in place. Never sent anywhere.
-    partition_id : int
-        The client's partition id (names its files).
-    artifacts_dir : str, optional
-        Directory for the client's own diagnostic files (e.g. PPO episode logs);
-        ``None``: write none. These files stay where the client runs: they are never
-        sent to the server and are not covered by any privacy mechanism.
-    local_updates : int, optional
-        Hierarchical FL (tau_1): train this many mini-batch iterations instead of the
-        task's local epochs (under CG-NG / CG-NP: this many epochs of one step each).
-    front_loaded : tasks.frontloaded.FrontLoadedDP, optional
-        Seed 003's client mode (CG-NG, CG-NP, CP-NP) to train under.
-    dp_seed : int
-        Seed of the randomness a DP guarantee rests on (DP-SGD's batch sampling and
-        noise, CG/CP-NP noise): 63 bits of OS entropy unless given (the ClientApp gives
-        ``seed``-derived values only under ``dp.reproducible-noise``). Never derived
-        from anything the server or another client knows.
+    ``server_round`` (1-based); ``seed``: this client's local randomness this round
+    (shuffling, dropout), from the run seed, the round and the partition id;
+    ``proximal_mu``: weight of FedProx's ``(mu/2)||w - w_global||^2`` (0: none);
+    ``dp_sgd``: train with sample-level DP-SGD and report ``local-epsilon``;
+    ``state`` (JSON-serialisable) and ``state_tensors`` (e.g. PPO's Adam moments): the
+    client's persistent state, kept by the ClientApp between rounds, read and updated
+    in place by the task, never sent anywhere; ``partition_id`` names its files;
+    ``artifacts_dir``: where the client writes its own diagnostic files (``None``:
+    none), which stay where it runs and no privacy mechanism covers;
+    ``local_updates``: hierarchical FL's tau_1, mini-batch iterations instead of the
+    task's epochs (CG-NG / CG-NP: epochs of one step each); ``front_loaded``: the
+    front-loaded DP client mode (CG-NG, CG-NP, CP-NP) to train under; ``dp_seed``:
+    seed of the randomness a DP guarantee rests on (DP-SGD's sampling and noise,
+    CG/CP-NP noise), 63 bits of OS entropy unless given (the ClientApp derives it from
+    ``seed`` only under ``dp.reproducible-noise``), never derived from anything the
+    server or another client knows.
     """
 
     server_round: int
@@ -191,7 +145,7 @@ class Task(ABC):
     # The option holding the local epochs per round (SmartFedProx scales mu by it);
     # None: the task has no epochs (e.g. PPO's env steps), counted as 1.
     EPOCHS_KEY: ClassVar[str | None] = None
-    # Trains for LocalTraining.local_updates iterations and runs the seed-003 client
+    # Trains for LocalTraining.local_updates iterations and runs the front-loaded DP client
     # modes (LocalTraining.front_loaded): usable under strategy = "hierarchical".
     HIERARCHICAL: ClassVar[bool] = False
 

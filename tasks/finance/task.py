@@ -8,7 +8,7 @@ on a held-out central test set. Metrics: MSE on the standardised target and R²
 (R² is invariant to the target's affine scaling, so it equals R² in rupees).
 
 Sample-level DP-SGD (``privacy = 'dp-sgd'``, Abadi et al., 2016) runs through
-``tasks.dpsgd.train_private``, as the vision tasks do: Poisson-sampled batches of
+``privacy.dpsgd.train_private``, as the vision tasks do: Poisson-sampled batches of
 expected size ``finance.batch-size``, each example's gradient clipped and the sum
 noised, Adam on the noisy gradient, the FedProx gradient added after the noise (it
 depends on the parameters only), and the cumulative sample-level ``local-epsilon`` with
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from privacy.dpsgd import train_private
 from tasks.base import (
     EVAL_LOSS,
     NUM_EXAMPLES,
@@ -44,7 +45,6 @@ from tasks.base import (
     resolve_device,
     seed_torch,
 )
-from tasks.dpsgd import train_private
 from tasks.finance.data import (
     PARTITION_STREAM,
     SPLIT_STREAM,
@@ -376,7 +376,7 @@ class FinanceTask(Task):
         restored on return). ``train-loss`` is the mean MSE per row of the last
         epoch, without the proximal term. The model is back on the CPU on return.
 
-        With ``local.dp_sgd`` the epochs are DP-SGD's (``tasks.dpsgd.train_private``):
+        With ``local.dp_sgd`` the epochs are DP-SGD's (``privacy.dpsgd.train_private``):
         Poisson-sampled batches (sampling and noise draw from ``local.dp_seed``), the
         proximal gradient added after the noise, the accountant history in
         ``local.state`` extended, and the cumulative ``local-epsilon`` and this round's

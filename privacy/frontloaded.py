@@ -1,62 +1,13 @@
-"""Front-loaded DP client modes for hierarchical FL (seed 003): CG-NG, CG-NP, CP-NP.
+"""Front-loaded DP client modes for hierarchical FL: CG-NG, CG-NP, CP-NP.
 
 Ratnayake, Chen & Ding (2025), "Privacy-Preserving Hierarchical Federated Learning
-with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloaded-dp-hfl).
-
-* **CG-NG** (``train_clipped_gradients``): in every local epoch each batch
-  gradient (global L2 norm over all parameters) is clipped, ``g * min(1, C / (||g||
-  + 1e-6))``, and accumulated; at the epoch's end ``.grad`` is set to their average
-  and ONE optimizer step is taken. Only in the final epoch is ``N(0, sigma^2)`` added
-  to every coordinate of that average.
-* **CG-NP**: the same epochs without gradient noise; afterwards ``N(0, sigma^2)`` is
-  added to every trainable parameter (not to buffers).
-* **CP-NP** (``clip_and_noise_delta``): after ordinary local training the update
-  ``dw = w_after - w_before`` is clipped to global L2 norm ``C`` and ``N(0, sigma^2)``
-  is added to every coordinate; only the noisy ``dw`` is sent. The edge applies
-  ``w_edge + eta * sum_i (n_i / sum n) dw_i`` (``strategies.hierarchical_fedavg.apply_deltas``).
-
-All noise comes from an explicit ``torch.Generator``, one draw per trainable parameter
-in ``model.parameters()`` order; the global RNG is never used.
-
-Privacy
--------
-CP-NP is client-level Gaussian: with noise multiplier ``z = sigma / C`` each upload is
-a Gaussian mechanism of L2 sensitivity ``C`` when adding or removing a client means
-replacing its clipped ``dw`` by zero (replacing its data instead doubles the
-sensitivity). Edge and cloud averaging and the scaling by ``eta`` are
-post-processing; the server's ledger composes the releases.
-
-CG-NG and CG-NP, as in the seed, clip per *batch*: no sample-level guarantee. Clipping
-each example's gradient instead (``per_example=True``, Opacus' per-sample hooks as in
-``tasks.dpsgd``) is not enough on its own: CG-NG's noiseless earlier epochs and
-CG-NP's noise after training have no per-example bound better than the trivial one.
-In a non-convex model one changed example moves the next iterate by up to
-``2 lr C / n``, after which every later clipped gradient, taken at a different point,
-may differ by up to ``2C``; what remains is the data-independent bound (each step
-moves the weights by at most ``lr C``), the same as for replacing the whole dataset.
-Hence, with ``per_example=True``:
-
-* CG-NG adds noise in EVERY epoch's step: full-batch DP-SGD. Each step is a Gaussian
-  mechanism on the sum of the ``n`` clipped per-example gradients, sensitivity ``C``
-  under add/remove of one example (``n``, the client's example count, is treated as
-  public, as Opacus treats the expected batch size); ``N(0, sigma^2)`` on the average
-  is std ``n sigma`` on the sum: noise multiplier ``z = n sigma / C`` at sample rate 1.
-  Opacus' RDP accountant composes the steps over a history in the client's state
-  (``tasks.dpsgd.HISTORY_KEY``, the client's sample-level history whatever
-  mechanism made it); ``local-epsilon`` at ``delta`` is reported.
-* CG-NP raises: noise only on the final parameters has no per-example bound beyond
-  the client-level one; use ``privacy = "cg-ng"`` with ``dp.per-example = true``, or
-  ``privacy = "dp-sgd"``.
-
-That data-independent bound does give CG-NG/CG-NP a (loose) client-level guarantee,
-for plain SGD (fresh momentum ``m`` buffer each round, no dampening, Nesterov or weight
-decay): ``||dw|| <= lr C S`` with ``S = sum_{t=1..E} sum_{j<t} m^j`` (``S = E`` without
-momentum), so under zero-out neighbours CG-NP is Gaussian with ``z = sigma / (lr C S)``
-and CG-NG (noise ``lr sigma`` on the weights) with ``z = sigma / (C S)``; per-example
-CG-NG composes ``E`` Gaussian steps of ``z = sigma / C``.
-
-Data-dependent buffers (e.g. BatchNorm statistics) are neither clipped nor noised
-here; per-example mode rejects such models (``tasks.dpsgd.check_compatible``).
+with Front-Loaded Differential Privacy Mechanism". CG-NG and CG-NP clip each batch's
+(or, ``per_example``, each example's) gradient and take one optimizer step per epoch
+on their average, with Gaussian noise on the final step's gradient (CG-NG; every step
+per-example) or on the final parameters (CG-NP); CP-NP clips and noises the update
+(``clip_and_noise_delta``). All noise comes from an explicit ``torch.Generator``.
+A task calls ``train_clipped_gradients`` with its model, loader, optimizer and loss.
+What each mode guarantees, and against whom: docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -73,12 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from privacy.mechanisms import FRONT_LOADED_MODES as MODES
-from tasks.base import LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS
-from tasks.dpsgd import (
+from privacy.dpsgd import (
     HISTORY_KEY,
     LEFTOVER_MODULE_ATTRS,
     LEFTOVER_PARAM_ATTRS,
+    LOCAL_EPSILON,
     check_budget,
     check_compatible,
     epsilon_from_history,
@@ -86,19 +36,27 @@ from tasks.dpsgd import (
     history_to_state,
     opacus_names,
 )
-from tasks.options import ConfigError
+from privacy.mechanisms import FRONT_LOADED_MODES as MODES
 
 if TYPE_CHECKING:
     from opacus.grad_sample import GradSampleHooks
 
-CLIP_EPSILON = 1e-6  # the seed's min(1, C / (||g|| + 1e-6))
+CLIP_EPSILON = 1e-6  # the paper's code: min(1, C / (||g|| + 1e-6))
 
+# The task metrics it reports (tasks.base names them too; a test checks they agree).
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
 # Metric keys (kebab-case) besides num-examples, train-loss and local-epsilon.
 NOISE_STD = "noise-std"
 CLIP_FRACTION = "clip-fraction"
 OPTIMIZER_STEPS = "optimizer-steps"
 UPDATE_NORM = "update-norm"
 CLIPPED = "clipped"
+
+
+class ConfigError(ValueError):
+    """A front-loaded DP setting is out of range (the message names its run-config key)."""
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
@@ -161,7 +119,7 @@ class FrontLoadedDP:
 
 def gaussian_noise(like: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
     """I.i.d. ``N(0, sigma^2)`` shaped like ``like``, drawn on ``generator``'s device and
-    returned on ``like``'s device and dtype (the seed's ``gaussian_noise``)."""
+    returned on ``like``'s device and dtype (the paper code's ``gaussian_noise``)."""
     noise = torch.randn(like.shape, generator=generator, device=generator.device)
     return noise.mul_(sigma).to(device=like.device, dtype=like.dtype)
 
@@ -244,33 +202,15 @@ def train_clipped_gradients(
 ) -> dict[str, float]:
     """CG-NG / CG-NP local training, in place: one optimizer step per local epoch.
 
-    Parameters
-    ----------
-    model : nn.Module
-        On ``device``; its trainable parameters are those ``optimizer`` updates.
-    loader : iterable of (inputs, targets)
-        Re-iterated once per epoch.
-    dp : FrontLoadedDP
-        Mode ``cg-ng`` or ``cg-np``, C, sigma, per-example clipping.
-    local_epochs : int
-        Epochs, i.e. optimizer steps.
-    optimizer : torch.optim.Optimizer
-        Over ``model``'s trainable parameters.
-    loss_fn : callable
-        ``loss_fn(outputs, targets)``: the batch's MEAN loss.
-    generator : torch.Generator
-        Source of all noise.
-    device : torch.device or str
-        Where batches are moved.
-    state : dict, optional
-        The client's persistent state; required with ``dp.per_example`` (its
-        accountant history under ``tasks.dpsgd.HISTORY_KEY`` is extended).
-
-    Returns
-    -------
-    dict
-        ``num-examples`` (per epoch), ``train-loss`` (last epoch), ``noise-std``,
-        ``clip-fraction``, ``optimizer-steps``; ``local-epsilon`` with per-example.
+    The task's hooks: ``model`` (on ``device``; ``optimizer`` updates its trainable
+    parameters), ``loader`` of (inputs, targets), re-iterated once per epoch, and
+    ``loss_fn(outputs, targets)``, the batch's MEAN loss. ``dp`` gives the mode
+    (``cg-ng`` or ``cg-np``), C, sigma and per-example clipping; all noise comes from
+    ``generator``. ``state``, the client's persistent state, is required with
+    ``dp.per_example`` (its accountant history under ``privacy.dpsgd.HISTORY_KEY`` is
+    extended). Returns ``num-examples`` (per epoch), ``train-loss`` (last epoch),
+    ``noise-std``, ``clip-fraction``, ``optimizer-steps``, and ``local-epsilon`` with
+    per-example clipping.
     """
     _check_training_args(dp, local_epochs, state)
     if dp.per_example and dp.max_epsilon > 0:  # full batch: n examples per step, q = 1
