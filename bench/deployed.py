@@ -41,9 +41,9 @@ LABELS = {
     "simulation": ("`flwr run . local-simulation`", "Ray actor, kept between rounds"),
     "subprocess": ("`--isolation subprocess` (default)", "new `flwr-clientapp`"),
     "process": ("`--isolation process` + `flower-superexec`", "new `flwr-clientapp`"),
-    "warm": ("`--isolation process` + `python -m lab.superexec`", "fork of a warm zygote"),
+    "warm": ("`--isolation process` + `python -m deploy.superexec`", "fork of a warm zygote"),
     "warm-poll": (
-        "`python -m lab.supernode --isolation process` + `python -m lab.superexec`",
+        "`python -m deploy.supernode --isolation process` + `python -m deploy.superexec`",
         "fork of a warm zygote",
     ),
 }
@@ -92,7 +92,7 @@ def start_way(dep: Deployment, way: str) -> list[str]:
     for k in range(NUM_NODES):
         port = free_port()
         isolation = [] if way == "subprocess" else ["--isolation", "process"]
-        polled = [sys.executable, "-m", "lab.supernode"] if way == "warm-poll" else []
+        polled = [sys.executable, "-m", "deploy.supernode"] if way == "warm-poll" else []
         dep.start_supernode(
             f"{way}-supernode-{k}", *isolation,
             "--root-certificates", str(dep.ca.public),
@@ -106,7 +106,7 @@ def start_way(dep: Deployment, way: str) -> list[str]:
             dep.start(f"{way}-superexec-{k}", str(BIN / "flower-superexec"), *api)
             names.append(f"{way}-superexec-{k}")
         elif way in ("warm", "warm-poll"):
-            dep.start(f"{way}-superexec-{k}", sys.executable, "-m", "lab.superexec", *api)
+            dep.start(f"{way}-superexec-{k}", sys.executable, "-m", "deploy.superexec", *api)
             names.append(f"{way}-superexec-{k}")
     return names
 

@@ -151,8 +151,7 @@ def in_process(num_nodes: int, rounds: int, run_config: dict, out: Path) -> dict
     """The real ServerApp and ClientApp in one process; seconds per warm round by part."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    from client_app import app as client_module
-    from client_app import state
+    from client_app import node, state
     from server_app import app as server_module
     from tests.inprocess import InProcessGrid, run_server
 
@@ -163,9 +162,9 @@ def in_process(num_nodes: int, rounds: int, run_config: dict, out: Path) -> dict
     timers = Timers()
     task = tasks.build(config)
     undo = [
-        timers.wrap(client_module, "_prepare", "task set-up"),
+        timers.wrap(node, "prepare", "task set-up"),
         timers.wrap(type(task), "train", "training"),
-        timers.wrap(client_module, "_reply", "reply (weights to ArrayRecord)"),
+        timers.wrap(node, "reply", "reply (weights to ArrayRecord)"),
         timers.wrap(state, "save", "client state"),
     ]
     send = grid.send_and_receive

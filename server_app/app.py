@@ -20,7 +20,7 @@ from server_app.rounds import run_rounds
 from server_app.startup import check_federation
 from strategies import StopTraining
 from strategies.mechanisms import threat_models
-from strategies.runtime.capabilities import innermost, ledger_of
+from strategies.runtime.capabilities import NoGlobalModel, innermost, ledger_of, provides
 
 app = ServerApp()
 
@@ -47,8 +47,8 @@ def _run(grid: Grid, context: Context) -> None:
     initial = ArrayRecord(model.state_dict())
     resumed = restore(run.saved, strategy, grid, cfg, watch) if run.saved is not None else None
     central = None
-    if cfg.strategy == "local":
-        log(INFO, "strategy=local keeps no global model: central evaluation is skipped")
+    if provides(innermost(strategy), NoGlobalModel):
+        log(INFO, "%s", innermost(strategy).NO_GLOBAL_MODEL)
     elif cfg.central_eval:
         central = central_eval(task, model, innermost(strategy), run.test_set)
     if ledger is not None:

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+# DP-SGD's settings and metric, re-exported: a task's LocalTraining carries them.
+from privacy.dpsgd import DPSGD as DPSGD
+from privacy.dpsgd import LOCAL_EPSILON as LOCAL_EPSILON
 from privacy.mechanisms import secret_seed
 from tasks.options import ConfigError, Option, parse_options
 
 if TYPE_CHECKING:
-    from tasks.frontloaded import FrontLoadedDP
+    from privacy.frontloaded import FrontLoadedDP
 
 SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
 NUM_SERVER_ROUNDS = Option("num-server-rounds", 10, "Number of federated rounds.", low=1)
@@ -29,7 +32,6 @@ NUM_SERVER_ROUNDS = Option("num-server-rounds", 10, "Number of federated rounds.
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"
-LOCAL_EPSILON = "local-epsilon"  # sample-level epsilon a DP-SGD client reports
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
 TRAIN_REWARD = "train-reward"  # RL tasks: mean return of the episodes played in training
@@ -93,36 +95,6 @@ def resolve_device(choice: str, key: str) -> str:
 
 
 @dataclass(frozen=True)
-class DPSGD:
-    """Sample-level DP-SGD (Abadi et al. 2016) for local training, via Opacus.
-
-    Attributes
-    ----------
-    noise_multiplier : float
-        Std of the Gaussian noise on each summed batch gradient / max_grad_norm.
-    max_grad_norm : float
-        Per-example gradient clip norm.
-    delta : float
-        delta at which the client reports its epsilon.
-    target_epsilon : float
-        If > 0, the task replaces ``noise_multiplier`` by the smallest one that keeps
-        this client within ``target_epsilon`` after ``planned_rounds`` rounds of
-        local training (worst case: it trains in every round).
-    planned_rounds : int
-        Rounds the run will have (for ``target_epsilon``).
-    """
-
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    target_epsilon: float = 0.0
-    planned_rounds: int = 0
-    max_epsilon: float = 0.0
-    """If > 0, the client refuses (before training) a round that would take its
-    sample-level epsilon above this (``tasks.dpsgd.BudgetExceeded``)."""
-
-
-@dataclass(frozen=True)
 class LocalTraining:
     """What the server asks of one client's local training in one round.
 
@@ -143,7 +115,7 @@ class LocalTraining:
         Directory for the client's own diagnostic files (never sent); ``None``: none.
     local_updates : int, optional
         Hierarchical FL (tau_1): this many mini-batch iterations instead of epochs.
-    front_loaded : tasks.frontloaded.FrontLoadedDP, optional
+    front_loaded : privacy.frontloaded.FrontLoadedDP, optional
         The front-loaded DP client mode (CG-NG, CG-NP, CP-NP).
     dp_seed : int
         Seed of the randomness a DP guarantee rests on: 63 bits of OS entropy unless
@@ -180,6 +152,7 @@ class Task(ABC):
     # None: the task has no epochs (e.g. PPO's env steps), counted as 1.
     EPOCHS_KEY: ClassVar[str | None] = None
     # Trains for LocalTraining.local_updates iterations and runs the frontloaded-dp-hfl client
+    # Trains for LocalTraining.local_updates iterations and runs the front-loaded DP client
     # modes (LocalTraining.front_loaded): usable under strategy = "hierarchical".
     HIERARCHICAL: ClassVar[bool] = False
 

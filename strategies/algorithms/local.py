@@ -38,6 +38,8 @@ class LocalOnly(FedAvg):
     for this strategy and reports the clients' evaluation of their own models.
     """
 
+    NO_GLOBAL_MODEL = "strategy=local keeps no global model: central evaluation is skipped"
+
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
         log(INFO, "\t├──> Local training only: no aggregation of models")

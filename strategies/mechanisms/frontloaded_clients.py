@@ -1,6 +1,6 @@
 """Front-loaded DP for hierarchical FL: CG-NG, CG-NP, CP-NP, and their ledger.
 
-The mechanisms run on the clients (``tasks.frontloaded``); this wrapper tells the
+The mechanisms run on the clients (``privacy.frontloaded``); this wrapper tells the
 hierarchical strategy's clients which one to run, switches the edges to delta
 aggregation for CP-NP, gives the strategy the secret DP generator for its edge and
 client sampling, and keeps the run's privacy ledger honest:

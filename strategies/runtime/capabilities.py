@@ -6,13 +6,10 @@ attributes to the strategy they wrap (server optimizer, secure aggregation) prov
 the wrapped strategy's capabilities too.
 
 The Protocols are deliberately not ``runtime_checkable``: since Python 3.12,
-``isinstance`` against such a Protocol looks members up with
-``inspect.getattr_static``, which skips a wrapper's forwarding ``__getattr__``. A
-server-optimizer or secure-aggregation wrapper around a DP strategy then looked like
-no privacy mechanism at all: no ``ledger.json`` or privacy summary, what no epsilon
-covers not kept apart under ``curator/``, nothing charged on resume. ``isinstance``
-against them now raises ``TypeError`` on every Python, so the mistake cannot come back
-unnoticed.
+``isinstance`` against one looks members up with ``inspect.getattr_static``, which
+skips a wrapper's forwarding ``__getattr__``, so a wrapped DP strategy looked like no
+privacy mechanism at all (no ledger, nothing charged on resume). ``isinstance``
+against them raises ``TypeError`` on every Python: the mistake cannot come back.
 """
 
 from __future__ import annotations
@@ -33,6 +30,12 @@ class MultiModel(Protocol):
 
     MODEL_LABEL: ClassVar[str]
     models: list[ArrayRecord]
+
+
+class NoGlobalModel(Protocol):
+    """Keeps no global model (each client trains its own): no central evaluation."""
+
+    NO_GLOBAL_MODEL: ClassVar[str]  # why, as the ServerApp logs it
 
 
 class WritesTables(Protocol):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from privacy.dpsgd import train_private
 from tasks.base import (
     EVAL_LOSS,
     NUM_EXAMPLES,
@@ -32,7 +33,6 @@ from tasks.base import (
     resolve_device,
     seed_torch,
 )
-from tasks.dpsgd import train_private
 from tasks.finance.data import (
     PARTITION_STREAM,
     SPLIT_STREAM,
@@ -364,7 +364,7 @@ class FinanceTask(Task):
         restored on return). ``train-loss`` is the mean MSE per row of the last
         epoch, without the proximal term. The model is back on the CPU on return.
 
-        With ``local.dp_sgd`` the epochs are DP-SGD's (``tasks.dpsgd.train_private``):
+        With ``local.dp_sgd`` the epochs are DP-SGD's (``privacy.dpsgd.train_private``):
         Poisson-sampled batches (sampling and noise draw from ``local.dp_seed``), the
         proximal gradient added after the noise, the accountant history in
         ``local.state`` extended, and the cumulative ``local-epsilon`` and this round's

@@ -3,7 +3,7 @@
 Each edge aggregation asks a client for tau_1 = ``local.local_updates`` local
 iterations: mini-batch SGD steps for the baseline and CP-NP (the loader is cycled,
 reshuffled on every pass), and for CG-NG / CG-NP tau_1 local epochs of one clipped
-step each (``tasks.frontloaded.train_clipped_gradients``, the seed's modes).
+step each (``privacy.frontloaded.train_clipped_gradients``, the paper's modes).
 For ``train.lr-decay``, one edge aggregation's local training counts as one epoch.
 """
 
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from privacy.frontloaded import train_clipped_gradients
 from tasks.base import TRAIN_ACCURACY, TRAIN_LOSS, LocalTraining
-from tasks.frontloaded import train_clipped_gradients
 from tasks.vision.steps import train_batch
 
 CLIPPED_GRADIENT_MODES = ("cg-ng", "cg-np")

@@ -3,7 +3,7 @@
 Local training is plain SGD with momentum on the cross-entropy loss, plus the FedProx
 proximal term (Li et al., 2020) when the server sends ``proximal_mu > 0``, or, when
 the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
-``tasks.dpsgd``.
+``privacy.dpsgd``.
 
 As in frontloaded-dp-hfl (after HierFL), the learning rate can decay
 exponentially with the client's cumulative local epochs (``train.lr-decay`` every
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from privacy.dpsgd import calibrated_settings, train_private
 from tasks.base import (
     DPSGD,
     EVAL_ACCURACY,
@@ -43,7 +44,6 @@ from tasks.base import (
     resolve_device,
     seed_torch,
 )
-from tasks.dpsgd import calibrated_settings, train_private
 from tasks.options import ConfigError, Option
 from tasks.proximal import snapshot_parameters
 from tasks.vision.data import (
@@ -513,7 +513,7 @@ class ImageClassificationTask(Task):
         global_params: list[torch.Tensor],
         local: LocalTraining,
     ) -> dict[str, float]:
-        """DP-SGD epochs (``tasks.dpsgd.train_private``); extends the accountant
+        """DP-SGD epochs (``privacy.dpsgd.train_private``); extends the accountant
         history in ``local.state``. The proximal gradient goes on the public path."""
 
         def run_epochs(
@@ -532,7 +532,7 @@ class ImageClassificationTask(Task):
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
         """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any
-        (``tasks.dpsgd.calibrated_settings`` over ``train.local-epochs``)."""
+        (``privacy.dpsgd.calibrated_settings`` over ``train.local-epochs``)."""
         return calibrated_settings(local, sample_rate=sample_rate, epochs=self.config.local_epochs)
 
     def evaluate(

@@ -20,8 +20,8 @@ and the run must finish on the two survivors (the SuperLink keeps a killed node
 waits ``round-timeout``).
 
 The last test stops the guide's SuperNodes and runs the guide's block for the warm
-executor (``python -m lab.superexec``, one per SuperNode started with ``--isolation
-process``; :mod:`lab.superexec`): a short run on the same SuperLink must complete with
+executor (``python -m deploy.superexec``, one per SuperNode started with ``--isolation
+process``; :mod:`deploy.superexec`): a short run on the same SuperLink must complete with
 every message answered by a fork of an executor, and SIGTERM must stop each executor
 with its processes.
 
@@ -215,7 +215,7 @@ class Deployment:
     def start_supernode(
         self, name: str, *args: str, port: int | None = None, command: Sequence[str] = ()
     ) -> subprocess.Popen:
-        """``flower-supernode`` (or ``command``, e.g. ``python -m lab.supernode``)
+        """``flower-supernode`` (or ``command``, e.g. ``python -m deploy.supernode``)
         dialling our SuperLink, on its own Runtime API port (``port``, or a free one)."""
         port = free_port() if port is None else port
         superlink = ["--superlink", f"127.0.0.1:{self.port}", "--port", str(port)]
@@ -504,10 +504,10 @@ def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
 
 
 def test_a_run_completes_on_the_warm_executor(deployment):
-    """docs/deploy.md's warm executor (``python -m lab.superexec``): the guide's
+    """docs/deploy.md's warm executor (``python -m deploy.superexec``): the guide's
     SuperNodes are stopped (a SuperNode that is stopped deactivates, so the SuperLink
     lists it offline at once), the guide's block starts the three again as
-    ``python -m lab.supernode --isolation process`` (Flower's SuperNode with a 0.5 s
+    ``python -m deploy.supernode --isolation process`` (Flower's SuperNode with a 0.5 s
     wait after an empty pull) and one executor each, a short run completes with every
     message answered by a fork of an executor, and SIGTERM stops each executor with
     its processes. Last in this module: the guide's first SuperNodes are gone after it."""
@@ -541,7 +541,7 @@ def test_a_run_completes_on_the_warm_executor(deployment):
         time.sleep(0.5)
     ready = time.monotonic()
     supernodes = [deployment.log(f"supernode-{k}") for k in range(NUM_NODES)]
-    assert all("lab.supernode: pulling again 0.50 s" in log for log in supernodes), supernodes
+    assert all("deploy.supernode: pulling again 0.50 s" in log for log in supernodes), supernodes
     out = deployment.root / "warm-runs"
     flwr = deployment.start(
         "flwr-run-warm", str(BIN / "flwr"), "run", ".", "lab", "--stream",

@@ -1,5 +1,6 @@
-"""Every ``lab`` command's ``--help`` imports nothing heavy: PyTorch, Ray, matplotlib and
-Flower's simulation load in the functions that use them, so help answers at once."""
+"""Every ``lab`` and ``deploy`` command's ``--help`` imports nothing heavy: PyTorch, Ray,
+matplotlib and Flower's simulation load in the functions that use them, so help answers
+at once."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from lab import checks, figures
 APP_DIR = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "matplotlib", "flwr.simulation", "sklearn", "tasks")
 COMMANDS = sorted(
-    f"lab.{path.stem}" if path.stem != "__main__" else "lab"
-    for path in (APP_DIR / "lab").glob("*.py")
+    f"{package}.{path.stem}" if path.stem != "__main__" else package
+    for package in ("lab", "deploy")
+    for path in (APP_DIR / package).glob("*.py")
     if "def main(" in path.read_text()
 )
 
@@ -56,7 +58,7 @@ def help_imports(module: str) -> tuple[object, set[str], str]:
 
 def test_the_commands_are_found():
     assert {"lab.study", "lab.comparison", "lab.figures", "lab.connections"} <= set(COMMANDS)
-    assert "lab.superexec" in COMMANDS
+    assert {"deploy.superexec", "deploy.supernode"} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("module", COMMANDS)

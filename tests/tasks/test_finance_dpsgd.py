@@ -1,5 +1,5 @@
 """Sample-level DP-SGD on the finance task: the LayerNorm MLP that ``finance.norm = auto``
-builds under ``privacy = 'dp-sgd'``, its training through :mod:`tasks.dpsgd`, and the
+builds under ``privacy = 'dp-sgd'``, its training through :mod:`privacy.dpsgd`, and the
 combinations the task refuses. test_dpsgd.py tests the DP-SGD machinery itself."""
 
 import json
@@ -10,10 +10,7 @@ import torch
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from server_app import config
-from strategies.mechanisms.dpsgd_clients import DPSGDClients
-from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
-from tasks.dpsgd import (
+from privacy.dpsgd import (
     CALIBRATED_KEY,
     HISTORY_KEY,
     ROUND_NOISE,
@@ -22,6 +19,9 @@ from tasks.dpsgd import (
     ROUNDS,
     epsilon_from_history,
 )
+from server_app import config
+from strategies.mechanisms.dpsgd_clients import DPSGDClients
+from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.finance import EVAL_R2, FinanceTask
 from tasks.finance.model import build_model
 from tasks.options import ConfigError

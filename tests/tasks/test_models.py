@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from privacy.dpsgd import check_compatible
 from tasks.base import DPSGD, LocalTraining
-from tasks.dpsgd import check_compatible
 from tasks.vision.data import ClientPartition, TensorSplit
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.task import DigitsTask

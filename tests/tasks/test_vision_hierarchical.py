@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from privacy.frontloaded import FrontLoadedDP
 from tasks.base import NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
-from tasks.frontloaded import FrontLoadedDP
 from tasks.vision import DigitsTask
 
 

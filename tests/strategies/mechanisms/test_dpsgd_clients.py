@@ -146,7 +146,7 @@ def test_budget_refuses_a_round_a_client_would_exceed_and_a_client_refusal_stops
 
 def test_dpsgd_metric_keys_are_the_tasks():
     # The task reports them (tasks/ cannot import strategies/): one name each.
-    from tasks import dpsgd
+    from privacy import dpsgd
 
     assert (dpsgd.ROUNDS, dpsgd.ROUND_NOISE, dpsgd.ROUND_SAMPLE_RATE, dpsgd.ROUND_STEPS) == (
         keys.DPSGD_ROUNDS,

@@ -6,20 +6,20 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from client_app import hierarchy
+from client_app.halves import frontloaded, hierarchical
 from protocol import keys
 
 
 def test_edge_comes_from_node_config_or_the_partition_block():
-    assert hierarchy.edge_id({}, partition_id=3, num_partitions=4, num_edges=2) == 1
-    assert hierarchy.edge_id({"edge-id": 0}, partition_id=3, num_partitions=4, num_edges=2) == 0
+    assert hierarchical.edge_id({}, partition_id=3, num_partitions=4, num_edges=2) == 1
+    assert hierarchical.edge_id({"edge-id": 0}, partition_id=3, num_partitions=4, num_edges=2) == 0
     with pytest.raises(ValueError, match="'edge-id' = 5 is not in"):
-        hierarchy.edge_id({"edge-id": 5}, partition_id=3, num_partitions=4, num_edges=2)
+        hierarchical.edge_id({"edge-id": 5}, partition_id=3, num_partitions=4, num_edges=2)
 
 
 def test_baseline_has_no_mode():
-    assert hierarchy.front_loaded(ConfigRecord({})) is None
-    mode = hierarchy.front_loaded(
+    assert frontloaded.front_loaded(ConfigRecord({})) is None
+    mode = frontloaded.front_loaded(
         ConfigRecord(
             {
                 keys.FRONT_LOADED_MODE: "cp-np",
@@ -36,9 +36,9 @@ def test_cp_np_replies_the_clipped_delta_only():
     received = ArrayRecord(model.state_dict())
     with torch.no_grad():
         model[0].weight.add_(10.0)  # a large update: ||delta|| = sqrt(6) * 10
-    dp = hierarchy.FrontLoadedDP(mode="cp-np", clip=1.0, sigma=0.0)
+    dp = frontloaded.FrontLoadedDP(mode="cp-np", clip=1.0, sigma=0.0)
 
-    reply, metrics = hierarchy.cp_np_reply(model, received, dp, seed=0)
+    reply, metrics = frontloaded.cp_np_reply(model, received, dp, seed=0)
 
     delta = reply.to_torch_state_dict()
     assert list(delta) == list(model.state_dict())  # the model's keys, nothing else
@@ -52,11 +52,11 @@ def test_cp_np_replies_the_clipped_delta_only():
 def test_cp_np_noise_differs_between_edge_aggregations():
     model = torch.nn.Linear(50, 50)
     received = ArrayRecord(model.state_dict())
-    dp = hierarchy.FrontLoadedDP(mode="cp-np", clip=1.0, sigma=1.0)
+    dp = frontloaded.FrontLoadedDP(mode="cp-np", clip=1.0, sigma=1.0)
 
-    first, _ = hierarchy.cp_np_reply(model, received, dp, seed=1)
-    second, _ = hierarchy.cp_np_reply(model, received, dp, seed=2)
-    again, _ = hierarchy.cp_np_reply(model, received, dp, seed=1)
+    first, _ = frontloaded.cp_np_reply(model, received, dp, seed=1)
+    second, _ = frontloaded.cp_np_reply(model, received, dp, seed=2)
+    again, _ = frontloaded.cp_np_reply(model, received, dp, seed=1)
 
     a, b, c = (r.to_torch_state_dict()["weight"] for r in (first, second, again))
     assert not torch.equal(a, b) and torch.equal(a, c)

@@ -1,15 +1,15 @@
-"""Flower's SuperNode with a shorter wait between pulls: ``python -m lab.supernode``.
+"""Flower's SuperNode with a shorter wait between pulls: ``python -m deploy.supernode``.
 
-Why it is hand-written: Flower 1.41's SuperNode loop (``start_client_internal`` in
-``flwr/supernode/start_client_internal.py``) sleeps a fixed 3 s after every pull from
-the SuperLink that brings no message, and polls its own state every 0.5 s for the
-ClientApp's reply and for the reply's objects. None of the three is an option of
-``flower-supernode``. In a deployed round every SuperNode idles in that 3 s sleep when
-the ServerApp sends the round's messages, so the round waits for the last of them to
-wake: with 3 SuperNodes about 2.3 s on average, half a warm digits round with the warm
-executor (:mod:`lab.superexec`; bench/BENCHMARKS.md, "Deployed rounds").
+It runs ``flower-supernode`` unchanged (same options, code and log) after replacing
+the ``time`` module Flower's SuperNode loop sees with ``PollClock`` (why: the
+package docstring); ``check_flower`` first requires Flower 1.41's loop with
+exactly the waits it replaces. ``ActivationRetry`` retries an activation the
+SuperLink refuses right after a restart (ApiError 2004). Use it as
+``flower-supernode``, with more options::
 
-Design notes: ``docs/notes.md``, ``lab.supernode``.
+    python -m deploy.supernode --poll-interval 0.5 --superlink superlink.lab.example:9093 ...
+
+Details and measurements: docs/deploy.md, "The warm executor".
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ACTIVATION_FAILED = 2004  # ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED (HTTP 412)
 
 class PollClock:
     """The ``time`` that ``start_client_internal`` sees: its 3 s and 0.5 s waits
-    shortened, everything else the real :mod:`time`."""
+    shortened, everything else the real ``time``."""
 
     def __init__(self, poll_interval: float, reply_poll_interval: float) -> None:
         self.poll_interval = poll_interval
@@ -114,7 +114,7 @@ class ActivationRetry:
                         deadline = now + self.wait
                         self._log(
                             WARNING,
-                            "lab.supernode: the SuperLink refused to activate this node "
+                            "deploy.supernode: the SuperLink refused to activate this node "
                             "(2004): it still counts a previous SuperNode with this key "
                             "as online (one that crashed within the last ~60 s, or is "
                             "still running), or the key is not registered; retrying "
@@ -125,7 +125,7 @@ class ActivationRetry:
                     if now >= deadline:
                         self._log(
                             ERROR,
-                            "lab.supernode: activation still refused after %g s: is another "
+                            "deploy.supernode: activation still refused after %g s: is another "
                             "SuperNode running with this key, or is the key not registered "
                             "('flwr supernode register')?",
                             self.wait,
@@ -161,13 +161,13 @@ def check_flower(version: str, module: ModuleType) -> None:
     exactly the waits this command shortens."""
     if not version.startswith(FLOWER_SERIES):
         raise SystemExit(
-            f"lab.supernode: written for Flower {FLOWER_SERIES}x's SuperNode loop, this is "
+            f"deploy.supernode: written for Flower {FLOWER_SERIES}x's SuperNode loop, this is "
             f"Flower {version}; run flower-supernode instead"
         )
     waits = sleeps(inspect.getsource(module))
     if waits != FLOWER_WAITS:
         raise SystemExit(
-            f"lab.supernode: {module.__name__} waits {waits} (seconds: calls), not "
+            f"deploy.supernode: {module.__name__} waits {waits} (seconds: calls), not "
             f"{FLOWER_WAITS}; run flower-supernode instead"
         )
 
@@ -175,7 +175,7 @@ def check_flower(version: str, module: ModuleType) -> None:
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our two options; the rest is ``flower-supernode``'s, passed on unchanged."""
     parser = argparse.ArgumentParser(
-        prog="python -m lab.supernode",
+        prog="python -m deploy.supernode",
         description="flower-supernode with a shorter wait between pulls from the "
         "SuperLink (Flower 1.41 waits 3 s). Every other option is flower-supernode's "
         "(flower-supernode --help).",
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         FleetHttpClient.ActivateNode = retry(FleetHttpClient.ActivateNode)
     log(
         INFO,
-        "lab.supernode: pulling again %.2f s after a pull that brought no message "
+        "deploy.supernode: pulling again %.2f s after a pull that brought no message "
         "(Flower: %g s), looking for replies every %.2f s (Flower: %g s)",
         args.poll_interval, PULL_WAIT, args.reply_poll_interval, REPLY_WAIT,
     )  # fmt: skip

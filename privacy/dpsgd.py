@@ -1,15 +1,11 @@
-"""Sample-level DP-SGD for any torch task, on Opacus' building blocks.
+"""Sample-level DP-SGD (Abadi et al., 2016) for any torch model, on Opacus' pieces.
 
-DP-SGD (Abadi et al., 2016, "Deep Learning with Differential Privacy"): each step
-Poisson-samples a batch (every example independently with probability ``q``), clips
-each example's gradient to L2 norm ``C``, sums, adds ``N(0, (z C)^2)`` noise and
-divides by the expected batch size. The privacy loss is tracked with Rényi DP
-(Mironov, 2017; Mironov, Talwar & Zhang, 2019, sampled Gaussian mechanism) by
-Opacus' ``RDPAccountant``, whose history ``[(z, q, steps), ...]`` persists across
-rounds in the client's state, so the reported epsilon covers all DP-SGD training
-the client has done in the run.
-
-Design notes: ``docs/notes.md``, ``tasks.dpsgd``.
+Each step Poisson-samples a batch (rate ``q = B / n``), clips each example's gradient
+to ``C``, sums, adds ``N(0, (z C)^2)``; Opacus' RDP accountant keeps the history
+``[(z, q, steps), ...]`` across rounds in the client's state. A task calls
+``train_private`` with its model, optimizer, data loader and epochs (its hooks); the
+mechanism runs the private training. Why the pieces are built here rather than by
+``make_private``, and why the proximal term bypasses the loss: docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -20,14 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-
-from tasks.base import DPSGD, LOCAL_EPSILON, LocalTraining
 
 if TYPE_CHECKING:
     from opacus.accountants import RDPAccountant
@@ -36,6 +30,35 @@ if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
 _OPACUS_LOG_FORMAT = "%(asctime)s:%(levelname)s:%(message)s"
+LOCAL_EPSILON = "local-epsilon"  # the metric: a DP-SGD client's sample-level epsilon
+
+
+@dataclass(frozen=True)
+class DPSGD:
+    """One client's DP-SGD settings.
+
+    ``noise_multiplier`` z (noise std / ``max_grad_norm``, the per-example clip);
+    ``delta`` of the reported epsilon; with ``target_epsilon`` > 0 the smallest z that
+    keeps the client within it after ``planned_rounds`` rounds (worst case: it trains
+    in every round); with ``max_epsilon`` > 0 a round that would exceed it is refused
+    before training (``BudgetExceeded``).
+    """
+
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    target_epsilon: float = 0.0
+    planned_rounds: int = 0
+    max_epsilon: float = 0.0
+
+
+class PrivateRound(Protocol):
+    """What DP-SGD reads of a task's local training (``tasks.base.LocalTraining``)."""
+
+    dp_sgd: DPSGD | None
+    proximal_mu: float
+    dp_seed: int
+    state: dict[str, Any]
 
 
 @cache
@@ -68,9 +91,9 @@ def opacus_names() -> SimpleNamespace:
     )
 
 
-HISTORY_KEY = "dpsgd-history"  # key of the accountant history in LocalTraining.state
-CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in LocalTraining.state
-ROUNDS_KEY = "dpsgd-rounds"  # in LocalTraining.state: trainings the history covers
+HISTORY_KEY = "dpsgd-history"  # key of the accountant history in the client's state
+CALIBRATED_KEY = "dpsgd-calibrated-noise-multiplier"  # in the client's state
+ROUNDS_KEY = "dpsgd-rounds"  # in the client's state: trainings the history covers
 # What a DP-SGD client reports besides local-epsilon (protocol/keys.py has the same
 # names; a test checks they agree): trainings its accountant covers, and this round's
 # steps, from which the server re-derives the client's epsilon.
@@ -183,7 +206,7 @@ def calibrate_noise_multiplier(
     return float(z)
 
 
-def calibrated_settings(local: LocalTraining, *, sample_rate: float, epochs: int) -> DPSGD:
+def calibrated_settings(local: PrivateRound, *, sample_rate: float, epochs: int) -> DPSGD:
     """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any.
 
     Calibrated once per client (cached in ``local.state`` under ``CALIBRATED_KEY``)
@@ -346,27 +369,14 @@ def make_private(
 ) -> PrivateTraining:
     """Make ``model``, ``optimizer`` and ``loader`` train with DP-SGD.
 
-    Parameters
-    ----------
-    model, optimizer : nn.Module, torch.optim.Optimizer
-        Trained in place (hooks on ``model`` itself); ``optimizer`` becomes a DPOptimizer.
-    loader : DataLoader
-        Its dataset is Poisson-sampled at ``q = batch_size / len(dataset)``.
-    dp : DPSGD
-        Noise multiplier, clip norm and delta.
-    generator_seed : int
-        Seed of the sampling and noise generators.
-    history : sequence of (noise_multiplier, sample_rate, steps)
-        The accountant history of earlier DP-SGD training, to continue from.
-    public_gradient : callable, optional
-        Adds data-independent terms to ``p.grad`` after noising (``add_proximal_gradient``).
-    model_name : str, optional
-        For the incompatibility error (default: the class name).
-
-    Returns
-    -------
-    PrivateTraining
-        Use as a context manager; train with its ``loader`` and ``optimizer``.
+    Hooks go on ``model`` itself (no wrapper); ``optimizer`` becomes a ``DPOptimizer``;
+    ``loader``'s dataset is Poisson-sampled at ``q = batch_size / len(dataset)``. ``dp``
+    gives z, the clip norm and delta; ``generator_seed`` seeds the sampling and noise
+    generators (``seeded_generators``); ``history`` is the accountant history to
+    continue; ``public_gradient`` adds data-independent terms to ``p.grad`` after the
+    noise (``add_proximal_gradient``); ``model_name`` names the model in the
+    incompatibility error. Use the result as a context manager and train with its
+    ``loader`` and ``optimizer``.
     """
     check_compatible(model, model_name or type(model).__name__)
     device = next(model.parameters()).device
@@ -414,7 +424,7 @@ def train_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     loader: DataLoader,
-    local: LocalTraining,
+    local: PrivateRound,
     *,
     epochs: int,
     global_params: Sequence[torch.Tensor],
@@ -423,28 +433,16 @@ def train_private(
 ) -> dict[str, float]:
     """One client's DP-SGD training round; extends the accountant history in ``local.state``.
 
-    z is ``local.dp_sgd``'s or calibrated to its target; a round over ``dp.max_epsilon``
-    is refused before training. The data-independent proximal gradient is added to the
-    noisy clipped gradient, so ``run_epochs`` must not put it in its loss.
-
-    Parameters
-    ----------
-    model, optimizer, loader
-        As for ``make_private``; ``loader``'s batch size is the expected batch size.
-    local : LocalTraining
-        ``dp_sgd`` (set), ``proximal_mu``, ``dp_seed`` and the client's ``state``.
-    epochs, global_params
-        The local epochs ``run_epochs`` runs; the proximal anchor (received parameters).
-    run_epochs : callable
-        ``run_epochs(private_loader, private_optimizer)`` trains ``epochs`` epochs without
-        the proximal term and returns the task's training metrics.
-    model_name : str, optional
-        For ``make_private``'s incompatibility error.
-
-    Returns
-    -------
-    dict
-        ``run_epochs``' metrics, the cumulative ``local-epsilon`` and the round's steps.
+    The task's hooks: ``model``, ``optimizer``, ``loader`` (its batch size is the
+    expected batch size) and ``run_epochs(private_loader, private_optimizer)``, which
+    trains ``epochs`` epochs without the proximal term and returns the task's metrics.
+    The noise multiplier is ``local.dp_sgd``'s or the one calibrated to its target
+    epsilon (``calibrated_settings``); a round that would exceed ``max_epsilon`` is
+    refused before training (``check_budget``). The proximal gradient
+    ``mu (w - global_params)`` is data-independent and added to the noisy clipped
+    gradient (Opacus would drop it from the loss). ``model_name`` names the model in
+    ``make_private``'s incompatibility error. Returns ``run_epochs``' metrics, the
+    cumulative ``local-epsilon`` and this round's steps (``round_report``).
     """
     num_examples, batch_size = len(loader.dataset), int(loader.batch_size or 1)
     dp = calibrated_settings(local, sample_rate=batch_size / num_examples, epochs=epochs)

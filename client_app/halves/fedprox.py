@@ -1,28 +1,23 @@
-"""Client side of FedProx and SmartFedProx (seed 001), and FedBN's local layers.
+"""FedProx and SmartFedProx, client half: the proximal weight and the divergence.
 
-Every train reply carries ``divergence`` (‖w_local − w_global‖ over the model's
-parameters, the seed's ``compute_model_divergence``) and ``effective-mu`` (the
-proximal weight the client trained with), whatever the strategy, so that FedAvg,
-FedProx and SmartFedProx runs can be compared on the same plots. Under SmartFedProx
-with ``smart-adaptive-mu`` the client scales the base μ with the seed's formula
-(:func:`tasks.adaptive_mu.adaptive_mu`) from its own divergence history, an EMA kept
-in ``context.state``; a client without a history yet (a fresh SuperNode) starts from
-the server's copy of it (``smart-client-divergence``).
+Every train reply carries ``divergence`` (‖w_local − w_global‖) and ``effective-mu``
+whatever the strategy, so that FedAvg, FedProx and SmartFedProx runs compare on the
+same plots. Under SmartFedProx with ``smart-adaptive-mu`` the client adapts μ
+(:func:`tasks.adaptive_mu.adaptive_mu`) from an EMA of its own divergence kept in
+``context.state``, starting from the server's copy (``smart-client-divergence``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 
+from client_app.halves.base import ClientHalf, Round
 from protocol import keys
 from tasks.adaptive_mu import adaptive_mu, ema, model_divergence
 
 SMART_STATE = "smart-fedprox"  # context.state ConfigRecord: {"historical-divergence": h}
 HISTORY = "historical-divergence"
-LOCAL_LAYERS = "local-layers"  # context.state ArrayRecord: FedBN's client-only entries
 
 
 def historical_divergence(config: ConfigRecord, state: RecordDict) -> float:
@@ -72,15 +67,14 @@ def divergence_metrics(
     return metrics
 
 
-def restore_local_layers(model: torch.nn.Module, names: tuple[str, ...], state: RecordDict):
-    """Overwrite ``names`` in ``model`` with the client's own copies, once it has some."""
-    saved = state.get(LOCAL_LAYERS)
-    if names and saved is not None:
-        model.load_state_dict(saved.to_torch_state_dict(), strict=False)
+class FedProxHalf(ClientHalf):
+    """Trains with the (adapted) proximal weight; replies the divergence it reached."""
 
+    def training(self, r: Round) -> dict:
+        r.kept["received"] = parameters(r.model)
+        r.kept["mu"] = effective_mu(r.config, r.context.state)
+        return {"proximal_mu": r.kept["mu"]}
 
-def keep_local_layers(model: torch.nn.Module, names: tuple[str, ...], state: RecordDict):
-    """Store ``names`` of the trained ``model`` as the client's own copies."""
-    if names:
-        weights = model.state_dict()
-        state[LOCAL_LAYERS] = ArrayRecord(OrderedDict((name, weights[name]) for name in names))
+    def trained(self, r: Round, metrics: dict[str, float]) -> dict[str, float]:
+        received, mu = r.kept["received"], r.kept["mu"]
+        return divergence_metrics(r.model, received, mu, r.config, r.context.state)

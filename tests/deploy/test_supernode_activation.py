@@ -1,4 +1,4 @@
-"""``python -m lab.supernode`` retries an activation the SuperLink refuses with 2004.
+"""``python -m deploy.supernode`` retries an activation the SuperLink refuses with 2004.
 
 A SuperNode restarted within about a minute of a crash finds its node still
 ``online`` at the SuperLink (``activate_node`` accepts only registered or offline
@@ -19,7 +19,7 @@ from flwr.proto.fleet_pb2 import ActivateNodeRequest, ActivateNodeResponse
 from flwr.supercore.error import ApiErrorCode
 from flwr.supernode.fleet_http_client import FleetHttpClient
 
-from lab import supernode
+from deploy import supernode
 
 REFUSED = {"code": 2004, "detail": "Failed to activate SuperNode."}
 NODE_ID = 4242

@@ -1,9 +1,13 @@
-"""Front-loaded DP client modes for hierarchical FL (frontloaded-dp-hfl): CG-NG, CG-NP, CP-NP.
+"""Front-loaded DP client modes for hierarchical FL: CG-NG, CG-NP, CP-NP.
 
 Ratnayake, Chen & Ding (2025), "Privacy-Preserving Hierarchical Federated Learning
-with Front-Loaded Differential Privacy Mechanism" (github.com/hashanpdn/frontloaded-dp-hfl).
-
-Design notes: ``docs/notes.md``, ``tasks.frontloaded``.
+with Front-Loaded Differential Privacy Mechanism". CG-NG and CG-NP clip each batch's
+(or, ``per_example``, each example's) gradient and take one optimizer step per epoch
+on their average, with Gaussian noise on the final step's gradient (CG-NG; every step
+per-example) or on the final parameters (CG-NP); CP-NP clips and noises the update
+(``clip_and_noise_delta``). All noise comes from an explicit ``torch.Generator``.
+A task calls ``train_clipped_gradients`` with its model, loader, optimizer and loss.
+What each mode guarantees, and against whom: docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -20,12 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from privacy.mechanisms import FRONT_LOADED_MODES as MODES
-from tasks.base import LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS
-from tasks.dpsgd import (
+from privacy.dpsgd import (
     HISTORY_KEY,
     LEFTOVER_MODULE_ATTRS,
     LEFTOVER_PARAM_ATTRS,
+    LOCAL_EPSILON,
     check_budget,
     check_compatible,
     epsilon_from_history,
@@ -33,19 +36,27 @@ from tasks.dpsgd import (
     history_to_state,
     opacus_names,
 )
-from tasks.options import ConfigError
+from privacy.mechanisms import FRONT_LOADED_MODES as MODES
 
 if TYPE_CHECKING:
     from opacus.grad_sample import GradSampleHooks
 
-CLIP_EPSILON = 1e-6  # the seed's min(1, C / (||g|| + 1e-6))
+CLIP_EPSILON = 1e-6  # the paper's code: min(1, C / (||g|| + 1e-6))
 
+# The task metrics it reports (tasks.base names them too; a test checks they agree).
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
 # Metric keys (kebab-case) besides num-examples, train-loss and local-epsilon.
 NOISE_STD = "noise-std"
 CLIP_FRACTION = "clip-fraction"
 OPTIMIZER_STEPS = "optimizer-steps"
 UPDATE_NORM = "update-norm"
 CLIPPED = "clipped"
+
+
+class ConfigError(ValueError):
+    """A front-loaded DP setting is out of range (the message names its run-config key)."""
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
@@ -108,7 +119,7 @@ class FrontLoadedDP:
 
 def gaussian_noise(like: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
     """I.i.d. ``N(0, sigma^2)`` shaped like ``like``, drawn on ``generator``'s device and
-    returned on ``like``'s device and dtype (the seed's ``gaussian_noise``)."""
+    returned on ``like``'s device and dtype (the paper code's ``gaussian_noise``)."""
     noise = torch.randn(like.shape, generator=generator, device=generator.device)
     return noise.mul_(sigma).to(device=like.device, dtype=like.dtype)
 
@@ -191,27 +202,15 @@ def train_clipped_gradients(
 ) -> dict[str, float]:
     """CG-NG / CG-NP local training, in place: one optimizer step per local epoch.
 
-    Parameters
-    ----------
-    model, loader
-        The model (on ``device``); batches of (inputs, targets), re-iterated each epoch.
-    dp : FrontLoadedDP
-        Mode ``cg-ng`` or ``cg-np``, C, sigma, per-example clipping.
-    local_epochs : int
-        Epochs, i.e. optimizer steps (``optimizer`` over ``model``'s trainable parameters).
-    loss_fn : callable
-        ``loss_fn(outputs, targets)``: the batch's MEAN loss.
-    generator, device
-        The source of all noise (``torch.Generator``); where batches are moved.
-    state : dict, optional
-        The client's persistent state; required with ``dp.per_example`` (its
-        accountant history under ``tasks.dpsgd.HISTORY_KEY`` is extended).
-
-    Returns
-    -------
-    dict
-        ``num-examples`` (per epoch), ``train-loss`` (last epoch), ``noise-std``,
-        ``clip-fraction``, ``optimizer-steps``; ``local-epsilon`` with per-example.
+    The task's hooks: ``model`` (on ``device``; ``optimizer`` updates its trainable
+    parameters), ``loader`` of (inputs, targets), re-iterated once per epoch, and
+    ``loss_fn(outputs, targets)``, the batch's MEAN loss. ``dp`` gives the mode
+    (``cg-ng`` or ``cg-np``), C, sigma and per-example clipping; all noise comes from
+    ``generator``. ``state``, the client's persistent state, is required with
+    ``dp.per_example`` (its accountant history under ``privacy.dpsgd.HISTORY_KEY`` is
+    extended). Returns ``num-examples`` (per epoch), ``train-loss`` (last epoch),
+    ``noise-std``, ``clip-fraction``, ``optimizer-steps``, and ``local-epsilon`` with
+    per-example clipping.
     """
     _check_training_args(dp, local_epochs, state)
     if dp.per_example and dp.max_epsilon > 0:  # full batch: n examples per step, q = 1

@@ -1,32 +1,20 @@
-"""Client side of hierarchical FL (seed 003): which edge this node belongs to, the
-client mode to train under, and CP-NP's reply (the clipped, noised delta only)."""
+"""Front-loaded DP (CG-NG, CG-NP, CP-NP), client half: the mode the server asks for.
+
+The task trains under it (:mod:`privacy.frontloaded`); under CP-NP the reply is the
+clipped, noised delta only.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from client_app.halves.base import ClientHalf, Round
+from privacy.frontloaded import FrontLoadedDP, clip_and_noise_delta
 from protocol import keys
-from tasks.frontloaded import FrontLoadedDP, clip_and_noise_delta
-from tasks.topology import edge_of
-
-
-def edge_id(
-    node_config: Mapping[str, Any], partition_id: int, num_partitions: int, num_edges: int
-):
-    """The SuperNode's ``edge-id`` if it was started with one, else its partition's."""
-    if keys.EDGE_ID in node_config:
-        edge = int(node_config[keys.EDGE_ID])
-        if not 0 <= edge < num_edges:
-            raise ValueError(
-                f"node config 'edge-id' = {edge} is not in [0, hier.num-edges = {num_edges})"
-            )
-        return edge
-    return edge_of(partition_id, num_partitions, num_edges)
+from tasks.base import LocalTraining
 
 
 def front_loaded(config: ConfigRecord) -> FrontLoadedDP | None:
@@ -59,3 +47,24 @@ def cp_np_reply(
         (n, by_name[n] if n in by_name else torch.zeros_like(t)) for n, t in after.items()
     )
     return ArrayRecord(out), metrics
+
+
+class FrontLoadedHalf(ClientHalf):
+    """Trains under the requested mode; replies CP-NP's noisy delta alone."""
+
+    def active(self, config: ConfigRecord, context: Context) -> bool:
+        return keys.FRONT_LOADED_MODE in config
+
+    def training(self, r: Round) -> dict:
+        return {"front_loaded": front_loaded(r.config)}
+
+    def reply(self, r: Round, metrics: dict[str, float], local: LocalTraining):
+        if local.front_loaded.mode != "cp-np":
+            return None
+        received = r.msg.content[keys.ARRAYS]
+        delta, extra = cp_np_reply(r.model, received, local.front_loaded, local.dp_seed)
+        # Only the noisy delta leaves: no loss, divergence or update norm,
+        # which no mechanism protects; the example count weights the edge average.
+        kept = {keys.NUM_EXAMPLES: metrics[keys.NUM_EXAMPLES], "noise-std": extra["noise-std"]}
+        content = RecordDict({keys.ARRAYS: delta, keys.METRICS: MetricRecord(kept)})
+        return Message(content=content, reply_to=r.msg)

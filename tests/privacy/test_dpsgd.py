@@ -1,4 +1,4 @@
-"""Sample-level DP-SGD (tasks.dpsgd) and its use in the vision task's local training.
+"""Sample-level DP-SGD (privacy.dpsgd) and its use in the vision task's local training.
 
 Golden numbers come from independent sources: Opacus' own accountant test
 (z=1.5, q=0.04, 2250 steps, delta=1e-5 -> epsilon 7.32911117143), Opacus' pure RDP
@@ -18,8 +18,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
-from tasks.dpsgd import (
+from privacy.dpsgd import (
     BUDGET_REFUSAL,
     HISTORY_KEY,
     ROUND_NOISE,
@@ -33,6 +32,7 @@ from tasks.dpsgd import (
     history_from_state,
     make_private,
 )
+from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.proximal import proximal_term, snapshot_parameters
 from tasks.vision import DigitsTask
 
@@ -366,7 +366,7 @@ def test_importing_opacus_leaves_no_root_log_handler_behind():
     # Opacus' basicConfig() would print every Flower log line twice.
     import logging
 
-    from tasks import dpsgd
+    from privacy import dpsgd
 
     dpsgd.opacus_names()  # Opacus is imported on first use
     formats = [getattr(h.formatter, "_fmt", None) for h in logging.root.handlers]

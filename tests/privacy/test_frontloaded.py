@@ -1,4 +1,4 @@
-"""frontloaded-dp-hfl's front-loaded DP client modes (tasks.frontloaded): CG-NG, CG-NP, CP-NP.
+"""Front-loaded DP client modes (privacy.frontloaded): CG-NG, CG-NP, CP-NP.
 
 Expected values are computed by hand on models whose gradients are known in closed
 form: ``nn.Linear(2, 1, bias=False)`` with loss ``mean(output)`` has batch gradient
@@ -15,18 +15,18 @@ import torch
 from dp_accounting import rdp as dp_rdp
 from torch import nn
 
-from tasks.dpsgd import HISTORY_KEY, epsilon_from_history
-from tasks.frontloaded import (
+from privacy.dpsgd import HISTORY_KEY, epsilon_from_history
+from privacy.frontloaded import (
     CLIP_FRACTION,
     CLIPPED,
     NOISE_STD,
     OPTIMIZER_STEPS,
     UPDATE_NORM,
+    ConfigError,
     FrontLoadedDP,
     clip_and_noise_delta,
     train_clipped_gradients,
 )
-from tasks.options import ConfigError
 
 LR = 0.1
 
@@ -323,3 +323,15 @@ def test_cp_np_adds_noise_with_std_sigma_from_the_generator():
 def test_cp_np_rejects_bad_settings():
     with pytest.raises(ConfigError, match=r"'dp\.clip-norm'"):
         clip_and_noise_delta([torch.ones(2)], clip=0.0, sigma=0.1, generator=torch.Generator())
+
+
+def test_metric_names_are_the_tasks():
+    """privacy/ sits below tasks/, so it spells the task metrics it reports itself."""
+    from privacy import dpsgd, frontloaded
+    from tasks import base
+
+    assert (frontloaded.NUM_EXAMPLES, frontloaded.TRAIN_LOSS) == (
+        base.NUM_EXAMPLES,
+        base.TRAIN_LOSS,
+    )
+    assert dpsgd.LOCAL_EPSILON == base.LOCAL_EPSILON == "local-epsilon"

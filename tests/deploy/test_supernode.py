@@ -1,4 +1,4 @@
-"""``python -m lab.supernode``: Flower 1.41's SuperNode loop with shorter waits.
+"""``python -m deploy.supernode``: Flower 1.41's SuperNode loop with shorter waits.
 
 The loop itself (``start_client_internal``) runs here against a stand-in connection
 whose pulls bring no message, with ``time.sleep`` recorded instead of slept: patched,
@@ -24,7 +24,7 @@ from flwr.supercore.version import package_version
 from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.nodestate import NodeStateFactory
 
-from lab import supernode
+from deploy import supernode
 
 
 class _Stop(Exception):
@@ -155,7 +155,7 @@ def test_main_patches_the_loop_then_runs_flower_supernode(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv)
     supernode.main(["--insecure", "--poll-interval", "0.3", "--superlink", "h:9092"])
     assert seen["argv"] == ["flower-supernode", "--insecure", "--superlink", "h:9092"]
-    # Activation refusals (2004) are retried (tests/lab/test_supernode_activation.py).
+    # Activation refusals (2004) are retried (tests/deploy/test_supernode_activation.py).
     assert hasattr(FleetHttpClient.ActivateNode, "__wrapped__")
     clock = seen["time"]
     assert isinstance(clock, supernode.PollClock)

@@ -1,4 +1,4 @@
-"""The warm ClientApp executor (`python -m lab.superexec`) without a deployment.
+"""The warm ClientApp executor (`python -m deploy.superexec`) without a deployment.
 
 The zygote is tested in a subprocess of its own (:data:`DRIVER`): a pytest worker runs
 threads, and forking it would be the hazard the zygote avoids. The driver preloads,
@@ -25,7 +25,7 @@ import torch
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResultStatus
 
-from lab import superexec
+from deploy import superexec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ DRIVER = textwrap.dedent(
     from dataclasses import asdict
     from pathlib import Path
 
-    from lab import superexec
+    from deploy import superexec
 
     out, parent, preload = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     sys.path.insert(0, str(out / "app"))
@@ -243,7 +243,7 @@ def test_the_zygote_stops_when_its_parent_is_gone(driver):
     assert results == {1: -signal.SIGTERM}
 
 
-def test_app_modules_are_those_under_the_app_directory_except_lab(tmp_path, monkeypatch):
+def test_app_modules_are_those_under_the_app_directory_except_deploy(tmp_path, monkeypatch):
     package = tmp_path / "someapp"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -255,7 +255,7 @@ def test_app_modules_are_those_under_the_app_directory_except_lab(tmp_path, monk
         assert superexec.app_modules(tmp_path) == ["someapp", "someapp.part"]
         in_checkout = superexec.app_modules(superexec.APP_DIR)
         assert __name__ in in_checkout  # tests/ lies in the checkout
-        assert not any(name == "lab" or name.startswith("lab.") for name in in_checkout)
+        assert not any(name == "deploy" or name.startswith("deploy.") for name in in_checkout)
         assert "numpy" not in in_checkout and "flwr" not in in_checkout  # installed
     finally:
         for name in ("someapp", "someapp.part"):

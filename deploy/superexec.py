@@ -1,6 +1,15 @@
 """A warm ClientApp executor for a SuperNode started with ``--isolation process``.
 
-Design notes: ``docs/notes.md``, ``lab.superexec``.
+Run it instead of ``flower-superexec`` on each SuperNode's machine::
+
+    flower-supernode --isolation process --port 9094 ... &
+    python -m deploy.superexec --runtime-api-address 127.0.0.1:9094 --insecure &
+
+The process you start (the zygote) imports the ``--preload`` modules once and forks:
+one poller running Flower's SuperExec loop with a ``PipeExecutor``, and one
+child per message running Flower's ``run_clientapp``. The app's own modules are
+re-imported from the run's FAB in every child. Design, limits and measurements:
+docs/deploy.md, "The warm executor".
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_f
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult
 from flwr.supernode.runtime.run_clientapp import run_clientapp  # imported before any fork
 
-OWN_PACKAGE = Path(__file__).resolve().parent  # lab/: kept when app modules are dropped
+OWN_PACKAGE = Path(__file__).resolve().parent  # deploy/: kept when app modules are dropped
 APP_DIR = OWN_PACKAGE.parent  # the checkout whose modules the children import from a FAB
 # This app's ClientApp, and the third-party modules it imports only on first use: the
 # optimizer's torch._dynamo (~1 s), the partitioners' flwr_datasets and datasets
@@ -73,8 +82,8 @@ def installed_dirs() -> tuple[str, ...]:
 
 def app_modules(app_dir: Path = APP_DIR) -> list[str]:
     """Names of the loaded modules whose file (or package path) lies under ``app_dir``,
-    except those of this package (``lab``) and those installed in this Python's
-    environment (:func:`installed_dirs`), even where that lies under ``app_dir``."""
+    except those of this package (``deploy``) and those installed in this Python's
+    environment (``installed_dirs``), even where that lies under ``app_dir``."""
     root, own = str(Path(app_dir).resolve()), str(OWN_PACKAGE)
     installed = [d for d in installed_dirs() if not _under(root, d)]  # the app is not in it
     names = []
@@ -94,7 +103,7 @@ def app_modules(app_dir: Path = APP_DIR) -> list[str]:
 
 def preload(modules: Iterable[str], app_dir: Path = APP_DIR) -> list[str]:
     """Import ``modules`` (and so everything they import), then forget the app's own
-    modules (:func:`app_modules`) so that each child imports them from its run's FAB.
+    modules (``app_modules``) so that each child imports them from its run's FAB.
 
     Returns
     -------
@@ -119,7 +128,7 @@ def preload(modules: Iterable[str], app_dir: Path = APP_DIR) -> list[str]:
     dropped = app_modules(app_dir)
     if "flwr" in dropped:  # forgetting the installed packages breaks every child
         raise SystemExit(
-            f"lab.superexec: Flower itself lies in the app directory {app_dir}, so the "
+            f"deploy.superexec: Flower itself lies in the app directory {app_dir}, so the "
             "app's modules cannot be told from the installed packages; install the app "
             "editable (`pip install -e .`, as docs/deploy.md does)"
         )
@@ -237,7 +246,7 @@ class Zygote:
     tasks_fd : int
         Read end of the pipe the poller writes tasks into.
     run_task : Callable[[dict], Any]
-        What a child runs (:func:`run_clientapp_task`); it runs in the child only.
+        What a child runs (``run_clientapp_task``); it runs in the child only.
     poller_pid : int, optional
         The poller, a child of this process: when it exits, the zygote stops.
     parent_pid : int, optional
@@ -415,7 +424,7 @@ def run_clientapp_task(
     watching the zygote (its parent) and without dependency installation.
 
     It retries pulling the message's objects sooner than Flower does
-    (:data:`OBJECT_PULL_RETRY`): a forked child asks for them milliseconds after the
+    (``OBJECT_PULL_RETRY``): a forked child asks for them milliseconds after the
     SuperNode made the task, often before the SuperNode has them from the SuperLink
     (0.6-1 s later here), and Flower's first retry after 1 s, the next after 2 s
     more, would add up to a second to every message. A new ``flwr-clientapp`` asks
@@ -479,7 +488,7 @@ class PipeExecutor:
 
 
 def run_poller(fd: int, args: argparse.Namespace, zygote_pid: int) -> None:
-    """Flower's SuperExec loop (``run_superexec``) with a :class:`PipeExecutor`; runs in
+    """Flower's SuperExec loop (``run_superexec``) with a ``PipeExecutor``; runs in
     the poller process until it is stopped (or the zygote is gone)."""
     from flwr.supercore.auth import load_superexec_auth_secret
     from flwr.supercore.superexec import run_superexec as superexec
@@ -505,9 +514,9 @@ def run_poller(fd: int, args: argparse.Namespace, zygote_pid: int) -> None:
 
 # -- the command ----------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """``python -m lab.superexec`` options (``flower-superexec``'s, plus the preload)."""
+    """``python -m deploy.superexec`` options (``flower-superexec``'s, plus the preload)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lab.superexec",
+        prog="python -m deploy.superexec",
         description="Warm ClientApp executor for a SuperNode with --isolation process: "
         "one fork of a preloaded process per message instead of a new flwr-clientapp.",
     )
@@ -575,11 +584,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             certificates = Path(args.root_certificates).expanduser().read_bytes()
         except OSError as err:
-            raise SystemExit(f"lab.superexec: --root-certificates: {err}") from None
+            raise SystemExit(f"deploy.superexec: --root-certificates: {err}") from None
     started = time.monotonic()
     dropped = preload(args.preload)
     if hazards := fork_hazards():
-        raise SystemExit("lab.superexec: cannot fork ClientApps safely: " + "; ".join(hazards))
+        raise SystemExit("deploy.superexec: cannot fork ClientApps safely: " + "; ".join(hazards))
     read_fd, write_fd = os.pipe()
     zygote_pid = os.getpid()
     zygote = Zygote(

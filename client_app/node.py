@@ -1,0 +1,152 @@
+"""This node's side of every message: its task, partition, model and saved state.
+
+The task, its data partition and the model object are built once per process and
+reused across messages (only the weights change per message).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+
+import tasks
+from client_app import canary, state
+from client_app.halves.base import ClientHalf, Round
+from privacy.mechanisms import secret_seed
+from protocol import keys
+from protocol.records import to_numpy
+from tasks.base import SEED, LocalTraining, Task
+
+_DP_STREAM = 0xD5  # dp.reproducible-noise: the DP seed's stream beside the local seed
+
+
+@lru_cache(maxsize=4)
+def _task(frozen_run_config: tuple[tuple[str, Any], ...]) -> Task:
+    return tasks.build(dict(frozen_run_config))
+
+
+def task_of(context: Context) -> Task:
+    return _task(tuple(sorted(context.run_config.items())))
+
+
+@lru_cache(maxsize=4)
+def _model(task: Task, seed: int) -> torch.nn.Module:
+    return task.build_model(seed)
+
+
+def run_seed(context: Context) -> int:
+    return int(context.run_config.get(SEED.key, SEED.default))
+
+
+def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
+    """Return (partition-id, num-partitions) from the node config, validated."""
+    try:
+        pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    except KeyError as err:
+        raise ValueError(
+            f"node config lacks {err}; start the SuperNode with "
+            '--node-config "partition-id=<i> num-partitions=<n>"'
+        ) from None
+    if not 0 <= pid < num:
+        raise ValueError(f"partition-id {pid} is not in [0, num-partitions={num})")
+    return pid, num
+
+
+def setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
+    """Return (task, this process's model object, partition, partition id).
+
+    With ``audit.canaries`` = k the real clients split the data N = num-partitions - k
+    ways, and a canary gets the partition it shadows (:mod:`client_app.canary`)."""
+    run_config = context.run_config
+    task = task_of(context)
+    pid, num = node_partition(context.node_config)
+    partition = task.partition_from_node_config(context.node_config)
+    if partition is None:
+        real = canary.real_partitions(run_config, num)
+        index = canary.canary_index(run_config, pid, num)
+        shadow = pid if index is None else canary.shadow_partition(index, real)
+        partition = task.load_partition(shadow, real)
+    return task, _model(task, run_seed(context)), partition, pid
+
+
+def state_dict(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()``, each array decoded without ``np.load``'s header
+    parsing (:func:`protocol.records.to_numpy`): a client message's largest fixed cost
+    after training on small models."""
+    return {key: torch.from_numpy(to_numpy(arrays[key])) for key in arrays}
+
+
+def reply(msg: Message, metrics: dict[str, float], model: torch.nn.Module | None) -> Message:
+    content = RecordDict({keys.METRICS: MetricRecord(metrics)})
+    if model is not None:
+        content[keys.ARRAYS] = ArrayRecord(model.state_dict())
+    return Message(content=content, reply_to=msg)
+
+
+def dp_seed(reproducible_seed: int, run_config) -> int:
+    """The seed of this training's DP randomness: OS entropy, never sent anywhere;
+    ``reproducible_seed`` (from the run seed) only under ``dp.reproducible-noise``."""
+    if bool(run_config.get("dp.reproducible-noise", False)):
+        return int(np.random.SeedSequence([reproducible_seed, _DP_STREAM]).generate_state(1)[0])
+    return secret_seed()
+
+
+def task_state(context: Context) -> dict[str, Any]:
+    record = context.state.get(keys.TASK_STATE)
+    return json.loads(str(record["json"])) if record is not None else {}
+
+
+def task_tensors(context: Context) -> dict[str, torch.Tensor]:
+    record = context.state.get(keys.TASK_TENSORS)
+    return state_dict(record) if record is not None else {}
+
+
+def keep_task_state(context: Context, local: LocalTraining) -> None:
+    """The task's state into ``context.state``; none at all when the task keeps none, so
+    that a client without state writes no state file (:func:`client_app.state.save`)."""
+    if local.state:
+        context.state[keys.TASK_STATE] = ConfigRecord({"json": json.dumps(local.state)})
+    elif keys.TASK_STATE in context.state:
+        del context.state[keys.TASK_STATE]
+    if local.state_tensors:
+        context.state[keys.TASK_TENSORS] = ArrayRecord(local.state_tensors)
+    elif keys.TASK_TENSORS in context.state:
+        del context.state[keys.TASK_TENSORS]
+
+
+def artifacts_dir(config, node_config: Mapping[str, Any]) -> str | None:
+    """The SuperNode's own ``artifacts-dir`` if it sets one, else the server's."""
+    chosen = node_config.get(keys.ARTIFACTS_DIR, config.get(keys.ARTIFACTS_DIR))
+    return str(chosen) if chosen else None
+
+
+def prepare(msg: Message, context: Context, halves: list[ClientHalf]) -> Round:
+    """This node's task and partition, the model loaded with the weights to use (a
+    fresh context first gets the state this client saved: :mod:`client_app.state`)."""
+    task, model, partition, pid = setup(context)
+    config, arrays = msg.content[keys.CONFIG], msg.content[keys.ARRAYS]
+    if keys.SERVER_ROUND in config:
+        artifacts = artifacts_dir(config, context.node_config)
+        evaluate = msg.metadata.message_type == MessageType.EVALUATE
+        state.restore(context, artifacts, pid, int(config[keys.SERVER_ROUND]), evaluate=evaluate)
+    for half in halves:
+        arrays = half.weights(arrays, config, context)
+    model.load_state_dict(state_dict(arrays), strict=True)
+    r = Round(msg, context, task, model, partition, pid)
+    for half in halves:
+        half.loaded(r)
+    return r

@@ -1,0 +1,102 @@
+"""The ClientApp's table of client halves: which message activates which half."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+
+from client_app import app
+from client_app.halves.dpsgd import DPSGDHalf, dp_sgd
+from client_app.halves.frontloaded import FrontLoadedHalf
+from client_app.halves.hierarchical import HierarchicalHalf
+from client_app.halves.local import LocalHalf
+from protocol import keys
+
+APP = Path(app.__file__)
+
+
+def _context(state: RecordDict | None = None, pid: int = 0, num: int = 4, **run_config):
+    node = {"partition-id": pid, "num-partitions": num}
+    return Context(0, 0, node, state or RecordDict(), run_config)
+
+
+def _names(config: dict, context: Context) -> list[str]:
+    return [type(h).__name__ for h in app.HALVES if h.active(ConfigRecord(config), context)]
+
+
+def test_a_plain_message_activates_only_fedbn_and_fedprox():
+    # FedProx's half always runs: every train reply carries divergence and effective-mu.
+    assert _names({keys.SERVER_ROUND: 1}, _context()) == ["FedBNHalf", "FedProxHalf"]
+
+
+def test_each_algorithm_key_activates_its_half():
+    context = _context()
+    assert "LocalHalf" in _names({keys.LOCAL_ONLY: True}, context)
+    assert "LocalHalf" not in _names({keys.LOCAL_ONLY: False}, context)
+    assert "DPSGDHalf" in _names({keys.DPSGD_NOISE_MULTIPLIER: 1.0}, context)
+    assert "HierarchicalHalf" in _names({keys.EDGE_ROUND: 2}, context)
+    assert "HierarchicalHalf" in _names({keys.LOCAL_UPDATES: 5}, context)
+    assert "FrontLoadedHalf" in _names({keys.FRONT_LOADED_MODE: "cp-np"}, context)
+
+
+def test_the_last_partitions_are_canaries():
+    canaries = {"audit.canaries": 2}
+    assert "CanaryHalf" not in _names({}, _context(pid=1, num=4, **canaries))
+    assert "CanaryHalf" in _names({}, _context(pid=2, num=4, **canaries))
+    assert "CanaryHalf" in _names({}, _context(pid=3, num=4, **canaries))
+
+
+def test_cp_np_and_the_canary_reply_before_the_default_in_that_order():
+    order = [type(h).__name__ for h in app.HALVES]
+    assert order.index("FrontLoadedHalf") < order.index("CanaryHalf")
+
+
+def test_local_half_loads_the_clients_own_model_once_it_has_one():
+    received = ArrayRecord([np.zeros(2, dtype=np.float32)])
+    own = ArrayRecord([np.ones(2, dtype=np.float32)])
+    config = ConfigRecord({keys.LOCAL_ONLY: True})
+    assert LocalHalf().weights(received, config, _context()) is received
+    state = RecordDict({keys.LOCAL_MODEL: own})
+    assert LocalHalf().weights(received, config, _context(state)) is own
+
+
+def test_edge_rounds_add_seed_entropy_and_local_updates():
+    half = HierarchicalHalf()
+    assert half.seed_entropy(ConfigRecord({keys.EDGE_ROUND: 3})) == (3,)
+    assert half.seed_entropy(ConfigRecord({keys.LOCAL_UPDATES: 3})) == ()
+
+
+def test_dp_sgd_settings_come_from_the_config_and_the_planned_rounds():
+    config = ConfigRecord(
+        {
+            keys.DPSGD_NOISE_MULTIPLIER: 1.1,
+            keys.DPSGD_MAX_GRAD_NORM: 0.5,
+            keys.DPSGD_DELTA: 1e-5,
+            keys.DPSGD_TARGET_EPSILON: 8.0,
+        }
+    )
+    settings = dp_sgd(config, {"num-server-rounds": 7})
+    assert (settings.noise_multiplier, settings.max_grad_norm) == (1.1, 0.5)
+    assert (settings.target_epsilon, settings.planned_rounds, settings.max_epsilon) == (
+        8.0,
+        7,
+        0.0,
+    )
+    assert DPSGDHalf().active(config, _context())
+    assert not FrontLoadedHalf().active(config, _context())
+
+
+def test_train_and_evaluate_branch_on_no_algorithm_key():
+    tree = ast.parse(APP.read_text())
+    handlers = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    tests = [
+        ast.unparse(node.test)
+        for f in handlers
+        if f.name in ("train", "evaluate")
+        for node in ast.walk(f)
+        if isinstance(node, ast.If)
+    ]
+    assert tests and not [t for t in tests if "keys." in t or "config" in t], tests
