@@ -1,6 +1,6 @@
 """Flower's SuperNode with a shorter wait between pulls: ``python -m lab.supernode``.
 
-Why it is hand-written: Flower 1.41's SuperNode loop (``start_client_internal`` in
+Why it is hand-written: Flower 1.42's SuperNode loop (``start_client_internal`` in
 ``flwr/supernode/start_client_internal.py``) sleeps a fixed 3 s after every pull from
 the SuperLink that brings no message, and polls its own state every 0.5 s for the
 ClientApp's reply and for the reply's objects. None of the three is an option of
@@ -20,9 +20,10 @@ as many requests; Flower's SuperExec polls its SuperNode every 1 s, and
 :mod:`lab.superexec` every 0.2 s).
 
 The replacement is tied to the code it replaces. Before it patches anything,
-:func:`check_flower` reads the module's source and requires Flower 1.41 and exactly
-the waits above (``time.sleep(3)`` once, ``time.sleep(0.5)`` twice); with any other
-Flower it exits with a message and changes nothing. Use ``flower-supernode`` there.
+:func:`check_flower` reads the module's source and requires Flower 1.42 (or 1.41,
+whose loop is the same) and exactly the waits above (``time.sleep(3)`` once,
+``time.sleep(0.5)`` twice); with any other Flower it exits with a message and changes
+nothing. Use ``flower-supernode`` there.
 
 It also survives a restart right after a crash. A SuperNode with an authentication
 key (``--auth-supernode-private-key``) keeps its node id; the SuperLink activates that
@@ -56,14 +57,15 @@ from logging import ERROR, INFO, WARNING
 from types import ModuleType
 from typing import Any
 
-FLOWER_SERIES = "1.41."  # the SuperNode loop this was written against
-# The waits of start_client_internal in Flower 1.41: seconds -> how many calls
+# The SuperNode loops this was written against (the same source in both series)
+FLOWER_SERIES = ("1.41.", "1.42.")
+# The waits of start_client_internal in Flower 1.41/1.42: seconds -> how many calls
 PULL_WAIT = 3.0  # after a pull that brought no message
 REPLY_WAIT = 0.5  # between two looks at the node's state for the reply and its objects
 FLOWER_WAITS = {PULL_WAIT: 1, REPLY_WAIT: 2}
 DEFAULT_POLL_INTERVAL = 0.5
 DEFAULT_REPLY_POLL_INTERVAL = 0.05
-# Flower 1.41: a node is offline HEARTBEAT_PATIENCE (2) x HEARTBEAT_DEFAULT_INTERVAL
+# Flower 1.41/1.42: a node is offline HEARTBEAT_PATIENCE (2) x HEARTBEAT_DEFAULT_INTERVAL
 # (30 s) after its last heartbeat; 15 s more for the SuperLink to notice.
 DEFAULT_ACTIVATION_WAIT = 75.0
 DEFAULT_ACTIVATION_RETRY_INTERVAL = 5.0
@@ -187,11 +189,12 @@ def sleeps(source: str) -> dict[float | None, int]:
 
 
 def check_flower(version: str, module: ModuleType) -> None:
-    """Refuse (``SystemExit``) unless ``module`` is Flower 1.41's SuperNode loop with
+    """Refuse (``SystemExit``) unless ``module`` is Flower 1.41/1.42's SuperNode loop with
     exactly the waits this command shortens."""
     if not version.startswith(FLOWER_SERIES):
         raise SystemExit(
-            f"lab.supernode: written for Flower {FLOWER_SERIES}x's SuperNode loop, this is "
+            f"lab.supernode: written for the SuperNode loop of Flower "
+            f"{' and '.join(s + 'x' for s in FLOWER_SERIES)}, this is "
             f"Flower {version}; run flower-supernode instead"
         )
     waits = sleeps(inspect.getsource(module))
@@ -207,7 +210,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m lab.supernode",
         description="flower-supernode with a shorter wait between pulls from the "
-        "SuperLink (Flower 1.41 waits 3 s). Every other option is flower-supernode's "
+        "SuperLink (Flower waits 3 s). Every other option is flower-supernode's "
         "(flower-supernode --help).",
         allow_abbrev=False,  # a prefix of one of flower-supernode's options is theirs
     )
