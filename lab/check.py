@@ -86,12 +86,19 @@ def num_supernodes(federation_config: Sequence[str], connection: str) -> tuple[i
     if not (get_flwr_home() / "config.toml").is_file():  # Flower would create one
         return None, f"no Flower configuration, so no connection {connection!r}"
     try:
-        options = read_superlink_connection(connection).options
+        conn = read_superlink_connection(connection)
     except Exception:  # no such connection, or a configuration Flower cannot read
         return None, f"connection {connection!r} not found"
-    if options is None:
-        return None, f"connection {connection!r} is not a simulation"
-    return int(options.num_supernodes), f"connection {connection!r}"
+    if conn.options is not None:  # Flower's deprecated per-connection options.*
+        return int(conn.options.num_supernodes), f"connection {connection!r}"
+    if conn.address != ":local:":
+        return None, f"connection {connection!r} is not a local simulation"
+    from lab.connections import running_simulation_size
+
+    size = running_simulation_size()  # the size lives in the running SuperLink only
+    if size is None:
+        return None, "no local SuperLink running (`python -m lab.connections` starts one)"
+    return size, "the running local SuperLink"
 
 
 def federation_keys() -> frozenset[str]:
