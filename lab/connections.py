@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import flwr.cli.local_superlink as flower_launcher
 import psutil
 import typer
 from flwr.cli.flower_config import read_flower_config, write_superlink_connection
@@ -69,6 +70,7 @@ RAY_LAB = "ray-lab"  # default name of a Ray-cluster connection
 LOCAL_ADDRESS = ":local:"  # Flower's magic value: start a local SuperLink on demand
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # what ray.init() reads when given no address
 RUNTIME_INSTALL_ENV = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"  # "1": run in this env
+STARTUP_TIMEOUT = 120.0  # seconds the local SuperLink may take to answer (Flower: 15)
 _HOST_PORT = re.compile(r"^[^\s:/]+:\d{1,5}$|^\[[0-9A-Fa-f:.]+\]:\d{1,5}$")
 
 
@@ -229,6 +231,11 @@ def start_local_superlink(ray_address: str | None = None) -> str:
             "port; `flwr run` will use it (and its way of installing dependencies)."
         )
     os.environ[RUNTIME_INSTALL_ENV] = "1"  # _start_local_superlink passes os.environ on
+    # Flower waits 15 s for the SuperLink to answer, then kills it: too short on a
+    # loaded machine (a 2-core host at load 20 took longer); the wait ends as it answers.
+    flower_launcher.LOCAL_SUPERLINK_STARTUP_TIMEOUT = max(
+        flower_launcher.LOCAL_SUPERLINK_STARTUP_TIMEOUT, STARTUP_TIMEOUT
+    )
     if ray_address is not None:
         os.environ[RAY_ADDRESS_ENV] = ray_address
     try:

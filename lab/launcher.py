@@ -210,8 +210,11 @@ class LocalSimulation:
                 check=True,
                 capture_output=True,
             )  # fmt: skip
-        except BaseException:
+        except BaseException as err:
             self.stop()
+            if isinstance(err, subprocess.CalledProcessError):  # say why, not only the code
+                out = (err.stdout or b"").decode() + (err.stderr or b"").decode()
+                raise RuntimeError(f"python -m lab.connections failed:\n{out}") from err
             raise
 
     def run(
