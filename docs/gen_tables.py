@@ -128,9 +128,13 @@ def replace_nav(text: str, nav: str) -> str:
 
 
 def generated_files() -> dict[Path, str]:
-    """Every generated file (benchmark pages, mkdocs.yml's nav) -> its text."""
+    """Every generated file (benchmark pages, mkdocs.yml's nav, the run-config checks of
+    ``python -m lab check``) -> its text."""
     files = {DOCS / page: text for page, text in benchmark_pages().items()}
     files[MKDOCS] = replace_nav(MKDOCS.read_text(), benchmark_nav())
+    from lab import check  # each key's checks, for `python -m lab check`'s fast path
+
+    files[check.OPTIONS_FILE] = check.options_json()
     return files
 
 
