@@ -2,7 +2,7 @@
 
 It runs ``flower-supernode`` unchanged (same options, code and log) after replacing
 the ``time`` module Flower's SuperNode loop sees with ``PollClock`` (why: the
-package docstring); ``check_flower`` first requires Flower 1.41's loop with
+package docstring); ``check_flower`` first requires Flower 1.42's (or 1.41's, the same) loop with
 exactly the waits it replaces. ``ActivationRetry`` retries an activation the
 SuperLink refuses right after a restart (ApiError 2004). Use it as
 ``flower-supernode``, with more options::
@@ -26,14 +26,15 @@ from logging import ERROR, INFO, WARNING
 from types import ModuleType
 from typing import Any
 
-FLOWER_SERIES = "1.41."  # the SuperNode loop this was written against
-# The waits of start_client_internal in Flower 1.41: seconds -> how many calls
+# The SuperNode loops this was written against (the same source in both series)
+FLOWER_SERIES = ("1.41.", "1.42.")
+# The waits of start_client_internal in Flower 1.41/1.42: seconds -> how many calls
 PULL_WAIT = 3.0  # after a pull that brought no message
 REPLY_WAIT = 0.5  # between two looks at the node's state for the reply and its objects
 FLOWER_WAITS = {PULL_WAIT: 1, REPLY_WAIT: 2}
 DEFAULT_POLL_INTERVAL = 0.5
 DEFAULT_REPLY_POLL_INTERVAL = 0.05
-# Flower 1.41: a node is offline HEARTBEAT_PATIENCE (2) x HEARTBEAT_DEFAULT_INTERVAL
+# Flower 1.41/1.42: a node is offline HEARTBEAT_PATIENCE (2) x HEARTBEAT_DEFAULT_INTERVAL
 # (30 s) after its last heartbeat; 15 s more for the SuperLink to notice.
 DEFAULT_ACTIVATION_WAIT = 75.0
 DEFAULT_ACTIVATION_RETRY_INTERVAL = 5.0
@@ -157,11 +158,12 @@ def sleeps(source: str) -> dict[float | None, int]:
 
 
 def check_flower(version: str, module: ModuleType) -> None:
-    """Refuse (``SystemExit``) unless ``module`` is Flower 1.41's SuperNode loop with
+    """Refuse (``SystemExit``) unless ``module`` is Flower 1.41/1.42's SuperNode loop with
     exactly the waits this command shortens."""
     if not version.startswith(FLOWER_SERIES):
         raise SystemExit(
-            f"deploy.supernode: written for Flower {FLOWER_SERIES}x's SuperNode loop, this is "
+            f"deploy.supernode: written for the SuperNode loop of Flower "
+            f"{' and '.join(s + 'x' for s in FLOWER_SERIES)}, this is "
             f"Flower {version}; run flower-supernode instead"
         )
     waits = sleeps(inspect.getsource(module))
@@ -177,7 +179,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.supernode",
         description="flower-supernode with a shorter wait between pulls from the "
-        "SuperLink (Flower 1.41 waits 3 s). Every other option is flower-supernode's "
+        "SuperLink (Flower waits 3 s). Every other option is flower-supernode's "
         "(flower-supernode --help).",
         allow_abbrev=False,  # a prefix of one of flower-supernode's options is theirs
     )

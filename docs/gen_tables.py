@@ -165,6 +165,9 @@ def generated_files() -> dict[Path, str]:
     files |= {DOCS / page: text for page, text in study_pages().items()}
     files[MKDOCS] = replace_nav(MKDOCS.read_text(), benchmark_nav())
     files[PYPROJECT] = replace_defaults(PYPROJECT.read_text(), config.pyproject_defaults())
+    from lab import check  # each key's checks, for `python -m lab check`'s fast path
+
+    files[check.OPTIONS_FILE] = check.options_json()
     return files
 
 

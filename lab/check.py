@@ -9,6 +9,11 @@ the ServerApp's own code (:func:`server_app.config.load`, the task's and the
 strategy's constructors, the start-up check's node counts), in seconds and without a
 SuperLink. Prints one line: ``OK: ...`` (exit 0) or ``error: ...`` (exit 2).
 
+Values are checked first against ``lab/run_config_options.json`` (each key's type,
+range and choices, generated from the declarations by ``docs/gen_tables.py``), so that
+a bad value answers in about a second, before PyTorch and the task code load; the
+ServerApp's own code then checks everything again.
+
 It also catches what no app can see: a ``.toml`` file in one string with ``key=value``
 pairs (Flower drops the file silently) and text Flower's parser skips.
 """
@@ -16,6 +21,7 @@ pairs (Flower drops the file silently) and text Flower's parser skips.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -24,6 +30,9 @@ from pathlib import Path
 # Flower's pattern for one key=value pair (flwr.common.config.parse_config_args).
 _PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
 LOCAL_SIMULATION = "local-simulation"
+# Each key's checks (type, range, choices), generated: docs/gen_tables.py writes it.
+OPTIONS_FILE = Path(__file__).resolve().with_name("run_config_options.json")
+_OPTION_FIELDS = ("key", "default", "choices", "low", "high", "low_open", "high_open")
 
 
 class CheckError(ValueError):
@@ -86,12 +95,19 @@ def num_supernodes(federation_config: Sequence[str], connection: str) -> tuple[i
     if not (get_flwr_home() / "config.toml").is_file():  # Flower would create one
         return None, f"no Flower configuration, so no connection {connection!r}"
     try:
-        options = read_superlink_connection(connection).options
+        conn = read_superlink_connection(connection)
     except Exception:  # no such connection, or a configuration Flower cannot read
         return None, f"connection {connection!r} not found"
-    if options is None:
-        return None, f"connection {connection!r} is not a simulation"
-    return int(options.num_supernodes), f"connection {connection!r}"
+    if conn.options is not None:  # Flower's deprecated per-connection options.*
+        return int(conn.options.num_supernodes), f"connection {connection!r}"
+    if conn.address != ":local:":
+        return None, f"connection {connection!r} is not a local simulation"
+    from lab.connections import running_simulation_size
+
+    size = running_simulation_size()  # the size lives in the running SuperLink only
+    if size is None:
+        return None, "no local SuperLink running (`python -m lab.connections` starts one)"
+    return size, "the running local SuperLink"
 
 
 def federation_keys() -> frozenset[str]:
@@ -125,6 +141,34 @@ def _check_keys(overrides: dict, defaults: dict) -> None:
         raise CheckError(f"preset {overrides['preset']!r} sets unknown key(s): {unknown}")
 
 
+def options_json() -> str:
+    """``OPTIONS_FILE``'s text: every declared option's checks, from the code."""
+    from server_app import config
+
+    rows = [{f: getattr(opt, f) for f in _OPTION_FIELDS} for opt in config.all_options()]
+    return "[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n"  # a key a line
+
+
+def _check_values(fused: dict) -> None:
+    """Each value's type, range and choices, from ``OPTIONS_FILE`` (no PyTorch import);
+    without the file, the ServerApp's code checks them later."""
+    from protocol import presets
+    from tasks.options import ConfigError, Option, parse_options
+
+    try:
+        rows = json.loads(OPTIONS_FILE.read_text())
+    except (OSError, ValueError):
+        return
+    options = [
+        Option(help="", **{**row, "choices": row["choices"] and tuple(row["choices"])})
+        for row in rows
+    ]
+    try:
+        parse_options(presets.resolve(fused, presets.app_defaults()), options)
+    except ConfigError as err:
+        raise CheckError(str(err)) from None
+
+
 def check(
     run_config: Sequence[str],
     federation_config: Sequence[str] = (),
@@ -142,6 +186,7 @@ def check(
     overrides = parse_run_config(run_config)
     fused = {**presets.app_defaults(), **overrides}
     _check_keys(overrides, presets.app_defaults())  # before the slow imports below
+    _check_values(fused)
     import strategies
     import tasks
     from server_app import config, setup, startup

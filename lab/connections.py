@@ -1,6 +1,6 @@
 """Register this app's SuperLink connections in the Flower configuration file.
 
-Flower 1.41 reads SuperLink connections from ``$FLWR_HOME/config.toml`` (default
+Flower 1.42 reads SuperLink connections from ``$FLWR_HOME/config.toml`` (default
 ``~/.flwr/config.toml``); a ``[tool.flwr.federations]`` table in ``pyproject.toml``
 would be migrated there by ``flwr run``, which rewrites the tracked pyproject in
 place. So the app keeps no federations table and this module writes the
@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import flwr.cli.local_superlink as flower_launcher
 import psutil
+import typer
 from flwr.cli.flower_config import read_flower_config, write_superlink_connection
 from flwr.cli.local_superlink import _is_local_superlink_started, _start_local_superlink
-from flwr.cli.typing import (
-    SimulationBackendConfig,
-    SimulationClientResources,
-    SuperLinkConnection,
-    SuperLinkSimulationOptions,
-)
+from flwr.cli.typing import SuperLinkConnection
 from flwr.supercore.utils import get_flwr_home
 
 LOCAL_SIMULATION = "local-simulation"
@@ -40,44 +39,99 @@ RAY_LAB = "ray-lab"  # default name of a Ray-cluster connection
 LOCAL_ADDRESS = ":local:"  # Flower's magic value: start a local SuperLink on demand
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # what ray.init() reads when given no address
 RUNTIME_INSTALL_ENV = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"  # "1": run in this env
+STARTUP_TIMEOUT = 120.0  # seconds the local SuperLink may take to answer (Flower: 15)
 _HOST_PORT = re.compile(r"^[^\s:/]+:\d{1,5}$|^\[[0-9A-Fa-f:.]+\]:\d{1,5}$")
 
 
-def local_simulation(
-    num_supernodes: int = 10, num_cpus: int = 1, num_gpus: float = 0.0
-) -> SuperLinkConnection:
-    """The ``local-simulation`` connection: local SuperLink, simulation runtime."""
-    return SuperLinkConnection(
-        name=LOCAL_SIMULATION,
-        address=LOCAL_ADDRESS,
-        options=SuperLinkSimulationOptions(
-            num_supernodes=num_supernodes,
-            backend=SimulationBackendConfig(
-                name="ray",
-                client_resources=SimulationClientResources(num_cpus=num_cpus, num_gpus=num_gpus),
-            ),
-        ),
+@dataclass(frozen=True)
+class SimulationSize:
+    """The simulation a local SuperLink runs: how many virtual SuperNodes, and each
+    ClientApp's resources (``flwr federation simulation-config``'s fields)."""
+
+    num_supernodes: int = 10
+    num_cpus: int = 1
+    num_gpus: float = 0.0
+
+    def federation_config(self) -> str:
+        """The same as ``flwr run --federation-config``'s argument."""
+        text = f"num-supernodes={self.num_supernodes} client-resources-num-cpus={self.num_cpus}"
+        return text + (f" client-resources-num-gpus={self.num_gpus:g}" if self.num_gpus else "")
+
+
+def local_simulation(name: str = LOCAL_SIMULATION) -> SuperLinkConnection:
+    """The ``local-simulation`` connection: Flower's local SuperLink (simulation
+    runtime), started on demand. Its size is the SuperLink's (:func:`configure_simulation`),
+    not the connection's: Flower deprecates per-connection ``options.*``."""
+    return SuperLinkConnection(name=name, address=LOCAL_ADDRESS)
+
+
+def ray_cluster(ray_address: str, name: str = RAY_LAB) -> SuperLinkConnection:
+    """A local-SuperLink simulation connection for a Ray cluster at ``ray_address``.
+
+    The address is checked, not stored (Flower has no place for it, see the module's
+    docstring): Ray reads it from ``RAY_ADDRESS``. Each ClientApp's CPUs and GPUs go
+    to the SuperLink's simulation (Ray places as many ClientApps at once as the
+    cluster's CPUs and GPUs allow), never to ``init-args``.
+    """
+    check_ray_address(ray_address)
+    return local_simulation(name)
+
+
+def configure_simulation(connection: str, size: SimulationSize) -> str:
+    """Set the running local SuperLink's simulation to ``size`` with Flower's own
+    ``flwr federation simulation-config``; return what was done, to print.
+
+    The SuperLink keeps it in memory (Flower's ``NoOpFederationManager``): a SuperLink
+    started later gets Flower's default of 2 SuperNodes of 2 CPUs.
+    """
+    from flwr.cli.federation.simulation_config import simulation_config
+
+    if not _is_local_superlink_started():
+        return (
+            "No local SuperLink is running, so its simulation size is not set: run this "
+            "command without --no-start, or give every run "
+            f'--federation-config "{size.federation_config()}"'
+        )
+    try:
+        simulation_config(
+            federation=None,
+            superlink=connection,
+            num_supernodes=size.num_supernodes,
+            client_resources_num_cpus=size.num_cpus,
+            client_resources_num_gpus=size.num_gpus,
+            backend="ray",
+        )
+    except (click.ClickException, typer.Exit) as err:
+        message = err.format_message() if isinstance(err, click.ClickException) else err
+        raise SystemExit(f"Setting the local SuperLink's simulation failed: {message}") from err
+    return (
+        f"Local simulation: {size.num_supernodes} SuperNodes, {size.num_cpus} CPU(s)"
+        f"{f' and {size.num_gpus:g} GPU' if size.num_gpus else ''} per ClientApp (kept by "
+        "the running SuperLink; run this command again after it restarts)."
     )
 
 
-def ray_cluster(
-    ray_address: str,
-    name: str = RAY_LAB,
-    num_supernodes: int = 10,
-    num_cpus: int = 1,
-    num_gpus: float = 0.0,
-) -> SuperLinkConnection:
-    """A local-SuperLink simulation connection for a Ray cluster at ``ray_address``.
+def running_simulation_size() -> int | None:
+    """The number of virtual SuperNodes of the running local SuperLink's simulation
+    (None: no local SuperLink answers, or it does not say)."""
+    if not _is_local_superlink_started():
+        return None
+    from flwr.cli.utils import init_http_client_from_connection
+    from flwr.proto.control_pb2 import ShowFederationRequest
+    from flwr.supercore.constant import NOOP_FEDERATION_ID
 
-    The address is checked, not stored (Flower 1.41 has no place for it, see the
-    module's docstring): Ray reads it from ``RAY_ADDRESS``. ``num_cpus``/``num_gpus``
-    are each ClientApp's resources (Ray places as many ClientApps at once as the
-    cluster's CPUs and GPUs allow), never ``init-args``.
-    """
-    check_ray_address(ray_address)
-    conn = local_simulation(num_supernodes, num_cpus, num_gpus)
-    conn.name = name
-    return conn
+    with contextlib.redirect_stdout(io.StringIO()):  # Flower prints "Using SuperLink: ..."
+        client = init_http_client_from_connection(local_simulation())
+    try:  # as `flwr federation ls --federation`: the details carry the config
+        request = ShowFederationRequest(federation_name=NOOP_FEDERATION_ID)
+        fed = client.ShowFederation(request).federation
+    except Exception:  # an older or unreachable SuperLink: the size stays unknown
+        return None
+    finally:
+        client.close()
+    if not fed.simulation or not fed.HasField("config"):
+        return None
+    return int(fed.config.num_supernodes) or None
 
 
 def check_ray_address(ray_address: str) -> None:
@@ -121,7 +175,7 @@ def start_local_superlink(ray_address: str | None = None) -> str:
     that environment sets ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` the
     SuperLink ``uv sync``s the app's dependencies into a fresh environment for every run
     (24 s of a newcomer's 75 s first run, and another PyTorch than the one installed).
-    Flower 1.41 has no per-app or per-connection switch for it, so the install command
+    Flower 1.42 has no per-app or per-connection switch for it, so the install command
     starts the SuperLink itself. A SuperLink already running is left alone; if it
     installs dependencies per run, the message says how to replace it.
     """
@@ -146,6 +200,11 @@ def start_local_superlink(ray_address: str | None = None) -> str:
             "port; `flwr run` will use it (and its way of installing dependencies)."
         )
     os.environ[RUNTIME_INSTALL_ENV] = "1"  # _start_local_superlink passes os.environ on
+    # Flower waits 15 s for the SuperLink to answer, then kills it: too short on a
+    # loaded machine (a 2-core host at load 20 took longer); the wait ends as it answers.
+    flower_launcher.LOCAL_SUPERLINK_STARTUP_TIMEOUT = max(
+        flower_launcher.LOCAL_SUPERLINK_STARTUP_TIMEOUT, STARTUP_TIMEOUT
+    )
     if ray_address is not None:
         os.environ[RAY_ADDRESS_ENV] = ray_address
     try:
@@ -232,17 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.address is not None and args.ray_address is not None:
         parser.error("--address (a real SuperLink) and --ray-address exclude each other")
+    size = SimulationSize(args.num_supernodes, args.num_cpus, args.num_gpus)
     if args.ray_address is not None:
-        conn = ray_cluster(
-            args.ray_address,
-            args.name or RAY_LAB,
-            args.num_supernodes,
-            args.num_cpus,
-            args.num_gpus,
-        )
+        conn = ray_cluster(args.ray_address, args.name or RAY_LAB)
     elif args.address is None:
-        conn = local_simulation(args.num_supernodes, args.num_cpus, args.num_gpus)
-        conn.name = args.name or LOCAL_SIMULATION
+        conn = local_simulation(args.name or LOCAL_SIMULATION)
     else:
         conn = remote(
             args.name or LOCAL_SIMULATION, args.address, args.root_certificates, args.insecure
@@ -251,8 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     _, path = read_flower_config()
     print(f"SuperLink connection '{conn.name}' written to {path}")
     already = bool(local_superlink_environments())
-    if args.address is None and not args.no_start:
-        print(start_local_superlink(args.ray_address))
+    if args.address is None:
+        if not args.no_start:
+            print(start_local_superlink(args.ray_address))
+        print(configure_simulation(conn.name, size))
     if args.ray_address is not None and (args.no_start or already):
         print(ray_instructions(conn, args.ray_address))
 

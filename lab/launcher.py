@@ -59,7 +59,7 @@ def stage_app(source: Path, dest: Path) -> int:
     """Copy the files ``flwr run`` would package from ``source`` to ``dest``; return
     how many.
 
-    Flower 1.41's FAB builder (``flwr.cli.utils.collect_files``) resolves every file
+    Flower 1.42's FAB builder (``flwr.cli.utils.collect_files``) resolves every file
     under the app directory and only then filters by ``.gitignore``: with a ``.venv``
     inside the checkout (~65 000 files) that is ~4 s of every ``flwr run .`` on 2 cores.
     Here git-ignored and always-excluded directories are pruned before they are walked,
@@ -170,7 +170,7 @@ class LocalSimulation:
         A Ray cluster (the head's GCS address ``HOST:PORT``) for the ClientApps to run
         on instead of a Ray of the simulation's own: the connection is registered with
         ``lab.connections --ray-address`` and ``RAY_ADDRESS`` is set for the local
-        SuperLink that ``flwr run`` starts (Flower 1.41 cannot carry it otherwise).
+        SuperLink it starts (Flower cannot carry it otherwise).
     """
 
     def __init__(
@@ -196,21 +196,23 @@ class LocalSimulation:
         if ray_address is not None:  # the connection keeps its name `local-simulation`
             self.env["RAY_ADDRESS"] = ray_address
             ray_args = ["local-simulation", "--ray-address", ray_address]
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lab.connections",
-                *ray_args,
-                "--no-start",  # `flwr run` starts it, as for a user, with self.env
-                "--num-supernodes",
-                str(num_supernodes),
-            ],
-            cwd=APP_DIR,
-            env=self.env,
-            check=True,
-            capture_output=True,
-        )
+        # As the README's install command: it starts the local SuperLink (with self.env)
+        # and sets its simulation's size, which Flower keeps in the SuperLink only.
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "lab.connections", *ray_args,
+                 "--num-supernodes", str(num_supernodes)],
+                cwd=APP_DIR,
+                env=self.env,
+                check=True,
+                capture_output=True,
+            )  # fmt: skip
+        except BaseException as err:
+            self.stop()
+            if isinstance(err, subprocess.CalledProcessError):  # say why, not only the code
+                out = (err.stdout or b"").decode() + (err.stderr or b"").decode()
+                raise RuntimeError(f"python -m lab.connections failed:\n{out}") from err
+            raise
 
     def run(
         self,

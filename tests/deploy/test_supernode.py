@@ -1,4 +1,4 @@
-"""``python -m deploy.supernode``: Flower 1.41's SuperNode loop with shorter waits.
+"""``python -m deploy.supernode``: Flower's SuperNode loop with shorter waits.
 
 The loop itself (``start_client_internal``) runs here against a stand-in connection
 whose pulls bring no message, with ``time.sleep`` recorded instead of slept: patched,
@@ -70,7 +70,7 @@ def _run_loop(monkeypatch, pulls: int) -> None:
 
 
 def test_flower_waits_3_s_after_an_empty_pull(monkeypatch, slept):
-    """The baseline this command changes: Flower 1.41 as installed."""
+    """The baseline this command changes: Flower as installed (1.41 or 1.42)."""
     _run_loop(monkeypatch, pulls=3)
     assert slept == [3, 3, 3]
 
@@ -107,9 +107,11 @@ def test_sleeps_counts_each_literal_wait():
 
 
 def test_check_flower_accepts_the_installed_loop_only(tmp_path):
-    supernode.check_flower(package_version, loop)  # Flower 1.41 as pinned
-    with pytest.raises(SystemExit, match=r"Flower 1\.42\.0; run flower-supernode instead"):
-        supernode.check_flower("1.42.0", loop)
+    supernode.check_flower(package_version, loop)  # Flower 1.42 as pinned (or 1.41)
+    supernode.check_flower("1.41.0", loop)  # the same loop
+    supernode.check_flower("1.42.0", loop)
+    with pytest.raises(SystemExit, match=r"Flower 1\.43\.0; run flower-supernode instead"):
+        supernode.check_flower("1.43.0", loop)
     other = tmp_path / "other_loop.py"
     other.write_text("import time\n\ndef wait():\n    time.sleep(3)\n")
     spec = importlib.util.spec_from_file_location("other_loop", other)
