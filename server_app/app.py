@@ -18,7 +18,8 @@ from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, restore
 from server_app.rounds import run_rounds
 from server_app.startup import check_federation
-from strategies import StopTraining, threat_models
+from strategies import StopTraining
+from strategies.mechanisms import threat_models
 from strategies.runtime.capabilities import innermost, ledger_of
 
 app = ServerApp()
