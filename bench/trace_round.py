@@ -8,6 +8,10 @@ in-function alike). Reproduce from the repository root::
 
     .venv/bin/python bench/trace_round.py
     .venv/bin/python bench/trace_round.py --list   # the files, too
+
+Measured (2-core machine under load): before strategies/ was laid out by role, 68 files,
+441 functions, 6 circles (2 in strategies/); after, 69 files, 443 functions, 4 circles
+(none in strategies/).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ moved by noised counts, gates on noised sketches); every other key of its train 
 (aggregated client reports, raw diagnostics such as clipping fractions) is curator-only.
 
 Clients send only what the mechanism and the wrapped strategy need (``report-metrics``
-in the train config, applied by ``client_app.mods.privacy_mod``) unless the run sets
+in the train config, applied by each mechanism's client mod) unless the run sets
 ``dp.client-metrics = true``. Federated evaluation (each client's accuracy on its own
 test split) is a release no mechanism covers: under DP it runs only when the user asks
 for per-client metrics, and its results then go to ``curator/``.
