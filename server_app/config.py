@@ -28,6 +28,7 @@ from server_app.tracking import TrackingSettings
 from strategies import registry
 from strategies.aggregation import AggregationSettings
 from strategies.clustered import ClusterSettings
+from strategies.correlated_noise import CorrelatedSettings
 from strategies.hierarchical_fedavg import HierSettings
 from strategies.private import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
 from strategies.secagg import SecAggSettings
@@ -101,6 +102,7 @@ PARTS: tuple[type[Settings], ...] = (
     HierSettings,
     ServerOptimizerSettings,
     DPSettings,
+    CorrelatedSettings,
     SubspaceSettings,
     SecAggSettings,
     AuditSettings,

@@ -18,6 +18,7 @@ from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
 from strategies.aggregation import AggregationSettings
 from strategies.clustered import ClusteredFedAvg
 from strategies.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
+from strategies.correlated_noise import CORRELATED_PRIVACY
 from strategies.dp_fedavg import DivergenceRelease, DPFedAvgFixed
 from strategies.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.dpsgd_clients import DPSGDClients
@@ -374,6 +375,7 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "laplace": _laplace,
     "dp-sgd": _dp_sgd,
     **{mode: _front_loaded(mode) for mode in FRONT_LOADED_MODES},
+    **CORRELATED_PRIVACY,
 }
 
 # Wrappers that sample clients themselves (Laplace: under Poisson sampling): the base
@@ -383,7 +385,7 @@ SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptiv
 
 def self_sampling(privacy: str, options: Mapping[str, Any]) -> bool:
     """Whether the privacy wrapper ``privacy`` samples the clients itself."""
-    return privacy in SELF_SAMPLING or (
+    return privacy in SELF_SAMPLING or privacy in CORRELATED_PRIVACY or (
         privacy == "laplace" and options.get("dp.sampling") == "poisson"
     )
 
