@@ -6,7 +6,8 @@ n x n prefix-sum workload (lower-triangular ones), ``A = B C`` and w i.i.d. Gaus
 (Choquette-Choo, McMahan et al., NeurIPS 2023, "(Amplified) Banded Matrix
 Factorization"): C is b-banded lower-triangular Toeplitz with max column norm 1, its b
 coefficients minimising ||A C^{-1}||_F^2 by L-BFGS; b = 1 is C = I, plain DP-FedAvg
-noise. DP-FTRL (Kairouz et al., ICML 2021, "Practical and Private (Deep) Learning
+noise; with server momentum A is the momentum workload (``momentum_workload``).
+DP-FTRL (Kairouz et al., ICML 2021, "Practical and Private (Deep) Learning
 without Sampling or Shuffling"): C has one row per node of the binary tree over the
 rounds and prefix t sums the node noises of t's dyadic decomposition (honest tree).
 
@@ -68,9 +69,7 @@ def prefix_sum_workload(n: int) -> np.ndarray:
 
 
 def _check_momentum(momentum) -> float:
-    if isinstance(momentum, bool) or not (
-        isinstance(momentum, int | float) and 0 <= momentum < 1
-    ):
+    if isinstance(momentum, bool) or not (isinstance(momentum, int | float) and 0 <= momentum < 1):
         raise FactorizationError(f"momentum must be in [0, 1), got {momentum!r}")
     return float(momentum)
 

@@ -385,8 +385,10 @@ SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptiv
 
 def self_sampling(privacy: str, options: Mapping[str, Any]) -> bool:
     """Whether the privacy wrapper ``privacy`` samples the clients itself."""
-    return privacy in SELF_SAMPLING or privacy in CORRELATED_PRIVACY or (
-        privacy == "laplace" and options.get("dp.sampling") == "poisson"
+    return (
+        privacy in SELF_SAMPLING
+        or privacy in CORRELATED_PRIVACY
+        or (privacy == "laplace" and options.get("dp.sampling") == "poisson")
     )
 
 

@@ -4,6 +4,7 @@ dp-accounting's."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import dp_accounting
@@ -102,7 +103,7 @@ def test_noise_added_is_the_streams_and_cohorts_are_cyclic(mechanism):
             seen.setdefault(node, []).append(t)
         expected = np.array(UPDATE) + stream.next() / m  # mean of m updates + noise/m
         np.testing.assert_allclose(released, expected, rtol=0, atol=1e-12)
-    assert all(b - a >= 4 for rounds_ in seen.values() for a, b in zip(rounds_, rounds_[1:]))
+    assert all(b - a >= 4 for rounds_ in seen.values() for a, b in itertools.pairwise(rounds_))
     assert max(len(r) for r in seen.values()) == 2
 
 
@@ -209,8 +210,11 @@ def test_resume_continues_the_stream_and_charges_nothing_twice(mechanism):
 
 def test_too_few_nodes_for_the_schema_is_refused_in_one_line():
     strategy = _strategy(m=3, min_separation=5)  # needs 15 nodes, 12 connected
-    with pytest.raises(StopTraining, match=r"^'correlated.schema' = 'cyclic' needs 3 clients "
-                       r"in each of b = 5 groups .* = 15 nodes\), only 12 connected$"):
+    with pytest.raises(
+        StopTraining,
+        match=r"^'correlated.schema' = 'cyclic' needs 3 clients "
+        r"in each of b = 5 groups .* = 15 nodes\), only 12 connected$",
+    ):
         _round(strategy, 1)
     assert not strategy.ledger.state_dict()["releases"]
 
@@ -219,7 +223,7 @@ def test_a_group_too_small_is_refused():
     strategy = _strategy(m=3, min_separation=4)
     for node in NODES:  # partitions 0..11 but 9 of them in group 0
         strategy.partitions.record(node, 4 * (node - 1) if node < 10 else node)
-    with pytest.raises(StopTraining, match="smallest of the b = 4 groups .* fewer than"):
+    with pytest.raises(StopTraining, match=r"smallest of the b = 4 groups .* fewer than"):
         _round(strategy, 1)
 
 
