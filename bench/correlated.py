@@ -129,8 +129,8 @@ def table(rows: list[dict]) -> str:
 def cost(dim: int = 10_000_000, rounds: int = 5, bands: int = 20) -> dict[str, float]:
     """Seconds per round of the mechanism at ``dim`` weights: the stream's increment
     (noise drawn, the factorization applied) for banded MF (b bands), the tree, and
-    DP-FedAvg's independent draw; the L-BFGS time of the strategy for 2 000 rounds,
-    b = 64 (uncached)."""
+    DP-FedAvg's independent draw, beside the server's clip-and-sum of the cohort's
+    updates; the L-BFGS time of the strategy for 2 000 rounds, b = 64 (uncached)."""
     import tempfile
 
     from privacy import correlated as cr
@@ -153,6 +153,17 @@ def cost(dim: int = 10_000_000, rounds: int = 5, bands: int = 20) -> dict[str, f
     for _ in range(rounds):
         rng.normal(0.0, 1.0, dim)
     out["independent draw s/round"] = (time.perf_counter() - started) / rounds
+    # The server's own aggregate of one round at this size: m clipped updates summed
+    # (DP-FedAvg's clip and sum; the floor of a round, before training and messages).
+    from privacy.mechanisms import GaussianMechanism
+
+    mech = GaussianMechanism(clip_norm=1.0, noise_multiplier=1.0)
+    update = [rng.normal(0.0, 1.0, dim).astype(np.float32)]
+    started = time.perf_counter()
+    total = np.zeros(dim)
+    for _ in range(COHORT):
+        total += mech.clip(update).arrays[0]
+    out[f"clip and sum of {COHORT} updates s"] = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         cr.optimize_banded(2000, 64, cache=Path(tmp))
