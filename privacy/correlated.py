@@ -196,7 +196,7 @@ def optimize_banded(
     k (Choquette-Choo et al. 2023). L-BFGS over c_1..c_{b-1} (c_0 = 1, then scaled),
     started from the truncated square-root factorization (coefficients of (1-z)^{-1/2}).
     b = 1 is the identity (plain DP-FedAvg noise). ``momentum`` beta > 0 optimises for
-    the momentum workload instead (:func:`momentum_workload`: the models a server with
+    the momentum workload instead (``momentum_workload``: the models a server with
     heavy-ball momentum releases). Cached by (workload, n, b).
     """
     n = _positive_int("n", n)
