@@ -72,18 +72,21 @@ def _toml(value) -> str:
     return repr(value)
 
 
-def one(arm: str, epsilon: float, seed: int, rounds: int, out: Path) -> dict:
+def one(
+    arm: str, epsilon: float, seed: int, rounds: int, out: Path, clients=N, cohort=COHORT
+) -> dict:
     """One run; its final accuracy, ε (the ledger's), z and warm round."""
     root = out / f"{arm}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     before = set(root.iterdir())
     config = {**WORKLOAD, **ARMS[arm], "seed": seed, "num-server-rounds": rounds}
     config |= {"dp.target-epsilon": epsilon, "output-dir": str(root)}
-    config |= {"min-available-nodes": N, "min-train-nodes": COHORT}
+    config |= {"min-available-nodes": clients, "min-train-nodes": cohort}
+    config["dp.num-sampled-clients"] = cohort
     cmd = [
         sys.executable, "-m", "lab.run", "--engine", "inprocess",
         "--run-config", " ".join(f"{k}={_toml(v)}" for k, v in config.items()),
-        "--federation-config", f"num-supernodes={N}",
+        "--federation-config", f"num-supernodes={clients}",
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--clients", type=int, default=N)
+    parser.add_argument("--cohort", type=int, default=COHORT)
     parser.add_argument("--out", type=Path, default=Path("/tmp/correlated-bench"))
     parser.add_argument("--cost", action="store_true", help="only the mechanism's cost")
     args = parser.parse_args(argv)
@@ -191,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for epsilon in args.eps:
             for arm in args.arms:
-                rows.append(one(arm, epsilon, seed, args.rounds, args.out))
+                rows.append(
+                    one(arm, epsilon, seed, args.rounds, args.out, args.clients, args.cohort)
+                )
                 print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "results.csv", index=False)

@@ -174,6 +174,9 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
             raise ValueError(f"mechanism must be in {MECHANISMS}, schema in {SCHEMAS}")
         if mechanism == "dp-ftrl" and schema != "cyclic":
             raise ValueError("dp-ftrl takes the cyclic schema only")
+        wanted = "poisson" if schema == "amplified" else "none"
+        if self.ledger.sampling != wanted:
+            raise ValueError(f"schema {schema!r} needs a ledger with sampling {wanted!r}")
         self.mechanism, self.schema = mechanism, schema
         self.min_separation, self.bands = min_separation, bands
         self.restart_every = restart_every or None

@@ -293,3 +293,18 @@ def test_registry_builds_it_with_the_momentum_workload():
     assert isinstance(inner, CorrelatedNoiseDP) and inner.momentum == 0.9
     assert inner.ledger.accountant == "pld" and inner.ledger.neighboring == "zero-out"
     assert inner.strategy.strategy.fraction_train == 1.0  # the schema picks the cohort
+
+
+def test_a_ledger_that_does_not_match_the_schema_is_refused():
+    base = FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    with pytest.raises(ValueError, match="needs a ledger with sampling 'poisson'"):
+        CorrelatedNoiseDP(
+            base,
+            mechanism="banded-mf",
+            schema="amplified",
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            num_sampled_clients=2,
+            ledger=_ledger("cyclic"),
+            rng=np.random.default_rng(0),
+        )
