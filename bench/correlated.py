@@ -8,11 +8,13 @@ round, 300 rounds (b = 20 groups: each client about 15 times), delta 1e-5, fixed
                           cyclic cohorts, no amplification
     b  dp-fedavg-poisson  DP-FedAvg, secret Poisson sampling (the idealised reference)
     c  banded-mf          cyclic cohorts, b = 20 bands, no amplification
-    d  banded-mf-amp      amplified banded MF (Poisson within the round's group)
+    d  banded-mf-amp      amplified banded MF (b = 10 groups of 100, Poisson q = 0.5
+                          within the round's group)
     e  dp-ftrl            honest tree, cyclic cohorts
 
     python bench/correlated.py --eps 2 8 --seeds 0 --out /tmp/correlated-bench
     python bench/correlated.py --cost   # the mechanism's cost per round at 1e7 weights
+    python bench/correlated.py --error  # the mechanisms alone: z and prefix-sum error
 
 Each run is ``python -m lab.run --engine inprocess`` in its own process; the table has
 the final central accuracy (mean ± std over seeds) and the median warm round.
@@ -21,6 +23,7 @@ the final central accuracy (mean ± std over seeds) and the median warm round.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import subprocess
 import sys
@@ -34,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 N, COHORT, ROUNDS = 1000, 50, 300
+AMPLIFIED_GROUPS = 10  # b of the amplified arm: groups of 100, q = 50/100
 WORKLOAD = {
     "task": "digits",
     "strategy": "fedavg",
@@ -59,7 +63,12 @@ ARMS = {
     "dp-fedavg-cyclic": {"privacy": "banded-mf", "correlated.bands": 1},
     "dp-fedavg-poisson": {"privacy": "dp-fedavg-fixed", "dp.sampling": "poisson"},
     "banded-mf": {"privacy": "banded-mf"},
-    "banded-mf-amp": {"privacy": "banded-mf", "correlated.schema": "amplified"},
+    # b = 10 groups of 100: q = 50/100 (with b = 20, groups of 50 give q = 1: no sampling)
+    "banded-mf-amp": {
+        "privacy": "banded-mf",
+        "correlated.schema": "amplified",
+        "correlated.min-separation": AMPLIFIED_GROUPS,
+    },
     "dp-ftrl": {"privacy": "dp-ftrl"},
 }
 
@@ -177,6 +186,68 @@ def cost(dim: int = 10_000_000, rounds: int = 5, bands: int = 20) -> dict[str, f
     return out
 
 
+def error_table(epsilons=(2.0, 8.0), delta: float = 1e-5) -> str:
+    """The mechanisms alone at the benchmark's size (N, m, n): z calibrated to each ε
+    and the mean squared error of the released prefix sums per coordinate, in units
+    of C² (the noise the model's trajectory carries; no training)."""
+    from dataclasses import replace
+
+    from privacy import correlated as cr
+    from privacy.accounting import Release
+    from privacy.calibration import calibrate_parameter
+
+    n, b = ROUNDS, N // COHORT
+    k = math.ceil(n / b)
+    identity = n * (n + 1) / 2 / n  # ||A||_F^2 / n
+
+    def poisson_z(eps: float, population: int, count: int) -> float:
+        release = Release(
+            server_round=1,
+            kind="model-update",
+            mechanism="gaussian",
+            noise_multiplier=1.0,
+            sampling="poisson",
+            sample_size=COHORT,
+            population=population,
+            count=count,
+        )
+        return calibrate_parameter(
+            lambda p: [replace(release, noise_multiplier=p)],
+            target_epsilon=eps,
+            target_delta=delta,
+            accountant="pld",
+            neighboring="add-or-remove-one",
+        )
+
+    banded = cr.optimize_banded(n, b)
+    sens = cr.sensitivity(banded.strategy(), participations=k, min_separation=b).value
+    amp_b = AMPLIFIED_GROUPS
+    amplified = cr.optimize_banded(n, amp_b)
+    tree = cr.tree_sensitivity(n, participations=k, min_separation=b)
+    lines = [
+        "| arm | ε | z | sensitivity | mean sq. prefix-sum error / C² | RMSE / C |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for eps in epsilons:
+        rows = []
+        z = cr.calibrate(target_epsilon=eps, sensitivity=math.sqrt(k), delta=delta)
+        rows.append(("a dp-fedavg-cyclic", z, math.sqrt(k), z**2 * identity))
+        z = poisson_z(eps, N, n)
+        rows.append(("b dp-fedavg-poisson", z, 1.0, z**2 * identity))
+        z = cr.calibrate(target_epsilon=eps, sensitivity=sens, delta=delta)
+        rows.append(("c banded-mf", z, sens, cr.prefix_sum_error(banded.decoder(), noise_std=z)))
+        z = poisson_z(eps, N // amp_b, math.ceil(n / amp_b))
+        error = cr.prefix_sum_error(amplified.decoder(), noise_std=z)
+        rows.append(("d banded-mf-amp", z, 1.0, error))
+        z = cr.calibrate(target_epsilon=eps, sensitivity=tree, delta=delta)
+        rows.append(("e dp-ftrl", z, tree, cr.prefix_sum_error(cr.tree_decoder(n), noise_std=z)))
+        for name, z, s, err in rows:
+            lines.append(
+                f"| {name} | {eps:g} | {z:.3f} | {s:.3f} | {err:.4g} | {math.sqrt(err):.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--eps", type=float, nargs="+", default=[2.0, 8.0])
@@ -187,10 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cohort", type=int, default=COHORT)
     parser.add_argument("--out", type=Path, default=Path("/tmp/correlated-bench"))
     parser.add_argument("--cost", action="store_true", help="only the mechanism's cost")
+    parser.add_argument("--error", action="store_true", help="only the mechanisms' error")
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
             print(f"{key}: {value:.4f}")
+        return 0
+    if args.error:
+        print(error_table(args.eps))
         return 0
     rows = []
     for seed in args.seeds:
