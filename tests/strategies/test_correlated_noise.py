@@ -141,7 +141,7 @@ def test_cyclic_ledger_charges_the_whole_run_once_as_dp_accounting_computes_it()
 
 
 def test_amplified_ledger_is_k_poisson_sampled_gaussians():
-    z, m = 1.5, 2
+    z, m = 3.0, 2
     strategy = _strategy(schema="amplified", m=m, z=z, rounds=8, min_separation=4)
     for t in range(1, 9):
         _round(strategy, t)
@@ -164,7 +164,7 @@ def test_amplified_ledger_is_k_poisson_sampled_gaussians():
 
 
 def test_amplified_cohorts_come_from_the_rounds_group_only():
-    strategy = _strategy(schema="amplified", m=2, rounds=12, min_separation=4, seed=3)
+    strategy = _strategy(schema="amplified", m=2, z=3.0, rounds=12, min_separation=4, seed=3)
     for t in range(1, 13):
         cohort, _ = _round(strategy, t)
         assert all((node - 1) % 4 == (t - 1) % 4 for node in cohort)
