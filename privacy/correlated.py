@@ -6,7 +6,8 @@ n x n prefix-sum workload (lower-triangular ones), ``A = B C`` and w i.i.d. Gaus
 (Choquette-Choo, McMahan et al., NeurIPS 2023, "(Amplified) Banded Matrix
 Factorization"): C is b-banded lower-triangular Toeplitz with max column norm 1, its b
 coefficients minimising ||A C^{-1}||_F^2 by L-BFGS; b = 1 is C = I, plain DP-FedAvg
-noise. DP-FTRL (Kairouz et al., ICML 2021, "Practical and Private (Deep) Learning
+noise; with server momentum A is the momentum workload (``momentum_workload``).
+DP-FTRL (Kairouz et al., ICML 2021, "Practical and Private (Deep) Learning
 without Sampling or Shuffling"): C has one row per node of the binary tree over the
 rounds and prefix t sums the node noises of t's dyadic decomposition (honest tree).
 
@@ -51,6 +52,26 @@ def prefix_sum_workload(n: int) -> np.ndarray:
     return np.tril(np.ones((_positive_int("n", n), _positive_int("n", n))))
 
 
+def _check_momentum(momentum) -> float:
+    if isinstance(momentum, bool) or not (isinstance(momentum, int | float) and 0 <= momentum < 1):
+        raise FactorizationError(f"momentum must be in [0, 1), got {momentum!r}")
+    return float(momentum)
+
+
+def workload_column(n: int, momentum: float = 0.0) -> np.ndarray:
+    """First column of the lower-triangular Toeplitz workload: ones (prefix sums), or
+    ``(1 - beta^(m+1)) / (1 - beta)`` for heavy-ball momentum beta (the server's FedAvgM:
+    m_t = beta m_(t-1) + x_t, model_t = model_0 - lr sum_s m_s)."""
+    beta = _check_momentum(momentum)
+    m = np.arange(_positive_int("n", n), dtype=np.float64)
+    return np.ones(n) if beta == 0 else (1.0 - beta ** (m + 1)) / (1.0 - beta)
+
+
+def momentum_workload(n: int, momentum: float) -> np.ndarray:
+    """A for momentum beta: ``A[t, s] = (1 - beta^(t-s+1)) / (1 - beta)``, s <= t."""
+    return banded_toeplitz(workload_column(n, momentum), n)
+
+
 def banded_toeplitz(coefs: np.ndarray, n: int) -> np.ndarray:
     """The n x n lower-triangular Toeplitz C with ``C[i, j] = coefs[i - j]`` (0 <= i-j < b)."""
     from scipy.linalg import toeplitz
@@ -72,23 +93,29 @@ def _inverse_series(coefs: np.ndarray, n: int) -> np.ndarray:
     return lfilter([1.0], coefs, impulse)
 
 
-def _loss_and_grad(tail: np.ndarray, n: int) -> tuple[float, np.ndarray]:
+def _loss_and_grad(
+    tail: np.ndarray, n: int, column: np.ndarray | None = None
+) -> tuple[float, np.ndarray]:
     """||c||^2 ||A C^{-1}||_F^2 for c = (1, tail) and its gradient in ``tail``.
 
-    Hand-written because A C^{-1} is Toeplitz with first column e = cumsum(1/c(z)), so
+    Hand-written because A C^{-1} is Toeplitz with first column e = a(z)/c(z) (a: A's
+    first column, ``column``; None: ones, prefix sums: e = cumsum(1/c(z))), so
     ||B||_F^2 = sum_m (n - m) e_m^2 in O(n b); d(1/c)/dc_k = -z^k / c(z)^2.
     """
     from scipy.signal import fftconvolve
 
+    def times_a(x: np.ndarray) -> np.ndarray:
+        return np.cumsum(x) if column is None else fftconvolve(column, x)[:n]
+
     c = np.concatenate(([1.0], tail))
     with np.errstate(over="ignore", invalid="ignore"):
         d = _inverse_series(c, n)
-        e = np.cumsum(d)
+        e = times_a(d)
         w = n - np.arange(n, dtype=np.float64)
         s = float(np.sum(w * e * e))
         if not math.isfinite(s):
             return 1e300, np.zeros_like(tail)
-        f = np.cumsum(fftconvolve(d, d)[:n])  # -de_m/dc_k = f_{m-k}
+        f = times_a(fftconvolve(d, d)[:n])  # -de_m/dc_k = f_{m-k}
         g = w * e
         # dS/dc_k = -2 sum_{m >= k} g_m f_{m-k}, k = 1..b-1
         corr = np.array([np.dot(g[k:], f[: n - k]) for k in range(1, len(c))])
@@ -109,7 +136,8 @@ class BandedFactorization:
     """A b-banded Toeplitz strategy C (max column norm 1) for an n-round workload.
 
     ``coefs[k]`` is C's k-th subdiagonal; ``loss`` is ||A C^{-1}||_F^2 (the total squared
-    error of the prefix sums per unit noise std, at sensitivity 1 per participation).
+    error of the workload per unit noise std, at sensitivity 1 per participation);
+    ``momentum`` > 0: A is the momentum workload (``workload`` "momentum-<beta>").
     """
 
     n: int
@@ -118,15 +146,21 @@ class BandedFactorization:
     workload: str = "prefix-sum"
     loss: float = float("nan")
     seconds: float = 0.0
+    momentum: float = 0.0
 
     def strategy(self) -> np.ndarray:
         """C (n x n)."""
         return banded_toeplitz(np.array(self.coefs), self.n)
 
     def decoder(self) -> np.ndarray:
-        """B = A C^{-1} (n x n), Toeplitz with first column cumsum(1 / c(z))."""
-        e = np.cumsum(_inverse_series(np.array(self.coefs), self.n))
-        return banded_toeplitz(e, self.n)
+        """B = A C^{-1} (n x n), Toeplitz with first column a(z) / c(z)."""
+        d = _inverse_series(np.array(self.coefs), self.n)
+        if self.momentum == 0:
+            return banded_toeplitz(np.cumsum(d), self.n)
+        from scipy.signal import fftconvolve
+
+        column = workload_column(self.n, self.momentum)
+        return banded_toeplitz(fftconvolve(column, d)[: self.n], self.n)
 
 
 def optimize_banded(
@@ -137,6 +171,7 @@ def optimize_banded(
     use_cache: bool = True,
     cache: Path | None = None,
     max_iterations: int = 2000,
+    momentum: float = 0.0,
 ) -> BandedFactorization:
     """The b-banded Toeplitz C minimising ||A C^{-1}||_F^2 at max column norm 1.
 
@@ -144,7 +179,9 @@ def optimize_banded(
     max column norm for any such C, so this minimises the total squared error for every
     k (Choquette-Choo et al. 2023). L-BFGS over c_1..c_{b-1} (c_0 = 1, then scaled),
     started from the truncated square-root factorization (coefficients of (1-z)^{-1/2}).
-    b = 1 is the identity (plain DP-FedAvg noise). Cached by (workload, n, b).
+    b = 1 is the identity (plain DP-FedAvg noise). ``momentum`` beta > 0 optimises for
+    the momentum workload instead (``momentum_workload``: the models a server with
+    heavy-ball momentum releases). Cached by (workload, n, b).
     """
     n = _positive_int("n", n)
     bands = _positive_int("bands", bands)
@@ -152,8 +189,13 @@ def optimize_banded(
         raise FactorizationError(f"bands must be <= n={n}, got {bands}")
     if workload not in WORKLOADS:
         raise FactorizationError(f"workload must be one of {list(WORKLOADS)}, got {workload!r}")
+    beta = _check_momentum(momentum)
+    column = None if beta == 0 else workload_column(n, beta)
+    if beta:
+        workload = f"momentum-{beta:.12g}"
     if bands == 1:
-        return BandedFactorization(n, 1, (1.0,), workload, float(n * (n + 1) / 2), 0.0)
+        loss = float(np.sum((n - np.arange(n)) * (np.ones(n) if column is None else column) ** 2))
+        return BandedFactorization(n, 1, (1.0,), workload, loss, 0.0, beta)
     path = (cache or cache_dir()) / f"banded-{workload}-n{n}-b{bands}.json"
     if use_cache and path.exists():
         saved = json.loads(path.read_text())
@@ -162,7 +204,7 @@ def optimize_banded(
             len(saved.get("coefs", ())) == bands
         ):
             return BandedFactorization(
-                n, bands, tuple(saved["coefs"]), workload, saved["loss"], saved["seconds"]
+                n, bands, tuple(saved["coefs"]), workload, saved["loss"], saved["seconds"], beta
             )
     from scipy.optimize import minimize
 
@@ -171,16 +213,17 @@ def optimize_banded(
     result = minimize(
         _loss_and_grad,
         sqrt_series[1:],
-        args=(n,),
+        args=(n, column),
         jac=True,
         method="L-BFGS-B",
         options={"maxiter": max_iterations},
     )
     c = np.concatenate(([1.0], result.x))
     c /= np.linalg.norm(c)
-    loss, _ = _loss_and_grad(c[1:] / c[0], n)
+    loss, _ = _loss_and_grad(c[1:] / c[0], n, column)
     seconds = time.perf_counter() - start
-    out = BandedFactorization(n, bands, tuple(float(x) for x in c), workload, loss, seconds)
+    coefs = tuple(float(x) for x in c)
+    out = BandedFactorization(n, bands, coefs, workload, loss, seconds, beta)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {

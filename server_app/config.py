@@ -33,6 +33,7 @@ from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.algorithms.server_optimizer import ServerOptimizerSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
 from strategies.mechanisms.base import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
+from strategies.mechanisms.correlated_noise import CorrelatedSettings
 from strategies.mechanisms.subspace_dp import SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.secure.secagg_plus import SecAggSettings
@@ -103,6 +104,7 @@ PARTS: tuple[type[Settings], ...] = (
     HierSettings,
     ServerOptimizerSettings,
     DPSettings,
+    CorrelatedSettings,
     SubspaceSettings,
     SecAggSettings,
     AuditSettings,

@@ -24,6 +24,7 @@ from strategies.algorithms.smart_fedprox.strategy import SmartFedProx, SmartSett
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
 from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
+from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY
 from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed, dp_fedavg_mod
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
@@ -378,6 +379,7 @@ PRIVACY: dict[str, Callable[[Strategy, StrategySettings], Strategy]] = {
     "laplace": _laplace,
     "dp-sgd": _dp_sgd,
     **{mode: _front_loaded(mode) for mode in FRONT_LOADED_MODES},
+    **CORRELATED_PRIVACY,
 }
 
 # The client half of each privacy mechanism: the mods the ClientApp runs for it
@@ -408,8 +410,10 @@ SELF_SAMPLING: frozenset[str] = frozenset({"dp-fedavg-fixed", "dp-fedavg-adaptiv
 
 def self_sampling(privacy: str, s: Typed) -> bool:
     """Whether the privacy wrapper ``privacy`` samples the clients itself."""
-    return privacy in SELF_SAMPLING or (
-        privacy == "laplace" and s.part(DPSettings).sampling == "poisson"
+    return (
+        privacy in SELF_SAMPLING
+        or privacy in CORRELATED_PRIVACY
+        or (privacy == "laplace" and s.part(DPSettings).sampling == "poisson")
     )
 
 

@@ -31,9 +31,10 @@ CONFIG_LAYER = frozenset(
 # String reads of options not yet moved to typed settings, per file (a ratchet: lower
 # a count when a read goes, never raise one).
 REMAINING: dict[str, int] = {
-    "client_app/app.py": 2,
     "client_app/canary.py": 6,
-    "client_app/mods.py": 2,
+    "client_app/halves/dpsgd.py": 1,
+    "client_app/mods.py": 1,
+    "client_app/node.py": 1,
     "lab/check.py": 1,
     "lab/comparison.py": 7,
     "lab/comparison_plots.py": 1,
@@ -45,11 +46,11 @@ REMAINING: dict[str, int] = {
     "server_app/run_status.py": 1,
     "server_app/setup.py": 2,
     "server_app/tracking.py": 2,
-    "strategies/runtime/aggregation.py": 1,
     "strategies/algorithms/clustered.py": 2,
-    "strategies/secure/secagg_plus.py": 2,
     "strategies/mechanisms/subspace_dp.py": 1,
     "strategies/mechanisms/threat_models.py": 6,
+    "strategies/runtime/aggregation.py": 1,
+    "strategies/secure/secagg_plus.py": 2,
     "tasks/__init__.py": 1,
     "tasks/finance/task.py": 12,
     "tasks/lunar_lander/plots.py": 4,

@@ -187,6 +187,25 @@ ROWS: tuple[Row, ...] = (
             _UPLOAD,
         ),
     ),
+    *(
+        Row(
+            privacy,
+            "",
+            _always,
+            (
+                Cell(
+                    CENTRAL,
+                    "client-level epsilon of the ledger: the whole run's correlated noise "
+                    "on the strategy matrix's sensitivity for the schema's participations "
+                    "(correlated.schema: cyclic, no amplification; amplified: Poisson "
+                    "within the round's group)",
+                ),
+                _SERVER_SEES_RAW,
+                _SERVER_SEES_RAW,
+            ),
+        )
+        for privacy in ("banded-mf", "dp-ftrl")
+    ),
     Row("dp-sgd", "", _always, (_SAMPLE, _SAMPLE, _SAMPLE)),
     Row(
         "cg-ng",

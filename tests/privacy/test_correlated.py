@@ -57,6 +57,58 @@ def test_more_bands_lower_the_error():
     assert losses[3] < cr._loss_and_grad(start[1:], 64)[0]
 
 
+# -- the momentum workload -------------------------------------------------------------------
+def test_momentum_workload_is_what_heavy_ball_releases():
+    # m_t = beta m_(t-1) + x_t, model_t - model_0 = -lr (m_1 + ... + m_t): row t of A
+    # applied to x, here built by running the recursion on unit vectors.
+    n, beta = 6, 0.5
+    columns = []
+    for s in range(n):
+        x, m, total, rows = np.eye(n)[s], 0.0, 0.0, []
+        for t in range(n):
+            m = beta * m + x[t]
+            total += m
+            rows.append(total)
+        columns.append(rows)
+    np.testing.assert_allclose(cr.momentum_workload(n, beta), np.array(columns).T, atol=1e-15)
+    assert cr.momentum_workload(3, 0.5)[2].tolist() == [1.75, 1.5, 1.0]
+    np.testing.assert_array_equal(cr.workload_column(5, 0.0), np.ones(5))
+
+
+def test_banded_factorizes_the_momentum_workload_and_beats_the_prefix_strategy():
+    n, beta = 60, 0.9
+    f = cr.optimize_banded(n, 8, momentum=beta)
+    assert f.workload == "momentum-0.9" and f.momentum == beta
+    a, c = cr.momentum_workload(n, beta), f.strategy()
+    np.testing.assert_allclose(f.decoder() @ c, a, atol=1e-9)
+    assert np.linalg.norm(c, axis=0).max() == pytest.approx(1.0, abs=1e-12)
+    direct = np.sum(solve_triangular(c.T, a.T, lower=False) ** 2)  # ||A C^-1||_F^2
+    assert f.loss == pytest.approx(direct, rel=1e-9)
+    prefix = cr.optimize_banded(n, 8).strategy()  # optimised for the other workload
+    assert f.loss < 0.95 * np.sum(solve_triangular(prefix.T, a.T, lower=False) ** 2)
+    # cached apart from the prefix-sum strategy of the same n and b
+    assert cr.optimize_banded(n, 8, momentum=beta) == f
+    assert cr.optimize_banded(n, 8).coefs != f.coefs
+
+
+def test_momentum_loss_gradient_matches_finite_differences():
+    column = cr.workload_column(40, 0.9)
+    tail = np.array([-0.3, 0.1, 0.05])
+    _, grad = cr._loss_and_grad(tail, 40, column)
+    err = check_grad(
+        lambda t: cr._loss_and_grad(t, 40, column)[0],
+        lambda t: cr._loss_and_grad(t, 40, column)[1],
+        tail,
+    )
+    assert err < 1e-6 * np.linalg.norm(grad)
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.0, True, "0.5"])
+def test_momentum_out_of_range_is_refused(momentum):
+    with pytest.raises(cr.FactorizationError, match="momentum must be in"):
+        cr.optimize_banded(10, 2, momentum=momentum)
+
+
 def test_factorization_is_cached_as_public_data(tmp_path):
     first = cr.optimize_banded(30, 3, cache=tmp_path)
     path = tmp_path / "banded-prefix-sum-n30-b3.json"
