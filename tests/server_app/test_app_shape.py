@@ -6,11 +6,11 @@ import ast
 from pathlib import Path
 
 from flwr.serverapp.strategy import FedAvg
-from strategies.capabilities import NoGlobalModel, innermost, provides
-from strategies.local import LocalOnly
 
 import strategies
 from server_app import config
+from strategies.algorithms.local import LocalOnly
+from strategies.runtime.capabilities import NoGlobalModel, innermost, provides
 from tests.inprocess import run_config
 
 APP = Path(__file__).resolve().parents[2] / "server_app" / "app.py"
