@@ -79,6 +79,12 @@ def digits_runs(flower, tmp_path_factory) -> DigitsRuns:
     runs_root = APP_DIR / "runs"
     existing = set(runs_root.iterdir()) if runs_root.exists() else set()
     other = run_once(flower, f"{DIGITS} seed=8")  # no output-dir: the app directory's
+    if other.run_dir is not None and other.run_dir.parent != runs_root:
+        # The app pip-installed from another checkout (a shared environment): a relative
+        # output-dir resolves against that one; its runs/ is where the run must be.
+        runs_root = other.run_dir.parent
+        existing = set(runs_root.iterdir()) - {other.run_dir}
+        assert runs_root.name == "runs" and (runs_root.parent / "pyproject.toml").is_file()
     created = sorted(set(runs_root.iterdir()) - existing) if runs_root.exists() else []
     moved = root / "other"
     moved.mkdir()
