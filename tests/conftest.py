@@ -19,13 +19,13 @@ settings.register_profile("ci", max_examples=40, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-# Modules not named here are in group "e2e" (privacy runs, flwr run, movielens).
+# Modules not named here are in group "e2e" (privacy runs, flwr run, movielens, and the
+# three that read the session's digits runs: flwr run, reproducibility, engine parity).
 E2E_GROUPS = {
     "test_deployment": "e2e-deployment",
     "test_hierarchical": "e2e-b",
     "test_lunar_lander": "e2e-b",
     "test_finance": "e2e-b",
-    "test_reproducibility": "e2e-b",
 }
 
 # What the fast default (`pytest -m "not e2e and not slow"`) leaves to CI: whole-app

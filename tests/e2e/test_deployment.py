@@ -13,17 +13,20 @@ server sees only the sum), so it also checks the protocol across real SuperNodes
 TLS and node authentication. One run serves two checks, because a deployed SuperNode
 starts a fresh ClientApp process per message (about 6 s of imports here), so a second
 run would not fit the time budget: its first round has all three SuperNodes; in round
-2, once all three have shared their SecAgg+ keys, SuperNode 2 and its children are
+2 (the last), once all three have shared their SecAgg+ keys, SuperNode 2 and its children are
 SIGKILLed (a dropout after key sharing: the round's sum must be the two survivors'),
 and the run must finish on the two survivors (the SuperLink keeps a killed node
 "online" until 2 x 30 s heartbeat intervals pass, so meanwhile each exchange with it
 waits ``round-timeout``).
 
-The last test stops the guide's SuperNodes and runs the guide's block for the warm
-executor (``python -m deploy.superexec``, one per SuperNode started with ``--isolation
-process``; :mod:`deploy.superexec`): a short run on the same SuperLink must complete with
-every message answered by a fork of an executor, and SIGTERM must stop each executor
-with its processes.
+The last two tests share one more run: the guide's SuperNodes are stopped and the
+guide's block for the warm executor (``python -m deploy.superexec``, one per SuperNode
+started with ``--isolation process`` through ``python -m deploy.supernode``;
+:mod:`deploy.superexec`) starts three again; one of them is SIGKILLed with its executor
+right after it joined and restarted at once with the same commands: it is refused
+(2004) while the SuperLink still lists the dead one online and rejoins under its node
+id; a short run on all three must complete with every message answered by a fork of
+an executor, and SIGTERM must stop each executor with its processes.
 
 Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
 found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
@@ -51,6 +54,7 @@ import pandas as pd
 import psutil
 import pytest
 
+from deploy import supernode as node_launcher  # the app's SuperNode launcher
 from lab import deploy, launcher
 from lab.launcher import _RUN_DIR_LINE, _RUN_ID_LINE, APP_DIR, BIN, stop_processes
 
@@ -61,7 +65,8 @@ pytestmark = pytest.mark.e2e
 RESERVED_PORTS = {8000, *range(9090, 9100), *range(39090, 39100)}
 NUM_NODES = 3  # SuperNodes started with registered keys; key 3 stays unregistered
 KILLED = 2  # the SuperNode killed after round 1
-ROUNDS = 3
+CRASHED = 0  # the warm SuperNode SIGKILLed right after it joined, restarted at once
+ROUNDS = 2  # round 1 on all three, round 2 the dropout after key sharing
 ROUND_TIMEOUT = 60  # s: 3 ClientApp starts (about 7 s each) on 2 cores busy with the
 # other tests; 30 s was once too short on CI. A dead node costs a round this long.
 KEYS_SHARED = "SecAgg+ round 2: keys shared among 3 of 3 clients"
@@ -153,11 +158,14 @@ class Deployment:
         }
 
     # -- processes ---------------------------------------------------------------------
-    def start(self, name: str, *args: str, cwd: Path | None = None) -> subprocess.Popen:
-        """Start ``args`` in its own session, output to ``logs/<name>.log``."""
+    def start(
+        self, name: str, *args: str, cwd: Path | None = None, env: dict | None = None
+    ) -> subprocess.Popen:
+        """Start ``args`` in its own session (environment ``env`` or ours), output to
+        ``logs/<name>.log``."""
         with open(self.logs / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(
-                args, cwd=cwd or self.root, env=self.env, stdout=log,
+                args, cwd=cwd or self.root, env=env or self.env, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         self.processes[name] = proc
@@ -468,11 +476,12 @@ def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment
         replied = set(rows[rows["replied"]]["node-id"])
         assert replied == survivors, rows.to_string()
     # Round 2: it died after sharing its keys; the survivors' sum was unmasked (its
-    # pairwise masks removed with its key's shares). Round 3: it never got that far.
+    # pairwise masks removed with its key's shares), the model after it evaluated.
     assert "SecAgg+ round 2: sum of 2 of 3 clients' vectors unmasked (1 dropped after " in (
         run.output
     )
-    assert "SecAgg+ round 3: sum of 2 of" in run.output
+    central = run.metrics[run.metrics["scope"] == "central-eval"].set_index("round")
+    assert central.loc[ROUNDS, "eval-loss"] < central.loc[0, "eval-loss"], central
     assert run.status == "finished:completed"
     # The SuperLink marks it offline after 2 missed 30 s heartbeat intervals (measured
     # here from the kill to the first look after the run, so only an upper bound).
@@ -503,15 +512,42 @@ def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
     return None
 
 
-def test_a_run_completes_on_the_warm_executor(deployment):
-    """docs/deploy.md's warm executor (``python -m deploy.superexec``): the guide's
-    SuperNodes are stopped (a SuperNode that is stopped deactivates, so the SuperLink
-    lists it offline at once), the guide's block starts the three again as
-    ``python -m deploy.supernode --isolation process`` (Flower's SuperNode with a 0.5 s
-    wait after an empty pull) and one executor each, a short run completes with every
-    message answered by a fork of an executor, and SIGTERM stops each executor with
-    its processes. Last in this module: the guide's first SuperNodes are gone after it."""
+@dataclass
+class WarmRun:
+    crashed: int  # node id of the SuperNode SIGKILLed right after it joined
+    rejoined_after_s: float  # kill -> the restarted SuperNode logs its (same) node id
+    run_id: str
+    output: str
+    status: str
+    metrics: pd.DataFrame
+    participation: pd.DataFrame
+    executor_logs: list[str]
+    supernode_logs: list[str]
+    stopped: bool  # SIGTERM stopped every executor and its processes
+    timing: str
+
+
+def _logs(deployment: Deployment, name: str) -> list[str]:
+    return [deployment.log(f"{name}-{k}") for k in range(NUM_NODES)]
+
+
+@pytest.fixture(scope="module")
+def warm_run(deployment) -> WarmRun:
+    """docs/deploy.md's warm executor (``python -m deploy.superexec``), and a crash.
+
+    The guide's SuperNodes are stopped (a stopped SuperNode deactivates: ``offline`` at
+    once) and the guide's block starts the three again as ``python -m deploy.supernode
+    --isolation process`` (Flower's SuperNode with a 0.5 s wait after an empty pull and
+    activation retries on 2004) with one executor each. Right after SuperNode
+    ``CRASHED`` joined it and its executor are SIGKILLed (a machine that dies: the
+    SuperLink keeps its node ``online`` for 2 x 30 s) and restarted at once with the
+    same commands: the SuperNode is refused while its node is still online, retries,
+    and rejoins under the same id (that wait overlaps the executors' imports). A short
+    run on all three then completes, every message answered by a fork of an executor,
+    and SIGTERM stops each executor with its processes. After it the guide's first
+    SuperNodes are gone: this fixture comes last in the module."""
     started = time.monotonic()
+    crashed = deployment.node_ids[CRASHED]
     # One SIGTERM each, by PID. They share the block's process group, and a SIGTERM to
     # the group per SuperNode (lab.launcher.stop_processes) signals each one 3 times:
     # then they were still listed online 30 s later.
@@ -519,13 +555,45 @@ def test_a_run_completes_on_the_warm_executor(deployment):
     superexecs = [c for p in guide for c in p.children(recursive=True)]
     for proc in guide:
         proc.terminate()
-    _, alive = psutil.wait_procs([*guide, *superexecs], timeout=20)
+    # An upper bound: a SuperExec still importing when its SuperNode stops (a loaded
+    # machine) notices the stop only once its parent monitor runs.
+    _, alive = psutil.wait_procs([*guide, *superexecs], timeout=60)
     assert not alive, alive
     deadline = time.monotonic() + 30
     while "online" in (nodes := deployment.nodes()).values():
         assert time.monotonic() < deadline, f"stopped SuperNodes still online: {nodes}"
         time.sleep(0.5)
     deployment.run_doc("warm-executors-on-one-host")
+    # CRASHED joins (its node id in its log), and dies at once with its executor.
+    joined = f"SuperNode ID: {crashed}"
+    deadline = time.monotonic() + 90
+    while joined not in deployment.log(f"supernode-{CRASHED}"):
+        assert time.monotonic() < deadline, deployment.log(f"supernode-{CRASHED}")
+        time.sleep(0.2)
+    node = psutil.Process(deployment.pid(f"supernode-{CRASHED}"))
+    executor = psutil.Process(deployment.pid(f"superexec-{CRASHED}"))
+    node_command, executor_command = node.cmdline(), executor.cmdline()
+    executor_env = executor.environ()
+    deployment.kill_tree(f"supernode-{CRASHED}")
+    executor.kill()
+    killed_at = time.monotonic()
+    deployment.orphans.append(executor)
+    psutil.wait_procs([executor], timeout=10)
+    # Restarted at once, as the guide's block started them (its log now in logs/).
+    restarted = deployment.start(f"supernode-{CRASHED}", *node_command)
+    (deployment.lab / f"supernode-{CRASHED}.pid").write_text(f"{restarted.pid}\n")
+    executor_command[executor_command.index("--parent-pid") + 1] = str(restarted.pid)
+    restarted_executor = deployment.start(
+        f"superexec-{CRASHED}", *executor_command, env=executor_env
+    )
+    (deployment.lab / f"superexec-{CRASHED}.pid").write_text(f"{restarted_executor.pid}\n")
+    # Rejoined: the restarted SuperNode was activated and logs its node id, the same.
+    deadline = killed_at + node_launcher.DEFAULT_ACTIVATION_WAIT + 60
+    while joined not in deployment.log(f"supernode-{CRASHED}"):
+        assert restarted.poll() is None, deployment.log(f"supernode-{CRASHED}")
+        assert time.monotonic() < deadline, deployment.log(f"supernode-{CRASHED}")
+        time.sleep(0.5)
+    rejoined_after = time.monotonic() - killed_at
     deadline = time.monotonic() + 90
     while set((nodes := deployment.nodes()).values()) != {"online"}:
         assert time.monotonic() < deadline, f"{nodes}\n{deployment.log('superexec-0')}"
@@ -534,14 +602,10 @@ def test_a_run_completes_on_the_warm_executor(deployment):
     # other core running other tests, that took longer than 'round-timeout', the partition
     # queries that waited for it timed out, and the run stopped before round 1.
     deadline = time.monotonic() + 180
-    while not all(
-        "Warm executor ready" in deployment.log(f"superexec-{k}") for k in range(NUM_NODES)
-    ):
-        assert time.monotonic() < deadline, [deployment.log(f"superexec-{k}") for k in range(3)]
+    while not all("Warm executor ready" in log for log in _logs(deployment, "superexec")):
+        assert time.monotonic() < deadline, _logs(deployment, "superexec")
         time.sleep(0.5)
     ready = time.monotonic()
-    supernodes = [deployment.log(f"supernode-{k}") for k in range(NUM_NODES)]
-    assert all("deploy.supernode: pulling again 0.50 s" in log for log in supernodes), supernodes
     out = deployment.root / "warm-runs"
     flwr = deployment.start(
         "flwr-run-warm", str(BIN / "flwr"), "run", ".", "lab", "--stream",
@@ -551,35 +615,75 @@ def test_a_run_completes_on_the_warm_executor(deployment):
     output = deployment.log("flwr-run-warm")
     run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
     assert flwr.returncode == 0 and run_id and run_dir, output
-    assert deployment.run_status(run_id.group(1)) == "finished:completed", output
     assert (Path(run_dir.group(1)) / "metrics.csv").is_file(), output  # rounds were run
-    metrics = pd.read_csv(Path(run_dir.group(1)) / "metrics.csv")
-    train = metrics[metrics["scope"] == "train"]
-    assert list(train["round"]) == list(range(1, WARM_ROUNDS + 1)), metrics
-    participation = pd.read_csv(Path(run_dir.group(1)) / "participation.csv")
-    assert participation["replied"].all(), participation.to_string()
     ran = time.monotonic()
     executors = [_guide_process(deployment, f"superexec-{k}") for k in range(NUM_NODES)]
     assert all(executors), "an executor exited during the run"
     descendants = [c for e in executors for c in e.children(recursive=True)]  # the pollers
-
     # query.partition, then one train message a round: each a fork, each replied (the
     # executor logs it when it reaps the fork, within 0.1 s of its exit)
-    def logs() -> list[str]:
-        return [deployment.log(f"superexec-{k}") for k in range(NUM_NODES)]
-
     deadline = time.monotonic() + 10
-    while any(len(WARM_DONE.findall(log)) < 1 + WARM_ROUNDS for log in logs()):
-        assert time.monotonic() < deadline, logs()
+    while any(
+        len(WARM_DONE.findall(log)) < 1 + WARM_ROUNDS for log in _logs(deployment, "superexec")
+    ):
+        assert time.monotonic() < deadline, _logs(deployment, "superexec")
         time.sleep(0.2)
-    for log, executor in zip(logs(), executors, strict=True):
+    done_logs = _logs(deployment, "superexec")
+    for executor in executors:
+        executor.terminate()
+    _, alive = psutil.wait_procs([*executors, *descendants], timeout=60)  # an upper bound
+    return WarmRun(
+        crashed=crashed,
+        rejoined_after_s=rejoined_after,
+        run_id=run_id.group(1),
+        output=output,
+        status=deployment.run_status(run_id.group(1)),
+        metrics=pd.read_csv(Path(run_dir.group(1)) / "metrics.csv"),
+        participation=pd.read_csv(Path(run_dir.group(1)) / "participation.csv"),
+        executor_logs=done_logs,
+        supernode_logs=_logs(deployment, "supernode"),
+        stopped=not alive
+        and all("Warm executor stopped after" in log for log in _logs(deployment, "superexec")),
+        timing=f"SuperNodes online and executors ready after {ready - started:.0f} s, run "
+        f"{ran - ready:.0f} s",
+    )
+
+
+def test_a_supernode_restarted_right_after_a_crash_rejoins(warm_run, deployment):
+    """docs/deploy.md: ``python -m deploy.supernode`` restarted at once after a crash is
+    refused (2004) while the SuperLink still lists the crashed node online, retries, and
+    rejoins under the same node id; the next run trains on it in every round."""
+    run = warm_run
+    restarted = run.supernode_logs[CRASHED]
+    assert "refused to activate this node (2004)" in restarted, restarted
+    assert "activation still refused" not in restarted, restarted
+    assert f"SuperNode ID: {run.crashed}" in restarted, restarted
+    # Offline at most 2 x 30 s after its last heartbeat, then one retry interval (5 s),
+    # with 10 s for the restarted SuperNode to log its id on a busy machine.
+    assert run.rejoined_after_s < node_launcher.DEFAULT_ACTIVATION_WAIT, run.rejoined_after_s
+    assert set(deployment.node_ids.values()) == set(deployment.nodes())
+    assert run.status == "finished:completed", run.output
+    for server_round in range(1, WARM_ROUNDS + 1):
+        rows = run.participation[run.participation["round"] == server_round]
+        assert set(rows[rows["replied"]]["node-id"]) == set(deployment.node_ids.values()), (
+            rows.to_string()
+        )
+    print(f"crashed SuperNode rejoined {run.rejoined_after_s:.0f} s after SIGKILL")
+
+
+def test_a_run_completes_on_the_warm_executor(warm_run):
+    """docs/deploy.md's warm executor: the run completes with every message answered by
+    a fork of an executor, and SIGTERM stops each executor with its processes."""
+    run = warm_run
+    assert all("deploy.supernode: pulling again 0.50 s" in log for log in run.supernode_logs), (
+        run.supernode_logs
+    )
+    assert run.status == "finished:completed", run.output
+    train = run.metrics[run.metrics["scope"] == "train"]
+    assert list(train["round"]) == list(range(1, WARM_ROUNDS + 1)), run.metrics
+    assert run.participation["replied"].all(), run.participation.to_string()
+    for log in run.executor_logs:
         assert len(WARM_DONE.findall(log)) == 1 + WARM_ROUNDS, log
         assert "exited with status" not in log and "killed by" not in log, log
-        executor.terminate()
-    _, alive = psutil.wait_procs([*executors, *descendants], timeout=20)
-    assert not alive, alive
-    assert all("Warm executor stopped after" in log for log in logs()), logs()
-    print(
-        f"warm executor: SuperNodes online after {ready - started:.0f} s, run "
-        f"{ran - ready:.0f} s, round-seconds {list(train['round-seconds'])}"
-    )
+    assert run.stopped, run.executor_logs
+    print(f"warm executor: {run.timing}, round-seconds {list(train['round-seconds'])}")

@@ -18,32 +18,33 @@ import torch
 
 from lab import engine
 from server_app.results import TIMING_COLUMNS
+from tests.e2e.conftest import run_once
 
 pytestmark = pytest.mark.e2e
 
 COMMON = "num-server-rounds=3 seed=7 train.deterministic=true round-timeout=120.0"
-PLAIN = f"{COMMON} fraction-train=0.5 fraction-evaluate=0.5 train.momentum=0.0"
 PRIVATE = (
     f"{COMMON} privacy='dp-fedavg-adaptive' dp.target-epsilon=8.0 dp.accountant='pld' "
     "dp.num-sampled-clients=2"
 )
 
 
-def _both(flower, root: Path, options: str) -> tuple[Path, Path]:
-    """The run through `flwr run` (4 SuperNodes) and through the engine (4 nodes)."""
-    flwr = flower.run(f"{options} output-dir='{root / 'flwr'}'")
-    if flwr.returncode and "Failed to start local SuperLink" in flwr.output:
-        # `flwr run` waits 15 s for the SuperLink it starts; on a loaded machine that
-        # start-up can take longer (the SuperLink is up by now): the run itself, once.
-        flwr = flower.run(f"{options} output-dir='{root / 'flwr'}'")
-    assert flwr.returncode == 0 and flwr.run_dir is not None, flwr.output
+def _engine(root: Path, options: str) -> Path:
+    """The run through the engine (4 nodes), in ``root / 'engine'``."""
     ours = engine.run(
         f"{options} output-dir='{root / 'engine'}'", engine.Federation(num_supernodes=4)
     )
     assert ours.returncode == 0 and ours.run_dir is not None, ours.error
     assert engine.engine_of(ours.run_dir) == "inprocess"
+    return ours.run_dir
+
+
+def _both(flower, root: Path, options: str) -> tuple[Path, Path]:
+    """The run through `flwr run` (4 SuperNodes) and through the engine (4 nodes)."""
+    flwr = run_once(flower, f"{options} output-dir='{root / 'flwr'}'")
+    assert flwr.returncode == 0 and flwr.run_dir is not None, flwr.output
     assert engine.engine_of(flwr.run_dir) == "flwr"
-    return flwr.run_dir, ours.run_dir
+    return flwr.run_dir, _engine(root, options)
 
 
 def _metrics(run_dir: Path) -> pd.DataFrame:
@@ -51,8 +52,13 @@ def _metrics(run_dir: Path) -> pd.DataFrame:
     return metrics.drop(columns=[c for c in metrics if c in TIMING_COLUMNS])
 
 
-def test_plain_run_gives_flwr_runs_metrics_and_model(flower, tmp_path):
-    flwr, ours = _both(flower, tmp_path, PLAIN)
+def test_plain_run_gives_flwr_runs_metrics_and_model(digits_runs, tmp_path):
+    # The session's plain FedAvg run (tests/e2e/conftest.py), seed 7, and the engine's.
+    result = digits_runs.first
+    assert result.returncode == 0 and result.run_dir is not None, result.output
+    flwr = result.run_dir
+    assert engine.engine_of(flwr) == "flwr"
+    ours = _engine(tmp_path, f"{digits_runs.config} seed=7")
     pd.testing.assert_frame_equal(_metrics(ours), _metrics(flwr), check_exact=True)
     expected = torch.load(flwr / "model.pt", weights_only=True)
     got = torch.load(ours / "model.pt", weights_only=True)

@@ -1,16 +1,15 @@
 """`flwr run . local-simulation` end to end on digits: fedavg, fedprox, local.
 
-One tiny run per strategy (4 virtual SuperNodes, 3 rounds) is made once per test
-session; the tests read the run directories the ServerApp wrote, and the analysis
-notebook is executed on them.
+One tiny run per strategy (4 SuperNodes, 3 rounds): FedAvg is the session's plain
+digits run through `flwr run` (tests/e2e/conftest.py), FedProx and local training the
+same runs made in process; the tests read the run directories the ServerApp wrote, and
+the analysis notebook is executed on them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,21 +19,11 @@ import pytest
 from nbclient import NotebookClient
 
 from lab.launcher import APP_DIR as REPO
-from tests.inprocess import make_run
+from tests.inprocess import run_like_flwr
 
 pytestmark = pytest.mark.e2e
 
 TINY = "num-server-rounds=3 fraction-train=1.0 train.local-epochs=2"
-
-
-def _git_status() -> str:
-    return subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
 
 
 @dataclass
@@ -45,30 +34,34 @@ class Run:
     config: dict
 
 
-@pytest.fixture(scope="session")
-def runs(flower, tmp_path_factory) -> dict[str, Run]:
-    """One tiny run per strategy, each in its own output directory."""
+def _run(result, path: Path) -> Run:
+    return Run(
+        stdout=result.output,
+        path=path,
+        metrics=pd.read_csv(path / "metrics.csv"),
+        config=json.loads((path / "config.json").read_text())["run-config"],
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(digits_runs, tmp_path_factory) -> dict[str, Run]:
+    """One tiny run per strategy, each in its own output directory: FedAvg is the
+    session's `flwr run` (tests/e2e/conftest.py, seed 7), the others in process."""
     root = tmp_path_factory.mktemp("runs")
-    git_before = _git_status()
-    made = {}
-    for strategy, extra in (("fedavg", ""), ("fedprox", "fedprox.mu=0.5"), ("local", "")):
+    fedavg = digits_runs.first
+    assert fedavg.returncode == 0 and fedavg.run_dir is not None, fedavg.output
+    (path,) = list(fedavg.run_dir.parent.iterdir())
+    assert fedavg.run_dir == path
+    made = {"fedavg": _run(fedavg, path)}
+    for strategy, extra in (("fedprox", "fedprox.mu=0.5"), ("local", "")):
         out = root / strategy
-        result = make_run(
-            flower,
-            f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}",
-            in_process=strategy != "fedavg",
-        )
+        result = run_like_flwr(f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}")
         assert result.returncode == 0, result.output
         (path,) = list(out.iterdir())
         assert result.run_dir == path
-        made[strategy] = Run(
-            stdout=result.output,
-            path=path,
-            metrics=pd.read_csv(path / "metrics.csv"),
-            config=json.loads((path / "config.json").read_text())["run-config"],
-        )
+        made[strategy] = _run(result, path)
     # `flwr run` must not rewrite tracked files (e.g. migrate pyproject.toml).
-    assert _git_status() == git_before
+    assert digits_runs.git[0] == digits_runs.git[1]
     return made
 
 
@@ -125,18 +118,14 @@ def test_notebook_executes_on_the_runs(runs, tmp_path):
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # comparison + 3 curves
 
 
-def test_default_output_dir_is_the_app_directory(flower):
-    runs_root = REPO / "runs"
-    existing = set(runs_root.iterdir()) if runs_root.exists() else set()
-    result = flower.run("num-server-rounds=1 central-eval=false")
+def test_default_output_dir_is_the_app_directory(digits_runs):
+    # The session's seed-8 run had no output-dir: it made one run directory in the app
+    # directory's runs/ (moved out of the repository after the run).
+    result = digits_runs.other
     assert result.returncode == 0, result.output
-    created = set(runs_root.iterdir()) - existing
-    try:
-        assert len(created) == 1
-        assert (next(iter(created)) / "metrics.csv").is_file()
-    finally:
-        for path in created:
-            shutil.rmtree(path)
+    assert len(digits_runs.created_in_app_dir) == 1
+    assert result.run_dir is not None and result.run_dir.name == digits_runs.created_in_app_dir[0]
+    assert (result.run_dir / "metrics.csv").is_file()
 
 
 def test_an_unknown_key_is_refused_by_the_superlink_and_named(flower):
