@@ -23,8 +23,8 @@ SCANNED = ("server_app", "client_app", "strategies", "tasks", "lab")
 CONFIG_LAYER = frozenset(
     {
         "server_app/config.py",
-        "strategies/settings.py",
-        "tasks/options.py",
+        "config/settings.py",
+        "config/options.py",
     }
 )
 
@@ -114,7 +114,7 @@ def test_no_option_is_read_by_string_outside_the_config_layer():
     }
     assert not over, (
         "read the part's typed settings instead of the run-config by string "
-        f"(strategies.settings.Settings): {over}"
+        f"(config.settings.Settings): {over}"
     )
     stale = {name: n for name, n in REMAINING.items() if counts[name] < n}
     assert not stale, f"fewer string reads than REMAINING allows, lower it: {stale}"

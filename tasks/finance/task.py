@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from config.options import ConfigError, Option
 from privacy.dpsgd import train_private
 from tasks.base import (
     EVAL_LOSS,
@@ -42,7 +43,6 @@ from tasks.finance.data import (
 )
 from tasks.finance.model import NORMS, batchnorm_state_keys, build_model
 from tasks.finance.partitioning import parse_scheme, partition_rows, split_local
-from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
 
 EVAL_MSE = "eval-mse"

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from config.options import ConfigError, Option
 from tasks.base import (
     EVAL_REWARD,
     NUM_EXAMPLES,
@@ -51,7 +52,6 @@ from tasks.lunar_lander.ppo import (
     evaluate_episodes,
     train_ppo,
 )
-from tasks.options import ConfigError, Option
 
 TIMESTEPS_KEY = "ppo-timesteps"  # the client's cumulative env steps, in its persistent state
 # The parameter names and shapes the kept Adam state belongs to (persistent state).

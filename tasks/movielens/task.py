@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from config.options import ConfigError, Option
 from tasks.base import (
     EVAL_LOSS,
     NUM_EXAMPLES,
@@ -38,7 +39,6 @@ from tasks.movielens.data import (
     sample_negatives,
 )
 from tasks.movielens.model import NeuMF, build_model, heldout_auc, hit_rate, score_pairs
-from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
 
 EVAL_AUC = "eval-auc"

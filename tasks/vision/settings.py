@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tasks.options import Option
+from config.options import Option
 from tasks.topology import NUM_EDGES_KEY
 from tasks.vision.data import GROUPINGS
 from tasks.vision.models import MODEL_NAMES

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from config.options import ConfigError, Option
 from privacy.dpsgd import calibrated_settings, train_private
 from tasks.base import (
     DPSGD,
@@ -44,7 +45,6 @@ from tasks.base import (
     resolve_device,
     seed_torch,
 )
-from tasks.options import ConfigError, Option
 from tasks.proximal import snapshot_parameters
 from tasks.vision.data import (
     CIFAR10,
