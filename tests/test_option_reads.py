@@ -56,7 +56,6 @@ REMAINING: dict[str, int] = {
     "tasks/lunar_lander/plots.py": 4,
     "tasks/lunar_lander/task.py": 31,
     "tasks/movielens/task.py": 10,
-    "tasks/vision/task.py": 22,
 }
 
 
