@@ -52,7 +52,6 @@ REMAINING: dict[str, int] = {
     "strategies/runtime/aggregation.py": 1,
     "strategies/secure/secagg_plus.py": 2,
     "tasks/__init__.py": 1,
-    "tasks/finance/task.py": 12,
     "tasks/lunar_lander/plots.py": 4,
     "tasks/lunar_lander/task.py": 31,
     "tasks/movielens/task.py": 10,
