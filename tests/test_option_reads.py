@@ -54,7 +54,6 @@ REMAINING: dict[str, int] = {
     "tasks/__init__.py": 1,
     "tasks/lunar_lander/plots.py": 4,
     "tasks/lunar_lander/task.py": 31,
-    "tasks/movielens/task.py": 10,
 }
 
 
