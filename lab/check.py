@@ -152,8 +152,8 @@ def options_json() -> str:
 def _check_values(fused: dict) -> None:
     """Each value's type, range and choices, from ``OPTIONS_FILE`` (no PyTorch import);
     without the file, the ServerApp's code checks them later."""
+    from config.options import ConfigError, Option, parse_options
     from protocol import presets
-    from tasks.options import ConfigError, Option, parse_options
 
     try:
         rows = json.loads(OPTIONS_FILE.read_text())

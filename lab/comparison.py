@@ -456,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     import matplotlib
 
-    from tasks.options import ConfigError
+    from config.options import ConfigError
 
     matplotlib.use("Agg")  # files only, display or not
     out: Path = args.out

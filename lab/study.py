@@ -30,7 +30,7 @@ from server_app import run_status
 if TYPE_CHECKING:
     import pandas as pd
 
-    from tasks.options import Scalar
+    from config.options import Scalar
 
 # PyTorch, matplotlib, Flower and the tasks are imported by the functions that use them,
 # so that ``--help`` answers at once (tests/lab/test_lazy_imports.py).
@@ -119,8 +119,8 @@ def load_preset(
     """
     from flwr.common.config import flatten_dict
 
+    from config.options import ConfigError
     from server_app import config
-    from tasks.options import ConfigError
 
     path = Path(path)
     try:
@@ -152,7 +152,7 @@ def group_by_size(presets: Sequence[Preset], default_size: int) -> dict[int, lis
 
 
 def _toml_value(value: Scalar) -> str:
-    from tasks.options import ConfigError
+    from config.options import ConfigError
 
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -422,8 +422,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     import matplotlib
 
+    from config.options import ConfigError
     from tasks.lunar_lander import plots
-    from tasks.options import ConfigError
 
     matplotlib.use("Agg")  # files only, display or not
     out: Path = args.out

@@ -19,9 +19,9 @@ import numpy as np
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy import audit
 from strategies.mechanisms.base import DPSettings
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 if TYPE_CHECKING:  # config reads AuditSettings from here
     from server_app.config import RunConfig

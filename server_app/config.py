@@ -1,7 +1,7 @@
 """The run-config: every key the app accepts, parsed once into a frozen object.
 
 The top-level keys are declared here; every other key belongs to the part that reads
-it, declared once as a field of its settings dataclass (:mod:`strategies.settings`:
+it, declared once as a field of its settings dataclass (:mod:`config.settings`:
 ``fedprox.*``, ``aggregation.*``, ``cluster.*``, ``smart.*``, ``hier.*``, ``server.*``, ``dp.*``,
 ``subspace.*``, ``secagg.*``, ``audit.*``, ``run.*``) or as the task's ``OPTIONS``.
 :func:`load` rejects unknown keys and invalid values with a message naming the key and
@@ -21,6 +21,8 @@ from typing import Any
 
 import strategies
 import tasks
+from config.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
+from config.settings import Choice, Settings, Typed, listed
 from privacy.accounting import AccountingError
 from protocol import presets
 from server_app.audit import AuditSettings
@@ -37,9 +39,7 @@ from strategies.mechanisms.correlated_noise import CorrelatedSettings
 from strategies.mechanisms.subspace_dp import SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.secure.secagg_plus import SecAggSettings
-from strategies.settings import Choice, Settings, Typed, listed
 from tasks.base import NUM_SERVER_ROUNDS, SEED
-from tasks.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 
 TOP_LEVEL: tuple[Option, ...] = (
     Option("task", "digits", "Learning task.", choices=tuple(tasks.REGISTRY)),
@@ -121,7 +121,7 @@ REMOVED_KEYS = {
 
 def part_options(part: type[Settings]) -> tuple[Option, ...]:
     """A part's settings fields as run-config options."""
-    return tuple(Option(key, default, **spec) for key, default, spec in part.specs())
+    return part.options()
 
 
 def all_options() -> tuple[Option, ...]:

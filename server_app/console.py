@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from flwr.common.logger import FLOWER_LOGGER
 
-from strategies.settings import Settings, setting
+from config.settings import Settings, setting
 
 CHATTER = re.compile(
     r"^(configure_(train|evaluate): Sampled \d+ nodes|aggregate_(train|evaluate): Received \d+)"

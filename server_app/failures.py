@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from flwr.common.logger import log
 
-from strategies.settings import Settings, setting
+from config.settings import Settings, setting
 
 STATUSES = ("completed", "stopped", "failed")
 OUTCOME_FILE = "outcome.json"

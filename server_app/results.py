@@ -20,10 +20,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from config.options import ConfigError
 from protocol.keys import STATE_DIR
 from server_app.failures import OUTCOME_FILE
 from tasks.base import TRAIN_SECONDS
-from tasks.options import ConfigError
 
 DIST_NAME = "flower-privacy-lab"
 SCOPES = ("train", "federated-eval", "central-eval")

@@ -16,6 +16,7 @@ from flwr.common.logger import log
 
 import strategies
 import tasks
+from config.options import ConfigError
 from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
 from strategies.algorithms.clustered import ClusteredFedAvg, model_seeds
@@ -23,7 +24,6 @@ from strategies.mechanisms.base import NOISE_PARAMETER, DPSettings
 from strategies.runtime.capabilities import Accounted, innermost, provides
 from strategies.secure.secagg_plus import SecAggSettings
 from tasks.base import Task
-from tasks.options import ConfigError
 
 
 @dataclass

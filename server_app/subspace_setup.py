@@ -13,12 +13,12 @@ from logging import INFO
 import torch
 from flwr.common.logger import log
 
+from config.options import ConfigError
 from privacy.subspace import top_subspace
 from server_app.config import RunConfig
 from strategies.mechanisms.subspace_dp import POOLED, SubspaceDP, SubspaceSettings
 from strategies.runtime.capabilities import layers
 from tasks.base import Task
-from tasks.options import ConfigError
 
 
 def check(cfg: RunConfig, task: Task) -> None:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from strategies.settings import Settings, setting
+from config.settings import Settings, setting
 
 MLFLOW_BATCH = 100  # params per MLflow log_batch request (its limit), metrics: 1000
 # Always private (never tracked), whatever the mechanism.

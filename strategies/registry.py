@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from flwr.clientapp.typing import Mod
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
+from config.settings import Settings, Typed, setting
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
 from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
@@ -35,7 +36,6 @@ from strategies.runtime.aggregation import AggregationSettings
 from strategies.runtime.seeded import SeededSampling
 from strategies.secure.secagg_plus import SecAggSettings
 from strategies.secure.secure_aggregation import SecureAggregation
-from strategies.settings import Settings, Typed, setting
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 

@@ -2,7 +2,7 @@
 
 ``get(name)`` returns the task class; ``build(run_config)`` builds the configured one.
 The task modules (and PyTorch) load on first use of the registry or a task class, so
-that ``tasks.options`` alone is cheap (``python -m lab check`` validates values with it
+that ``config.options`` alone is cheap (``python -m lab check`` validates values with it
 before anything heavy loads).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 
 if TYPE_CHECKING:
     from tasks.base import Task

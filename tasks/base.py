@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from config.options import ConfigError, Option, parse_options
+
 # DP-SGD's settings and metric, re-exported: a task's LocalTraining carries them.
 from privacy.dpsgd import DPSGD as DPSGD
 from privacy.dpsgd import LOCAL_EPSILON as LOCAL_EPSILON
 from privacy.mechanisms import secret_seed
-from tasks.options import ConfigError, Option, parse_options
 
 if TYPE_CHECKING:
     from privacy.frontloaded import FrontLoadedDP

@@ -23,8 +23,8 @@ SCANNED = ("server_app", "client_app", "strategies", "tasks", "lab")
 CONFIG_LAYER = frozenset(
     {
         "server_app/config.py",
-        "strategies/settings.py",
-        "tasks/options.py",
+        "config/settings.py",
+        "config/options.py",
     }
 )
 
@@ -35,12 +35,6 @@ REMAINING: dict[str, int] = {
     "client_app/halves/dpsgd.py": 1,
     "client_app/mods.py": 1,
     "client_app/node.py": 1,
-    "lab/check.py": 1,
-    "lab/comparison.py": 7,
-    "lab/comparison_plots.py": 1,
-    "lab/figures.py": 12,
-    "lab/study.py": 2,
-    "lab/sweep.py": 2,
     "server_app/plots.py": 3,
     "server_app/recorder.py": 1,
     "server_app/run_status.py": 1,
@@ -52,11 +46,23 @@ REMAINING: dict[str, int] = {
     "strategies/runtime/aggregation.py": 1,
     "strategies/secure/secagg_plus.py": 2,
     "tasks/__init__.py": 1,
-    "tasks/finance/task.py": 12,
+}
+
+
+# Allowed for good: the readers of what a run saved or a study declares (a finished
+# run's config.json, a preset's table, a results table's ``seed`` column, a study's
+# experiment entries; the lunar lander's plots of finished runs). They read a file,
+# not a live run's options, and there is no part whose settings object they could be
+# handed; reading a saved run-config is the config layer's job done after the fact.
+# Counted all the same, so a new read here is a choice made in this table.
+SAVED_READERS: dict[str, int] = {
+    "lab/check.py": 1,
+    "lab/comparison.py": 7,
+    "lab/comparison_plots.py": 1,
+    "lab/figures.py": 12,
+    "lab/study.py": 2,
+    "lab/sweep.py": 2,
     "tasks/lunar_lander/plots.py": 4,
-    "tasks/lunar_lander/task.py": 31,
-    "tasks/movielens/task.py": 10,
-    "tasks/vision/task.py": 22,
 }
 
 
@@ -110,11 +116,11 @@ def test_no_option_is_read_by_string_outside_the_config_layer():
     over = {
         name: [f"{line}: {key!r}" for line, key in found]
         for name, found in scan().items()
-        if counts[name] > REMAINING.get(name, 0)
+        if counts[name] > {**REMAINING, **SAVED_READERS}.get(name, 0)
     }
     assert not over, (
         "read the part's typed settings instead of the run-config by string "
-        f"(strategies.settings.Settings): {over}"
+        f"(config.settings.Settings): {over}"
     )
-    stale = {name: n for name, n in REMAINING.items() if counts[name] < n}
+    stale = {name: n for name, n in {**REMAINING, **SAVED_READERS}.items() if counts[name] < n}
     assert not stale, f"fewer string reads than REMAINING allows, lower it: {stale}"

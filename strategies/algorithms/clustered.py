@@ -54,6 +54,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
 from protocol.keys import cluster_model_key, cluster_score_key
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
@@ -65,7 +66,6 @@ from strategies.runtime.messaging import send_and_receive, size_screen
 from strategies.runtime.nodes import nodes_for_round
 from strategies.runtime.partitions import PartitionMap
 from strategies.runtime.sampling import seeded_sample
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
 _KMEANS_STREAM = 0xC2  # k-means initialisation, one seed per round

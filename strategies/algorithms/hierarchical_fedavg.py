@@ -23,6 +23,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, copy_record, to_record
@@ -34,7 +35,6 @@ from strategies.runtime.messaging import send_and_receive, size_screen
 from strategies.runtime.nodes import nodes_for_round, wait_for_nodes
 from strategies.runtime.partitions import PartitionMap
 from strategies.runtime.sampling import sample_uniform
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0x4E  # edge and client sampling
 _EVAL_STREAM = 0x4F  # federated evaluation sampling (independent of training's)

@@ -29,10 +29,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi, Strategy
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
 from protocol.records import arrays_of, to_record
 from strategies.base import TrainingWrapper
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "yogi", "adagrad")
 # Strategies that keep one global model, which a server optimizer can move.

@@ -26,10 +26,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from strategies.base import TrainingWrapper
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 
 class PrivacyWrapper(TrainingWrapper):

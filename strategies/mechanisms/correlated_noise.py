@@ -35,6 +35,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from config.settings import Choice, Settings, SettingsError, setting
 from privacy import correlated
 from privacy.accounting import PrivacyLedger, Release
 from privacy.mechanisms import NonFiniteUpdateError
@@ -46,7 +47,6 @@ from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from strategies.runtime.nodes import GridView, wait_for_nodes
 from strategies.runtime.sampling import poisson_sample
 from strategies.secure.secagg_plus import SecAggSettings
-from strategies.settings import Choice, Settings, SettingsError, setting
 
 MECHANISMS = ("banded-mf", "dp-ftrl")
 SCHEMAS = ("cyclic", "amplified")

@@ -50,6 +50,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from config.settings import Choice, Settings, SettingsError, setting
 from privacy.accounting import Release
 from privacy.allocation import allocate
 from privacy.certificates import spi
@@ -72,7 +73,6 @@ from protocol.records import InvalidReply
 from strategies.errors import StopTraining
 from strategies.mechanisms.base import DPSettings
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
-from strategies.settings import Choice, Settings, SettingsError, setting
 
 _SKETCH_STREAM = 0x5C  # the public JL matrix of each PMU round
 _DITHER_STREAM = 0xD7  # the shared dither of each (round, client) quantization

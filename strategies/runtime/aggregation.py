@@ -21,10 +21,10 @@ from flwr.serverapp.strategy.bulyan import aggregate_n_closest_weights
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
 from protocol.records import InvalidReply, to_numpy, to_record
 from protocol.replies import check_reply, is_number
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan")
 # Strategies whose aggregate is one (weighted) mean of the replies' models, which a

@@ -72,6 +72,7 @@ from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
+from config.settings import Choice, Settings, SettingsError, Typed, listed, setting
 from protocol.masking import (
     MASKED,
     MAX_CIPHERTEXT_BYTES,
@@ -85,7 +86,6 @@ from protocol.masking import (
 from protocol.replies import REPLY_MARGIN_BYTES, REPLY_MARGIN_SHARE, oversized_reason
 from strategies.mechanisms.base import DPSettings
 from strategies.runtime.messaging import send_and_receive
-from strategies.settings import Choice, Settings, SettingsError, Typed, listed, setting
 
 ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding parameters
 # The largest modulus: the largest power of two a run-config integer (64-bit signed, as

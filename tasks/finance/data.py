@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from sklearn.preprocessing import StandardScaler
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 
 logger = logging.getLogger(__name__)
 

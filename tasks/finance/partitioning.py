@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 
 PARTITIONING_KEY = "finance.partitioning"
 IID = "iid"

@@ -13,7 +13,7 @@ Design notes: ``docs/notes.md``, ``tasks.finance.task``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from config.options import ConfigError, Option
+from config.settings import Settings, setting
 from privacy.dpsgd import train_private
 from tasks.base import (
     EVAL_LOSS,
@@ -42,7 +44,6 @@ from tasks.finance.data import (
 )
 from tasks.finance.model import NORMS, batchnorm_state_keys, build_model
 from tasks.finance.partitioning import parse_scheme, partition_rows, split_local
-from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
 
 EVAL_MSE = "eval-mse"
@@ -50,57 +51,58 @@ EVAL_R2 = "eval-r2"
 EVAL_CHUNK = 4096  # rows per forward pass in evaluation (eval-mode BN: no batch effect)
 PRIVACY_KEY, DP_SGD = "privacy", "dp-sgd"  # the top-level key finance.norm = auto reads
 
-FINANCE_OPTIONS: tuple[Option, ...] = (
-    Option("finance.data-path", "", "CSV of Kaggle's Indian personal finance data; "
-           "empty: a synthetic table with its schema."),
-    Option("finance.synthetic-rows", 20000, "Rows of the synthetic table.", low=100),
-    Option("finance.central-test-fraction", 0.2, "Share of rows held out for the server.",
-           low=0.05, high=0.5),
-    Option("finance.test-fraction", 0.2, "Share of each client's rows held out locally.",
-           low=0.05, high=0.5),
-    Option("finance.partitioning", "multi-key+label-skew+quantity-skew",
-           "`iid` or a `+`-joined combination of multi-key, label-skew, quantity-skew."),
-    Option("finance.batch-size", 64, "Mini-batch size of local training.", low=2),
-    Option("finance.local-epochs", 3, "Local epochs per round.", low=1),
-    Option("finance.lr", 1e-3, "Adam learning rate.", low=0.0, low_open=True),
-    Option("finance.bn", "average", "BatchNorm layers: `average` (federated) or `local` "
-           "(FedBN: kept on each client).", choices=("average", "local")),
-    Option("finance.norm", "auto", "Normalisation in the MLP: `batch` (BatchNorm) or "
-           "`layer` (LayerNorm, per example: DP-SGD can train it); `auto`: `layer` under "
-           "privacy = `dp-sgd`, else `batch`.", choices=("auto", *NORMS)),
-    Option("finance.device", "auto", "Device; `auto`: cuda when available.",
-           choices=("auto", "cpu", "cuda")),
-)  # fmt: skip
-
 
 @dataclass(frozen=True)
-class FinanceConfig:
-    """Parsed run-config of the finance task."""
+class FinanceConfig(Settings):
+    """The run-config of the finance task: each keyed field declares its ``finance.*``
+    key once (default, range, help); the task reads its options as one instance,
+    ``auto`` values resolved and the derived fields filled in."""
 
-    data_path: str
-    """``finance.data-path``; empty: synthetic."""
-    synthetic_rows: int
-    """``finance.synthetic-rows``."""
-    central_test_fraction: float
-    """``finance.central-test-fraction``."""
-    test_fraction: float
-    """``finance.test-fraction``."""
-    scheme: tuple[str, ...]
-    """``finance.partitioning`` parsed into its parts, ``()`` for iid (derived)."""
-    batch_size: int
-    """``finance.batch-size``."""
-    local_epochs: int
-    """``finance.local-epochs``."""
-    lr: float
-    """``finance.lr``."""
-    bn: str
-    """``finance.bn``: ``average`` or ``local``."""
-    norm: str
-    """``finance.norm`` with ``auto`` resolved to ``batch`` or ``layer`` (derived)."""
-    device: str
-    """``finance.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
-    seed: int
+    PREFIX: ClassVar[str] = "finance"
+
+    data_path: str = setting(
+        "",
+        "CSV of Kaggle's Indian personal finance data; empty: a synthetic table with its schema.",
+    )
+    synthetic_rows: int = setting(20000, "Rows of the synthetic table.", low=100)
+    central_test_fraction: float = setting(
+        0.2, "Share of rows held out for the server.", low=0.05, high=0.5
+    )
+    test_fraction: float = setting(
+        0.2, "Share of each client's rows held out locally.", low=0.05, high=0.5
+    )
+    partitioning: str = setting(
+        "multi-key+label-skew+quantity-skew",
+        "`iid` or a `+`-joined combination of multi-key, label-skew, quantity-skew.",
+    )
+    batch_size: int = setting(64, "Mini-batch size of local training.", low=2)
+    local_epochs: int = setting(3, "Local epochs per round.", low=1)
+    lr: float = setting(1e-3, "Adam learning rate.", low=0.0, low_open=True)
+    bn: str = setting(
+        "average",
+        "BatchNorm layers: `average` (federated) or `local` (FedBN: kept on each client).",
+        choices=("average", "local"),
+    )
+    norm: str = setting(
+        "auto",
+        "Normalisation in the MLP: `batch` (BatchNorm) or `layer` (LayerNorm, per example: "
+        "DP-SGD can train it); `auto`: `layer` under privacy = `dp-sgd`, else `batch`.",
+        choices=("auto", *NORMS),
+    )
+    """``auto`` resolved to ``batch`` or ``layer`` by the task."""
+    device: str = setting(
+        "auto", "Device; `auto`: cuda when available.", choices=("auto", "cpu", "cuda")
+    )
+    """``auto`` resolved to ``cpu`` or ``cuda`` by the task."""
+
+    # Derived by the task, not keys of its own:
+    scheme: tuple[str, ...] = ()
+    """``partitioning`` parsed into its parts, ``()`` for iid."""
+    seed: int = 0
     """Top-level ``seed``."""
+
+
+FINANCE_OPTIONS: tuple[Option, ...] = FinanceConfig.options()
 
 
 @dataclass(frozen=True)
@@ -272,28 +274,22 @@ class FinanceTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        opts = self.options
         self.under_dp_sgd = run_config.get(PRIVACY_KEY) == DP_SGD
         """Whether the run-config's top-level ``privacy`` is ``dp-sgd``."""
-        self.config = FinanceConfig(
-            data_path=str(opts["finance.data-path"]),
-            synthetic_rows=int(opts["finance.synthetic-rows"]),
-            central_test_fraction=float(opts["finance.central-test-fraction"]),
-            test_fraction=float(opts["finance.test-fraction"]),
-            scheme=parse_scheme(str(opts["finance.partitioning"])),
-            batch_size=int(opts["finance.batch-size"]),
-            local_epochs=int(opts["finance.local-epochs"]),
-            lr=float(opts["finance.lr"]),
-            bn=str(opts["finance.bn"]),
-            norm=resolve_norm(str(opts["finance.norm"]), self.under_dp_sgd),
-            device=resolve_device(str(opts["finance.device"]), "finance.device"),
+        declared = FinanceConfig.from_options(self.options)
+        self.config = replace(
+            declared,
+            scheme=parse_scheme(declared.partitioning),
+            norm=resolve_norm(declared.norm, self.under_dp_sgd),
+            device=resolve_device(declared.device, "finance.device"),
             seed=int(SEED.parse(run_config.get(SEED.key, SEED.default))),
         )
-        self._check_norm()
+        self._check_norm(declared.norm)
 
-    def _check_norm(self) -> None:
-        """FedBN needs BatchNorm layers; DP-SGD needs per-example normalisation."""
-        cfg, chosen = self.config, str(self.options["finance.norm"])
+    def _check_norm(self, chosen: str) -> None:
+        """FedBN needs BatchNorm layers; DP-SGD needs per-example normalisation
+        (``chosen``: ``finance.norm`` as given)."""
+        cfg = self.config
         how = f"'finance.norm' = {chosen!r}" + (
             f" (resolved to {cfg.norm!r})" if chosen == "auto" else ""
         )

@@ -19,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 
 ENV_ID = "LunarLander-v3"
 PLANETS: dict[str, float] = {"moon": -1.6, "earth": -9.8, "mars": -3.73}  # gravity, m/s^2

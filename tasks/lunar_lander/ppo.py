@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -26,7 +26,16 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecEnvWrapper
 from stable_baselines3.common.vec_env.base_vec_env import VecEnvObs, VecEnvStepReturn
 
-from tasks.lunar_lander.clients import ENV_ID, PLANETS, ClientEnv, GravityObservation, make_env
+from config.settings import Settings, setting
+from tasks.lunar_lander.clients import (
+    ENV_ID,
+    PLANETS,
+    TURBULENCE_POWER_RANGE,
+    WIND_POWER_RANGE,
+    ClientEnv,
+    GravityObservation,
+    make_env,
+)
 from tasks.proximal import snapshot_parameters
 
 POLICY = "MlpPolicy"
@@ -36,54 +45,149 @@ EVAL_POLICIES = ("deterministic", "stochastic")
 DEFAULT_NET_WIDTH = 64  # SB3's MlpPolicy for PPO: two hidden layers of 64, policy and value
 
 
-@dataclass(frozen=True)
-class PPOConfig:
-    """Local PPO settings of one client round (``ppo.*`` run-config keys)."""
+WIND_LOW, WIND_HIGH = WIND_POWER_RANGE
+TURBULENCE_LOW, TURBULENCE_HIGH = TURBULENCE_POWER_RANGE
 
-    local_steps: int
-    """``ppo.local-steps``: env steps per client per round (whole rollouts: rounded up)."""
-    n_envs: int
-    """``ppo.n-envs``: parallel copies of the client's environment."""
-    vec_env: str
-    """``ppo.vec-env``: ``dummy`` (one process) or ``subproc`` (one process per copy)."""
-    learning_rate: float
-    """``ppo.learning-rate``: Adam learning rate."""
-    n_steps: int
-    """``ppo.n-steps``: steps per environment copy per rollout."""
-    batch_size: int
-    """``ppo.batch-size``: minibatch size."""
-    n_epochs: int
-    """``ppo.n-epochs``: passes over each rollout."""
-    gamma: float
-    """``ppo.gamma``: discount factor."""
-    gae_lambda: float
-    """``ppo.gae-lambda``: GAE lambda."""
-    clip_range: float
-    """``ppo.clip-range``: PPO's ratio clip epsilon."""
-    ent_coef: float
-    """``ppo.ent-coef``: entropy bonus weight."""
-    vf_coef: float
-    """``ppo.vf-coef``: value loss weight."""
-    max_grad_norm: float
-    """``ppo.max-grad-norm``: gradient clipping norm."""
-    check_freq: int
-    """``ppo.check-freq``: env steps between weight snapshots."""
-    device: str
-    """``ppo.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
-    keep_optimizer: bool = False
-    """``ppo.keep-optimizer``: resume the client's Adam moments from its last round."""
-    lr_schedule: str = "constant"
-    """``ppo.lr-schedule``: ``constant``, or ``linear`` (to 0 over the run's rounds)."""
+
+def _planet_steps(planet: str) -> Any:
+    """``ppo.local-steps-<planet>``: that planet's clients' env steps per round."""
+    return setting(
+        0,
+        f"Env steps per round of each {planet} client (its base and derived ones; "
+        "whole rollouts); 0: ppo.local-steps. Shifts the budget between planets.",
+        low=0,
+    )
+
+
+def _planet_rate(planet: str) -> Any:
+    """``ppo.learning-rate-<planet>``: that planet's clients' learning rate."""
+    return setting(
+        0.0,
+        f"PPO's Adam learning rate on each {planet} client (its base and derived "
+        "ones); 0: ppo.learning-rate. ppo.lr-schedule decays it alike.",
+        low=0.0,
+    )
+
+
+@dataclass(frozen=True)
+class PPOConfig(Settings):
+    """The lunar lander's run-config (``ppo.*``), each key declared once as a field
+    (default, range, help); the task reads its options as one instance, ``device``
+    resolved and ``num_rounds`` filled in. One client round's local PPO reads it too."""
+
+    PREFIX: ClassVar[str] = "ppo"
+
+    local_steps: int = setting(
+        50000,
+        "Env steps per client per round (whole rollouts: rounded up to n-steps x n-envs).",
+        low=1,
+    )
+    local_steps_moon: int = _planet_steps("moon")
+    local_steps_earth: int = _planet_steps("earth")
+    local_steps_mars: int = _planet_steps("mars")
+    n_envs: int = setting(4, "Parallel copies of the client's environment.", low=1)
+    vec_env: str = setting(
+        "dummy", "Vectorisation: `dummy` (one process) or `subproc`.", choices=tuple(VEC_ENVS)
+    )
+    learning_rate: float = setting(3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True)
+    learning_rate_moon: float = _planet_rate("moon")
+    learning_rate_earth: float = _planet_rate("earth")
+    learning_rate_mars: float = _planet_rate("mars")
+    n_steps: int = setting(2048, "Steps per environment copy per PPO rollout.", low=1)
+    batch_size: int = setting(64, "PPO minibatch size.", low=1, low_open=True)
+    n_epochs: int = setting(10, "PPO passes over each rollout.", low=1)
+    gamma: float = setting(0.99, "Discount factor.", low=0.0, high=1.0)
+    gae_lambda: float = setting(0.95, "GAE lambda.", low=0.0, high=1.0)
+    clip_range: float = setting(0.2, "PPO's probability-ratio clip range.", low=0.0, low_open=True)
+    ent_coef: float = setting(0.0, "Entropy bonus coefficient.", low=0.0)
+    vf_coef: float = setting(0.5, "Value loss coefficient.", low=0.0)
+    max_grad_norm: float = setting(
+        0.5, "Gradient norm clip of each PPO update.", low=0.0, low_open=True
+    )
+    reward_scale: float = setting(
+        1.0,
+        "PPO learns from the rewards times this (value targets shrink with it; "
+        "logged and evaluated rewards stay raw).",
+        low=0.0,
+        low_open=True,
+    )
+    target_kl: float = setting(
+        0.0,
+        "Stop a rollout's update epochs early once a minibatch's approximate KL from "
+        "the rollout's policy exceeds 1.5x this (SB3's target_kl; 0: never); the "
+        "epochs run per rollout are logged as `train-epochs`.",
+        low=0.0,
+    )
+    check_freq: int = setting(2000, "Env steps between a client's logged weight snapshots.", low=1)
+    eval_episodes: int = setting(
+        20,
+        "Evaluation episodes per environment (the same seeded episodes every round; "
+        "standard error needs 2 or more).",
+        low=1,
+    )
+    eval_policy: str = setting(
+        "deterministic",
+        "How evaluation episodes act: `deterministic` (the most likely action, SB3's "
+        "evaluate_policy default) or `stochastic` (actions sampled from the policy, "
+        "as PPO trains it; seeded per episode).",
+        choices=EVAL_POLICIES,
+    )
+    derived_per_base: int = setting(
+        10,
+        "Derived clients per planet (random wind); the run has 3 + 3 x this many clients.",
+        low=0,
+    )
+    base_wind_power: float = setting(
+        0.5, "Wind power of the three base clients (0: no wind).", low=WIND_LOW, high=WIND_HIGH
+    )
+    max_wind_power: float = setting(
+        15.0, "Derived clients draw their wind power from [0, this].", low=WIND_LOW, high=WIND_HIGH
+    )
+    turbulence_power: float = setting(
+        1.5,
+        "Rotational turbulence of every windy environment.",
+        low=TURBULENCE_LOW,
+        high=TURBULENCE_HIGH,
+    )
+    observe_gravity: bool = setting(
+        False,
+        "The policy also observes its environment's gravity (a 9th input, gravity / 10): "
+        "one shared policy can then act per planet.",
+    )
+    net_width: int = setting(
+        DEFAULT_NET_WIDTH,
+        "Units in each of the two hidden layers of the policy and of the value network "
+        "(SB3's MlpPolicy: 64).",
+        low=1,
+    )
+    keep_optimizer: bool = setting(
+        False,
+        "Keep each client's PPO Adam moments across its rounds (in its persistent "
+        "state, never sent; reset when the policy's architecture changes).",
+    )
+    lr_schedule: str = setting(
+        "constant",
+        "`constant`, or `linear`: the learning rate decays from ppo.learning-rate at "
+        "round 1 to 0 at the end of round num-server-rounds, following the server's "
+        "round (every client sampled in a round trains with the same rates).",
+        choices=LR_SCHEDULES,
+    )
+    device: str = setting(
+        "cpu", "Device of local PPO; `auto`: cuda when available.", choices=("cpu", "cuda", "auto")
+    )
+    torch_threads: int = setting(
+        1,
+        "torch's intra-op threads while a client's PPO learns; 0: as many as its "
+        "process has (under Ray, the ClientApp's num-cpus). One by default: a second "
+        "thread speeds up SB3's small MLPs little or not at all, and spins on the core "
+        "the simulation's own processes need (studies/lunar-lands/README.md, "
+        '"Throughput").',
+        low=0,
+    )
+
+    # Derived by the task, not a key of its own:
     num_rounds: int = 1
     """``num-server-rounds``: the run's length, which ``linear`` decays over."""
-    reward_scale: float = 1.0
-    """``ppo.reward-scale``: PPO learns from the rewards times this (logs stay raw)."""
-    target_kl: float = 0.0
-    """``ppo.target-kl``: SB3's ``target_kl`` (0: none), which ends a rollout's update
-    epochs early once a minibatch's approximate KL exceeds 1.5x it."""
-    torch_threads: int = 1
-    """``ppo.torch-threads``: torch's intra-op threads while PPO learns (0: as many as
-    the process has, e.g. the ClientApp's num-cpus under Ray)."""
 
     @property
     def rollout_size(self) -> int:

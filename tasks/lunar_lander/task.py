@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from config.options import ConfigError, Option
 from tasks.base import (
     EVAL_REWARD,
     NUM_EXAMPLES,
@@ -33,25 +34,18 @@ from tasks.base import (
 )
 from tasks.lunar_lander.clients import (
     PLANETS,
-    TURBULENCE_POWER_RANGE,
-    WIND_POWER_RANGE,
     ClientEnv,
     client_from_node_config,
     client_table,
 )
 from tasks.lunar_lander.logs import ClientRoundLog
 from tasks.lunar_lander.ppo import (
-    DEFAULT_NET_WIDTH,
-    EVAL_POLICIES,
-    LR_SCHEDULES,
-    VEC_ENVS,
     LocalPPOResult,
     PPOConfig,
     build_policy,
     evaluate_episodes,
     train_ppo,
 )
-from tasks.options import ConfigError, Option
 
 TIMESTEPS_KEY = "ppo-timesteps"  # the client's cumulative env steps, in its persistent state
 # The parameter names and shapes the kept Adam state belongs to (persistent state).
@@ -67,89 +61,7 @@ EVAL_REWARD_STD = "eval-reward-std"
 EVAL_REWARD_SE = "eval-reward-se"
 EVAL_LENGTH = "eval-length"
 
-WIND_LOW, WIND_HIGH = WIND_POWER_RANGE
-TURBULENCE_LOW, TURBULENCE_HIGH = TURBULENCE_POWER_RANGE
-LUNAR_OPTIONS: tuple[Option, ...] = (
-    Option("ppo.local-steps", 50000,
-           "Env steps per client per round (whole rollouts: rounded up to n-steps x n-envs).",
-           low=1),
-    *(
-        Option(f"ppo.local-steps-{planet}", 0,
-               f"Env steps per round of each {planet} client (its base and derived ones; "
-               "whole rollouts); 0: ppo.local-steps. Shifts the budget between planets.",
-               low=0)
-        for planet in PLANETS
-    ),
-    Option("ppo.n-envs", 4, "Parallel copies of the client's environment.", low=1),
-    Option("ppo.vec-env", "dummy", "Vectorisation: `dummy` (one process) or `subproc`.",
-           choices=tuple(VEC_ENVS)),
-    Option("ppo.learning-rate", 3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True),
-    *(
-        Option(f"ppo.learning-rate-{planet}", 0.0,
-               f"PPO's Adam learning rate on each {planet} client (its base and derived "
-               "ones); 0: ppo.learning-rate. ppo.lr-schedule decays it alike.",
-               low=0.0)
-        for planet in PLANETS
-    ),
-    Option("ppo.n-steps", 2048, "Steps per environment copy per PPO rollout.", low=1),
-    Option("ppo.batch-size", 64, "PPO minibatch size.", low=1, low_open=True),
-    Option("ppo.n-epochs", 10, "PPO passes over each rollout.", low=1),
-    Option("ppo.gamma", 0.99, "Discount factor.", low=0.0, high=1.0),
-    Option("ppo.gae-lambda", 0.95, "GAE lambda.", low=0.0, high=1.0),
-    Option("ppo.clip-range", 0.2, "PPO's probability-ratio clip range.", low=0.0, low_open=True),
-    Option("ppo.ent-coef", 0.0, "Entropy bonus coefficient.", low=0.0),
-    Option("ppo.vf-coef", 0.5, "Value loss coefficient.", low=0.0),
-    Option("ppo.max-grad-norm", 0.5, "Gradient norm clip of each PPO update.",
-           low=0.0, low_open=True),
-    Option("ppo.reward-scale", 1.0,
-           "PPO learns from the rewards times this (value targets shrink with it; "
-           "logged and evaluated rewards stay raw).", low=0.0, low_open=True),
-    Option("ppo.target-kl", 0.0,
-           "Stop a rollout's update epochs early once a minibatch's approximate KL from "
-           "the rollout's policy exceeds 1.5x this (SB3's target_kl; 0: never); the "
-           "epochs run per rollout are logged as `train-epochs`.", low=0.0),
-    Option("ppo.check-freq", 2000, "Env steps between a client's logged weight snapshots.",
-           low=1),
-    Option("ppo.eval-episodes", 20,
-           "Evaluation episodes per environment (the same seeded episodes every round; "
-           "standard error needs 2 or more).", low=1),
-    Option("ppo.eval-policy", "deterministic",
-           "How evaluation episodes act: `deterministic` (the most likely action, SB3's "
-           "evaluate_policy default) or `stochastic` (actions sampled from the policy, "
-           "as PPO trains it; seeded per episode).", choices=EVAL_POLICIES),
-    Option("ppo.derived-per-base", 10,
-           "Derived clients per planet (random wind); the run has 3 + 3 x this many clients.",
-           low=0),
-    Option("ppo.base-wind-power", 0.5, "Wind power of the three base clients (0: no wind).",
-           low=WIND_LOW, high=WIND_HIGH),
-    Option("ppo.max-wind-power", 15.0, "Derived clients draw their wind power from [0, this].",
-           low=WIND_LOW, high=WIND_HIGH),
-    Option("ppo.turbulence-power", 1.5, "Rotational turbulence of every windy environment.",
-           low=TURBULENCE_LOW, high=TURBULENCE_HIGH),
-    Option("ppo.observe-gravity", False,
-           "The policy also observes its environment's gravity (a 9th input, gravity / 10): "
-           "one shared policy can then act per planet."),
-    Option("ppo.net-width", DEFAULT_NET_WIDTH,
-           "Units in each of the two hidden layers of the policy and of the value network "
-           "(SB3's MlpPolicy: 64).", low=1),
-    Option("ppo.keep-optimizer", False,
-           "Keep each client's PPO Adam moments across its rounds (in its persistent "
-           "state, never sent; reset when the policy's architecture changes)."),
-    Option("ppo.lr-schedule", "constant",
-           "`constant`, or `linear`: the learning rate decays from ppo.learning-rate at "
-           "round 1 to 0 at the end of round num-server-rounds, following the server's "
-           "round (every client sampled in a round trains with the same rates).",
-           choices=LR_SCHEDULES),
-    Option("ppo.device", "cpu", "Device of local PPO; `auto`: cuda when available.",
-           choices=("cpu", "cuda", "auto")),
-    Option("ppo.torch-threads", 1,
-           "torch's intra-op threads while a client's PPO learns; 0: as many as its "
-           "process has (under Ray, the ClientApp's num-cpus). One by default: a second "
-           "thread speeds up SB3's small MLPs little or not at all, and spins on the core "
-           "the simulation's own processes need (studies/lunar-lands/README.md, "
-           "\"Throughput\").",
-           low=0),
-)  # fmt: skip
+LUNAR_OPTIONS: tuple[Option, ...] = PPOConfig.options()
 
 
 def episode_stats(rewards: Sequence[float], lengths: Sequence[int]) -> dict[str, float]:
@@ -192,58 +104,39 @@ class LunarLanderTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        opts = self.options
         self.seed = int(SEED.parse(run_config.get(SEED.key, SEED.default)))
-        n_steps, n_envs = int(opts["ppo.n-steps"]), int(opts["ppo.n-envs"])
+        declared = PPOConfig.from_options(self.options)
+        n_steps, n_envs = declared.n_steps, declared.n_envs
         if n_steps * n_envs <= 1:
             raise ConfigError(
                 f"'ppo.n-steps' x 'ppo.n-envs' = {n_steps} x {n_envs} must be > 1 "
                 "(PPO normalises advantages over the rollout)"
             )
-        self.config = PPOConfig(
-            local_steps=int(opts["ppo.local-steps"]),
-            n_envs=n_envs,
-            vec_env=str(opts["ppo.vec-env"]),
-            learning_rate=float(opts["ppo.learning-rate"]),
-            n_steps=n_steps,
-            batch_size=int(opts["ppo.batch-size"]),
-            n_epochs=int(opts["ppo.n-epochs"]),
-            gamma=float(opts["ppo.gamma"]),
-            gae_lambda=float(opts["ppo.gae-lambda"]),
-            clip_range=float(opts["ppo.clip-range"]),
-            ent_coef=float(opts["ppo.ent-coef"]),
-            vf_coef=float(opts["ppo.vf-coef"]),
-            max_grad_norm=float(opts["ppo.max-grad-norm"]),
-            check_freq=int(opts["ppo.check-freq"]),
-            device=resolve_device(str(opts["ppo.device"]), "ppo.device"),
-            keep_optimizer=bool(opts["ppo.keep-optimizer"]),
-            lr_schedule=str(opts["ppo.lr-schedule"]),
-            reward_scale=float(opts["ppo.reward-scale"]),
-            target_kl=float(opts["ppo.target-kl"]),
-            torch_threads=int(opts["ppo.torch-threads"]),
-            num_rounds=int(NUM_SERVER_ROUNDS.parse(
-                run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default))),
-        )  # fmt: skip
+        rounds = run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default)
+        self.config = cfg = dataclasses.replace(
+            declared,
+            device=resolve_device(declared.device, "ppo.device"),
+            num_rounds=int(NUM_SERVER_ROUNDS.parse(rounds)),
+        )
         # Each planet's clients' steps per round (ppo.local-steps-<planet>, 0: the default)
         self.planet_steps = {
-            planet: int(opts[f"ppo.local-steps-{planet}"]) or self.config.local_steps
-            for planet in PLANETS
+            planet: getattr(cfg, f"local_steps_{planet}") or cfg.local_steps for planet in PLANETS
         }
         # ... and their learning rate (ppo.learning-rate-<planet>, 0: the default)
         self.planet_rates = {
-            planet: float(opts[f"ppo.learning-rate-{planet}"]) or self.config.learning_rate
+            planet: getattr(cfg, f"learning_rate_{planet}") or cfg.learning_rate
             for planet in PLANETS
         }
-        self.observe_gravity = bool(opts["ppo.observe-gravity"])
-        self.net_width = int(opts["ppo.net-width"])
-        self.eval_episodes = int(opts["ppo.eval-episodes"])
-        self.eval_stochastic = opts["ppo.eval-policy"] == "stochastic"
+        self.observe_gravity = cfg.observe_gravity
+        self.net_width = cfg.net_width
+        self.eval_episodes = cfg.eval_episodes
+        self.eval_stochastic = cfg.eval_policy == "stochastic"
         self.clients = client_table(
             self.seed,
-            derived_per_base=int(opts["ppo.derived-per-base"]),
-            base_wind_power=float(opts["ppo.base-wind-power"]),
-            max_wind_power=float(opts["ppo.max-wind-power"]),
-            turbulence_power=float(opts["ppo.turbulence-power"]),
+            derived_per_base=cfg.derived_per_base,
+            base_wind_power=cfg.base_wind_power,
+            max_wind_power=cfg.max_wind_power,
+            turbulence_power=cfg.turbulence_power,
         )
 
     def num_partitions(self) -> int:
@@ -254,8 +147,8 @@ class LunarLanderTask(Task):
         """The environment a SuperNode's ``node_config`` names (``planet=...``), if any."""
         return client_from_node_config(
             node_config,
-            default_wind_power=float(self.options["ppo.base-wind-power"]),
-            turbulence_power=float(self.options["ppo.turbulence-power"]),
+            default_wind_power=self.config.base_wind_power,
+            turbulence_power=self.config.turbulence_power,
         )
 
     def build_model(self, seed: int) -> torch.nn.Module:
@@ -272,7 +165,7 @@ class LunarLanderTask(Task):
         """Client ``partition_id``'s environment; the table fixes ``num_partitions``."""
         size = len(self.clients)
         if num_partitions != size:
-            derived = self.options["ppo.derived-per-base"]
+            derived = self.config.derived_per_base
             raise ValueError(
                 f"lunar-lander defines {size} clients (3 planets + 3 x ppo.derived-per-base="
                 f"{derived} derived ones) but the federation has num-partitions="

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Design notes: ``docs/notes.md``, ``tasks.movielens.task``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from config.options import ConfigError, Option
+from config.settings import Settings, setting
 from tasks.base import (
     EVAL_LOSS,
     NUM_EXAMPLES,
@@ -38,7 +40,6 @@ from tasks.movielens.data import (
     sample_negatives,
 )
 from tasks.movielens.model import NeuMF, build_model, heldout_auc, hit_rate, score_pairs
-from tasks.options import ConfigError, Option
 from tasks.proximal import proximal_term, snapshot_parameters
 
 EVAL_AUC = "eval-auc"
@@ -46,52 +47,43 @@ EVAL_HR10 = "eval-hr10"
 HIT_RATE_CUTOFF = 10
 PARTITION_STREAM = 0x05E2
 
-MOVIELENS_OPTIONS: tuple[Option, ...] = (
-    Option("movielens.data-path", "", "MovieLens-1M `ratings.dat` (or its directory); "
-           "empty: synthetic ratings with latent structure."),
-    Option("movielens.synthetic-users", 600, "Users of the synthetic ratings.", low=10),
-    Option("movielens.synthetic-items", 400, "Items (movies) of the synthetic ratings.",
-           low=200),
-    Option("movielens.positive-threshold", 4, "A rating >= this is a positive interaction.",
-           low=1, high=5),
-    Option("movielens.negatives", 4, "Sampled negatives per training positive.",
-           low=1, high=EVAL_NEGATIVES),
-    Option("movielens.embedding-dim", 16, "NeuMF embedding width d (MLP tower 2d -> d).",
-           low=1),
-    Option("movielens.batch-size", 256, "Mini-batch size of local training.", low=1),
-    Option("movielens.local-epochs", 1, "Local epochs per round.", low=1),
-    Option("movielens.lr", 1e-3, "Adam learning rate.", low=0.0, low_open=True),
-    Option("movielens.device", "auto", "Device; `auto`: cuda when available.",
-           choices=("auto", "cpu", "cuda")),
-)  # fmt: skip
-
 
 @dataclass(frozen=True)
-class MovieLensConfig:
-    """Parsed run-config of the movielens task."""
+class MovieLensConfig(Settings):
+    """The run-config of the movielens task: each keyed field declares its
+    ``movielens.*`` key once (default, range, help); the task reads its options as one
+    instance, ``auto`` resolved and the seed filled in."""
 
-    data_path: str
-    """``movielens.data-path``; empty: synthetic."""
-    synthetic_users: int
-    """``movielens.synthetic-users``."""
-    synthetic_items: int
-    """``movielens.synthetic-items``."""
-    positive_threshold: int
-    """``movielens.positive-threshold``."""
-    negatives: int
-    """``movielens.negatives``."""
-    embedding_dim: int
-    """``movielens.embedding-dim``."""
-    batch_size: int
-    """``movielens.batch-size``."""
-    local_epochs: int
-    """``movielens.local-epochs``."""
-    lr: float
-    """``movielens.lr``."""
-    device: str
-    """``movielens.device`` with ``auto`` resolved to ``cpu`` or ``cuda`` (derived)."""
-    seed: int
+    PREFIX: ClassVar[str] = "movielens"
+
+    data_path: str = setting(
+        "",
+        "MovieLens-1M `ratings.dat` (or its directory); "
+        "empty: synthetic ratings with latent structure.",
+    )
+    synthetic_users: int = setting(600, "Users of the synthetic ratings.", low=10)
+    synthetic_items: int = setting(400, "Items (movies) of the synthetic ratings.", low=200)
+    positive_threshold: int = setting(
+        4, "A rating >= this is a positive interaction.", low=1, high=5
+    )
+    negatives: int = setting(
+        4, "Sampled negatives per training positive.", low=1, high=EVAL_NEGATIVES
+    )
+    embedding_dim: int = setting(16, "NeuMF embedding width d (MLP tower 2d -> d).", low=1)
+    batch_size: int = setting(256, "Mini-batch size of local training.", low=1)
+    local_epochs: int = setting(1, "Local epochs per round.", low=1)
+    lr: float = setting(1e-3, "Adam learning rate.", low=0.0, low_open=True)
+    device: str = setting(
+        "auto", "Device; `auto`: cuda when available.", choices=("auto", "cpu", "cuda")
+    )
+    """``auto`` resolved to ``cpu`` or ``cuda`` by the task."""
+
+    # Derived by the task, not a key of its own:
+    seed: int = 0
     """Top-level ``seed``."""
+
+
+MOVIELENS_OPTIONS: tuple[Option, ...] = MovieLensConfig.options()
 
 
 @dataclass(frozen=True)
@@ -289,18 +281,10 @@ class MovieLensTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        opts = self.options
-        self.config = MovieLensConfig(
-            data_path=str(opts["movielens.data-path"]),
-            synthetic_users=int(opts["movielens.synthetic-users"]),
-            synthetic_items=int(opts["movielens.synthetic-items"]),
-            positive_threshold=int(opts["movielens.positive-threshold"]),
-            negatives=int(opts["movielens.negatives"]),
-            embedding_dim=int(opts["movielens.embedding-dim"]),
-            batch_size=int(opts["movielens.batch-size"]),
-            local_epochs=int(opts["movielens.local-epochs"]),
-            lr=float(opts["movielens.lr"]),
-            device=resolve_device(str(opts["movielens.device"]), "movielens.device"),
+        declared = MovieLensConfig.from_options(self.options)
+        self.config = replace(
+            declared,
+            device=resolve_device(declared.device, "movielens.device"),
             seed=int(SEED.parse(run_config.get(SEED.key, SEED.default))),
         )
 

@@ -22,7 +22,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 from tasks.vision.partitioning import (
     ARRAY_SPLIT_SEED,
     PartitionSettings,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 from tasks.topology import edge_members, edge_start
 
 if TYPE_CHECKING:

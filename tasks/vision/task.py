@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from config.options import ConfigError, Option
 from privacy.dpsgd import calibrated_settings, train_private
 from tasks.base import (
     DPSGD,
@@ -44,7 +45,6 @@ from tasks.base import (
     resolve_device,
     seed_torch,
 )
-from tasks.options import ConfigError, Option
 from tasks.proximal import snapshot_parameters
 from tasks.vision.data import (
     CIFAR10,
@@ -147,32 +147,15 @@ class ImageClassificationTask(Task):
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
         seed = SEED.parse(run_config.get(SEED.key, SEED.default))
-        opts = self.options
-        model_name = str(opts["model.name"])
-        self.config = VisionConfig(
-            partitioner=str(opts["data.partitioner"]),
-            alpha=float(opts["data.alpha"]),
-            classes_per_client=int(opts["data.classes-per-client"]),
-            edge_iid=bool(opts["data.edge-iid"]),
+        declared = VisionConfig.from_options(self.options)
+        self.config = replace(
+            declared,
             num_edges=int(NUM_EDGES.parse(run_config.get(NUM_EDGES.key, NUM_EDGES.default))),
-            test_fraction=float(opts["data.test-fraction"]),
-            normalize=bool(opts["data.normalize"]),
-            central_test_fraction=float(opts["data.central-test-fraction"]),
-            batch_size=int(opts["data.batch-size"]),
-            groups=MappingProxyType(self._resolve_groups(str(opts["data.groups"]))),
-            group_keep=float(opts["data.group-keep"]),
-            model_name=self.DEFAULT_MODEL if model_name == "auto" else model_name,
-            local_epochs=int(opts["train.local-epochs"]),
-            lr=float(opts["train.lr"]),
-            momentum=float(opts["train.momentum"]),
-            weight_decay=float(opts["train.weight-decay"]),
-            lr_decay=float(opts["train.lr-decay"]),
-            lr_decay_epochs=int(opts["train.lr-decay-epochs"]),
-            deterministic=bool(opts["train.deterministic"]),
-            device=resolve_device(str(opts["train.device"]), "train.device"),
-            head_only=bool(opts["subspace.head-only"]),
-            warm_start_epochs=int(opts["subspace.warm-start"]),
-            public_fraction=float(opts["subspace.public-fraction"]),
+            groups=MappingProxyType(self._resolve_groups(declared.grouping)),
+            model_name=(
+                self.DEFAULT_MODEL if declared.model_name == "auto" else declared.model_name
+            ),
+            device=resolve_device(declared.device, "train.device"),
             seed=int(seed),
         )
         self._check_classes_per_client()

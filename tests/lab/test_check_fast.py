@@ -60,8 +60,8 @@ def test_a_preset_is_resolved_before_its_values_are_checked():
 
 
 def test_the_fast_path_gives_the_serverapps_message():
+    from config.options import ConfigError
     from server_app import config
-    from tasks.options import ConfigError
 
     bad = {"strategy": "fedsgd"}
     with pytest.raises(ConfigError) as served:

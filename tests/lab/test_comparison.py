@@ -14,12 +14,12 @@ import pandas as pd
 import pytest
 from flwr.common.config import parse_config_args
 
+from config.options import ConfigError
 from lab import comparison, study
 from lab import comparison_plots as cplots
 from lab.launcher import RunOutcome
 from lab.study import Preset, StudyError
 from server_app.results import RunDirectory
-from tasks.options import ConfigError
 
 NAN = math.nan
 # Central-eval eval-r2 / eval-mse of rounds 0, 1, 2 per (experiment, seed).

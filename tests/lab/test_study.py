@@ -10,10 +10,10 @@ import pytest
 from flwr.common.config import parse_config_args
 
 import tasks
+from config.options import ConfigError
 from lab import study
 from lab.launcher import RunOutcome
 from lab.study import Preset, StudyError
-from tasks.options import ConfigError
 from tests.tasks.test_lunar_lander_plots import FEDAVG_CLIENTS, SINGLE_CLIENTS, make_run
 
 REPO = Path(__file__).resolve().parents[2]

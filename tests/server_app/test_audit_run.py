@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from client_app import canary
+from config.options import ConfigError
 from lab.checks import audit_markdown, exit_on_failed
 from privacy import audit
 from privacy.mechanisms import LaplaceMechanism
 from protocol import keys
 from server_app import config as app_config
 from server_app.failures import RunFailed
-from tasks.options import ConfigError
 from tests.fakes import record
 from tests.inprocess import InProcessGrid, run_config, run_server
 

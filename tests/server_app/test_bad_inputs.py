@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from config.options import ConfigError
 from server_app.failures import RunFailed
-from tasks.options import ConfigError
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]

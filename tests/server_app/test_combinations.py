@@ -2,9 +2,9 @@
 
 import pytest
 
+from config.options import ConfigError
 from server_app import config
 from server_app.evaluation import best_of_clusters
-from tasks.options import ConfigError
 from tests.inprocess import pyproject_defaults, with_test_noise
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from config.options import ConfigError
 from server_app import config
-from tasks.options import ConfigError
 from tests.inprocess import pyproject_defaults
 
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from flwr.common.config import parse_config_args
 
+from config.options import ConfigError
 from protocol import presets
 from server_app import config, environment, setup
-from tasks.options import ConfigError
 from tests.inprocess import pyproject_defaults, run_like_flwr
 
 PRESET = "digits-dp-eps8"

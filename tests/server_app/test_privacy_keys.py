@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from config.options import ConfigError
 from server_app import config
 from strategies.secure.secagg_plus import MAX_MODULUS, SecAggSettings
-from tasks.options import ConfigError
 from tests.inprocess import run_config
 
 

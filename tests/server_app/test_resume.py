@@ -39,8 +39,8 @@ import pandas as pd
 import pytest
 import torch
 
+from config.options import ConfigError
 from server_app.results import TIMING_COLUMNS, RunDirectory, load_metrics
-from tasks.options import ConfigError
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]

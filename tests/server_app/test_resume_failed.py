@@ -18,9 +18,9 @@ import pandas as pd
 import pytest
 import torch
 
+from config.options import ConfigError
 from server_app.failures import RunFailed
 from server_app.results import RunDirectory
-from tasks.options import ConfigError
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]

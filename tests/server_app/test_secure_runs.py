@@ -14,10 +14,10 @@ import torch
 from dp_accounting.rdp import rdp_privacy_accountant
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
+from config.options import ConfigError
 from privacy.events import RDP_ORDERS
 from privacy.skellam import l1_bound, rounded_l2_bound, skellam_rdp
 from server_app import config
-from tasks.options import ConfigError
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44, 55]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 from tasks.vision.hub import DatasetUnavailableError
 from tests.inprocess import InProcessGrid, run_config, run_server
 

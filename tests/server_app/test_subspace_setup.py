@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from config.options import ConfigError
 from server_app import config, subspace_setup
-from tasks.options import ConfigError
 from tasks.vision import DigitsTask
 from tests.inprocess import pyproject_defaults
 

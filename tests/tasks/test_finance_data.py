@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from config.options import ConfigError
 from tasks.finance import clear_caches
 from tasks.finance.data import (
     CITY_TIERS,
@@ -24,7 +25,6 @@ from tasks.finance.data import (
     partition_keys,
     prepare,
 )
-from tasks.options import ConfigError
 
 ROWS = 2000
 

@@ -10,6 +10,7 @@ import torch
 from opacus.validators import ModuleValidator
 from torch import nn
 
+from config.options import ConfigError
 from privacy.dpsgd import (
     CALIBRATED_KEY,
     HISTORY_KEY,
@@ -24,7 +25,6 @@ from strategies.mechanisms.dpsgd_clients import DPSGDClients
 from tasks.base import DPSGD, LOCAL_EPSILON, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.finance import EVAL_R2, FinanceTask
 from tasks.finance.model import build_model
-from tasks.options import ConfigError
 
 CONFIG = {"task": "finance", "seed": 42, "finance.synthetic-rows": 2000}
 IID = {**CONFIG, "finance.partitioning": "iid"}

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from config.options import ConfigError
 from tasks.finance.data import generate_synthetic, prepare
 from tasks.finance.partitioning import (
     MIN_PARTITION_ROWS,
@@ -10,7 +11,6 @@ from tasks.finance.partitioning import (
     partition_rows,
     split_local,
 )
-from tasks.options import ConfigError
 
 SCHEMES = (
     "iid", "multi-key", "label-skew", "quantity-skew", "multi-key+label-skew",

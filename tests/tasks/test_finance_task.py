@@ -9,12 +9,12 @@ import torch
 from sklearn.metrics import r2_score
 from torch import nn
 
+from config.options import ConfigError
 from tasks.base import DPSGD, EVAL_LOSS, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.finance import EVAL_MSE, EVAL_R2, FinanceTask, RegressionSplit
 from tasks.finance.data import prepared_data
 from tasks.finance.model import FinanceMLP
 from tasks.finance.task import regression_metrics, training_batches
-from tasks.options import ConfigError
 
 CONFIG = {"task": "finance", "seed": 42, "finance.synthetic-rows": 2000}
 IID = {**CONFIG, "finance.partitioning": "iid"}

@@ -12,8 +12,8 @@ import torch
 import torchvision
 from torch import nn
 
+from config.options import ConfigError
 from tasks.base import DPSGD, EVAL_ACCURACY, LocalTraining, Task
-from tasks.options import ConfigError
 from tasks.vision import CentralTestSet, DigitsTask, MNISTTask, TensorSplit, hub
 from tasks.vision.data import digits_central_split
 from tasks.vision.models import MODEL_NAMES, build_model, head_parameter_names, train_head_only

@@ -22,6 +22,7 @@ from flwr.app import ArrayRecord
 from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 
+from config.options import ConfigError
 from tasks.base import DPSGD, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.lunar_lander import ClientEnv, LunarLanderTask, client_from_node_config, client_table
 from tasks.lunar_lander import ppo as ppo_module
@@ -43,7 +44,6 @@ from tasks.lunar_lander.ppo import (
     unflatten_state_dict,
 )
 from tasks.lunar_lander.task import OPTIMIZER_PARAMS_KEY, TRAIN_LEARNING_RATE, episode_stats
-from tasks.options import ConfigError
 from tasks.proximal import proximal_term
 
 TRAIN_KEYS = {

@@ -7,6 +7,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 import tasks
+from config.options import ConfigError
 from tasks.base import DPSGD, EVAL_LOSS, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
 from tasks.movielens import EVAL_AUC, EVAL_HR10, MovieLensTask, clear_caches
 from tasks.movielens.data import (
@@ -22,7 +23,6 @@ from tasks.movielens.data import (
     sample_negatives,
 )
 from tasks.movielens.model import build_model, heldout_auc, hit_rate
-from tasks.options import ConfigError
 
 USERS, ITEMS = 300, 200
 CONFIG = {"seed": 42, "movielens.synthetic-users": USERS, "movielens.synthetic-items": ITEMS}

@@ -6,7 +6,7 @@ import datasets
 import numpy as np
 import pytest
 
-from tasks.options import ConfigError
+from config.options import ConfigError
 from tasks.topology import edge_members
 from tasks.vision import data as vdata
 from tasks.vision.data import load_digits_central_test, load_digits_partition

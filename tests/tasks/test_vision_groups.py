@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from config.options import ConfigError
 from tasks.base import EVAL_ACCURACY, EVAL_LOSS, NUM_EXAMPLES, LocalTraining
-from tasks.options import ConfigError
 from tasks.vision import CIFAR10Task, DigitsTask, EMNISTTask, MNISTTask, TensorSplit
 from tasks.vision.data import (
     FAIRNESS_GAP,

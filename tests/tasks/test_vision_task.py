@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
+from config.options import ConfigError
 from tasks.base import EVAL_ACCURACY, EVAL_LOSS, NUM_EXAMPLES, TRAIN_LOSS, LocalTraining
-from tasks.options import ConfigError
 from tasks.vision import (
     TRAIN_ACCURACY,
     CIFAR10Task,

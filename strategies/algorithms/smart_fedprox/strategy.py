@@ -32,6 +32,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedProx
 
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, to_record
 from protocol.replies import checked_metrics, is_number
@@ -44,7 +45,6 @@ from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.nodes import nodes_for_round
 from strategies.runtime.partitions import PartitionMap
 from strategies.runtime.sampling import fedavg_sample_size, sample_uniform
-from strategies.settings import Choice, Settings, SettingsError, listed, setting
 
 _STREAM = 0x5F  # the strategy's one generator: sampling, exploration coin, ties, fills
 

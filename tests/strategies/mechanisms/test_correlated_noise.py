@@ -14,12 +14,12 @@ from dp_accounting.pld import pld_privacy_accountant
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
+from config.settings import Choice, SettingsError
 from privacy import correlated as cr
 from privacy.accounting import PrivacyLedger
 from strategies import StopTraining
 from strategies.mechanisms.correlated_noise import CorrelatedNoiseDP, CorrelatedSettings
 from strategies.runtime.checkpoint import decode, encode
-from strategies.settings import Choice, SettingsError
 from tests.fakes import FakeGrid, record, reply_from
 
 GLOBAL = {"w": [0.0, 0.0], "b": [1.0]}

@@ -12,9 +12,9 @@ from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
 import strategies
+from config.options import ConfigError
 from server_app import config
 from strategies.algorithms.server_optimizer import ServerOptimizer
-from tasks.options import ConfigError
 from tests.fakes import FakeGrid, record, reply_from
 from tests.inprocess import pyproject_defaults
 from tests.strategies.runtime.test_aggregation import SETTINGS

@@ -6,9 +6,8 @@ the app (top level, strategies, privacy, each task) declares its keys as a tuple
 ``Option``; ``parse_options`` turns the flat dict into plain Python values,
 checking type, range and choices, and naming the key and the valid values on error.
 
-This module lives in ``tasks/`` because the ClientApp parses the task's options too,
-and ``client_app/`` may import ``tasks`` but not ``server_app``. It imports nothing
-from Flower.
+This module is the bottom config layer (``config/``): every package may import it,
+and it imports nothing of the app or of Flower.
 """
 
 from __future__ import annotations

@@ -8,17 +8,17 @@ typed through :meth:`Typed.part`, never back by string. ``check`` refuses, with 
 the valid values, combinations the part cannot run or cannot account for.
 
 This module imports nothing of the app or of Flower (``strategies/`` never imports
-``tasks/``, where :class:`tasks.options.Option` lives, so the metadata is plain).
+``tasks/``, where :class:`config.options.Option` lives, so the metadata is plain).
 """
 
 from __future__ import annotations
 
 from collections import ChainMap
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, Self, TypeVar
 
-Scalar = bool | int | float | str
+from config.options import Option, Scalar
 
 
 class SettingsError(ValueError):
@@ -34,11 +34,13 @@ def setting(
     high: float | None = None,
     low_open: bool = False,
     high_open: bool = False,
+    key: str | None = None,
 ) -> Any:
-    """A dataclass field that is one run-config key (see the module docstring)."""
+    """A dataclass field that is one run-config key (see the module docstring); ``key``
+    names it where it is not ``PREFIX.field-name`` (a task's ``data.*`` and ``train.*``)."""
     spec = {"help": help, "choices": choices, "low": low, "high": high}
     spec |= {"low_open": low_open, "high_open": high_open}
-    return field(default=default, metadata={"option": spec})
+    return field(default=default, metadata={"option": spec, "key": key})
 
 
 S = TypeVar("S", bound="Settings")
@@ -93,13 +95,23 @@ class Settings:
         return f"{cls.PREFIX}.{name.replace('_', '-')}"
 
     @classmethod
+    def field_key(cls, f: Field) -> str:
+        """The run-config key of dataclass field ``f``."""
+        return f.metadata.get("key") or cls.key(f.name)
+
+    @classmethod
     def specs(cls) -> list[tuple[str, Scalar, dict]]:
         """``(key, default, metadata)`` of every field, in declaration order."""
         return [
-            (cls.key(f.name), f.default, f.metadata["option"])
+            (cls.field_key(f), f.default, f.metadata["option"])
             for f in fields(cls)  # type: ignore[arg-type]
             if "option" in f.metadata
         ]
+
+    @classmethod
+    def options(cls) -> tuple[Option, ...]:
+        """The run-config options this part declares, in declaration order."""
+        return tuple(Option(key, default, **spec) for key, default, spec in cls.specs())
 
     @classmethod
     def defaults(cls) -> dict[str, Scalar]:
@@ -108,8 +120,10 @@ class Settings:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        """The settings of a run-config's parsed options."""
-        return cls(**{f.name: options[cls.key(f.name)] for f in fields(cls)})  # type: ignore[arg-type]
+        """The settings of a run-config's parsed options (a field that is no key keeps
+        its default)."""
+        keyed = (f for f in fields(cls) if "option" in f.metadata)  # type: ignore[arg-type]
+        return cls(**{f.name: options[cls.field_key(f)] for f in keyed})
 
     @staticmethod
     def check(choice: Choice) -> None:
