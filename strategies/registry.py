@@ -392,6 +392,8 @@ CLIENT_MODS: dict[str, tuple[Mod, ...]] = {
     "laplace": (laplace_mod,),
     "dp-sgd": (report_metrics_mod,),
     **{mode: (front_loaded_mod,) for mode in FRONT_LOADED_MODES},
+    # Correlated noise clips as DP-FedAvg does (the server wrapper's client config).
+    **{mechanism: (dp_fedavg_mod,) for mechanism in CORRELATED_PRIVACY},
 }
 
 
