@@ -20,7 +20,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from privacy import ledger_state
 from privacy.events import (
@@ -205,7 +205,7 @@ class PrivacyLedger:
         self._groups: dict[dp_accounting.DpEvent, int] = {}
         self._unaccounted: list[UnaccountedRelease] = []
         self._local: list[LocalGuarantee] = []
-        self._cache: dict[tuple, tuple[object, dict[float, float]]] = {}
+        self._cache: dict[tuple, tuple[Any, dict[float, float]]] = {}
         # What one "client" is for the task that ran (set by the app; shown in summary).
         self.privacy_unit: str | None = None
         # dp.reproducible-noise: the noise and the DP sample derive from the run seed, so
@@ -256,7 +256,7 @@ class PrivacyLedger:
             out.append((unit_event(release, self.neighboring), release.count))
         return out
 
-    def _cached(self, groups: dict) -> tuple[object, dict[float, float]]:
+    def _cached(self, groups: dict) -> tuple[Any, dict[float, float]]:
         """The composition of ``groups`` and its ε by δ computed so far (memoised)."""
         key = tuple(groups.items())
         if key not in self._cache:
@@ -421,7 +421,7 @@ class PrivacyLedger:
         basic = self.basic_composition_epsilon()
         released_unaccounted = bool(self._unaccounted or self._local)
         shown = None if not self._releases and released_unaccounted else epsilon
-        by_kind = Counter()
+        by_kind: Counter[str] = Counter()
         for release in self._releases:
             by_kind[release.kind] += release.count
         return {

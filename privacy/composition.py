@@ -250,12 +250,15 @@ def compose_groups(
     *,
     accountant: str,
     neighboring: str,
-    rdp_orders: tuple[float, ...],
-    pld_discretization: float,
+    rdp_orders: tuple[float, ...] | None,
+    pld_discretization: float | None,
 ):
     """The composition of ``groups``: an object with ``get_epsilon``/``get_delta``."""
+    # The ledger's config fills in the one its accountant uses (accounting._make_config).
     if accountant == "rdp":
+        assert rdp_orders is not None
         return compose_rdp(groups, neighboring, rdp_orders)
+    assert pld_discretization is not None
     return compose_pld(groups, neighboring, pld_discretization)
 
 

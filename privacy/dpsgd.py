@@ -230,7 +230,11 @@ class BudgetExceeded(ValueError):
 
 
 def check_budget(
-    history: Sequence[Sequence[Any]], planned: HistoryEntry, *, delta: float, max_epsilon: float
+    history: Sequence[Sequence[Any]] | None,
+    planned: HistoryEntry,
+    *,
+    delta: float,
+    max_epsilon: float,
 ) -> None:
     """Raise ``BudgetExceeded`` if ``history`` plus the ``planned`` steps
     ``(z, q, steps)`` exceed ``max_epsilon`` at ``delta`` (0: no budget); before training."""
@@ -381,7 +385,8 @@ def make_private(
     check_compatible(model, model_name or type(model).__name__)
     device = next(model.parameters()).device
     sampling, noise = seeded_generators(generator_seed, device)
-    batch_size, num_examples = int(loader.batch_size or 1), len(loader.dataset)
+    # torch's stubs give Dataset no __len__; a map-style dataset (all ours) has one
+    batch_size, num_examples = int(loader.batch_size or 1), len(loader.dataset)  # type: ignore[arg-type]
     sample_rate = poisson_sample_rate(batch_size, num_examples)
     accountant = opacus_names().RDPAccountant()
     accountant.history = history_from_state(history)
@@ -444,7 +449,8 @@ def train_private(
     ``make_private``'s incompatibility error. Returns ``run_epochs``' metrics, the
     cumulative ``local-epsilon`` and this round's steps (``round_report``).
     """
-    num_examples, batch_size = len(loader.dataset), int(loader.batch_size or 1)
+    # torch's stubs give Dataset no __len__; a map-style dataset (all ours) has one
+    num_examples, batch_size = len(loader.dataset), int(loader.batch_size or 1)  # type: ignore[arg-type]
     dp = calibrated_settings(local, sample_rate=batch_size / num_examples, epochs=epochs)
     mu = local.proximal_mu
     public = partial(add_proximal_gradient, model, global_params, mu) if mu > 0 else None

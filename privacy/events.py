@@ -276,6 +276,9 @@ def to_dp_event(
 
         _check_skellam(None, neighboring, release.sampling)
         factor = l2_sensitivity_factor(neighboring)
+        # Release.__post_init__ requires all three for Skellam.
+        assert release.l2_sensitivity is not None and release.l1_sensitivity is not None
+        assert release.variance is not None
         event = SkellamDpEvent(
             l2_sensitivity=release.l2_sensitivity * factor,
             l1_sensitivity=release.l1_sensitivity * factor,
@@ -284,6 +287,7 @@ def to_dp_event(
     elif release.mechanism == "gaussian":
         event = dp_accounting.GaussianDpEvent(release.noise_multiplier)
     else:
+        assert release.laplace_epsilon is not None  # required by Release.__post_init__
         event = dp_accounting.LaplaceDpEvent(1.0 / release.laplace_epsilon)
     if release.sampling == "poisson":
         q = release.sample_size / release.population
@@ -339,15 +343,15 @@ def check_supported(accountant: str, neighboring: str, sampling: str, mechanism:
     if mechanism == "skellam":
         _check_skellam(accountant, neighboring, sampling)
         return
-    (parameter,) = _PARAMETERS[mechanism]
-    probe = Release(
+    probe = Release(  # Gaussian or Laplace here: each takes one parameter
         server_round=0,
         kind="probe",
         mechanism=mechanism,
         sampling=sampling,
         sample_size=1,
         population=2,
-        **{parameter: 1.0},
+        noise_multiplier=1.0 if mechanism == "gaussian" else None,
+        laplace_epsilon=1.0 if mechanism == "laplace" else None,
     )
     if new_accountant(accountant, neighboring).supports(to_dp_event(probe, neighboring)):
         return

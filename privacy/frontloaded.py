@@ -215,6 +215,7 @@ def train_clipped_gradients(
     _check_training_args(dp, local_epochs, state)
     if dp.per_example and dp.max_epsilon > 0:  # full batch: n examples per step, q = 1
         n = len(loader.dataset)  # type: ignore[attr-defined]
+        assert state is not None  # _check_training_args: required with per_example
         planned = (n * dp.sigma / dp.clip, 1.0, local_epochs)
         check_budget(state.get(HISTORY_KEY), planned, delta=dp.delta, max_epsilon=dp.max_epsilon)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -240,6 +241,7 @@ def train_clipped_gradients(
         OPTIMIZER_STEPS: float(local_epochs),
     }
     if dp.per_example:
+        assert state is not None  # _check_training_args: required with per_example
         metrics[LOCAL_EPSILON] = record_full_batch_steps(state, sample_level, dp.delta)
     return metrics
 
@@ -255,7 +257,7 @@ def _check_training_args(dp: FrontLoadedDP, local_epochs: int, state: dict | Non
 
 
 def _clipped_epoch(
-    model: nn.Module, params: list[torch.Tensor], loader: Iterable, loss_fn: LossFn,
+    model: nn.Module, params: Sequence[torch.Tensor], loader: Iterable, loss_fn: LossFn,
     clip: float, device: torch.device | str, per_example: bool,
 ) -> _EpochSums:  # fmt: skip
     """One pass; the sum of the batch (or per-example) gradients, each clipped to
@@ -289,14 +291,15 @@ def _take_grad_sample(p: torch.Tensor, batch: int) -> torch.Tensor:
     """``p``'s per-example gradients of the last backward pass (zeros if unused);
     clears ``p.grad_sample`` and ``p.grad``."""
     sample = getattr(p, "grad_sample", None)
-    p.grad_sample, p.grad = None, None
+    # grad_sample is Opacus's attribute, set on the tensor at run time (not in torch's stubs)
+    p.grad_sample, p.grad = None, None  # type: ignore[attr-defined]
     if sample is None:
         return torch.zeros((batch, *p.shape), device=p.device, dtype=p.dtype)
     return torch.cat(sample) if isinstance(sample, list) else sample
 
 
 def _step_on_average(
-    params: list[torch.Tensor], sums: _EpochSums, optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor], sums: _EpochSums, optimizer: torch.optim.Optimizer,
     sigma: float, generator: torch.Generator,
 ) -> None:  # fmt: skip
     """Set ``.grad`` to the mean clipped gradient (+ ``N(0, sigma^2)``); one step."""

@@ -38,14 +38,15 @@ def _number(
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         raise AccountingError(f"{name} must be a finite number, got {value!r}")
-    if (value <= low if low_open else value < low) or (
-        value >= high if high_open else value > high
+    number = float(value)
+    if (number <= low if low_open else number < low) or (
+        number >= high if high_open else number > high
     ):
         raise AccountingError(
             f"{name} must be in {'(' if low_open else '['}{low:g}, "
             f"{high:g}{')' if high_open else ']'}, got {value!r}"
         )
-    return float(value)
+    return number
 
 
 def _round(value: object) -> int:

@@ -27,6 +27,11 @@ def _unit(release: Release) -> Release:
     return replace(release, server_round=0, count=1, note="", sample_size=1, population=1)
 
 
+def _multiplier(release: Release) -> float:
+    assert release.noise_multiplier is not None  # a Gaussian release carries one
+    return release.noise_multiplier
+
+
 class LocalViewLedger:
     """Per-client composition of the uploads the server sees one by one.
 
@@ -58,13 +63,10 @@ class LocalViewLedger:
         mechanisms: tuple[str, ...] = ("gaussian",),
         max_epsilon: float | None = None,
     ) -> None:
-        self._kwargs = {
-            "accountant": accountant,
-            "target_delta": target_delta,
-            "sampling": "none",
-            "mechanisms": tuple(mechanisms),
-        }
-        PrivacyLedger(**self._kwargs)  # validates the configuration now
+        self._accountant = accountant
+        self._target_delta = target_delta
+        self._mechanisms = tuple(mechanisms)
+        self._new_ledger()  # validates the configuration now
         self._neighboring = neighboring_name(neighboring)
         self.max_epsilon = max_epsilon
         self._units: list[Release] = []  # the distinct mechanisms, first-charge order
@@ -81,7 +83,15 @@ class LocalViewLedger:
     @property
     def target_delta(self) -> float:
         """δ of the reported ε."""
-        return self._kwargs["target_delta"]
+        return self._target_delta
+
+    def _new_ledger(self) -> PrivacyLedger:
+        return PrivacyLedger(
+            accountant=self._accountant,
+            target_delta=self._target_delta,
+            sampling="none",
+            mechanisms=self._mechanisms,
+        )
 
     # -- charging ------------------------------------------------------------------
     def _index(self, release: Release) -> int:
@@ -132,12 +142,12 @@ class LocalViewLedger:
             from privacy.composition import gaussian_epsilon  # on use (privacy.accounting)
 
             pairs = zip(self._units, signature, strict=False)
-            precision = math.fsum(c / u.noise_multiplier**2 for u, c in pairs if c)
+            precision = math.fsum(c / _multiplier(u) ** 2 for u, c in pairs if c)
             self._cache[signature] = (
                 gaussian_epsilon(precision**-0.5, self.target_delta) if precision else 0.0
             )
         if signature not in self._cache:
-            ledger = PrivacyLedger(**self._kwargs)
+            ledger = self._new_ledger()
             # signature may be shorter than the units (trailing zeros are cut)
             pairs = zip(self._units, signature, strict=False)
             releases = [replace(u, count=c) for u, c in pairs if c]
@@ -208,7 +218,7 @@ class LocalViewLedger:
             "worst-client": client,
             "participations": self.participations(client) if client else sum(self._all),
             "clients": len(self._clients),
-            "accountant": self._kwargs["accountant"],
+            "accountant": self._accountant,
             "neighboring-relation": self.neighboring,
             "max-epsilon": self.max_epsilon,
         }

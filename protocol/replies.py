@@ -27,15 +27,15 @@ def unusable_reason(message: Message) -> str:
     """Why a reply without error may enter no aggregate at all ("": it may): a metric
     or an array that is not finite. Each strategy checks more (:func:`check_reply`:
     keys, shapes and weights against what it sent)."""
-    for name, record in message.content.metric_records.items():
-        for key, value in record.items():
+    for name, metric_record in message.content.metric_records.items():
+        for key, value in metric_record.items():
             values = value if isinstance(value, list) else [value]
             if not all(math.isfinite(v) for v in values if is_number(v)):
                 return f"rejected: metric '{key}' of '{name}' is not finite"
-    for record in message.content.array_records.values():
-        key = non_finite_array(record)
-        if key is not None:
-            return f"rejected: array '{key}' contains NaN or Inf"
+    for array_record in message.content.array_records.values():
+        bad = non_finite_array(array_record)
+        if bad is not None:
+            return f"rejected: array '{bad}' contains NaN or Inf"
     return ""
 
 
@@ -76,6 +76,7 @@ def check_reply(message: Message, reference: ArrayRecord) -> tuple[list[np.ndarr
     if len(message.content.array_records) != 1 or len(message.content.metric_records) != 1:
         raise InvalidReply("expected exactly one ArrayRecord and one MetricRecord")
     weight = metrics[keys.NUM_EXAMPLES]
+    assert isinstance(weight, int | float)  # checked_metrics: a finite number
     if weight != int(weight) or weight > MAX_NUM_EXAMPLES:
         raise InvalidReply(
             f"'{keys.NUM_EXAMPLES}' = {weight!r} is not an integer in [0, {MAX_NUM_EXAMPLES}]"
@@ -97,14 +98,14 @@ def reply_bytes(message: Message) -> int:
     """The bytes a reply's content holds: its arrays' data, its config records' strings
     and bytes, 8 per metric number."""
     total = 0
-    for record in message.content.array_records.values():
-        total += sum(len(array.data) for array in record.values())
-    for record in message.content.config_records.values():
-        for value in record.values():
+    for arrays in message.content.array_records.values():
+        total += sum(len(array.data) for array in arrays.values())
+    for configs in message.content.config_records.values():
+        for value in configs.values():
             for item in value if isinstance(value, list) else [value]:
                 total += len(item) if isinstance(item, str | bytes) else 8
-    for record in message.content.metric_records.values():
-        total += sum(8 * (len(v) if isinstance(v, list) else 1) for v in record.values())
+    for metrics in message.content.metric_records.values():
+        total += sum(8 * (len(v) if isinstance(v, list) else 1) for v in metrics.values())
     return total
 
 
