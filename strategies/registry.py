@@ -20,12 +20,13 @@ from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg, HierSettings
 from strategies.algorithms.local import LocalOnly
 from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.private import DivergenceRelease
 from strategies.algorithms.smart_fedprox.strategy import SmartFedProx, SmartSettings
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
 from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY
-from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed, dp_fedavg_mod
+from strategies.mechanisms.dp_fedavg import DPFedAvgFixed, dp_fedavg_mod
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
 from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients, front_loaded_mod

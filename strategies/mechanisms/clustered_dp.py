@@ -83,14 +83,15 @@ class ClusteredMeans:
         new_models = []
         for k, (model, reference) in enumerate(references):
             members = [delta for node, delta in deltas.items() if self._assigned[node] == k]
-            mean = self._private_mean(members, 0, self._released(reference))
-            moved = [c + d for c, d in zip(reference, self._merge(mean, reference), strict=True)]
+            mean = self._private_mean(members, 0, self.head.select(reference))
+            merged = self.head.merge(mean, reference)
+            moved = [c + d for c, d in zip(reference, merged, strict=True)]
             new_models.append(to_record(model, moved))
         uploads = {}  # node -> (its model, its upload): the next l2 assignment reads it
         for node, delta in deltas.items():
             k = self._assigned[node]
             reference = references[k][1]
-            merged = self._merge(delta, reference)
+            merged = self.head.merge(delta, reference)
             uploads[node] = (k, [c + d for c, d in zip(reference, merged, strict=True)])
         self.strategy.take_private_models(server_round, new_models, uploads)
         self.ledger.charge(self.release(server_round, population))

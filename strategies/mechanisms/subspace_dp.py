@@ -285,7 +285,7 @@ class SubspaceDP(DPFedAvgFixed):
         """Set up the metric (isotropic at first) over the released arrays, then sample."""
         if self.metric is None:
             self._fix_released(arrays)  # DPFedAvgFixed keeps the mask and d
-            dim = self._released_dim
+            dim = self.head.dim
             if self.is_pmu_round(1) and dim * self.sketch_dim * 8 > MAX_SKETCH_BYTES:
                 raise StopTraining(
                     f"the PMU sketch would hold d x s = {dim} x {self.sketch_dim} float64 "
@@ -420,7 +420,7 @@ class SubspaceDP(DPFedAvgFixed):
         if not self._spectra:
             return None
         per_metric = [
-            spi(top, floor=self.tau, dim=self._released_dim, noise_multiplier=self.z_train)
+            spi(top, floor=self.tau, dim=self.head.dim, noise_multiplier=self.z_train)
             for top in self._spectra
         ]
         return {k: min(values[k] for values in per_metric) for k in per_metric[0]}

@@ -8,8 +8,9 @@ section 1.4 (30 % high, 50 % middle, 20 % low smoothed divergence), and sends ea
 client the inputs of the adaptive-mu formula of section 3.2, which the client
 evaluates (``tasks.adaptive_mu``). Aggregation is FedAvg's, over the valid replies.
 
-Under client-level DP (:mod:`strategies.mechanisms.dp_fedavg` with a
-:class:`~strategies.mechanisms.dp_fedavg.DivergenceRelease`) the wrapper picks nothing: this
+Under client-level DP (:mod:`strategies.mechanisms.dp_fedavg` with the
+:class:`~strategies.algorithms.smart_fedprox.private.DivergenceRelease` of
+:mod:`~strategies.algorithms.smart_fedprox.private`) the wrapper picks nothing: this
 strategy selects exactly ``sample_size`` (m) nodes, each client releases its divergence
 clipped and noised, and the wrapper hands the replies to :meth:`observe_train` instead
 of :meth:`aggregate_train`. Every value selection and mu read afterwards is then
