@@ -15,14 +15,19 @@ from flwr.clientapp.typing import Mod
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from privacy.accounting import PrivacyLedger
-from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
+from privacy.mechanisms import FRONT_LOADED_MODES
 from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg, HierSettings
 from strategies.algorithms.local import LocalOnly
 from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease
 from strategies.algorithms.smart_fedprox.strategy import SmartFedProx, SmartSettings
-from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
+from strategies.mechanisms.base import (  # noqa: F401 (_SERVER_STREAM: the tests and bench)
+    _SERVER_STREAM,
+    DATA_DEPENDENT_SELECTION,
+    DPSettings,
+    dp_generator,
+)
 from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY
@@ -37,8 +42,6 @@ from strategies.runtime.seeded import SeededSampling
 from strategies.secure.secagg_plus import SecAggSettings
 from strategies.secure.secure_aggregation import SecureAggregation
 from strategies.settings import Settings, Typed, setting
-
-_SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
 # Local noise: a client that takes part always sends its noise, so only its data may
 # differ between neighbouring runs (its update replaced by zero), not its presence.
@@ -223,16 +226,6 @@ def make_ledger(
     )
     ledger.noise_from_seed = dp.reproducible_noise
     return ledger
-
-
-def dp_generator(s: StrategySettings):
-    """The generator of the randomness a guarantee rests on (noise, DP sampling): secret,
-    from OS entropy, unless ``dp.reproducible-noise`` derives it from the run seed."""
-    return noise_generator(
-        seed=s.seed,
-        streams=(_SERVER_STREAM,),
-        reproducible=s.part(DPSettings).reproducible_noise,
-    )
 
 
 def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:
