@@ -3,8 +3,9 @@
 :class:`ServerNoise` draws N(0, (zC)²) once on the sum of the clipped deltas;
 :class:`ClientNoise` asks each client for its share N(0, (zC)²/m) and draws only the
 failed clients' shares; under secure aggregation a :class:`SecureNoiseSite`
-(:class:`strategies.secure.distributed_dp.SecureNoise`) replaces both. Rationale and the
-noise-to-signal numbers: docs/privacy.md.
+(:class:`strategies.secure.distributed_dp.SecureNoise`) replaces both.
+
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.noise_site``.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def within_client_bound(delta: list[np.ndarray], mech: GaussianMechanism, m: int
 def report_noise_to_signal(noise_multiplier: float, dim: int, m: int) -> None:
     """Log the noise on the mean update (norm about z·C·√d/m) against the most any client
     can move it (C); above ``NOISE_TO_SIGNAL_WARNING`` a model learns little, so the
-    run says so before it spends its budget (numbers: docs/privacy.md)."""
+    run says so before it spends its budget (numbers: docs/notes.md)."""
     ratio = noise_multiplier * math.sqrt(dim) / m
     level = WARNING if ratio > NOISE_TO_SIGNAL_WARNING else INFO
     log(

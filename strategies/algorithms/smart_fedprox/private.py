@@ -4,7 +4,7 @@ Each sampled client releases its model divergence clipped to a public bound and 
 (:func:`release_divergence`, called by ``dp_fedavg_mod``); :class:`DivergenceRelease`
 is the server half that :class:`~strategies.mechanisms.dp_fedavg.DPFedAvgFixed` composes:
 it asks for the report, charges it every round without amplification and hands the
-noised reports to SmartFedProx's selection. Rationale: docs/privacy.md.
+noised reports to SmartFedProx's selection (docs/privacy.md, SmartFedProx under DP).
 """
 
 from __future__ import annotations
