@@ -8,26 +8,7 @@ num-partitions - k`` (in a simulation, the last ``k`` virtual SuperNodes: run wi
 ``num-supernodes = N + k``; deployed, the SuperNodes started with those partition
 ids). Real clients split the data ``num-partitions - k`` ways.
 
-A canary's train reply is the received model plus its update: ``s · c_j`` when it is
-inserted (and the round's ``audit.canary-rate`` coin says so), else the zero update.
-``c_j`` depends on the run seed and ``j`` only, never on data; ``s`` is twice the clip
-bound the round's config (or the run-config) names, so clipping brings it to the
-bound. A canary holds no data of its own: it *shadows* real partition ``j mod N``.
-Under a privacy mechanism whose config lets clients report nothing that training
-computes (``report-metrics``: at most ``num-examples``, sent as 1, and the norm bit the
-client mod sets) it replies without training. Otherwise (``privacy = 'none'``,
-``dp.client-metrics``) it trains on the shadow partition like that client, so that its
-reply carries the metrics every reply carries and its example count (its weight in
-plain FedAvg), then replaces the trained model by its own update. It evaluates on the
-shadow's test split with weight 0 (``num-examples = 0``), moving no average.
-
-In-versus-out must be the neighbouring relation the ledger claims. Under fixed-size
-sampling (replace-one) a held-out canary's zero update is a client like any other.
-Under Poisson sampling (add-or-remove-one) "out" is "absent": a zero update adds nothing
-to the released sum, but under adaptive clipping its norm bit would add ½ to the
-centred count an absent client does not add to, so a held-out canary asked for the bit
-replies with an error instead, which the server counts as it counts a client that is
-not there (:func:`absent_when_held_out`).
+Design notes: ``docs/notes.md``, ``client_app.canary``.
 """
 
 from __future__ import annotations

@@ -7,26 +7,7 @@ sk1_i, each encrypted to its neighbour; shares of b_j or sk1_j, as the server as
 The collect stage is ours: Flower's expects a legacy ``FitRes`` and masks with a
 32-bit-seeded MT19937 (see :mod:`protocol.masking`). Here the client
 
-1. decrypts the shares forwarded to it and checks their sender and addressee;
-2. trains through the rest of the mod chain (``privacy_mod`` clips the update under
-   DP-FedAvg); a failed training is a zero update (weight 0 without DP);
-3. encodes Δ = trained − received as integers mod M
-   (:class:`privacy.skellam.SecureSumEncoding`): under DP the clipped Δ, conditionally
-   rounded, plus its Skellam noise share from the client's secret generator; without
-   DP w·Δ with coordinates clipped, and the weight w itself; under adaptive clipping
-   the norm bit as one more integer;
-4. answers only ``x + PRG(b_i) + Σ_j ±PRG(s_ij) mod M``: no metrics, no arrays.
-
-**Secrets** (sk1, sk2, b_i, the shared keys, the shares received) live in
-``context.state`` for one round only, the one carrier Flower keeps in memory between
-the stages (a simulation may run them in different actors, a SuperNode in different
-ClientApp processes): tagged with the round, hidden from the rest of the ClientApp
-while it trains (so no saved client state holds them), and dropped when the unmask
-stage ends, on any refusal, and on any message outside a secure round.
-**Refusals**: a request an honest server never sends (:func:`check_unmask`: a survivor
-also listed as dropped, a node that shared no keys with this client, a relayed key or
-ciphertext larger than an honest client's, ...) gets an error reply, and the secrets
-are dropped first. Rationale: ``docs/privacy.md``.
+Design notes: ``docs/notes.md``, ``client_app.secagg_mod``.
 """
 
 from __future__ import annotations

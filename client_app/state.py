@@ -7,22 +7,7 @@ state (PPO timesteps, epochs done, the DP-SGD accountant's history). A resumed r
 without the saved state the client would, for instance, restart its DP-SGD accountant
 and under-report its epsilon.
 
-After every train message the client writes its state (when it keeps any: a digits
-FedAvg client without an LR schedule keeps none), serialised with Flower's own record
-format, to ``<artifacts-dir>/client-state/partition-<id>/round-<r>.bin``
-(atomically; it keeps the newest two). A client whose context is empty restores the
-newest file of a round *before* the current one when it is asked to train, or of the
-current one or before when asked to evaluate: that is the state as of the last round
-the server committed (the server commits round r after aggregating it and before it
-sends anything else of round r; a resumed run evaluates its last committed round again;
-a crash during round r's training leaves at most a round-r file, which the next
-training skips and a resumed server deletes where it can reach it).
-
-In simulation the artifacts directory is inside the run directory. On a deployment
-each SuperNode writes on its own disk, at the path the server names (or its own
-``artifacts-dir`` node-config entry). The files and their directories are the owner's
-alone (0600, 0700, whatever the umask). A secure round's protocol state (SecAgg+ keys,
-mask seed, shares: :mod:`client_app.secagg_mod`) is never written, nor restored.
+Design notes: ``docs/notes.md``, ``client_app.state``.
 """
 
 from __future__ import annotations

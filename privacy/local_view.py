@@ -32,6 +32,21 @@ def _multiplier(release: Release) -> float:
     return release.noise_multiplier
 
 
+def noisy_upload(noise_multiplier: float, server_round: int) -> Release:
+    """One client's clipped update and its own Gaussian noise share, as the server sees
+    it: multiplier ``noise_multiplier`` (sensitivity included), no amplification."""
+    return Release(
+        server_round=server_round,
+        kind="noisy-upload",
+        mechanism="gaussian",
+        noise_multiplier=noise_multiplier,
+        sampling="none",
+        sample_size=1,
+        population=1,
+        note="one client's clipped update and its own noise share, seen by the server",
+    )
+
+
 class LocalViewLedger:
     """Per-client composition of the uploads the server sees one by one.
 
@@ -75,6 +90,18 @@ class LocalViewLedger:
         self._rounds: list[int] = []  # counts charged at all (to anyone), per unit
         self._cache: dict[tuple[int, ...], float] = {}
 
+    @classmethod
+    def beside(cls, ledger: PrivacyLedger, mechanisms: tuple[str, ...] = ("gaussian",)):
+        """The local view of the run whose central ledger is ``ledger`` (same accountant,
+        δ, neighbouring relation and budget)."""
+        return cls(
+            accountant=ledger.accountant,
+            target_delta=ledger.target_delta,
+            neighboring=ledger.neighboring,
+            mechanisms=mechanisms,
+            max_epsilon=ledger.max_epsilon,
+        )
+
     @property
     def neighboring(self) -> str:
         """The run's neighbouring relation."""
@@ -105,8 +132,12 @@ class LocalViewLedger:
             self._units.append(unit)
         return self._units.index(unit)
 
-    def charge(self, clients: list[str], release: Release) -> None:
-        """Count ``release`` (``release.count`` times) for each of ``clients``."""
+    def charge(self, clients: list[str], *releases: Release) -> None:
+        """Count each release (``release.count`` times) for each of ``clients``."""
+        for release in releases:
+            self._charge(clients, release)
+
+    def _charge(self, clients: list[str], release: Release) -> None:
         index = self._index(release)
         self._rounds.extend([0] * (index + 1 - len(self._rounds)))
         self._rounds[index] += release.count  # whoever was asked (the bound's counts)
@@ -115,11 +146,12 @@ class LocalViewLedger:
             counts.extend([0] * (index + 1 - len(counts)))
             counts[index] += release.count
 
-    def charge_all(self, release: Release) -> None:
-        """Count ``release`` for every client, those not seen yet included."""
-        index = self._index(release)
-        self._all.extend([0] * (index + 1 - len(self._all)))
-        self._all[index] += release.count
+    def charge_all(self, *releases: Release) -> None:
+        """Count each release for every client, those not seen yet included."""
+        for release in releases:
+            index = self._index(release)
+            self._all.extend([0] * (index + 1 - len(self._all)))
+            self._all[index] += release.count
 
     # -- reading -------------------------------------------------------------------
     def _total(self, counts: list[int]) -> tuple[int, ...]:
@@ -200,6 +232,17 @@ class LocalViewLedger:
         for release in releases:
             self._index(release)
         return self._epsilon(self._add(self._total(self._rounds), releases)) > self.max_epsilon
+
+    def refusal(self, server_round: int, *releases: Release) -> str | None:
+        """Why round ``server_round`` must not run (a client asked in every round would
+        exceed the budget against the server), or None."""
+        if not self.would_exceed(*releases):
+            return None
+        return (
+            f"round {server_round} would take the epsilon against the server of a "
+            f"client asked in every round above 'dp.max-epsilon' = "
+            f"{self.max_epsilon} (so far {self.bound():.4f}); nothing was sent"
+        )
 
     def _add(self, signature: tuple[int, ...], releases: tuple[Release, ...]) -> tuple[int, ...]:
         total = list(signature) + [0] * (len(self._units) - len(signature))

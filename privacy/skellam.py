@@ -17,7 +17,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from privacy.events import RDP_ORDERS
+from privacy.rdp_orders import RDP_ORDERS
 
 BETA: float = math.exp(-0.5)
 """Conditional rounding's failure probability parameter β (√(2 ln(1/β)) = 1)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -23,8 +23,19 @@ from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy import audit
 from strategies.mechanisms.base import DPSettings
 
-if TYPE_CHECKING:  # config reads AuditSettings from here
-    from server_app.config import RunConfig
+S = TypeVar("S", bound=Settings)
+
+
+class RunConfig(Protocol):
+    """What the audit reads of the run's config (``server_app.config.RunConfig``, which
+    reads :class:`AuditSettings` from here: a Protocol, not an import, keeps no circle)."""
+
+    seed: int
+    num_server_rounds: int
+    privacy: str
+
+    def part(self, kind: type[S]) -> S: ...
+
 
 AUDIT_FILE = "audit.json"
 

@@ -16,17 +16,23 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from config.settings import Settings, Typed, setting
 from privacy.accounting import PrivacyLedger
-from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
+from privacy.mechanisms import FRONT_LOADED_MODES
 from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg, HierSettings
 from strategies.algorithms.local import LocalOnly
 from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.private import DivergenceRelease
 from strategies.algorithms.smart_fedprox.strategy import SmartFedProx, SmartSettings
-from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
+from strategies.mechanisms.base import (  # noqa: F401 (_SERVER_STREAM: the tests and bench)
+    _SERVER_STREAM,
+    DATA_DEPENDENT_SELECTION,
+    DPSettings,
+    dp_generator,
+)
 from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY
-from strategies.mechanisms.dp_fedavg import DivergenceRelease, DPFedAvgFixed, dp_fedavg_mod
+from strategies.mechanisms.dp_fedavg import DPFedAvgFixed, dp_fedavg_mod
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
 from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients, front_loaded_mod
@@ -36,8 +42,6 @@ from strategies.runtime.aggregation import AggregationSettings
 from strategies.runtime.seeded import SeededSampling
 from strategies.secure.secagg_plus import SecAggSettings
 from strategies.secure.secure_aggregation import SecureAggregation
-
-_SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
 
 # Local noise: a client that takes part always sends its noise, so only its data may
 # differ between neighbouring runs (its update replaced by zero), not its presence.
@@ -222,16 +226,6 @@ def make_ledger(
     )
     ledger.noise_from_seed = dp.reproducible_noise
     return ledger
-
-
-def dp_generator(s: StrategySettings):
-    """The generator of the randomness a guarantee rests on (noise, DP sampling): secret,
-    from OS entropy, unless ``dp.reproducible-noise`` derives it from the run seed."""
-    return noise_generator(
-        seed=s.seed,
-        streams=(_SERVER_STREAM,),
-        reproducible=s.part(DPSettings).reproducible_noise,
-    )
 
 
 def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:

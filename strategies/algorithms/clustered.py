@@ -6,37 +6,7 @@ The clustered FL of the federated-RL study ("Clustered Federated Learning",
 assignment of IFCA (Ghosh et al. 2020, "An Efficient Framework for Clustered Federated
 Learning", arXiv:2006.04088).
 
-Every round:
-
-1. Assignment. Each sampled client gets one of the K global models: the one closest
-   in L2 to the weights it uploaded last time it trained (``assign="l2"``), or the one
-   with the lowest score in its own evaluation of all K (``assign="loss"``, IFCA).
-2. Local training from that model.
-3. Clustering. The valid uploads go through k-means with min(K, n) clusters, and the
-   clusters are matched to the current global models so a model's index is stable
-   across rounds. With ``space="weights"`` (the seed's rule) the points are the
-   uploaded weights, flattened, and a cluster goes to the model nearest its centroid
-   (Hungarian assignment on the squared distance). With ``space="directions"`` the
-   points are each client's update, its upload minus the model it trained from,
-   scaled to unit length (the cosine similarity of updates that clustered FL of
-   Sattler et al. 2020, arXiv:1910.01991, splits on): how far a client moved no longer
-   matters, only which way. A cluster then goes to the model most of its members
-   trained from (Hungarian assignment on those counts).
-4. Update. Each matched global model becomes the unweighted mean of its cluster;
-   unmatched models stay as they are.
-
-With ``update="assignment"`` steps 3 and 4 are IFCA's instead: no k-means; each model
-becomes the unweighted mean of the valid uploads of the clients assigned to it this
-round, and a model no valid client was assigned stays as it is. A client's assignment
-then decides its cluster, so a planet whose clients pick their own model keeps it,
-however close other planets' uploads lie in weight space.
-
-The K models start as K copies of the run's initial model (``init="shared"``, the
-seed's), or (``init="distinct"``) as K different ones: model 0 the run's initial model
-and model k >= 1 the task's model drawn from its own seed (:func:`model_seeds`; the
-ServerApp hands them over with :meth:`ClusteredFedAvg.set_distinct_models`), IFCA's
-random initialisation. Identical models give a loss-based assignment nothing to tell
-them apart by in round 1.
+Design notes: ``docs/notes.md``, ``strategies.algorithms.clustered``.
 """
 
 from __future__ import annotations
@@ -183,57 +153,25 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
     """K global models; clients are assigned to one, and each model becomes the mean of
     a k-means cluster of the uploads, or of the uploads of the clients assigned to it.
 
-    Contract with the client. Train and evaluate messages are FedAvg's: the model to
-    start from in ``content["arrays"]``, and ``config["cluster-id"]`` = k, the index of
-    that model (informational). With ``assign="loss"`` the server first sends each
-    sampled client a query, ``message_type="evaluate.cluster"``, holding
-    ``config`` = {"server-round": r, "cluster-k": K} and the ArrayRecords
-    ``"cluster-model-0"`` ... ``"cluster-model-{K-1}"``; the client scores every model
-    on its own data and replies with lower-is-better scores::
-
-        @app.evaluate("cluster")
-        def cluster_scores(msg: Message, context: Context) -> Message:
-            scores = {}
-            for k in range(msg.content["config"]["cluster-k"]):
-                model.load_state_dict(msg.content[f"cluster-model-{k}"].to_torch_state_dict())
-                scores[f"cluster-score-{k}"] = local_loss(model)  # RL: -mean return
-            return Message(RecordDict({"metrics": MetricRecord(scores)}), reply_to=msg)
-
-    An error or malformed query reply (missing or non-finite score) gets a random model.
-
-    Privacy. With ``assign="loss"`` each client tells the server which model fits its
-    data best. Behind local noise (Laplace, DP-SGD) only ``l2`` runs, and the clustering
-    is post-processing of already private uploads (``AGGREGATES_UPLOADS``). Behind
-    DP-FedAvg (trusted server) there is no k-means: the wrapper releases K private means
-    and hands them back with :meth:`take_private_models`
-    (:mod:`strategies.mechanisms.clustered_dp`).
+    The client contract and its rationale: ``docs/notes.md``,
+    ``strategies.algorithms.clustered``.
 
     Parameters
     ----------
-    k : int
-        Number K of global models.
-    assign : str
-        ``"l2"`` (closest model to the client's last upload; unseen clients and ties
-        draw uniformly) or ``"loss"`` (IFCA: lowest score in the client's query reply).
-    space : str
-        What k-means clusters: ``"weights"`` (the uploads) or ``"directions"`` (each
-        update's unit direction, so clients that train more or at a larger rate than
-        others in the same direction stay in one cluster).
-    update : str
-        How the models are updated from the uploads: ``"kmeans"`` (steps 3 and 4 above,
-        the seed's rule) or ``"assignment"`` (IFCA: each model the mean of its
-        assignees' uploads; ``space`` must then be ``"weights"``, which it ignores).
-    init : str
-        What the K models start as: ``"shared"`` (K copies of the model the first round
-        is given) or ``"distinct"`` (model 0 that model, models 1..K-1 those handed
-        over with :meth:`set_distinct_models` before round 1).
+    k, assign, space : int, str, str
+        K global models; ``"l2"`` (closest to the client's last upload, ties drawn) or
+        ``"loss"`` (IFCA: lowest query score); k-means over ``"weights"`` (the uploads)
+        or ``"directions"`` (each update's unit direction).
+    update, init : str
+        ``"kmeans"`` (the seed's rule) or ``"assignment"`` (IFCA: each model the mean
+        of its assignees' uploads; needs ``space = "weights"``); ``"shared"`` (K copies
+        of the first model) or ``"distinct"`` (:meth:`set_distinct_models`).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes :
         FedAvg's sampling, drawn with a generator seeded from ``seed``.
-    seed : int
-        Seeds sampling, random assignment and k-means.
-    query_timeout : float
-        Seconds to wait for query replies, and for enough nodes to connect.
+    seed, query_timeout
+        Seeds sampling, random assignment and k-means; seconds to wait for query
+        replies, and for enough nodes to connect.
     partitions : PartitionMap, optional
         The run's node -> partition map (default: a new one, owned by this strategy).
     """

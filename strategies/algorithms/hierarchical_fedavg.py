@@ -139,46 +139,8 @@ class _CloudRound:
 class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
     """HierFAVG: ``tau_2`` edge aggregations per cloud round, then FedAvg over the edges.
 
-    Mapping onto Flower's calls. ``configure_train`` (1) sends a query
-    (``message_type="query.edge"``, ConfigRecord ``{"server-round", "num-edges"}``)
-    to every connected node not registered yet; (2) sets every edge model to the cloud
-    model; (3) samples ``edge_fraction`` of the edges with members; (4) runs edge
-    aggregations 1..tau_2-1 itself (one ``grid.send_and_receive`` each, all edges at
-    once) and returns the train messages of edge aggregation tau_2. ``aggregate_train``
-    aggregates those per edge, then the cloud: the participating edges' models weighted
-    by the ``num-examples`` of their valid replies in this cloud round.
-
-    Contract with the client. The query reply is one MetricRecord ``"metrics"`` of
-    integers ``edge-id`` (in [0, num-edges)), ``partition-id`` and ``num-examples``. A
-    train message holds the edge's model in ``content["arrays"]`` and its own config:
-    the round config, ``client_config``, ``"server-round"``, ``"edge-id"``,
-    ``"edge-round"`` (k) and ``"local-updates"`` (tau_1). The reply is FedAvg's, except
-    that with ``delta_updates`` (CP-NP) its arrays are the noisy ``w_after - w_before``
-    (the model's keys, shapes and dtypes)::
-
-        @app.query("edge")
-        def edge(msg: Message, context: Context) -> Message:
-            pid = int(context.node_config["partition-id"])
-            edge_id = pid % msg.content["config"]["num-edges"]  # or from node_config
-            metrics = {"edge-id": edge_id, "partition-id": pid, "num-examples": n_train}
-            return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
-
-        @app.train()
-        def train(msg: Message, context: Context) -> Message:
-            before = msg.content["arrays"].to_torch_state_dict()
-            net.load_state_dict(before)
-            loss = local_train(net, data, steps=msg.content["config"]["local-updates"])
-            after = net.state_dict()
-            if cp_np:  # scale by min(1, clip / (||dw|| + 1e-6)), add Gaussian noise
-                after = clip_and_noise({k: after[k] - before[k] for k in after})
-            content = {"arrays": ArrayRecord(after), "metrics": MetricRecord(
-                {"num-examples": n_train, "train-loss": loss})}
-            return Message(RecordDict(content), reply_to=msg)
-
-    A node that does not answer the query or answers garbage is skipped this round and
-    asked again the next. A train reply that is an error, lacks or garbles the arrays
-    (keys, shapes, dtypes, NaN/Inf) or a positive ``num-examples`` is skipped, logged and
-    counted (``failed-replies``); an edge without a valid reply keeps its model.
+    The client contract and its rationale: ``docs/notes.md``,
+    ``strategies.algorithms.hierarchical_fedavg``.
 
     Parameters
     ----------

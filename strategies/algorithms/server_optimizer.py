@@ -12,8 +12,7 @@ round's global arrays and the aggregate as the single reply of weight 1 (FedAvg'
 average of one reply is that reply), and takes the rule's new arrays; non-floating
 arrays (counters) keep the aggregate's values.
 
-Under DP this is post-processing of the released aggregate: no privacy cost, and the
-ledger says so. ``sgd`` with ``server.lr = 1`` is the plain update (no wrapper).
+Design notes: ``docs/notes.md``, ``strategies.algorithms.server_optimizer``.
 """
 
 from __future__ import annotations

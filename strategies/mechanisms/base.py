@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from logging import INFO
 from typing import ClassVar
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from config.settings import Choice, Settings, SettingsError, listed, setting
-from privacy.mechanisms import FRONT_LOADED_MODES
+from privacy.mechanisms import FRONT_LOADED_MODES, noise_generator
 from protocol import keys
 from strategies.base import TrainingWrapper
 
@@ -301,3 +302,17 @@ class DPSettings(Settings):
                 "took part, would show in the released mean (add-or-remove-one would not "
                 "hold)"
             )
+
+
+_SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise
+
+
+def dp_generator(s) -> np.random.Generator:
+    """The generator of the randomness a guarantee rests on (noise, DP sampling) for the
+    run settings ``s``: secret, from OS entropy, unless ``dp.reproducible-noise`` derives
+    it from the run seed."""
+    return noise_generator(
+        seed=s.seed,
+        streams=(_SERVER_STREAM,),
+        reproducible=s.part(DPSettings).reproducible_noise,
+    )

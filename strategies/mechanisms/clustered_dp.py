@@ -11,27 +11,7 @@ the clipped updates of the clients assigned to it:
 
     model_k += (sum_{i in S, c(i) = k} clip_C(Δ_i) + N(0, (zC)² I)) / m
 
-for every k, an empty cluster included (it gets the noise alone), divided by the fixed
-m as DP-FedAvg divides its one sum.
-
-Why this is one Gaussian mechanism with multiplier z. Client i's contribution to the
-K sums is the vector g(i) = e_{c(i)} ⊗ clip_C(Δ_i): its update placed in the block of
-its cluster, zero elsewhere. c(i) is a function of client i's data and the released
-models only, so ‖g(i)‖ <= C whatever the assignment, and the K noised sums are the sum
-of the g(i) plus N(0, (zC)² I) on the concatenated vector: sensitivity C under
-add-or-remove-one (2C under replace-one), multiplier z, amplified by the secret
-Poisson (or fixed-size) sample like DP-FedAvg's one model. The assignments themselves
-(the query scores, ``clusters.csv``, cluster sizes) are seen only by the trusted server
-and never released (they go to ``curator/``); the K models and central evaluation are.
-
-Threat model: the trusted server (central DP), as DP-FedAvg with server-side noise.
-The server sees each client's update and scores, so nothing holds against it; client-side
-noise is refused (the loss query would show the server each client's raw scores).
-
-The run's "global" model (``model.pt``, the round result) is model 0, a
-data-independent choice (the largest cluster would release the argmax of the private
-sizes); every model is in ``checkpoint/cluster-<k>.pt`` and central evaluation
-reports each one and the best per metric.
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.clustered_dp``.
 """
 
 from __future__ import annotations
@@ -83,14 +63,15 @@ class ClusteredMeans:
         new_models = []
         for k, (model, reference) in enumerate(references):
             members = [delta for node, delta in deltas.items() if self._assigned[node] == k]
-            mean = self._private_mean(members, 0, self._released(reference))
-            moved = [c + d for c, d in zip(reference, self._merge(mean, reference), strict=True)]
+            mean = self._private_mean(members, 0, self.head.select(reference))
+            merged = self.head.merge(mean, reference)
+            moved = [c + d for c, d in zip(reference, merged, strict=True)]
             new_models.append(to_record(model, moved))
         uploads = {}  # node -> (its model, its upload): the next l2 assignment reads it
         for node, delta in deltas.items():
             k = self._assigned[node]
             reference = references[k][1]
-            merged = self._merge(delta, reference)
+            merged = self.head.merge(delta, reference)
             uploads[node] = (k, [c + d for c, d in zip(reference, merged, strict=True)])
         self.strategy.take_private_models(server_round, new_models, uploads)
         self.ledger.charge(self.release(server_round, population))

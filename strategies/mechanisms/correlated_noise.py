@@ -1,24 +1,6 @@
 """Correlated noise across rounds: banded matrix factorization and DP-FTRL (tree).
 
-``privacy = "banded-mf"`` (Choquette-Choo, McMahan et al., NeurIPS 2023) and
-``privacy = "dp-ftrl"`` (Kairouz et al., ICML 2021): client-level DP on clipped updates
-(DP-FedAvg's client clipping, :class:`strategies.mechanisms.dp_fedavg.DPFedAvgFixed`), the noise
-added by the server from the secret generator and correlated across rounds through the
-factorization's online stream (:mod:`privacy.correlated`). The server enforces the
-participation schema the accounting assumes (``correlated.schema``):
-
-* ``cyclic``: the population is split into b groups (partition id mod b) and round t
-  trains the first m clients of group (t - 1) mod b, so a client takes part at most
-  k = ceil(n / b) times, b rounds apart. No amplification: the whole run is one Gaussian
-  mechanism on the factorization's sensitivity for k participations, charged in full
-  at the first round (zero-out neighbours);
-* ``amplified`` (banded MF only): the same groups, each client of the round's group
-  taken by Poisson sampling with q = m / (smallest group); with b bands the run is k
-  Poisson-sampled Gaussians (one per block of b rounds), charged at each block's start.
-
-The noise stream's state is part of :meth:`CorrelatedNoise.state_dict`, so a resumed
-run continues the same stream; the ledger restored with it charges nothing twice.
-docs/correlated-noise.md says what each ε assumes.
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.correlated_noise``.
 """
 
 from __future__ import annotations
@@ -42,7 +24,7 @@ from privacy.mechanisms import NonFiniteUpdateError
 from protocol.records import InvalidReply
 from strategies.base import add_to_config
 from strategies.errors import StopTraining
-from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
+from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings, dp_generator
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from strategies.runtime.nodes import GridView, wait_for_nodes
 from strategies.runtime.sampling import poisson_sample
@@ -498,7 +480,6 @@ def _ledger(dp: DPSettings, amplified: bool) -> PrivacyLedger:
 
 def _factory(mechanism: str):
     def build(base: Strategy, s) -> Strategy:
-        from strategies import registry  # it registers this module's factories
         from strategies.algorithms.server_optimizer import ServerOptimizerSettings
 
         dp, corr = s.part(DPSettings), s.part(CorrelatedSettings)
@@ -517,7 +498,7 @@ def _factory(mechanism: str):
             planned_rounds=s.num_rounds,
             num_sampled_clients=int(dp.num_sampled_clients),
             ledger=_ledger(dp, corr.schema == "amplified"),
-            rng=registry.dp_generator(s),
+            rng=dp_generator(s),
             min_available_nodes=s.min_available_nodes,
             connect_timeout=s.round_timeout,
             released_keys=s.released_keys,

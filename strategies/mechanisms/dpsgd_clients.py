@@ -7,17 +7,7 @@ client-level guarantee: the model updates themselves are released without
 client-level noise, so the ledger's client-level ε stays undefined for this mode and
 its summary says so.
 
-The server does not simply trust a client's accountant. It counts the rounds it asked
-each client (unit of privacy: its partition) to train, and every reply states this
-round's DP-SGD steps (noise multiplier, sample rate, steps) and how many trainings the
-client's accountant covers. When that is fewer than the rounds the server counted (a
-client whose state file was lost restarts its accountant), or the client's ε is below
-the server's own composition of the round's steps over those rounds
-(:func:`privacy.calibration.sampled_gaussian_epsilon`), the server's composition is
-recorded instead, with a warning naming the client. With ``dp.max-epsilon`` the server
-refuses a round that would take a sampled client above it (from the steps that client
-reported), and each client refuses, before training, a round that would (``dpsgd-max-
-epsilon``): the run then stops before its next round.
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.dpsgd_clients``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """Front-loaded DP for hierarchical FL: CG-NG, CG-NP, CP-NP, and their ledger.
 
-The mechanisms run on the clients (``privacy.frontloaded``); this wrapper tells the
-hierarchical strategy's clients which one to run, switches the edges to delta
-aggregation for CP-NP, gives the strategy the secret DP generator for its edge and
-client sampling, and keeps the run's privacy ledger honest:
-
-* **CP-NP** is client-level Gaussian: each sampled client releases its update Δw
-  clipped to L2 norm C plus N(0, σ²) noise (its own secret generator), a Gaussian
-  mechanism of sensitivity C and noise multiplier z = σ/C. Each edge aggregation
-  samples ``cfrac`` of every edge's clients without replacement; a client belongs to
-  one edge, so one edge aggregation is one release for every client, charged with the
-  largest sampling rate of the edges that took part (an upper bound for every client),
-  and composed over the run. An edge averages its sampled clients' deltas unweighted
-  (example counts are private under this unit of privacy and are not sent); a client
-  that failed counts as a zero delta whose noise the server draws, and the cloud
-  weighs each edge by the number of clients it sampled (public). That ε holds against
-  the cloud and anyone who sees only edge or cloud models (the sample is hidden from
-  them). An edge (here: the server) sees which of its clients took part and their
-  individual noisy updates: against it no amplification holds; that view is accounted
-  separately (``dp-epsilon-edge-view``: every edge aggregation charged at sampling
-  rate 1, an upper bound for every client), and ``dp.max-epsilon`` applies to both.
-* **CG-NG / CG-NP** clip each *batch* gradient, not each example's: no formal
-  guarantee. Every cloud round is recorded as an unaccounted release with its σ and
-  clip, and the ledger summary says so. With ``dp.per-example`` CG-NG clips per
-  example and adds noise in every step (full-batch DP-SGD); clients then report a
-  sample-level ε, kept apart from the client-level ε, and refuse a round that would
-  take it above ``dp.max-epsilon``.
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.frontloaded_clients``.
 """
 
 from __future__ import annotations

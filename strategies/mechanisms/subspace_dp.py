@@ -1,39 +1,6 @@
 """Subspace-DP-FL around any strategy: geometry-aligned DP-FedAvg.
 
-The wrapper is DP-FedAvg (:class:`strategies.mechanisms.dp_fedavg.DPFedAvgFixed`: the same
-fixed-size uniform sampling from the secret generator, failed clients counted as zero
-updates, and ledger refusal) with the
-Gaussian mechanism replaced by the elliptical one of :mod:`privacy.subspace`:
-
-* clients send their raw updates (the server is trusted, as DP-FedAvg's server-side
-  noising); the server clips each in the P-norm of the current metric
-  ``P = U Λ Uᵀ + τI``, sums, adds ``N(0, σ²C² P⁻¹)`` once and averages over m;
-* every ``subspace.pmu-every`` rounds (rounds 1, 1 + every, ...) it also sketches the
-  round's update directions (a public JL matrix from the run seed), releases the sketch
-  with Gaussian noise and, if the PTR gate adopts the Nyström estimate, uses the new U
-  with the uniform trace allocation from the next round on;
-* ``dp.noise-multiplier`` z is the run's noise budget: training uses
-  ``z / √(1 − r)`` and the sketches ``z·√(n/(T r))`` (r = ``subspace.pmu-budget-reserve``,
-  n PMU rounds of T), so the unamplified zCDP ρ equals DP-FedAvg's with multiplier z.
-  A PMU round's update and sketch use the same sample, so they are charged as one
-  Gaussian release with ``(z_train⁻² + z_PMU⁻²)^(-½)`` (composition before sampling).
-
-With ``released_keys`` (head-only training) only those arrays are clipped, noised and
-updated; the others keep the global values, whatever a client sends for them.
-
-Part 2 of the seed:
-
-* ``allocation`` splits the trace budget over U's directions by water-filling
-  (Theorem 5) or by the group-fairness program (Theorem 9), from the gradient energies
-  of the server's public samples along U (:attr:`SubspaceDP.public_samples`, set by the
-  app; no privacy cost), with the weights of :func:`privacy.allocation.distortion_weights`.
-* ``quantize_bits`` > 0 quantizes every clipped update in the metric's whitened
-  coordinates with subtractive dither (:mod:`privacy.quantization`), re-clips the
-  decoded update, and adds only the Gaussian top-up ``z_top`` so the total noise
-  covariance stays ``z_train²C²P⁻¹``. The ledger charges ``z_top`` alone: the uniform
-  quantization errors carry no DP guarantee. The server quantizes after its own clip
-  (clients do not hold U), so the bits are what a U-holding client would send.
-* :meth:`SubspaceDP.spi_values` gives SPI(k) of the most exposed metric the run used.
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.subspace_dp``.
 """
 
 from __future__ import annotations
@@ -92,42 +59,26 @@ class SubspaceDP(DPFedAvgFixed):
 
     Parameters
     ----------
-    strategy : Strategy
-        The wrapped strategy (must train every node of the grid it is shown).
-    clip_norm : float
-        C, the P-norm bound of one client's update.
-    noise_multiplier : float
-        z, the run's noise budget (split with the PMU sketches).
-    num_sampled_clients : int
-        m, clients per round.
-    rank : int
-        k, directions of U.
-    tau : float
-        τ, the metric's floor (its eigenvalue off U).
-    trace_budget : float
-        B = Tr(Λ), split evenly over the k directions.
-    sketch_dim : int
-        s > k, the JL sketch dimension.
-    pmu_every : int
-        Rounds between PMU releases.
-    lambda_ptr : float
-        The PTR gate's threshold factor.
+    strategy, clip_norm, noise_multiplier, num_sampled_clients
+        As for :class:`DPFedAvgFixed`; C bounds the P-norm of an update, and z is the
+        run's noise budget, split with the PMU sketches.
+    rank, tau, trace_budget : int, float, float
+        k directions of U; τ, the metric's floor off U; B = Tr(Λ), split over U.
+    sketch_dim, pmu_every, lambda_ptr : int, int, float
+        s > k, the JL sketch dimension; rounds between PMU releases; the PTR gate's
+        threshold factor.
     pmu_reserve : float
-        r in [0, 1): the share of the zCDP budget spent on PMU (0: no PMU, P = τI).
+        r in [0, 1): the zCDP budget's share spent on PMU (0: no PMU, P = τI).
     seed : int
         Run seed: the public sketch matrices derive from it.
     initial_basis : numpy.ndarray, optional
-        A d×k orthonormal U computed from public data (no privacy cost) to start from;
-        None: start isotropic (P = τI) until PMU adopts a subspace.
-    allocation : {"uniform", "water-filling", "fairness"}
-        How B is split over U's directions (see the module doc).
-    quantize_bits : int
-        0, or b >= 2 bits per whitened coordinate (see the module doc).
+        A d×k orthonormal U from public data (no privacy cost); None: P = τI until PMU.
+    allocation, quantize_bits
+        How B is split over U ("uniform", "water-filling", "fairness"); 0, or b >= 2
+        bits per whitened coordinate (both: the module's design notes).
     **kwargs
-        ``ledger``, ``rng``, ``min_available_nodes``, ``uniform_sampling``,
-        ``connect_timeout``, ``released_keys``, ``target_epsilon`` (z calibrated for
-        the whole run, PMU sketches included) and ``planned_rounds`` (T, also for the
-        budget split) as for :class:`DPFedAvgFixed`.
+        As for :class:`DPFedAvgFixed` (``target_epsilon`` calibrates z for the whole
+        run, PMU sketches included; ``planned_rounds`` also sets the budget split).
     """
 
     # The gate reads only the noised sketch, and the rank and code length are public;
@@ -285,7 +236,7 @@ class SubspaceDP(DPFedAvgFixed):
         """Set up the metric (isotropic at first) over the released arrays, then sample."""
         if self.metric is None:
             self._fix_released(arrays)  # DPFedAvgFixed keeps the mask and d
-            dim = self._released_dim
+            dim = self.head.dim
             if self.is_pmu_round(1) and dim * self.sketch_dim * 8 > MAX_SKETCH_BYTES:
                 raise StopTraining(
                     f"the PMU sketch would hold d x s = {dim} x {self.sketch_dim} float64 "
@@ -420,7 +371,7 @@ class SubspaceDP(DPFedAvgFixed):
         if not self._spectra:
             return None
         per_metric = [
-            spi(top, floor=self.tau, dim=self._released_dim, noise_multiplier=self.z_train)
+            spi(top, floor=self.tau, dim=self.head.dim, noise_multiplier=self.z_train)
             for top in self._spectra
         ]
         return {k: min(values[k] for values in per_metric) for k in per_metric[0]}

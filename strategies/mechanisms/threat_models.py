@@ -9,11 +9,7 @@ Three parties may want to learn about one client's data:
   receives; the ε that holds against the server itself;
 * **local**: each client's own upload, as the server (or an edge) receives it.
 
-:data:`ROWS` states, for every ``privacy`` value (and the settings that change the
-answer), what holds against each party or why nothing does; the README's table is
-generated from it (:func:`markdown_table`), and :func:`run_report` fills in the ε a
-run actually reached from the strategy's ledgers. Under ``dp.reproducible-noise`` every
-ε holds only against parties who do not know the seed, and the report says so.
+Design notes: ``docs/notes.md``, ``strategies.mechanisms.threat_models``.
 """
 
 from __future__ import annotations

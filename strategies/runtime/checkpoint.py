@@ -11,15 +11,7 @@ when the run resumes (``load_client_state_dict``). Per-round scratch (what
 ``configure_train`` hands to ``aggregate_train``) is not state: a checkpoint is taken
 between rounds.
 
-:func:`strategy_state` walks the chain of wrappers (``.strategy``) and returns one
-entry per layer; :func:`load_strategy_state` checks that the chain has the same
-classes and hands every layer its entry. A layer's methods are looked up on its class,
-so a wrapper that forwards unknown attributes to the strategy it wraps (server
-optimizer, secure aggregation) never answers for it.
-
-The state is plain data (dicts, lists, numbers, strings, torch tensors, generator
-states) once :func:`encode` has turned arrays, records and metrics into tensors, so
-``torch.load(..., weights_only=True)`` reads it without unpickling arbitrary objects.
+Design notes: ``docs/notes.md``, ``strategies.runtime.checkpoint``.
 """
 
 from __future__ import annotations

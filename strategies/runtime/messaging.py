@@ -11,31 +11,7 @@ seen at most about a tenth of the time waited so far after it arrived (a 0.15 s 
 waits ~15 ms more, not up to 0.1 s), and a long round costs the SuperLink a pull every
 ``max_poll`` seconds.
 
-``max_poll`` depends on what a pull costs. On a deployed SuperLink each pull is a
-request over the network, so it stays at 0.5 s. In Flower's simulation the ServerApp
-and the engine share one process and one LinkState, and a pull is a few dictionary
-lookups under a lock: there it is 0.05 s. At 0.5 s a simulated round of long clients
-ended, on average, 0.25 s after its last reply (a 4 096-step PPO round of two clients
-ran 6.04, 8.04, 7.54 s: whole half-seconds after the polls settled), 1–5 % of the
-round; at 0.05 s, 0.025 s, for 20 pulls a second.
-
-A pull's cost grows with the replies still pending: Flower's in-memory LinkState checks
-every pending ID, in the ServerApp's thread, under the lock its engine needs to hand
-out messages and store replies (about 5 µs each; studies/lunar-lands/README.md). So each wait
-also lasts at least ``1 / MAX_PULL_SHARE - 1`` times the CPU time of the last pull that
-found nothing: such pulls use at most :data:`MAX_PULL_SHARE` of a core, however many
-replies are pending. CPU time, not wall time: a pull that waited for the lock or for
-the network cost nothing while it waited, and a slow network should not slow the
-polls. A pull that brought replies is not counted either: its time went to them.
-
-A ``screen`` sees each reply as it is pulled, before it joins the others: a reply it
-refuses (e.g. one larger than the server accepts) is replaced at once by an error
-reply with the reason, so its content is not kept while the rest arrive.
-
-The SuperLink answers a message to a node that went offline itself, with an error
-reply whose sender is the SuperLink (``SUPERLINK_NODE_ID`` = 1). Such a reply is
-attributed here to the node the message was sent to, so that logs, participation
-tables and strategies name the dead node, not "node 1".
+Design notes: ``docs/notes.md``, ``strategies.runtime.messaging``.
 """
 
 from __future__ import annotations

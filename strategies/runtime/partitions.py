@@ -1,26 +1,6 @@
 """Node ids -> partition ids: sampling and summation order independent of node ids.
 
-Flower draws fresh node ids in every simulation run (and a SuperNode gets a new one
-when it reconnects), so a sample drawn with a seeded generator over sorted *node ids*
-picks different clients, and a sum in node-id order adds in a different order, from
-run to run. Every strategy here therefore orders nodes by the partition id each
-client reports (``node_config["partition-id"]``, what its data is), and only then
-samples or sums:
-
-* :meth:`PartitionMap.discover` asks each node it has not seen yet, once, with a
-  ``query.partition`` message (the ClientApp answers with ``partition-id``); in a
-  Flower simulation it reads them from the order the simulation registered its nodes
-  in, and asks only a few nodes to confirm it;
-* :meth:`PartitionMap.order` sorts node ids by (partition id, node id); nodes that did
-  not answer come last, by node id (such a run is reproducible only as far as node ids
-  are);
-* :meth:`PartitionMap.sort_replies` puts replies in that order before anything is summed;
-* :meth:`PartitionMap.check_unique` stops the run when two connected nodes report one
-  partition.
-
-One :class:`PartitionMap` serves one run: the base strategy makes it, the wrappers
-around it share it (:class:`strategies.base.TrainingWrapper`), and the ServerApp
-reads it as ``strategy.partitions``.
+Design notes: ``docs/notes.md``, ``strategies.runtime.partitions``.
 """
 
 from __future__ import annotations

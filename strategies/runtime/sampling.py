@@ -69,3 +69,23 @@ def seeded_sample(
     drawn uniformly with the strategy's generator ``rng`` (:func:`sample_uniform`)."""
     size = fedavg_sample_size(len(node_ids), fraction, minimum)
     return sample_uniform(node_ids, size, rng, partitions)
+
+
+def dp_cohort(
+    nodes: list[int],
+    expected: int,
+    rng: np.random.Generator,
+    partitions: PartitionMap | None,
+    *,
+    poisson: bool,
+    uniform: bool,
+) -> tuple[list[int] | None, int]:
+    """(the nodes a DP wrapper samples, their number): a Poisson sample at rate m/N, or
+    exactly m without replacement; None (and m) when the wrapped strategy selects them
+    itself (``uniform`` False: data-dependent selection, no amplification claimed)."""
+    if poisson:
+        picked = poisson_sample(nodes, expected / len(nodes), rng, partitions)
+        return picked, len(picked)
+    if uniform:
+        return sample_uniform(nodes, expected, rng, partitions), expected
+    return None, expected

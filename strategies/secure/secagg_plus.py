@@ -11,47 +11,7 @@ Shamir secret sharing (``combine_shares``), and on the client its setup, share-k
 and unmask stages with their state (``client_app.secagg_mod``). Written by hand: this
 server driver on a ``Grid``, and the masking generator.
 
-**Masks** (:mod:`protocol.masking`, shared with the clients): the AES-256-CTR keystream
-under SHA-256(seed), not Flower's 32-bit-seeded MT19937.
-
-**Rounds** (one TRAIN message per node per stage, ``group_id`` = the round):
-
-0. *setup*: the protocol's parameters; each client answers two fresh public keys;
-1. *share keys*: each client gets its neighbours' keys and answers, encrypted to each
-   neighbour, Shamir shares of its mask seed b_i and of its key sk1_i;
-2. *collect*: the strategy's train message plus the shares addressed to the client;
-   the client trains, encodes its update as integers mod M and answers only
-   ``y_i = x_i + PRG(b_i) + Σ_j ±PRG(s_ij) mod M`` (no metrics);
-3. *unmask*: each surviving client answers its shares of b_j for the survivors and of
-   sk1_j for the neighbours that dropped after step 1; the server reconstructs them
-   and removes every mask: Σ_{survivors} x_i mod M.
-
-**What an honest-but-curious server sees.** Public keys, ciphertexts it cannot open,
-masked vectors (each uniform on Z_M^d given the others), and, from each client, a
-share of b_j *or* of sk1_j for each of its neighbours, never both. A client's vector
-stays hidden unless the server gets t shares of both of its secrets: it colludes with
-at least t of the client's neighbours (t = ``secagg.reconstruction-threshold``). With
-``secagg.num-shares`` below the cohort the neighbour graph is a random ring drawn
-from OS entropy (SecAgg+); with all of them, every client is every client's
-neighbour (SecAgg). Below t survivors among a client's neighbours the round cannot be
-unmasked: it is abandoned before step 3 and nothing is released.
-
-**Replies screened.** Each stage's replies are sized before they are kept (at most what
-an honest reply of that stage holds plus the margin of :mod:`protocol.replies`) and
-checked for their shape: two parseable public keys; one ciphertext of bounded size per
-neighbour; exactly the masked vector (one array of ``length`` values in the transport
-dtype, nothing else); one bounded share per listed neighbour. A node whose setup,
-share-keys or collect reply fails is dropped at that stage, as one that did not answer
-(the protocol removes its masks); a refused unmask reply contributes no shares.
-:attr:`SecureSum.reasons` says, for every sampled node not summed as sent, why.
-
-**A lying server.** Flower's client unmask stage answers whatever lists it is sent;
-ours (``client_app.secagg_mod``) refuses, with an error reply, a request that lists a
-node as both surviving and dropped or any list its own view of the round contradicts.
-Refusals leave the server short of shares: the round is abandoned as above. Not
-defended (outside the threat model): a server that substitutes the clients' public
-keys (they are not signed) or tells different clients different dropout lists (no
-consistency round); either unmasks single uploads (``docs/privacy.md``).
+Design notes: ``docs/notes.md``, ``strategies.secure.secagg_plus``.
 """
 
 from __future__ import annotations

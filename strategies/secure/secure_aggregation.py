@@ -2,42 +2,7 @@
 (:mod:`strategies.secure.secagg_plus`), so the server obtains only the sum of the sampled
 clients' encoded updates (``secagg.enabled = true``).
 
-Three uses, by the run's ``privacy``:
-
-* ``none`` (fedavg, fedprox): each client sends w·Δ with every coordinate clipped to
-  ``secagg.clipping-range``, and its weight w = min(n, max-weight)/max-weight; the
-  server divides the two sums. No ε: secure aggregation hides single updates, it does
-  not make the sum private.
-Under DP the sampling must be fixed-size: a Poisson cohort's size depends on who was
-sampled, and a round too small to unmask is abandoned (nothing released), an outcome
-that would then depend on one client's membership beyond what the subsampled
-Gaussian's bound covers.
-
-* ``dp-fedavg-*`` with ``dp.noise-site = 'server'``: clients clip to C and round
-  conditionally (the integer vector's norm is at most Δ₂, a hair above C·s); the
-  server adds N(0, (zC)²) to the decoded sum and charges a Gaussian release with
-  multiplier z·C·s/Δ₂ (the exact sensitivity after rounding). The ε holds for observers
-  of the model (trusted server); against the server itself nothing does, it sees the
-  unnoised sum, but never an individual update. Adaptive clipping: the norm bits are
-  one more securely summed integer, the server noises their count as before.
-* ``dp-fedavg-fixed`` with ``dp.noise-site = 'client'``: distributed DP. Each client
-  adds a Skellam share of variance μ/n_min to its rounded update
-  (:mod:`privacy.skellam`); whatever n >= n_min survivors reach the sum, it carries
-  Skellam noise of variance n·μ/n_min >= μ, with μ = (zCs)². The ledger charges the
-  Skellam mechanism at that least noise, μ, once for each sum the most-participating
-  client's update reached (every client's ε composes only its own sums: see
-  :class:`SecureNoise`; zero-out relation, no amplification: the server knows whom it
-  asked). A round with fewer than n_min survivors is abandoned before unmasking:
-  nothing is released or charged. This ε holds against the honest-but-curious
-  server, up to the protocol's collusion threshold (:mod:`strategies.secure.secagg_plus`), assuming
-  that whether a client drops out does not depend on its data (a lost connection, a
-  crash): a client whose training fails still sends its noised zero update
-  (``client_app.secagg_mod``); and that no client withholds its noise share or
-  reveals it to the server (each that does lowers the sum's noise below the charge).
-
-Clients send no metrics under secure aggregation (the collect reply is the masked
-vector alone); what the server learns besides the sum (who was sampled, who dropped,
-timings) is the same uncovered participation record as without it (``curator/``).
+Design notes: ``docs/notes.md``, ``strategies.secure.secure_aggregation``.
 """
 
 from __future__ import annotations

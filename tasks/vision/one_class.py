@@ -1,5 +1,5 @@
 """The ``one-class`` partitioner: flwr-datasets' interface over
-``tasks.vision.partitioning.one_class_partition`` (kept apart so that importing
+``tasks.vision.one_class_split.one_class_partition`` (kept apart so that importing
 the partitioning module does not import flwr-datasets)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 from flwr_datasets.partitioner.partitioner import Partitioner
 
-from tasks.vision.partitioning import one_class_partition
+from tasks.vision.one_class_split import one_class_partition
 
 
 class OneClassPartitioner(Partitioner):

@@ -8,13 +8,7 @@ section 1.4 (30 % high, 50 % middle, 20 % low smoothed divergence), and sends ea
 client the inputs of the adaptive-mu formula of section 3.2, which the client
 evaluates (``tasks.adaptive_mu``). Aggregation is FedAvg's, over the valid replies.
 
-Under client-level DP (:mod:`strategies.mechanisms.dp_fedavg` with a
-:class:`~strategies.mechanisms.dp_fedavg.DivergenceRelease`) the wrapper picks nothing: this
-strategy selects exactly ``sample_size`` (m) nodes, each client releases its divergence
-clipped and noised, and the wrapper hands the replies to :meth:`observe_train` instead
-of :meth:`aggregate_train`. Every value selection and mu read afterwards is then
-computed from released values only; the selection's own randomness (the run seed) is
-not relied on for privacy, since no amplification is claimed.
+Design notes: ``docs/notes.md``, ``strategies.algorithms.smart_fedprox.strategy``.
 """
 
 from __future__ import annotations
@@ -65,66 +59,27 @@ def finite_metric(metrics: MetricRecord, key: str) -> float:
 
 
 class SmartFedProx(PartitionOrderedEvaluation, FedProx):
-    r"""FedProx with hybrid divergence-based selection and per-client adaptive mu.
-
-    Contract with the client. Every train message carries the global model in
-    ``content["arrays"]`` and its own ``content["config"]``: FedProx's ``"proximal-mu"``
-    (the base mu) and ``"server-round"``, plus ``"smart-adaptive-mu"`` (bool: adapt mu,
-    else use ``"proximal-mu"`` as it is), ``"smart-client-divergence"`` (the server's
-    EMA of this node's divergences, 0.0 before its first valid reply: the client's
-    historical divergence ``h``), ``"smart-global-divergence"`` (the mean of those EMAs
-    over the nodes that have reported, 0.0 before any: ``g``), ``"smart-local-epochs"``,
-    ``"smart-mu-min"``, ``"smart-mu-max"`` and ``"smart-ema-alpha"``. The client trains
-    with the proximal term ``(mu / 2) * ||w - w^t||^2`` and replies with one ArrayRecord
-    ``"arrays"`` and one MetricRecord ``"metrics"`` holding ``num-examples`` (> 0),
-    ``divergence`` (finite), ``effective-mu``, ``historical-divergence``, ``train-loss``:
-
-    .. code:: python
-
-        from tasks.adaptive_mu import adaptive_mu, ema, model_divergence
-
-        c = msg.content["config"]
-        h, g, mu = c["smart-client-divergence"], c["smart-global-divergence"], c["proximal-mu"]
-        if c["smart-adaptive-mu"]:
-            mu = adaptive_mu(base_mu=mu, historical_divergence=h, global_avg_divergence=g,
-                             local_epochs=c["smart-local-epochs"],
-                             mu_min=c["smart-mu-min"], mu_max=c["smart-mu-max"])
-        global_params = [p.detach().clone() for p in net.parameters()]
-        loss = train(net, data, proximal_mu=mu)  # criterion + (mu / 2) * ||w - w^t||^2
-        d = model_divergence(list(net.parameters()), global_params)
-        metrics = {"num-examples": n, "divergence": d, "effective-mu": mu,
-                   "historical-divergence": ema(h, d, c["smart-ema-alpha"]),
-                   "train-loss": loss}
-
-    A reply that is an error, lacks or garbles the arrays (keys, shapes, dtypes,
-    NaN/Inf), lacks a finite ``num-examples``/``divergence`` or has other metric keys
-    than the rest is left out of the aggregate and counted in ``faults``; its node keeps
-    its previous history.
+    r"""FedProx with hybrid divergence-based selection and per-client adaptive mu (the
+    client contract: ``docs/notes.md``, ``strategies.algorithms.smart_fedprox.strategy``).
 
     Parameters
     ----------
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, \
     min_available_nodes :
         FedAvg's sampling, drawn with the generator seeded from ``seed``.
-    proximal_mu : float
-        The base mu (seed: 0.1).
-    selection : str
-        ``"random"`` (uniform every round) or ``"hybrid"`` (section 1.4).
-    adaptive_mu : bool
-        Whether clients adapt mu (section 3.2).
+    proximal_mu, selection, adaptive_mu
+        The base mu (seed: 0.1); ``"random"`` (uniform) or ``"hybrid"`` selection
+        (section 1.4); whether clients adapt mu (section 3.2).
     cold_start_rounds, exploration_rate : int, float
-        Rounds 1..cold_start_rounds, and afterwards a round with probability
-        exploration_rate, select at random (seed: 3 and 0.15).
+        Rounds 1..cold_start_rounds, then with this probability, select at random.
     mu_min, mu_max, local_epochs, ema_alpha : float, float, int, float
         Inputs of the client's adaptive mu and EMA (seed: alpha 0.3).
-    seed : int
-        The run seed; one generator drives every random choice.
+    seed, connect_timeout
+        The run seed (one generator drives every random choice); seconds to wait for
+        enough nodes before ending the run (StopTraining).
     sample_size : int, optional
-        Select exactly this many nodes per training round (at most the connected ones)
-        instead of ``fraction_train`` of them: what a DP wrapper fixes (m), since it
-        divides the sum of the clipped updates by m.
-    connect_timeout : float
-        Seconds to wait for enough nodes before ending the run (StopTraining).
+        Exactly this many nodes per training round instead of ``fraction_train``: the m
+        a DP wrapper fixes (it divides the clipped sum by m).
     partitions : PartitionMap, optional
         The run's node -> partition map (default: a new one, owned by this strategy).
     """

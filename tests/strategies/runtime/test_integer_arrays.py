@@ -91,7 +91,7 @@ def test_dp_fedavg_keeps_the_servers_integer_arrays(site):
     )
     arrays = _train(strategy, clients_steps=28)
     assert arrays["num_batches_tracked"].numpy().tolist() == 7  # the server's value
-    assert strategy._released_dim == 2  # d counts the released (floating) values only
+    assert strategy.head.dim == 2  # d counts the released (floating) values only
 
 
 def test_laplace_keeps_the_servers_integer_arrays():
