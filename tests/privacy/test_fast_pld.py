@@ -19,7 +19,7 @@ from privacy.fast_pld import from_subsampled_gaussian
         (0.6, 0.1, 4e-3),
         (3.0, 0.01, 1e-4),
         (0.3, 0.5, 2e-3),
-        # -log(1 - q) = 0.05 falls on the grid: dp-accounting's boundary branch.
+        # -log(1 - q) = 0.05 on the grid: the points next to the subsampling boundary.
         (1.0, -math.expm1(-0.05), 1e-3),
     ],
 )
