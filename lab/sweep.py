@@ -6,8 +6,9 @@
 
 Every grid point x seed is one run of :func:`lab.engine.run` in a worker process (a
 ``concurrent.futures.ProcessPoolExecutor`` over ``--workers`` local processes; 0: one
-after another in this process), its output-dir ``<out>/<point>/seed-<s>``. A point whose
-directory already holds a run with ``outcome.json`` status ``completed`` is not run
+after another in this process; ``--backend ray [--address auto]``: a Ray task per run on
+an existing cluster, or ``RAY_ADDRESS``'s), its output-dir ``<out>/<point>/seed-<s>``. A
+point whose directory already holds a run with ``outcome.json`` status ``completed`` is not run
 again (resume). A line per finished run shows done / running / failed and the ETA; a
 failed run is reported in the table, not fatal. At the end: ``runs.csv`` (one row per
 run, ε on every row: the ledger's, or ``inf`` without DP), ``summary.csv`` /
@@ -31,6 +32,7 @@ from pathlib import Path
 import pandas as pd
 
 METRIC = "eval-accuracy"  # the last central evaluation's, by default
+BACKENDS = ("processes", "ray")
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,52 @@ def _eta(done: int, total: int, elapsed: float) -> str:
     return f"{int(left // 60)}:{int(left % 60):02d}"
 
 
-def run_sweep(jobs: list[Job], workers: int, log=print) -> pd.DataFrame:
-    """Run ``jobs`` (skipping completed ones) on ``workers`` processes; the runs' table."""
+def ray_runtime_env() -> dict:
+    """The Ray job's environment: this checkout on the workers' ``PYTHONPATH`` (the
+    cluster's nodes share this filesystem, as the Ray-simulation docs' cluster does)."""
+    return {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+
+
+def _run_on_ray(todo: list[Job], address: str | None, workers: int, report) -> None:
+    """Each job a Ray task (one CPU) on the cluster at ``address`` (None: ``RAY_ADDRESS``
+    if set, else a local instance of ``workers`` CPUs); Ray is joined here unless the
+    caller already has, and left after."""
+    import ray
+
+    joined_here = not ray.is_initialized()
+    if joined_here:
+        options = {"address": address} if address else {"num_cpus": max(workers, 1)}
+        ray.init(**options, runtime_env=ray_runtime_env(), log_to_driver=False)
+    try:
+        slots = max(int(ray.cluster_resources().get("CPU", 1)), 1)
+        task = ray.remote(num_cpus=1, max_retries=0)(run_job)
+        pending = {task.remote(job): job for job in todo}
+        while pending:
+            finished_now, _ = ray.wait(list(pending), num_returns=1)
+            for ref in finished_now:
+                job = pending.pop(ref)
+                try:
+                    row = ray.get(ref)
+                except Exception as err:  # the task or its worker died: reported, not fatal
+                    row = result_row(job, None, "failed", 0.0, repr(err))
+                report(row, min(len(pending), slots))
+    finally:
+        if joined_here:
+            ray.shutdown()
+
+
+def run_sweep(
+    jobs: list[Job],
+    workers: int,
+    log=print,
+    *,
+    backend: str = "processes",
+    address: str | None = None,
+) -> pd.DataFrame:
+    """Run ``jobs`` (skipping completed ones) on ``workers`` local processes, or as Ray
+    tasks (``backend="ray"``, on the cluster at ``address``); the runs' table."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     rows, todo = [], []
     for job in jobs:
         done = completed_run(job.output_dir)
@@ -158,7 +204,9 @@ def run_sweep(jobs: list[Job], workers: int, log=print) -> pd.DataFrame:
             f"{point_name({k: row[k] for k in jobs[0].point})} seed {row['seed']}"
         )
 
-    if workers <= 0:
+    if backend == "ray":
+        _run_on_ray(todo, address, workers, report)
+    elif workers <= 0:
         for job in todo:
             report(run_job(job), 0)
     else:
@@ -252,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--federation-config", default="", help="e.g. 'num-supernodes=100'")
     parser.add_argument("--workers", type=int, default=2, help="processes; 0: this one")
+    parser.add_argument("--backend", choices=BACKENDS, default="processes",
+                        help="local processes, or Ray tasks on a cluster")  # fmt: skip
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster (e.g. 'auto'; default: RAY_ADDRESS, else a "
+                        "local instance of --workers CPUs)")  # fmt: skip
     parser.add_argument("--metric", default=METRIC, help="central-eval column to summarise")
     args = parser.parse_args(argv)
     try:
@@ -263,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         for point in points
         for seed in args.seeds
     ]
-    runs = run_sweep(jobs, args.workers, log=lambda line: print(line, flush=True))
+    runs = run_sweep(
+        jobs,
+        args.workers,
+        log=lambda line: print(line, flush=True),
+        backend=args.backend,
+        address=args.address,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     runs.to_csv(args.out / "runs.csv", index=False)
     keys = list(points[0]) if points else []

@@ -201,16 +201,14 @@ def _calibrate_pld(
 ) -> float:
     """PLD calibration in a few coarse evaluations and one at the ledger's grid.
 
-    A PLD's cost grows with its number of points, i.e. as 1/discretisation, and
-    dp-accounting builds a subsampled Gaussian's point by point in Python: at the
-    ledger's 1e-4 one whole-run evaluation costs 0.5-10 s. So the search runs on PLDs
-    40x and 20x coarser (multiples of the ledger's interval): bracketed by doubling or
-    halving from 1 and narrowed to 0.2 % on the 40x grid, then solved to 1e-5 on the
-    estimate ε_20 - (ε_40 - ε_20)/3 of the ledger's ε (a pessimistic grid's excess
-    shrinks about as the square of its interval: measured in docs/engine.md), aiming
-    ``_MARGIN`` below the target. The root is then checked at the ledger's own
-    discretisation with the ledger's composition, whose PLD the run's first charge
-    reuses (cached in ``privacy.composition.event_pld``), and raised in growing
+    A PLD's cost grows with its number of points (1/discretisation) plus a fixed cost per
+    self-composition, so the search runs on PLDs 40x and 20x coarser than the ledger's:
+    the secant method on (log p, log ε_40) from p = 1 to 1 %, then Newton steps (with
+    that slope) on the estimate ε_20 - (ε_40 - ε_20)/3 of the ledger's ε (a pessimistic
+    grid's excess shrinks about as the square of its interval: docs/engine.md), aiming
+    ``_MARGIN`` below the target; about 6 coarse PLDs. The result is then checked at the
+    ledger's own discretisation with the ledger's composition, whose PLD the run's first
+    charge reuses (cached in ``privacy.composition.event_pld``), and raised in growing
     steps until it holds: ε <= target always, whatever the estimate.
     """
 
@@ -218,48 +216,65 @@ def _calibrate_pld(
         groups = _groups(releases_for(p), neighboring)
         return _pld_epsilon(groups, neighboring, PLD_DISCRETIZATION * factor, target_delta)
 
-    def estimate(p: float) -> float:
-        coarse, finer = epsilon_at(p, _COARSE), epsilon_at(p, _FINER)
-        return max(finer - (coarse - finer) / 3, 1e-12)
+    def coarse(p: float) -> float:
+        return epsilon_at(p, _COARSE)
 
-    low, high = _bracket(lambda p: epsilon_at(p, _COARSE), target_epsilon)
-    low, high = _secant(lambda p: epsilon_at(p, _COARSE), target_epsilon, low, high, 2e-3)
+    def estimate(p: float) -> float:
+        coarse_, finer = coarse(p), epsilon_at(p, _FINER)
+        return max(finer - (coarse_ - finer) / 3, 1e-12)
+
     aim = target_epsilon * (1 - _MARGIN)
-    low, high = _bracket_near(estimate, aim, high)
-    low, high = _secant(estimate, aim, low, high, 1e-5)
-    p, step = high, _MARGIN
+    first = coarse(1.0)
+    found = _loglog_secant(coarse, target_epsilon, 1.0, first, first / target_epsilon, 1e-2)
+    if found is None:  # not a smooth power law here: bracket and regula falsi
+        low, high = _bracket(coarse, target_epsilon)
+        low, high = _secant(coarse, target_epsilon, low, high, 2e-3)
+        found = high, math.log(coarse(high) / coarse(low)) / math.log(high / low)
+    # Newton steps on the estimate, with the coarse curve's slope d log ε / d log p
+    # (the two differ by a nearly constant ratio near the root), from above the aim.
+    p, slope = found
+    slope = min(slope, -1e-3)
+    for _ in range(6):
+        reached = estimate(p)
+        if reached <= aim and math.log(aim / reached) < 2e-4:
+            break
+        p *= math.exp((math.log(aim) - math.log(reached)) / slope) * (1 + 2e-5)
+    step = _MARGIN
     for _ in range(20):  # up to p * (1 + 1e-4 * 2**20) ~ p * 100
         if epsilon_at(p, 1) <= target_epsilon:
             return p
         p, step = p * (1 + step), step * 2
     raise AccountingError(
         f"no noise parameter up to {p:.6g} meets target_epsilon={target_epsilon:g} at the "
-        f"ledger's PLD discretisation (the search found {high:.6g} on coarser ones)"
+        f"ledger's PLD discretisation (the search found {found[0]:.6g} on coarser ones)"
     )
 
 
-def _bracket_near(epsilon_at, target: float, start: float) -> tuple[float, float]:
-    """(low, high) with ε(low) > target >= ε(high), stepping from ``start`` by 0.1 %,
-    then 0.4 %, 1.6 %, ... (the root is near ``start``)."""
-    step = 1e-3
-    if epsilon_at(start) <= target:
-        high = start
-        for _ in range(8):
-            low = high * (1 - step)
-            if epsilon_at(low) > target:
-                return low, high
-            high, step = low, step * 4
-        raise AccountingError(
-            f"target_epsilon={target:g} is so loose that noise parameter {high:g} already "
-            "meets it; no meaningful calibration (lower the target)"
-        )
-    low = start
-    for _ in range(8):
-        high = low * (1 + step)
-        if epsilon_at(high) <= target:
-            return low, high
-        low, step = high, step * 4
-    raise AccountingError(f"target_epsilon={target:g}: no noise parameter near {start:g} meets it")
+def _loglog_secant(epsilon_at, target: float, p0: float, e0: float, p1: float, tolerance):
+    """The p with ε(p) = target by the secant method on (log p, log ε), from p0 (whose ε
+    is e0) and p1, to a relative step of ``tolerance``; None where it does not converge
+    within the search range in 12 steps; else (p, the last secant's slope). Only a
+    starting point: the caller confirms."""
+    low, high = 2.0**-_MAX_HALVINGS, 2.0**_MAX_DOUBLINGS
+    if not (math.isfinite(e0) and e0 > 0 and low <= p1 <= high):
+        return None
+    x0, g0 = math.log(p0), math.log(e0) - math.log(target)
+    x1 = math.log(p1)
+    for _ in range(12):
+        e1 = epsilon_at(math.exp(x1))
+        if not (math.isfinite(e1) and e1 > 0):
+            return None
+        g1 = math.log(e1) - math.log(target)
+        if g1 == g0:
+            return None
+        if abs(x1 - x0) <= tolerance:
+            return math.exp(x1), (g1 - g0) / (x1 - x0)
+        x2 = x1 - g1 * (x1 - x0) / (g1 - g0)
+        x2 = min(max(x2, x1 - 0.7), x1 + 0.7)  # at most a factor 2 per step
+        if not math.log(low) <= x2 <= math.log(high):
+            return None
+        x0, g0, x1 = x1, g1, x2
+    return None
 
 
 def _secant(epsilon_at, target: float, low: float, high: float, tolerance: float):

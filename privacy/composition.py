@@ -24,6 +24,7 @@ from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_me
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from privacy.events import neighboring_name, neighboring_relation, new_accountant
+from privacy.fast_pld import from_subsampled_gaussian
 from privacy.skellam import skellam_rdp
 from privacy.skellam_accounting import SkellamDpEvent
 
@@ -90,6 +91,8 @@ def compose_rdp(
 
 _Relation = dp_accounting.NeighboringRelation
 _LAPLACE_RELATIONS = (_Relation.ADD_OR_REMOVE_ONE, _Relation.REPLACE_SPECIAL)
+# The relations under which from_gaussian_mechanism builds a (remove, add) pair of PMFs.
+_SUBSAMPLED_RELATIONS = (_Relation.ADD_OR_REMOVE_ONE, _Relation.REPLACE_SPECIAL)
 
 
 @functools.lru_cache(maxsize=64)
@@ -112,6 +115,11 @@ def event_pld(
         )
     inner = event.event
     if isinstance(inner, dp_event.GaussianDpEvent):
+        if relation in _SUBSAMPLED_RELATIONS and 0 < event.sampling_probability < 1:
+            # Bit for bit from_gaussian_mechanism's PLD, ~10x faster (privacy.fast_pld).
+            return from_subsampled_gaussian(
+                inner.noise_multiplier, event.sampling_probability, discretization
+            )
         return privacy_loss_distribution.from_gaussian_mechanism(
             standard_deviation=inner.noise_multiplier,
             value_discretization_interval=discretization,

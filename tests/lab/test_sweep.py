@@ -76,3 +76,32 @@ def test_a_sweep_runs_concurrently_resumes_and_reports_a_failure(tmp_path, capsy
     assert "[sweep] 3 runs: 2 already completed, 1 to run" in out
     again = pd.read_csv(tmp_path / "runs.csv")
     assert again["resumed"].fillna(False).astype(bool).sum() == 2
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_as_ray_tasks_and_resumes(tmp_path, capsys):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, runtime_env=sweep.ray_runtime_env(), log_to_driver=False)
+    try:
+        args = [
+            "--out", str(tmp_path), "--base", BASE, "--grid", "privacy='none','dp-fedavg-fixed'",
+            "--federation-config", "num-supernodes=3", "--backend", "ray",
+        ]  # fmt: skip
+        assert sweep.main(args) == 0
+        out = capsys.readouterr().out
+        assert "[sweep] 2 runs: 0 already completed, 2 to run" in out
+        assert "done 2/2 | running 0 | failed 0" in out
+        runs = pd.read_csv(tmp_path / "runs.csv").set_index("privacy")
+        assert (runs["status"] == "completed").all()
+        assert runs.loc["'none'", "epsilon"] == math.inf
+        assert 0 < runs.loc["'dp-fedavg-fixed'", "epsilon"] < math.inf
+        assert sweep.main(args) == 0  # resumed: nothing is run again
+        assert "2 already completed, 0 to run" in capsys.readouterr().out
+    finally:
+        ray.shutdown()
+    assert not ray.is_initialized()
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"backend must be one of \['processes', 'ray'\]"):
+        sweep.run_sweep([], 1, backend="dask")
