@@ -29,9 +29,6 @@ ArrayList = list[np.ndarray]
 # Front-loaded DP for hierarchical FL (frontloaded-dp-hfl): the client modes, i.e. the ``privacy``
 # values that run under ``strategy = hierarchical`` (privacy.frontloaded trains them,
 # strategies.mechanisms.frontloaded_clients asks for them and keeps their ledger).
-# Front-loaded DP for hierarchical FL (seed 003): the client modes, i.e. the ``privacy``
-# values that run under ``strategy = hierarchical`` (privacy.frontloaded trains them,
-# strategies.mechanisms.frontloaded_clients asks for them and keeps their ledger).
 FRONT_LOADED_MODES = ("cg-ng", "cg-np", "cp-np")
 
 # Relative slack applied when scaling an update down: float64 summation error of a
