@@ -1,12 +1,12 @@
 """The in-process engine against pfl-research on the peer workload, side by side in one
 run: warm round and whole process, per (N, DP).
 
-    python bench/engine_vs_pfl.py --python /work/pflvenv/bin/python [--sizes 100 1000] \\
+    python bench/engine_vs_pfl.py --python .pfl-venv/bin/python [--sizes 100 1000] \\
         [--dp none adaptive] [--out /tmp/engine-vs-pfl]
 
 Each cell runs the engine (``bench/engine.py``'s run: ``python -m lab.run --engine
 inprocess``, 30 rounds, a fresh process) and then the peer's own script
-(``shared/peers/pfl_digits.py --child``, unchanged, pfl-research 0.6.0 in its own
+(``bench/peers/pfl_digits.py --child``, unchanged, pfl-research 0.6.0 in its own
 environment: ``--python``) back to back, so both see the same load. Warm round: the
 engine's median ``round-seconds`` over rounds 2-30, pfl's median round lap; process: wall
 seconds of the whole child process (imports, data, calibration included). ``flwr run``

@@ -1,7 +1,7 @@
 """pfl-research on the shared peer workload, over the same seeds as ``peer_digits.py``.
 
 The peer's published accuracies are one seed each; this
-runs the peer's own script (``shared/peers/pfl_digits.py --child``, unchanged, pfl's own
+runs the peer's own script (``bench/peers/pfl_digits.py --child``, unchanged, pfl's own
 settings) for several seeds so that both systems are compared as mean ± std over the
 same seeds on this machine. pfl is not a dependency of the app: install it in a
 separate environment and pass its interpreter:
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "pfl_digits.py"
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "pfl_digits.py"
 CELLS = [(100, None), (100, 8.0), (100, 2.0), (1000, None), (1000, 8.0), (1000, 2.0)]
 
 

@@ -1,6 +1,6 @@
 """This app against bare Flower on the peer workload, on one SuperLink, interleaved.
 
-The peer is ``shared/peers/flower_digits`` (Flower 1.41's FedAvg, Message API, no
+The peer is ``bench/peers/flower_digits`` (Flower 1.41's FedAvg, Message API, no
 extras). Both apps run the shared peer workload: digits, the MLP
 64-64-10, IID ``array_split`` partitions, local SGD lr 0.1 / batch 16 / one epoch, 30
 rounds, no federated or central evaluation; N = 100 with 10 clients per round and
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.launcher import LocalSimulation, RunOutcome
 
-PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "flower_digits"
+PEER = Path(__file__).resolve().parent / "peers" / "flower_digits"
 _PEER_RESULT = re.compile(r"BENCH_RESULT (\{.*\})")
 # The peer workload as bench/peer_digits.py runs it, without central evaluation (the
 # peer evaluates only after the last round, outside its round timing).
@@ -282,7 +282,7 @@ def main() -> None:
         "--run-timeout", type=float, default=3600, help="seconds one flwr run may take"
     )
     parser.add_argument(
-        "--peer", type=Path, default=PEER, help="the bare-Flower app (shared/peers/flower_digits)"
+        "--peer", type=Path, default=PEER, help="the bare-Flower app (bench/peers/flower_digits)"
     )
     parser.add_argument(
         "--num-cpus",
