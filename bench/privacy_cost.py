@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from privacy.mechanisms import (
 )
 from privacy.subspace import EllipticalGaussianMechanism, SubspaceMetric, uniform_allocation
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
+from strategies.mechanisms.noise_site import ServerNoise
 from tasks.vision.data import CIFAR10, DIGITS, DatasetSpec
 from tasks.vision.models import MODEL_NAMES, build_model
 from tasks.vision.settings import VISION_OPTIONS
@@ -112,6 +113,7 @@ class ServerStandIn:
     rng: np.random.Generator
     num_sampled_clients: int
     noise_site: str = "server"
+    site: ServerNoise = field(default_factory=ServerNoise)
 
     def _mechanism(self) -> GaussianMechanism:
         return self.mechanism

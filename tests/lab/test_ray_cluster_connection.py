@@ -65,7 +65,10 @@ def _superlinks(home) -> dict:
     return tomllib.loads((home / "config.toml").read_text())["superlink"]
 
 
-def test_ray_connection_is_a_local_simulation_without_options(flwr_home, capsys):
+def test_ray_connection_is_a_local_simulation_without_options(flwr_home, capsys, monkeypatch):
+    # No local SuperLink runs on this machine (another test's may: this one must not see it).
+    monkeypatch.setattr(connections, "_is_local_superlink_started", lambda: False)
+    monkeypatch.setattr(connections, "local_superlink_environments", lambda: {})
     main(["--ray-address", "10.0.0.5:6379", "--num-supernodes", "7", "--num-cpus", "2",
           "--no-start"])  # fmt: skip
     entry = _superlinks(flwr_home)[RAY_LAB]  # the default name with --ray-address
