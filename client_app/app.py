@@ -100,10 +100,14 @@ def partition(msg: Message, context: Context) -> Message:
     ``num-examples`` counts data, its training-set size (the most its replies weigh)."""
     pid, num = node.node_partition(context.node_config)
     metrics = {keys.PARTITION_ID: pid}
-    task, _, data, _ = node.setup(context)
+    task = node.task_of(context)
     if task.partition_from_node_config(context.node_config) is None:
         metrics[keys.NUM_PARTITIONS] = num
-    bound = task.weight_bound(data)
+    try:
+        _, _, data, _ = node.setup(context)
+    except ValueError:  # data this node cannot hold: the server's start-up checks name it
+        data = None
+    bound = None if data is None else task.weight_bound(data)
     if bound is not None:
         metrics[keys.NUM_EXAMPLES] = int(bound)
     return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)

@@ -92,7 +92,11 @@ def _run(tmp_path: Path, monkeypatch, schedule: list[list[int]], umask: int) -> 
         ordered = partitions.order(node_ids)
         return [ordered[i] for i in schedule.pop(0)]
 
-    monkeypatch.setattr(dp_fedavg, "sample_uniform", scheduled)
+    def cohort(nodes, expected, rng, partitions, *, poisson, uniform):
+        assert uniform and not poisson, "the schedule replaces the fixed-size DP sample"
+        return scheduled(nodes, expected, rng, partitions), expected
+
+    monkeypatch.setattr(dp_fedavg, "dp_cohort", cohort)
     config = run_config(**{"output-dir": str(tmp_path), **CLIENT_NOISE})
     old = os.umask(umask)
     try:
