@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -150,7 +151,11 @@ def _run_on_ray(todo: list[Job], address: str | None, workers: int, report) -> N
 
     joined_here = not ray.is_initialized()
     if joined_here:
-        options = {"address": address} if address else {"num_cpus": max(workers, 1)}
+        address = address or os.environ.get("RAY_ADDRESS")
+        # "local": a fresh instance, never a cluster that `ray start` left on this machine
+        options = (
+            {"address": address} if address else {"address": "local", "num_cpus": max(workers, 1)}
+        )
         ray.init(**options, runtime_env=ray_runtime_env(), log_to_driver=False)
     try:
         slots = max(int(ray.cluster_resources().get("CPU", 1)), 1)

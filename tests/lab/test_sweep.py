@@ -81,7 +81,8 @@ def test_a_sweep_runs_concurrently_resumes_and_reports_a_failure(tmp_path, capsy
 @pytest.mark.slow
 def test_a_sweep_runs_as_ray_tasks_and_resumes(tmp_path, capsys):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, runtime_env=sweep.ray_runtime_env(), log_to_driver=False)
+    # a fresh local instance: never a Ray cluster another test started on this machine
+    ray.init(address="local", num_cpus=1, runtime_env=sweep.ray_runtime_env(), log_to_driver=False)
     try:
         args = [
             "--out", str(tmp_path), "--base", BASE, "--grid", "privacy='none','dp-fedavg-fixed'",
