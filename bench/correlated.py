@@ -36,21 +36,14 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import peer_digits  # noqa: E402  (this directory is on sys.path when run as a script)
+
 N, COHORT, ROUNDS = 1000, 50, 300
 AMPLIFIED_GROUPS = 10  # b of the amplified arm: groups of 100, q = 50/100
+# The shared peer workload (bench/peer_digits.py), with this benchmark's own keys.
 WORKLOAD = {
-    "task": "digits",
+    **{k: v for k, v in peer_digits.WORKLOAD.items() if k != "num-server-rounds"},
     "strategy": "fedavg",
-    "model.name": "mlp",
-    "data.partitioner": "array-split",
-    "data.normalize": False,
-    "data.test-fraction": 0.0,
-    "data.batch-size": 16,
-    "train.lr": 0.1,
-    "train.momentum": 0.0,
-    "train.local-epochs": 1,
-    "fraction-evaluate": 0.0,
-    "central-eval": True,
     "round-timeout": 600.0,
     "dp.clip-norm": 0.5,
     "dp.num-sampled-clients": COHORT,
