@@ -76,8 +76,8 @@ BENCHMARKS = REPO / "bench" / "BENCHMARKS.md"
 BENCHMARK_DIR = "benchmarks"  # under docs/
 MKDOCS = REPO / "mkdocs.yml"
 STUDIES = REPO / "studies"
-# Not for a page title: references to where a benchmark was asked for.
-_NOT_IN_TITLES = re.compile(r"\s*\(issue \d+\)|,?\s*seed \d{3}\b|`")
+# Not for a page title: inline code marks.
+_NOT_IN_TITLES = re.compile(r"`")
 
 
 def benchmark_sections(text: str) -> list[tuple[str, int, int]]:
@@ -95,7 +95,7 @@ def benchmark_sections(text: str) -> list[tuple[str, int, int]]:
 
 
 def page_title(title: str) -> str:
-    """A section heading as a page title (no issue numbers or seed numbers, no code)."""
+    """A section heading as a page title (no code marks, no empty brackets)."""
     title = re.sub(r"\(\s*,\s*", "(", _NOT_IN_TITLES.sub("", title))
     return re.sub(r"\(\s*\)", "", title).strip(" ,")
 

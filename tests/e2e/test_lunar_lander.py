@@ -3,7 +3,7 @@ fedavg, clustered FedAvg, the Laplace mechanism and the options of the study tha
 state, the gravity input, a server optimizer, seeded evaluation with standard errors),
 each for 2 tiny rounds.
 
-The issue-28 run ("lands": client state kept across rounds in Flower's Context) and
+The landing-study run ("lands": client state kept across rounds in Flower's Context) and
 clustered FedAvg (K global models, each client sent the one it is assigned to: the
 suite's only clustered `flwr run`) go through `flwr run`; the others are made in process
 (:func:`tests.inprocess.run_like_flwr`: the same ServerApp and ClientApp without the
