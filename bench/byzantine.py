@@ -1,21 +1,13 @@
 """Byzantine clients against each aggregation rule, on digits.
 
-20 clients, all 20 train every round, 20 rounds; 0, 1, 2 or 4 of them adversarial
-(partitions 0, 1, ...), each attack on its own:
-
-* ``zero-huge``: an all-zero model with ``num-examples`` = 999 999 999 (the takeover of
-  an example-weighted mean), the same size claimed in its partition query answer;
-* ``sign-flip``: the honest update, sign-flipped and scaled x10 (global - 10 delta);
-* ``noise``: the global model plus N(0, 1) noise on every weight.
-
-Every rule (``aggregation.rule``) runs with the default weight bound
-(``aggregation.max-weight-share`` = 0.2) and, for ``mean``, the default update-norm
-bound (``aggregation.max-update-norm`` = 2); ``mean-unbounded`` is the mean with both
-off, as before the bounds. Robust rules resist f = 4 (``aggregation.num-byzantine``;
-trimmed-mean cuts 0.2 = 4 of 20 at each end). Central test accuracy after round 20
-(``--seeds``: the mean over run seeds). Each run is the real ServerApp against the real
-ClientApp in one process (``tests/inprocess.py``); an adversary is an honest ClientApp
-whose train reply is rewritten before the server sees it.
+20 clients, all training every round, 20 rounds; 0, 1, 2 or 4 adversaries, each attack
+on its own: ``zero-huge`` (an all-zero model claiming 999 999 999 examples),
+``sign-flip`` (the honest update x -10) and ``noise`` (N(0, 1) on every weight). Every
+``aggregation.rule`` runs with the default weight and update-norm bounds;
+``mean-unbounded`` is the mean with both off. Robust rules are set for f = 4. Central
+test accuracy after round 20, the mean over ``--seeds``; each run is the real ServerApp
+against the real ClientApp in one process, an adversary's reply rewritten before the
+server sees it (docs/robustness.md has the threat model).
 
     python bench/byzantine.py --out bench/results/byzantine --seeds 42 0
 """

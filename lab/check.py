@@ -3,19 +3,12 @@
     python -m lab check --run-config "preset='digits-dp-eps8' num-server-rounds=5" \\
         --federation-config "num-supernodes=100 client-resources-num-cpus=1"
 
-Parses ``--run-config`` as Flower's CLI does (``flwr.common.config.parse_config_args``),
-fuses it over the app's defaults as the SuperLink does, and validates the result with
-the ServerApp's own code (:func:`server_app.config.load`, the task's and the
-strategy's constructors, the start-up check's node counts), in seconds and without a
-SuperLink. Prints one line: ``OK: ...`` (exit 0) or ``error: ...`` (exit 2).
-
-Values are checked first against ``lab/run_config_options.json`` (each key's type,
-range and choices, generated from the declarations by ``docs/gen_tables.py``), so that
-a bad value answers in about a second, before PyTorch and the task code load; the
-ServerApp's own code then checks everything again.
-
-It also catches what no app can see: a ``.toml`` file in one string with ``key=value``
-pairs (Flower drops the file silently) and text Flower's parser skips.
+Parses ``--run-config`` as Flower's CLI does, fuses it over the app's defaults as the
+SuperLink does, and validates the result with the ServerApp's own code, in seconds and
+without a SuperLink. Values are checked first against ``lab/run_config_options.json``
+(generated from the declarations), so a bad value answers before PyTorch loads. It also
+catches what Flower drops silently: a ``.toml`` path in one string with ``key=value``
+pairs. Prints one line: ``OK: ...`` (exit 0) or ``error: ...`` (exit 2).
 """
 
 from __future__ import annotations
