@@ -81,7 +81,9 @@ class Choice(Typed):
     options: Mapping[str, Scalar]
     traits: frozenset[str] = frozenset()
     tasks_with: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
+    parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
 
 class Settings:

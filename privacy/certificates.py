@@ -97,7 +97,7 @@ def ledger_curve(ledger, epsilon_max: float) -> list[tuple[float, float]]:
 
 
 def spi(
-    top_eigenvalues: Sequence[float],
+    top_eigenvalues: Sequence[float] | np.ndarray,
     *,
     floor: float,
     dim: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import SupportsFloat, SupportsInt, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -12,6 +13,17 @@ from protocol import keys
 
 class InvalidReply(ValueError):
     """A reply that must not enter an aggregate (error, missing, malformed, non-finite)."""
+
+
+def as_float(value: object) -> float:
+    """``float(value)`` of a record's value, which Flower types as a union with lists
+    (a list or None raises TypeError here exactly as in ``float``)."""
+    return float(cast(SupportsFloat, value))
+
+
+def as_int(value: object) -> int:
+    """``int(value)`` of a record's value (see :func:`as_float`)."""
+    return int(cast(SupportsInt, value))
 
 
 _NPY_V1 = b"\x93NUMPY\x01\x00"  # .npy magic and format version 1.0 (what np.save writes)

@@ -6,6 +6,7 @@ ClientApp's mods decode what they post-process with the same rules."""
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -18,7 +19,7 @@ from protocol.records import InvalidReply, arrays_of, non_finite_array
 MAX_NUM_EXAMPLES = 10**9
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """An int or float metric value (bool is not a number here)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 

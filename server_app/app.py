@@ -4,6 +4,7 @@ write the run directory."""
 from __future__ import annotations
 
 from logging import INFO
+from typing import cast
 
 from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
@@ -48,7 +49,7 @@ def _run(grid: Grid, context: Context) -> None:
     resumed = restore(run.saved, strategy, grid, cfg, watch) if run.saved is not None else None
     central = None
     if provides(innermost(strategy), NoGlobalModel):
-        log(INFO, "%s", innermost(strategy).NO_GLOBAL_MODEL)
+        log(INFO, "%s", cast(NoGlobalModel, innermost(strategy)).NO_GLOBAL_MODEL)
     elif cfg.central_eval:
         central = central_eval(task, model, innermost(strategy), run.test_set)
     if ledger is not None:

@@ -30,10 +30,12 @@ class RunConfig(Protocol):
     """What the audit reads of the run's config (``server_app.config.RunConfig``, which
     reads :class:`AuditSettings` from here: a Protocol, not an import, keeps no circle)."""
 
-    seed: int
-    num_server_rounds: int
-    privacy: str
-
+    @property
+    def seed(self) -> int: ...
+    @property
+    def num_server_rounds(self) -> int: ...
+    @property
+    def privacy(self) -> str: ...
     def part(self, kind: type[S]) -> S: ...
 
 
@@ -164,7 +166,7 @@ def _plot(result: audit.AuditResult, path: Path) -> None:
 
     figure, ax = plt.subplots(figsize=(6.4, 4.0))
     values = result.cosines_inserted + result.cosines_held_out
-    bins = np.linspace(min(values), max(values), 30) if values else 10
+    bins = np.linspace(min(values), max(values), 30).tolist() if values else 10
     ax.hist(result.cosines_held_out, bins=bins, alpha=0.6, label="held-out canaries")
     ax.hist(result.cosines_inserted, bins=bins, alpha=0.6, label="inserted canaries")
     if result.threshold is not None:

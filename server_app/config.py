@@ -173,7 +173,9 @@ class RunConfig(Typed):
     resume_from: str
     preset: str
     options: Mapping[str, Scalar]
-    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
+    parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def strategy_settings(self) -> strategies.StrategySettings:
         """The settings the strategy factories take."""
@@ -224,7 +226,7 @@ def load(run_config: Mapping[str, Any], explicit: Collection[str] | None = None)
     if values["dp.clip-norm"] == 0.0:
         adaptive = values["privacy"] == "dp-fedavg-adaptive"
         values["dp.clip-norm"] = ADAPTIVE_INITIAL_CLIP if adaptive else DEFAULT_CLIP
-    top = {opt.key.replace("-", "_"): values.pop(opt.key) for opt in TOP_LEVEL}
+    top: dict[str, Any] = {opt.key.replace("-", "_"): values.pop(opt.key) for opt in TOP_LEVEL}
     cfg = RunConfig(**top, options=MappingProxyType(values))
     check_combinations(cfg)
     return cfg
@@ -343,6 +345,7 @@ def _check_ledger(cfg: RunConfig) -> None:
     z = dp.noise_multiplier
     if cfg.privacy == "dp-fedavg-adaptive" and z:
         sigma_b = registry.count_stddev(settings)
+        assert sigma_b is not None  # z is set
         if sigma_b <= z / 2:
             raise ConfigError(
                 f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "

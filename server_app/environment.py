@@ -114,7 +114,7 @@ def record(run_dir: RunDirectory, cfg: config.RunConfig, grid: Any) -> str:
     # The code that runs, where it is a checkout (not a FAB unpacked on a SuperLink);
     # else the checkout the app was pip-installed from.
     source = presets.APP_DIR if (presets.APP_DIR / ".git").exists() else app_source_dir()
-    doc = {
+    doc: dict[str, Any] = {
         "federation": fed,
         "versions": versions(),
         "app": {"source-dir": str(source) if source else UNKNOWN, **git_state(source)},

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
+from flwr.app.typing import MetricRecordValues
 
 from strategies.runtime.capabilities import MultiModel, provides
 from tasks.base import Task
@@ -40,7 +41,7 @@ def central_eval(
             return MetricRecord(evaluate_one(arrays))
         per_model = [evaluate_one(m) for m in strategy.models]
         if strategy.MODEL_LABEL == "cluster":
-            return MetricRecord(best_of_clusters(per_model))
+            return MetricRecord(dict[str, MetricRecordValues](best_of_clusters(per_model)))
         return MetricRecord(evaluate_one(arrays) | _prefixed(per_model, strategy.MODEL_LABEL))
 
     return evaluate

@@ -3,6 +3,8 @@ round's checkpoint, and the state a resumed run continues from."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from flwr.app import MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -89,13 +91,12 @@ class RoundRecorder:
             self.last_recorded = result.server_round
             self.auditor.interim(result.server_round, result.arrays)
         models = None
-        if provides(self.base, MultiModel) and self.base.models:
-            label = self.base.MODEL_LABEL
-            models = {
-                f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(self.base.models)
-            }
+        multi = cast(MultiModel, self.base)
+        if provides(multi, MultiModel) and multi.models:
+            label = multi.MODEL_LABEL
+            models = {f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(multi.models)}
         if provides(self.base, WritesTables):
-            for name, rows in self.base.tables().items():
+            for name, rows in cast(WritesTables, self.base).tables().items():
                 self.run_dir.write_rows(self.run_dir.table(name), rows)
         self.run_dir.record_round(result, None, models)
         if self.ledger is not None and result.server_round > 0:
@@ -120,14 +121,13 @@ def restore(
     round may have released (``on_resume``)."""
     partitions = partition_map(strategy)  # the run's node -> partition map
     nodes = wait_for_nodes(grid, cfg.min_available_nodes, partitions, timeout=cfg.round_timeout)
-    node_of = {partitions.partition_of(n): n for n in nodes}
-    node_of.pop(None, None)
+    node_of = {p: n for n in nodes if (p := partitions.partition_of(n)) is not None}
     load_strategy_state(strategy, saved["strategy"], node_of)
     set_global_rng_state(saved["rng"])
     if watch is not None:
         watch.load_state_dict(saved.get("guard"))
     if provides(strategy, Resumable):
-        strategy.on_resume()
+        cast(Resumable, strategy).on_resume()
     result = saved["result"]
     train = MetricRecord(result["train"]) if result["train"] is not None else None
     return RoundResult(

@@ -9,11 +9,11 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 import numpy as np
@@ -24,6 +24,9 @@ from config.options import ConfigError
 from protocol.keys import STATE_DIR
 from server_app.failures import OUTCOME_FILE
 from tasks.base import TRAIN_SECONDS
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 DIST_NAME = "flower-privacy-lab"
 SCOPES = ("train", "federated-eval", "central-eval")
@@ -132,7 +135,7 @@ class RunDirectory:
         self.previous_outcomes: list[dict[str, Any]] = []  # of the runs a resume continues
         # CSV file -> (its columns, how many rows it holds, the last of them)
         self._written: dict[str, tuple[list[str], int, Mapping[str, Any]]] = {}
-        self._writer = None  # TensorBoard SummaryWriter, opened with the first row
+        self._writer: SummaryWriter | None = None  # TensorBoard's, opened with the first row
         self.started = time.monotonic()
         private_dir(path / "checkpoint")
         if released is not None:
@@ -282,7 +285,7 @@ class RunDirectory:
         state = {"round": server_round, "models": sorted(models or {})}
         _atomic_write_text(folder / "state.json", json.dumps(state) + "\n", private=True)
 
-    def write_rows(self, name: str, rows: list[Mapping[str, Any]]) -> None:
+    def write_rows(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """Bring the CSV file ``name`` up to ``rows`` (metrics, participation, the
         strategies' per-client tables).
 

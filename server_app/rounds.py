@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from protocol import keys
-from protocol.records import InvalidReply, non_finite_array
+from protocol.records import InvalidReply, as_float, non_finite_array
 from protocol.replies import check_reply, oversized_reason, reply_limit, unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
@@ -46,15 +46,17 @@ def regroup(aggregated: MetricRecord | None, replies: list[Message]) -> MetricRe
     prefix = keys.GROUP_NUM_EXAMPLES.format("")
     groups = [k[len(prefix) :] for k in aggregated if k.startswith(prefix)]
     records = [m.content[keys.METRICS] for m in replies if not m.has_error()]
-    seen = []
+    seen: list[float] = []
     for group in groups:
         acc, count = keys.GROUP_ACCURACY.format(group), keys.GROUP_NUM_EXAMPLES.format(group)
-        pairs = [(float(r[acc]), float(r[count])) for r in records if acc in r and count in r]
+        pairs = [
+            (as_float(r[acc]), as_float(r[count])) for r in records if acc in r and count in r
+        ]
         total = sum(n for _, n in pairs)
         aggregated[count] = total
-        aggregated[acc] = sum(a * n for a, n in pairs) / total if total else 0.0
+        aggregated[acc] = mean = sum(a * n for a, n in pairs) / total if total else 0.0
         if total:
-            seen.append(aggregated[acc])
+            seen.append(mean)
     aggregated[keys.FAIRNESS_GAP] = max(seen) - min(seen) if seen else 0.0
     return aggregated
 
@@ -284,7 +286,7 @@ def _train(
             len(messages),
         )
     if provides(strategy, SecureExchange):  # SecAgg+: several exchanges
-        replies = strategy.exchange_train(grid, messages, timeout)
+        replies = cast(SecureExchange, strategy).exchange_train(grid, messages, timeout)
     else:
         replies = _exchange(grid, messages, timeout, f"round {server_round} train", arrays)
     partitions = partition_map(strategy)
@@ -397,9 +399,9 @@ def run_rounds(
                 log(WARNING if status == "stopped" else ERROR,
                     "Stopping before round %d: %s", server_round, stop)  # fmt: skip
                 return arrays, Outcome(status, str(stop), last_round)
-            first = server_round == start
+            first_round = server_round == start
             result, failure = _train(
-                strategy, grid, server_round, arrays, messages, timeout, watch, first=first
+                strategy, grid, server_round, arrays, messages, timeout, watch, first=first_round
             )
             result.seconds = time.monotonic() - started
             on_commit(result)

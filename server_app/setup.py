@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from logging import ERROR, INFO
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord
@@ -19,6 +19,7 @@ import tasks
 from config.options import ConfigError
 from server_app import config, subspace_setup
 from server_app.results import RunDirectory, resolve_output_dir
+from server_app.subspace_setup import PublicData
 from strategies.algorithms.clustered import ClusteredFedAvg, model_seeds
 from strategies.mechanisms.base import NOISE_PARAMETER, DPSettings
 from strategies.runtime.capabilities import Accounted, innermost, provides
@@ -61,7 +62,9 @@ def load(run_config: dict, explicit: Collection[str] | None = None) -> Setup:
         strategy = strategies.build(cfg.privacy, settings)
         subspace_setup.check(cfg, task)
         # Under a privacy mechanism the run directory keeps apart what no epsilon covers.
-        released = strategy.releases_metric if provides(strategy, Accounted) else None
+        released = (
+            cast(Accounted, strategy).releases_metric if provides(strategy, Accounted) else None
+        )
         saved = None
         if cfg.resume_from:
             path = resolve_output_dir(cfg.resume_from)
@@ -144,7 +147,7 @@ def initial_model(run: Setup) -> torch.nn.Module:
     cfg, task = run.cfg, run.task
     model = task.build_model(cfg.seed)
     if int(cfg.options.get("subspace.warm-start", 0)) > 0:
-        warm = task.warm_start(model)  # public data only: no client is touched
+        warm = cast(PublicData, task).warm_start(model)  # public data only: no client is touched
         shown = ", ".join(f"{k} {v:.4f}" for k, v in warm.items())
         log(INFO, "Warm start on public data: %s", shown)
         run.run_dir.write_json("warm-start.json", warm)

@@ -8,8 +8,11 @@ gradients of the released arrays; from them the app sets the strategy's initial 
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from logging import INFO
+from typing import Protocol, cast
 
+import numpy as np
 import torch
 from flwr.common.logger import log
 
@@ -19,6 +22,16 @@ from server_app.config import RunConfig
 from strategies.mechanisms.subspace_dp import POOLED, SubspaceDP, SubspaceSettings
 from strategies.runtime.capabilities import layers
 from tasks.base import Task
+
+
+class PublicData(Protocol):
+    """What the app reads of a task with a public split (the vision tasks)."""
+
+    def groups(self) -> dict[str, tuple[int, ...]]: ...
+    def public_gradients(
+        self, model: torch.nn.Module, keys: Sequence[str], labels: Collection[int] | None = None
+    ) -> np.ndarray: ...
+    def warm_start(self, model: torch.nn.Module) -> dict[str, float]: ...
 
 
 def check(cfg: RunConfig, task: Task) -> None:
@@ -44,7 +57,8 @@ def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, releas
     wants_basis = sub.init == "public"
     if not wants_basis and strategy.allocation == "uniform":
         return
-    gradients = task.public_gradients(model, released)
+    public = cast(PublicData, task)
+    gradients = public.public_gradients(model, released)
     if wants_basis:
         strategy.initial_basis = top_subspace(gradients, sub.rank)
         log(
@@ -56,8 +70,8 @@ def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, releas
         return
     samples = {POOLED: gradients}
     if strategy.allocation == "fairness":
-        for name, labels in task.groups().items():
-            samples[name] = task.public_gradients(model, released, labels=labels)
+        for name, labels in public.groups().items():
+            samples[name] = public.public_gradients(model, released, labels=labels)
     strategy.public_samples = samples
     log(
         INFO,

@@ -162,6 +162,7 @@ def write_hparams(record: RunRecord) -> None:
 
     final = record.final()
     writer = SummaryWriter(log_dir=str(record.path / "tensorboard"))
+    assert writer.file_writer is not None  # SummaryWriter() opens it
     try:
         for summary in hparams(record.params(), final):
             writer.file_writer.add_summary(summary)

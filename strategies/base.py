@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC
 from collections.abc import Iterable
+from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -45,5 +46,7 @@ def add_to_config(messages: Iterable[Message], extra: dict) -> list[Message]:
     """Add ``extra`` to the train config of every message (each gets its own record)."""
     messages = list(messages)
     for message in messages:
-        message.content[keys.CONFIG] = ConfigRecord({**message.content[keys.CONFIG], **extra})
+        message.content[keys.CONFIG] = ConfigRecord(
+            {**cast(ConfigRecord, message.content[keys.CONFIG]), **extra}
+        )
     return messages

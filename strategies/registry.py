@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from flwr.clientapp.typing import Mod
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
+from config.options import Scalar
 from config.settings import Settings, Typed, setting
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import FRONT_LOADED_MODES
@@ -66,7 +67,9 @@ class StrategySettings(Typed):
     num_rounds: int = 1  # rounds the run plans (subspace-dp splits its noise budget over them)
     released_keys: tuple[str, ...] | None = None  # head-only: the arrays DP wrappers release
     train_sample_size: int | None = None  # clients a data-dependent selection picks (DP: m)
-    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
+    parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
 
 def _sampling(s: StrategySettings) -> dict:
@@ -80,7 +83,7 @@ def _sampling(s: StrategySettings) -> dict:
 
 
 # Flower's FedAvg family takes every node it is shown; SeededSampling picks them.
-_TAKE_ALL = {
+_TAKE_ALL: dict[str, Any] = {
     "fraction_train": 1.0,
     "fraction_evaluate": 1.0,
     "min_train_nodes": 1,

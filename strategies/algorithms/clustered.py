@@ -324,6 +324,7 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
             return []
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
         self.start_models(arrays)
+        assert self.models is not None
         if self.assign == "l2":
             choices = self._assign_l2(nodes)
         else:
@@ -480,12 +481,16 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
         models_flat = self._flat_models()
         if (models_flat == models_flat[0]).all():
             return {node: self._random() for node in nodes}  # nothing to tell apart
+        models = self.models
+        assert models is not None  # started by configure_train
         config = {keys.SERVER_ROUND: server_round, keys.CLUSTER_K: self.k}
         queries = [
             Message(
                 content=RecordDict(
-                    {keys.CONFIG: ConfigRecord(config)}
-                    | {cluster_model_key(k): m for k, m in enumerate(self.models)}
+                    {
+                        keys.CONFIG: ConfigRecord({**config}),
+                        **{cluster_model_key(k): m for k, m in enumerate(models)},
+                    }
                 ),
                 dst_node_id=node,
                 message_type=QUERY_TYPE,
@@ -542,6 +547,7 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
     def _valid_uploads(
         self, replies: Iterable[Message], pending: dict[int, tuple[int, str, float]]
     ) -> dict[int, tuple[list[np.ndarray], MetricRecord]]:
+        assert self.models is not None  # aggregate_train checked
         valid = {}
         for message in self.partitions.sort_replies(replies):
             node = message.metadata.src_node_id
@@ -568,6 +574,7 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
         return metrics
 
     def _flat_models(self) -> np.ndarray:
+        assert self.models is not None
         return np.stack([flatten(arrays_of(m)) for m in self.models])
 
     def _kmeans_seed(self, server_round: int) -> int:

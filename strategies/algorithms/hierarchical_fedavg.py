@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app.typing import MetricRecordValues
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -26,7 +27,7 @@ from flwr.serverapp.strategy import FedAvg
 from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
-from protocol.records import InvalidReply, arrays_of, copy_record, to_record
+from protocol.records import InvalidReply, arrays_of, as_float, copy_record, to_record
 from protocol.replies import checked_metrics, is_number, metrics_of
 from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
@@ -41,7 +42,7 @@ _EVAL_STREAM = 0x4F  # federated evaluation sampling (independent of training's)
 
 QUERY_TYPE = f"{MessageType.QUERY}.{keys.HIER_QUERY}"  # "query.edge"
 # One row per (cloud round, edge aggregation, node sent a train message).
-TABLE_COLUMNS = ("round", "edge-round", "edge-id", "node-id", "partition-id")
+TABLE_COLUMNS: tuple[str, ...] = ("round", "edge-round", "edge-id", "node-id", "partition-id")
 TABLE_COLUMNS += ("num-examples", "replied-ok", "train-loss", "reason")
 
 EdgeHook = Callable[[int, int, dict[int, tuple[int, int]]], None]
@@ -97,7 +98,7 @@ def integer_metric(metrics: MetricRecord, key: str, low: int, high: float = math
     """``metrics[key]`` as an int in ``[low, high)``, or InvalidReply naming the key."""
     value = metrics.get(key)
     integral = is_number(value) and math.isfinite(value) and value == int(value)
-    if not integral or not low <= value < high:
+    if not (integral and is_number(value) and low <= value < high):
         raise InvalidReply(f"'{key}' = {value!r} is not an integer in [{low}, {high})")
     return int(value)
 
@@ -439,7 +440,7 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
                 weights.append(1.0)
                 continue
             uploads.append(arrays)
-            weights.append(1.0 if self.failed_upload else float(metrics[keys.NUM_EXAMPLES]))
+            weights.append(1.0 if self.failed_upload else as_float(metrics[keys.NUM_EXAMPLES]))
             state.records.setdefault(edge, []).append(metrics)
             loss = metrics.get(keys.TRAIN_LOSS)
             row |= {"num-examples": weights[-1], "replied-ok": True}
@@ -449,7 +450,7 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
     def _round_metrics(self, state: _CloudRound) -> MetricRecord:
         """Weighted train metrics of the round, per-edge counts and losses, failures."""
         every = [r for e in state.edges for r in state.records.get(e, [])]
-        metrics: dict[str, int | float] = dict(weighted_metrics(every))
+        metrics: dict[str, MetricRecordValues] = dict(weighted_metrics(every))
         for edge in range(self.num_edges):
             records = state.records.get(edge, [])
             metrics[f"edge-{edge}-clients"] = len(records)
@@ -468,7 +469,7 @@ def _checked_upload(
     if reply is None:
         raise InvalidReply("no reply")
     metrics = checked_metrics(reply)
-    if not float(metrics[keys.NUM_EXAMPLES]) > 0:
+    if not as_float(metrics[keys.NUM_EXAMPLES]) > 0:
         raise InvalidReply(f"'{keys.NUM_EXAMPLES}' = 0: nothing to weight")
     if len(reply.content.array_records) != 1:
         raise InvalidReply(f"expected exactly one ArrayRecord '{keys.ARRAYS}'")

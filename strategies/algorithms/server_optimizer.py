@@ -27,6 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi, Strategy
+from flwr.serverapp.strategy.fedopt import FedOpt
 
 from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
@@ -107,7 +108,7 @@ class ServerOptimizerSettings(Settings):
         """Plain SGD with learning rate 1: the aggregate is the new model."""
         return self.name == "sgd" and self.lr == 1.0
 
-    def rule(self) -> Strategy:
+    def rule(self) -> FedAvgM | FedOpt:
         """Flower's strategy whose update rule this optimizer is."""
         if self.name in ("sgd", "momentum"):
             momentum = self.momentum if self.name == "momentum" else 0.0
@@ -170,7 +171,10 @@ class ServerOptimizer(TrainingWrapper):
         else:
             self.rule.current_arrays = dict(zip(current.keys(), arrays_of(current), strict=True))
         sent = Message(RecordDict(), dst_node_id=0, message_type="train")
-        content = {keys.ARRAYS: aggregate, keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 1})}
+        content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
+            keys.ARRAYS: aggregate,
+            keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 1}),
+        }
         reply = Message(RecordDict(content), reply_to=sent)
         moved, _ = self.rule.aggregate_train(server_round, [reply])
         assert moved is not None

@@ -34,7 +34,7 @@ class CalibratedNoise:
     target_epsilon: float | None
     planned_rounds: int
     connect_timeout: float
-    calibration: dict[str, float | str] | None = None
+    calibration: dict[str, float | str | None] | None = None
 
     def calibrate(self, population: int) -> None:
         """Set the noise for ``population`` clients unless it is set (the wrapper's)."""

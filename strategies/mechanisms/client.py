@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from logging import WARNING
+from typing import cast
 
 import numpy as np
 from flwr.app import (
@@ -37,7 +38,7 @@ from flwr.common.logger import log
 
 from privacy.mechanisms import NonFiniteUpdateError, client_noise_generator
 from protocol import keys
-from protocol.records import InvalidReply, arrays_of, to_record
+from protocol.records import InvalidReply, arrays_of, as_int, to_record
 
 # (config, delta, metrics, generator) -> the released delta; it may set metrics.
 Privatise = Callable[[ConfigRecord, list[np.ndarray], MetricRecord, np.random.Generator], list]
@@ -70,7 +71,7 @@ def client_mod(
     """
 
     def mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
-        config = msg.content.get(keys.CONFIG)
+        config = cast(ConfigRecord | None, msg.content.get(keys.CONFIG))
         kind = msg.metadata.message_type
         if config is None:
             return call_next(msg, ctxt)
@@ -108,20 +109,22 @@ def client_mod(
     def _process(msg: Message, reply: Message, ctxt: Context) -> Message:
         """The reply with the privatised update (received + processed Δ)."""
         assert privatise is not None
-        received = msg.content[keys.ARRAYS]
+        received = cast(ArrayRecord, msg.content[keys.ARRAYS])
         reference = arrays_of(received)
         trained = arrays_of(reply.content.get(keys.ARRAYS), received)
         delta = [t - r for t, r in zip(trained, reference, strict=True)]
-        metrics = MetricRecord(dict(reply.content[keys.METRICS]))
-        delta = privatise(msg.content[keys.CONFIG], delta, metrics, _generator(msg, ctxt))
+        metrics = MetricRecord(dict(cast(MetricRecord, reply.content[keys.METRICS])))
+        delta = privatise(
+            cast(ConfigRecord, msg.content[keys.CONFIG]), delta, metrics, _generator(msg, ctxt)
+        )
         new = to_record(received, [r + d for r, d in zip(reference, delta, strict=True)])
         return Message(RecordDict({keys.ARRAYS: new, keys.METRICS: metrics}), reply_to=msg)
 
     def _noised_zero(msg: Message, ctxt: Context, why: str) -> Message:
         """The upload of a zero update, noised as the config says."""
         log(WARNING, "%s: %s; sending the noised zero update instead", name, why)
-        config = msg.content[keys.CONFIG]
-        received = msg.content[keys.ARRAYS]
+        config = cast(ConfigRecord, msg.content[keys.CONFIG])
+        received = cast(ArrayRecord, msg.content[keys.ARRAYS])
         reference = arrays_of(received)
         rng = _generator(msg, ctxt)
         metrics = MetricRecord({keys.NUM_EXAMPLES: 0})
@@ -144,17 +147,17 @@ def _error(msg: Message, reason: str) -> Message:
 
 def _generator(msg: Message, ctxt: Context) -> np.random.Generator:
     """The client's noise generator for this message: secret unless reproducible."""
-    server_round = int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 0))
+    server_round = as_int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 0))
     return client_noise_generator(ctxt.run_config, ctxt.node_config, server_round)
 
 
 def _filtered(msg: Message, reply: Message) -> Message:
     """The reply with only the metric keys the config's ``report-metrics`` allows."""
-    config = msg.content.get(keys.CONFIG)
-    allowed = None if config is None else config.get(keys.REPORT_METRICS)
+    config = cast(ConfigRecord | None, msg.content.get(keys.CONFIG))
+    allowed = None if config is None else cast(list[str] | None, config.get(keys.REPORT_METRICS))
     if allowed is None or reply.has_error():
         return reply
-    metrics = reply.content.get(keys.METRICS)
+    metrics = cast(MetricRecord | None, reply.content.get(keys.METRICS))
     kept = {k: v for k, v in (metrics or {}).items() if k in allowed}
     if keys.NUM_EXAMPLES not in allowed:
         kept[keys.NUM_EXAMPLES] = 1

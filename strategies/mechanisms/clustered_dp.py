@@ -18,22 +18,30 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from logging import INFO
+from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from protocol import keys
-from protocol.records import arrays_of, to_record
+from protocol.records import arrays_of, as_int, to_record
 from strategies.algorithms.clustered import ClusteredFedAvg
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 
+# The mixin is checked as the DP-FedAvg wrapper it always precedes.
+if TYPE_CHECKING:
+    _DPFedAvg = DPFedAvgFixed
+else:
+    _DPFedAvg = object
 
-class ClusteredMeans:
+
+class ClusteredMeans(_DPFedAvg):
     """The clustered half of the DP-FedAvg wrappers below (a mixin before them)."""
 
     strategy: ClusteredFedAvg
+    _assigned: dict[int, int]
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -41,7 +49,8 @@ class ClusteredMeans:
         """DP-FedAvg's sampling; the clustered strategy assigns each sampled node a model."""
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._assigned = {
-            m.metadata.dst_node_id: int(m.content[keys.CONFIG][keys.CLUSTER_ID]) for m in messages
+            m.metadata.dst_node_id: as_int(m.content[keys.CONFIG][keys.CLUSTER_ID])
+            for m in messages
         }
         return messages
 

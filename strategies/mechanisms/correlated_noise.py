@@ -26,7 +26,7 @@ from strategies.base import add_to_config
 from strategies.errors import StopTraining
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings, dp_generator
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
-from strategies.runtime.nodes import GridView, wait_for_nodes
+from strategies.runtime.nodes import grid_view, wait_for_nodes
 from strategies.runtime.sampling import poisson_sample
 from strategies.secure.secagg_plus import SecAggSettings
 
@@ -307,6 +307,7 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
             return
         self.noise_multiplier = self.calibrated(population)
         plan = self.plan
+        assert plan is not None
         self.record_calibration(
             "dp.noise-multiplier",
             self.noise_multiplier,
@@ -362,7 +363,7 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
             cohort = members[:m]
         else:
             cohort = poisson_sample(members, m / plan.group_size, self.rng, self.partitions)
-        view = GridView(grid, cohort)
+        view = grid_view(grid, cohort)
         messages = (
             list(self.strategy.configure_train(server_round, arrays, config, view))
             if cohort

@@ -29,7 +29,7 @@ from privacy.certificates import spi
 from privacy.local_view import LocalViewLedger, noisy_upload
 from privacy.mechanisms import GaussianMechanism, gaussian_noise_like
 from protocol import keys
-from protocol.records import arrays_of, to_record
+from protocol.records import arrays_of, as_float, to_record
 from protocol.replies import check_reply
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease, release_divergence
 from strategies.base import add_to_config
@@ -43,7 +43,7 @@ from strategies.mechanisms.noise_site import SecureNoiseSite, report_noise_to_si
 from strategies.mechanisms.noise_site import noise_site as noise_site_of
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import GridView
+from strategies.runtime.nodes import grid_view
 from strategies.runtime.sampling import dp_cohort
 
 __all__ = ["DPFedAvgFixed", "DivergenceRelease", "dp_fedavg_mod", "privatise_update"]
@@ -130,6 +130,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
     # -- what one round releases ------------------------------------------------
     def update_noise_multiplier(self) -> float:
         """Noise multiplier of the model-update noise (z; adaptive clipping raises it)."""
+        assert self.noise_multiplier is not None  # set or calibrated before round 1
         return self.noise_multiplier
 
     def release(self, server_round: int, population: int) -> list[Release]:
@@ -184,6 +185,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         """What the server sees of one sampled client in one round: its noisy upload,
         and its noised divergence when the wrapped strategy asks for one."""
         z, report = self.noise_multiplier, self.divergence
+        assert z is not None
         return [self.local_release(server_round)] + (
             [] if report is None else [report.release(z, server_round)]
         )
@@ -236,7 +238,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             poisson=self.ledger.sampling == "poisson", uniform=self.uniform_sampling,
         )  # fmt: skip
         if picked is not None:
-            grid = GridView(grid, picked)
+            grid = grid_view(grid, picked)
         messages = (
             list(self.strategy.configure_train(server_round, arrays, config, grid))
             if expected
@@ -370,12 +372,12 @@ def privatise_update(
     """Clip Δ to L2 norm C, add the client's noise share when it noises its own upload,
     set the adaptive-clipping bit, and release SmartFedProx's divergence when asked."""
     mechanism = GaussianMechanism(
-        clip_norm=float(config[keys.DP_CLIP_NORM]), noise_multiplier=1.0
+        clip_norm=as_float(config[keys.DP_CLIP_NORM]), noise_multiplier=1.0
     )  # only its clip is used here
     clipped = mechanism.clip(delta)
     delta = clipped.arrays
     if keys.DP_NOISE_STDDEV in config:
-        noise = gaussian_noise_like(delta, std=float(config[keys.DP_NOISE_STDDEV]), rng=rng)
+        noise = gaussian_noise_like(delta, std=as_float(config[keys.DP_NOISE_STDDEV]), rng=rng)
         delta = [d + n for d, n in zip(delta, noise, strict=True)]
     if config.get(keys.DP_ADAPTIVE):
         metrics[keys.DP_NORM_BIT] = 0.0 if clipped.clipped else 1.0

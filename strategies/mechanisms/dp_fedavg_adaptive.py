@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import Strategy
 
 from privacy.accounting import Release
 from protocol import keys
-from protocol.records import InvalidReply
+from protocol.records import InvalidReply, as_float
 from strategies.errors import StopTraining
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
 
@@ -89,9 +89,10 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
     def update_noise_multiplier(self) -> float:
         """z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2), the update share of the combined noise."""
         z, sigma_b = self.noise_multiplier, self.count_stddev
+        assert z is not None and sigma_b is not None  # set or calibrated before round 1
         return (z**-2 - (2 * sigma_b) ** -2) ** -0.5
 
-    def client_config(self) -> dict[str, float | bool]:
+    def client_config(self) -> dict[str, float | bool | list[str]]:
         """Fixed clipping's keys plus the request for the norm indicator bit."""
         return {**super().client_config(), keys.DP_ADAPTIVE: True}
 
@@ -128,7 +129,8 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
         m = self.num_sampled_clients
         centred = centred_bits
         if centred is None:  # under secure aggregation the sum arrives instead
-            centred = sum(float(r[keys.DP_NORM_BIT]) - 0.5 for r in records)
+            centred = sum(as_float(r[keys.DP_NORM_BIT]) - 0.5 for r in records)
+        assert self.count_stddev is not None
         noisy_fraction = (centred + self.rng.normal(0.0, self.count_stddev)) / m + 0.5
         used = self.clip_norm
         self.clip_norm = used * math.exp(-self.clip_lr * (noisy_fraction - self.target_quantile))

@@ -32,8 +32,8 @@ def contributions(
     model a node was sent, as a record and as arrays; ``check`` validates a reply;
     ``select`` keeps the released arrays of a delta."""
     by_node: dict[int, Message] = {}
-    for message in replies:
-        by_node.setdefault(message.metadata.src_node_id, message)
+    for reply in replies:
+        by_node.setdefault(reply.metadata.src_node_id, reply)
     deltas, records, failed = {}, [], []
     for node in sent:
         current, reference = reference_of(node)

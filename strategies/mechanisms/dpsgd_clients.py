@@ -24,7 +24,7 @@ from flwr.serverapp.strategy import Strategy
 from privacy.accounting import PrivacyLedger
 from privacy.calibration import sampled_gaussian_epsilon
 from protocol import keys
-from protocol.records import InvalidReply
+from protocol.records import InvalidReply, as_float, as_int
 from protocol.replies import metrics_of
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted
@@ -54,7 +54,7 @@ def record_local_epsilons(
         if message.has_error():
             continue
         try:
-            epsilon = float(metrics_of(message)[keys.LOCAL_EPSILON])
+            epsilon = as_float(metrics_of(message)[keys.LOCAL_EPSILON])
         except (InvalidReply, KeyError, TypeError, ValueError):
             node = message.metadata.src_node_id
             log(WARNING, "%s: node %d reported no '%s'", label, node, keys.LOCAL_EPSILON)
@@ -75,9 +75,9 @@ def record_local_epsilons(
 def _round_steps(metrics: MetricRecord) -> tuple[float, float, int] | None:
     """This round's (noise multiplier, sample rate, steps) from a reply, if stated."""
     try:
-        z = float(metrics[keys.DPSGD_ROUND_NOISE])
-        q = float(metrics[keys.DPSGD_ROUND_SAMPLE_RATE])
-        steps = int(metrics[keys.DPSGD_ROUND_STEPS])
+        z = as_float(metrics[keys.DPSGD_ROUND_NOISE])
+        q = as_float(metrics[keys.DPSGD_ROUND_SAMPLE_RATE])
+        steps = as_int(metrics[keys.DPSGD_ROUND_STEPS])
     except (KeyError, TypeError, ValueError):
         return None
     if not (z >= 0 and 0 < q <= 1 and steps >= 1):
@@ -186,7 +186,7 @@ class DPSGDClients(PrivacyWrapper):
             return reported
         self.steps[client] = list(steps)
         asked = self._asked(client)
-        covered = int(metrics.get(keys.DPSGD_ROUNDS, asked))
+        covered = as_int(metrics.get(keys.DPSGD_ROUNDS, asked))
         z, q, per_round = steps
         composed = sampled_gaussian_epsilon(
             [(z, q, per_round * asked)], target_delta=self.ledger.target_delta
@@ -221,7 +221,7 @@ class DPSGDClients(PrivacyWrapper):
         """Record each client's sample-level epsilon, then aggregate as the wrapped one."""
         replies = list(replies)
         for message in replies:
-            if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in message.error.reason:
+            if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in (message.error.reason or ""):
                 self._refused = f"a client refused to train: {message.error.reason}"
         recorded = record_local_epsilons(
             self.ledger, server_round, replies, "DP-SGD", self.partitions, correct=self._verified

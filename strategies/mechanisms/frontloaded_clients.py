@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from logging import INFO
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -17,11 +17,15 @@ from flwr.serverapp import Grid
 from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
+from protocol.records import as_float
 from strategies.errors import BudgetExhausted
 from strategies.mechanisms.base import PrivacyWrapper
 from strategies.mechanisms.client import client_mod
 from strategies.mechanisms.dpsgd_clients import record_local_epsilons
 from strategies.runtime.checkpoint import ledger_state, load_ledger
+
+if TYPE_CHECKING:
+    from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg
 
 
 class FrontLoadedDPClients(PrivacyWrapper):
@@ -47,6 +51,8 @@ class FrontLoadedDPClients(PrivacyWrapper):
     **kwargs
         ``client_metrics`` and ``noise_from_seed`` (:class:`PrivacyWrapper`).
     """
+
+    strategy: HierarchicalFedAvg
 
     RELEASED_METRICS = (
         *PrivacyWrapper.RELEASED_METRICS,
@@ -206,7 +212,7 @@ class FrontLoadedDPClients(PrivacyWrapper):
 
     def _record_local_epsilons(self, server_round: int, replies: list[Message]) -> None:
         for message in replies:
-            if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in message.error.reason:
+            if message.has_error() and keys.DPSGD_BUDGET_REFUSAL in (message.error.reason or ""):
                 self._refused = f"a client refused to train: {message.error.reason}"
         record_local_epsilons(self.ledger, server_round, replies, "CG-NG", self.partitions)
 
@@ -238,7 +244,7 @@ def noised_zero_delta(
 ) -> list[np.ndarray]:
     """CP-NP: what a client whose training failed sends, the noise of a zero delta
     (N(0, sigma²) on every floating coordinate)."""
-    sigma = float(config[keys.FRONT_LOADED_SIGMA])
+    sigma = as_float(config[keys.FRONT_LOADED_SIGMA])
     return [
         rng.normal(0.0, sigma, size=a.shape)
         if np.issubdtype(a.dtype, np.floating)

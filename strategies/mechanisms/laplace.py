@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -25,7 +25,7 @@ from privacy.accounting import PrivacyLedger, Release
 from privacy.local_view import LocalViewLedger
 from privacy.mechanisms import LaplaceMechanism, is_released
 from protocol import keys
-from protocol.records import InvalidReply, arrays_of, to_record
+from protocol.records import InvalidReply, arrays_of, as_float, to_record
 from protocol.replies import check_reply
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted
@@ -34,7 +34,7 @@ from strategies.mechanisms.calibrated import CalibratedNoise
 from strategies.mechanisms.client import client_mod
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import GridView
+from strategies.runtime.nodes import grid_view
 from strategies.runtime.sampling import poisson_sample
 
 
@@ -183,7 +183,7 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         chosen = poisson_sample(nodes, rate, self.rng, self.partitions)
         if not chosen:  # an empty cohort: the round releases the noise alone
             return [], len(nodes)
-        view = GridView(grid, chosen)
+        view = grid_view(grid, chosen)
         return list(self.strategy.configure_train(server_round, arrays, config, view)), len(nodes)
 
     def _refuse_over_budget(self, server_round: int, population: int) -> None:
@@ -248,7 +248,8 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
             ],
         )
         records = [
-            MetricRecord({**m.content[keys.METRICS], keys.NUM_EXAMPLES: 1}) for m, _ in valid
+            MetricRecord({**cast(MetricRecord, m.content[keys.METRICS]), keys.NUM_EXAMPLES: 1})
+            for m, _ in valid
         ]
         return new_arrays, self._metrics(weighted_metrics(records), failed)
 
@@ -323,8 +324,8 @@ def privatise_update(
     config: ConfigRecord, delta: list[np.ndarray], metrics: MetricRecord, rng: np.random.Generator
 ) -> list[np.ndarray]:
     """Clip Δ to L1 norm S and add Laplace noise of scale b to every coordinate."""
-    sensitivity = float(config[keys.LAPLACE_SENSITIVITY])
-    scale = float(config[keys.LAPLACE_SCALE])
+    sensitivity = as_float(config[keys.LAPLACE_SENSITIVITY])
+    scale = as_float(config[keys.LAPLACE_SCALE])
     mechanism = LaplaceMechanism(sensitivity=sensitivity, epsilon=sensitivity / scale)
     return mechanism.noise(mechanism.clip(delta).arrays, rng=rng)
 

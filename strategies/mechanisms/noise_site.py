@@ -117,7 +117,10 @@ class ClientNoise:
 
 def noise_site(name: str) -> ServerNoise | ClientNoise:
     """The site named ``name``; ValueError naming the valid ones otherwise."""
-    sites = {"server": ServerNoise, "client": ClientNoise}
+    sites: dict[str, type[ServerNoise | ClientNoise]] = {
+        "server": ServerNoise,
+        "client": ClientNoise,
+    }
     if name not in sites:
         raise ValueError(f"noise_site must be 'server' or 'client', not {name!r}")
     return sites[name]()

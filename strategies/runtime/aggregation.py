@@ -23,7 +23,7 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
-from protocol.records import InvalidReply, to_numpy, to_record
+from protocol.records import InvalidReply, as_float, to_numpy, to_record
 from protocol.replies import check_reply, is_number
 
 RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan")
@@ -121,12 +121,12 @@ def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
     """
     if not records:
         return MetricRecord({})
-    weights = [float(r[keys.NUM_EXAMPLES]) for r in records]
+    weights = [as_float(r[keys.NUM_EXAMPLES]) for r in records]
     names = sorted(set().union(*(r.keys() for r in records)) - {keys.NUM_EXAMPLES})
     out: dict[str, Any] = {}
     for name in names:
         pairs = [(w, r[name]) for w, r in zip(weights, records, strict=True) if name in r]
-        values = [v for _, v in pairs]
+        values: list[Any] = [v for _, v in pairs]
         lists = all(isinstance(v, list) and v and all(map(is_number, v)) for v in values)
         if not (all(map(is_number, values)) or (lists and len({len(v) for v in values}) == 1)):
             continue  # not numbers, or lists of different lengths
@@ -168,7 +168,7 @@ def screen_replies(
 
 def weight_of(message: Message, key: str = keys.NUM_EXAMPLES) -> float:
     """The weight ``key`` of a screened reply's (single) MetricRecord."""
-    return float(next(iter(message.content.metric_records.values()))[key])
+    return as_float(next(iter(message.content.metric_records.values()))[key])
 
 
 def bounded_weights(

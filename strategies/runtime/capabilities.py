@@ -14,7 +14,7 @@ against them raises ``TypeError`` on every Python: the mistake cannot come back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 
 from flwr.serverapp.strategy import Strategy
 
@@ -68,8 +68,8 @@ class Resumable(Protocol):
 def layers(strategy: Strategy) -> list[Strategy]:
     """``strategy`` and the strategies it wraps (``.strategy``), outermost first."""
     chain = [strategy]
-    while isinstance(getattr(chain[-1], "strategy", None), Strategy):
-        chain.append(chain[-1].strategy)
+    while isinstance(inner := getattr(chain[-1], "strategy", None), Strategy):
+        chain.append(inner)
     return chain
 
 
@@ -94,4 +94,4 @@ def provides(strategy: object, capability: type) -> bool:
 
 def ledger_of(strategy: Strategy) -> PrivacyLedger | None:
     """The run's ledger (None without a privacy mechanism)."""
-    return strategy.ledger if provides(strategy, Accounted) else None
+    return cast(Accounted, strategy).ledger if provides(strategy, Accounted) else None

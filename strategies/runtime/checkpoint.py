@@ -116,6 +116,7 @@ def strategy_state(strategy: Strategy) -> list[dict[str, Any]]:
     (by partition id)."""
     partitions = partition_map(strategy)
     state = []
+    layer: Any  # its state methods are optional, looked up with _owns
     for layer in layers(strategy):
         name = type(layer).__name__
         clients = layer.client_state_dict() if _owns(layer, "client_state_dict") else {}
@@ -138,7 +139,7 @@ def load_strategy_state(
     """Restore :func:`strategy_state` ``state`` into ``strategy`` (same chain of
     classes); partition-keyed state goes to ``node_of[partition]`` (partitions whose
     node is not connected now are dropped, with a warning)."""
-    chain = layers(strategy)
+    chain: list[Any] = layers(strategy)  # state methods are optional (_owns)
     saved = [entry["class"] for entry in state]
     built = [type(layer).__name__ for layer in chain]
     if saved != built:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from logging import INFO, WARNING
+from typing import cast
 
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -31,6 +32,11 @@ class GridView:
 
     def __getattr__(self, name: str):
         return getattr(self._grid, name)
+
+
+def grid_view(grid: Grid, node_ids: list[int]) -> Grid:
+    """A :class:`GridView`, typed as the ``Grid`` it stands in for."""
+    return cast(Grid, GridView(grid, node_ids))
 
 
 def wait_for_nodes(

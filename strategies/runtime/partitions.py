@@ -26,7 +26,7 @@ class PartitionMap:
     def __init__(self) -> None:
         self._partition: dict[int, int] = {}  # node id -> partition id
         self._num_partitions: dict[int, int] = {}  # node id -> the num-partitions it names
-        self._errors: dict[int, str] = {}  # node id -> why its partition query failed
+        self._errors: dict[int, str | None] = {}  # node id -> why its partition query failed
         self._asked: set[int] = set()  # nodes already asked (answered or not)
         self._size: dict[int, int] = {}  # node id -> training examples it reported at start-up
         self._notes: dict[int, str] = {}  # this round: node id -> what became of its reply

@@ -33,7 +33,7 @@ from strategies.runtime.aggregation import (
     weight_of,
     weighted_metrics,
 )
-from strategies.runtime.nodes import GridView, nodes_for_round
+from strategies.runtime.nodes import grid_view, nodes_for_round
 from strategies.runtime.partitions import PartitionMap
 from strategies.runtime.sampling import seeded_sample
 
@@ -107,7 +107,7 @@ class SeededSampling(Strategy):
             return []
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes, self.rng_train)
         self._reference = arrays  # what every reply must match
-        return self.strategy.configure_train(server_round, arrays, config, GridView(grid, nodes))
+        return self.strategy.configure_train(server_round, arrays, config, grid_view(grid, nodes))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -129,6 +129,7 @@ class SeededSampling(Strategy):
             replies = [message for message, _ in screened]
         if screened is None:  # no round configured here: the wrapped strategy's own
             return self.strategy.aggregate_train(server_round, replies)
+        assert reference is not None  # screened above
         if not replies:
             log(
                 WARNING,
@@ -212,7 +213,7 @@ class SeededSampling(Strategy):
             grid, self.fraction_evaluate, self.min_evaluate_nodes, self.rng_evaluate
         )
         return self.strategy.configure_evaluate(
-            server_round, arrays, config, GridView(grid, nodes)
+            server_round, arrays, config, grid_view(grid, nodes)
         )
 
     def aggregate_evaluate(

@@ -199,6 +199,7 @@ class SecureNoise:
         budget = dp.ledger.max_epsilon or dp.target_epsilon
         if not self.distributed or budget is None:
             return nodes
+        assert dp.noise_multiplier is not None
         more = self.release(dp, dp.noise_multiplier, 0, len(nodes))
         projected = PrivacyLedger.from_state_dict(dp.ledger.state_dict())
         try:
@@ -228,6 +229,7 @@ class SecureNoise:
         top = max((self.count(n) for n in self.participations), default=self.interrupted)
         if top > self.charged:
             z = dp.noise_multiplier
+            assert z is not None
             release = self.release(dp, z, server_round, population, top - self.charged)
             if not survivors:  # on resume: the round that was under way
                 release = replace(release, note=INTERRUPTED)

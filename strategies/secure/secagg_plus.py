@@ -20,9 +20,10 @@ import math
 import random
 import time
 from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -143,7 +144,7 @@ class SecAggSettings(Settings):
     def enabled_in(cls, run: Typed) -> bool:
         """``secagg.enabled`` of a run, read without building (and so checking) the
         other ``secagg.*`` keys, which matter only when it is true."""
-        return bool(ChainMap(run.options, cls.defaults())[cls.key("enabled")])
+        return bool(ChainMap(dict(run.options), cls.defaults())[cls.key("enabled")])
 
     @staticmethod
     def check(choice: Choice) -> None:
@@ -407,7 +408,7 @@ class _Round:
         messages = [self._message(n, record) for n in nodes]
         replies = self._exchange(Stage.SETUP, messages, limit, self._check_keys)
         for node, reply in replies.items():
-            got = reply.content.config_records[RECORD_KEY_CONFIGS]
+            got: Mapping[str, Any] = reply.content.config_records[RECORD_KEY_CONFIGS]  # checked
             self.keys[node] = (got[Key.PUBLIC_KEY_1], got[Key.PUBLIC_KEY_2])
         return sorted(self.keys)
 
@@ -425,7 +426,7 @@ class _Round:
         replies = self._exchange(Stage.SHARE_KEYS, messages, limit, self._check_ciphertexts)
         forward: dict[int, tuple[list, list]] = {node: ([], []) for node in replies}
         for src, reply in replies.items():
-            got = reply.content.config_records[RECORD_KEY_CONFIGS]
+            got: Mapping[str, Any] = reply.content.config_records[RECORD_KEY_CONFIGS]  # checked
             dsts, ciphertexts = got.get(Key.DESTINATION_LIST, []), got.get(Key.CIPHERTEXT_LIST, [])
             for dst, ciphertext in zip(dsts, ciphertexts, strict=False):
                 if dst in forward and dst in self.neighbours[src]:
@@ -452,6 +453,7 @@ class _Round:
             array = record[MASKED].numpy() if record is not None and MASKED in record else None
             if array is None or array.dtype != dtype or array.shape != (length,):
                 return f"rejected: no masked vector of {length} {dtype} values"
+            assert record is not None  # the masked vector came from it
             extra = len(content.array_records) + len(content.metric_records) > 1 or len(record) > 1
             if extra or len(content.config_records) > 1 or len(content[RECORD_KEY_CONFIGS]):
                 return "rejected: the masked vector is not all the reply holds"
@@ -479,7 +481,7 @@ class _Round:
         replies = self._exchange(Stage.UNMASK, messages, limit, self._check_shares)
         shares: dict[int, list[bytes]] = {node: [] for node in alive | gone}
         for src, reply in replies.items():
-            got = reply.content.config_records[RECORD_KEY_CONFIGS]
+            got: Mapping[str, Any] = reply.content.config_records[RECORD_KEY_CONFIGS]  # checked
             for owner, share in zip(
                 got.get(Key.NODE_ID_LIST, []), got.get(Key.SHARE_LIST, []), strict=False
             ):

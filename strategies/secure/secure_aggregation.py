@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from logging import INFO
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app.typing import MetricRecordValues
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -19,7 +20,7 @@ from flwr.serverapp.strategy import Strategy
 from privacy.skellam import SecureSumEncoding
 from privacy.subspace import unflatten
 from protocol import keys
-from protocol.records import arrays_of, to_record
+from protocol.records import arrays_of, as_int, to_record
 from strategies.base import TrainingWrapper, add_to_config
 from strategies.errors import StopTraining
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
@@ -70,6 +71,11 @@ class SecureAggregation(TrainingWrapper):
         self._result: SecureSum | None = None
         self._length = 0
 
+    @property
+    def _secure(self) -> SecureNoise | None:
+        """The DP wrapper's noise site, the SecureNoise this wrapper set."""
+        return cast(SecureNoise | None, self.dp.secure) if self.dp is not None else None
+
     def __getattr__(self, name: str):
         # Only reached for attributes this wrapper lacks: the wrapped strategy's.
         if name == "strategy":
@@ -78,29 +84,29 @@ class SecureAggregation(TrainingWrapper):
 
     @property
     def secure_counts(self) -> dict[str, int]:
-        secure = self.dp.secure if self.dp is not None else None
+        secure = self._secure if self.dp is not None else None
         return {"interrupted": secure.interrupted, "charged": secure.charged} if secure else {}
 
     @secure_counts.setter
     def secure_counts(self, counts: dict[str, int]) -> None:
-        if self.dp is not None and self.dp.secure is not None and counts:
-            self.dp.secure.interrupted = int(counts["interrupted"])
-            self.dp.secure.charged = int(counts["charged"])
+        if self.dp is not None and self._secure is not None and counts:
+            self._secure.interrupted = int(counts["interrupted"])
+            self._secure.charged = int(counts["charged"])
 
     @property
     def participations(self) -> dict[int, int]:
-        secure = self.dp.secure if self.dp is not None else None
+        secure = self._secure if self.dp is not None else None
         return secure.participations if secure is not None else {}
 
     @participations.setter
     def participations(self, counts: dict[int, int]) -> None:
-        if self.dp is not None and self.dp.secure is not None:
-            self.dp.secure.participations = {int(n): int(c) for n, c in counts.items()}
+        if self.dp is not None and self._secure is not None:
+            self._secure.participations = {int(n): int(c) for n, c in counts.items()}
 
     def on_resume(self) -> None:
         """What the wrapped strategy charges on resume, and distributed DP's own."""
-        if self.dp is not None and self.dp.secure is not None:
-            self.dp.secure.on_resume()
+        if self.dp is not None and self._secure is not None:
+            self._secure.on_resume()
         if hasattr(self.strategy, "on_resume"):
             self.strategy.on_resume()
 
@@ -111,15 +117,15 @@ class SecureAggregation(TrainingWrapper):
         dim = sum(a.size for a in arrays_of(arrays))
         self._current, self._result = arrays, None
         if self.dp is not None:
-            assert self.dp.secure is not None
-            self.dp.secure.dim = dim
-            self.dp.secure.catch_up(self.dp)  # a resumed run's interrupted round
+            assert self._secure is not None
+            self._secure.dim = dim
+            self._secure.catch_up(self.dp)  # a resumed run's interrupted round
             self._length = dim + (1 if isinstance(self.dp, DPFedAvgAdaptive) else 0)
             messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-            encoding = self.dp.secure.encoding(self.dp)
+            encoding = self._secure.encoding(self.dp)
         else:
             self._length = dim + 1  # the weighted update and the weight
-            messages = self.strategy.configure_train(server_round, arrays, config, grid)
+            messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
             messages, encoding = (
                 add_to_config(messages, self._plain_config()),
                 self._plain_encoding(),
@@ -154,11 +160,11 @@ class SecureAggregation(TrainingWrapper):
     def exchange_train(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
         """The SecAgg+ round; the collect stage's replies (masked vectors only)."""
         server_round = (
-            int(messages[0].content[keys.CONFIG].get(keys.SERVER_ROUND, 0)) if messages else 0
+            as_int(messages[0].content[keys.CONFIG].get(keys.SERVER_ROUND, 0)) if messages else 0
         )
         needed = (
-            self.dp.secure.survivors_needed(self.dp)
-            if self.dp is not None and self.dp.secure is not None
+            self._secure.survivors_needed(self.dp)
+            if self.dp is not None and self._secure is not None
             else 2
         )
         self._result = secure_sum(
@@ -183,9 +189,12 @@ class SecureAggregation(TrainingWrapper):
         for node, why in result.reasons.items():  # the participation record's reasons
             partitions.note(node, why)
         if self.dp is not None:
-            assert self.dp.secure is not None
-            return self.dp.secure.aggregate(self.dp, server_round, result)
-        extra = {SURVIVORS: float(len(result.survivors)), DROPPED: float(len(result.dropped))}
+            assert self._secure is not None
+            return self._secure.aggregate(self.dp, server_round, result)
+        extra: dict[str, MetricRecordValues] = {
+            SURVIVORS: float(len(result.survivors)),
+            DROPPED: float(len(result.dropped)),
+        }
         if result.vector is None:
             return None, MetricRecord(extra)
         current = self._current

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 from protocol.records import (
     InvalidReply,
     arrays_of,
+    as_float,
+    as_int,
     copy_record,
     non_finite_array,
     to_numpy,
@@ -145,3 +147,17 @@ def test_copy_record_shares_no_buffer_and_keeps_everything():
         assert copy[key].data is not record[key].data
     copy["w"] = Array(np.zeros((2, 2)))
     assert record["w"].numpy().tolist() == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_as_float_and_as_int_convert_record_values_as_float_and_int_do():
+    metrics = MetricRecord({"n": 3, "loss": 0.25, "hist": [1.0, 2.0]})
+    config = ConfigRecord({"round": "7", "z": 1.5})
+    assert as_float(metrics["n"]) == 3.0 and isinstance(as_float(metrics["n"]), float)
+    assert as_float(metrics["loss"]) == 0.25
+    assert as_float(config["round"]) == 7.0  # a string parses, as float("7") does
+    assert as_int(config["z"]) == 1  # truncates, as int(1.5) does
+    assert as_int(config["round"]) == 7
+    with pytest.raises(TypeError):
+        as_float(metrics["hist"])  # a list is no number
+    with pytest.raises(TypeError):
+        as_int(None)

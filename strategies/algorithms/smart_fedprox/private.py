@@ -18,7 +18,7 @@ from flwr.common.logger import log
 from privacy.accounting import Release
 from privacy.mechanisms import BoundedScalarRelease
 from protocol import keys
-from protocol.records import InvalidReply
+from protocol.records import InvalidReply, as_float
 
 NOTE = (
     "each selected client's model divergence, clipped to a public bound and "
@@ -109,8 +109,8 @@ class DivergenceRelease:
 def release_divergence(config: ConfigRecord, metrics: MetricRecord, rng) -> None:
     """Replace the raw divergence by its clipped, noised release (0 when none was
     computed: a failed client's zero update)."""
-    bound = float(config[keys.DIVERGENCE_CLIP])
-    std = float(config[keys.DIVERGENCE_NOISE_STDDEV])
+    bound = as_float(config[keys.DIVERGENCE_CLIP])
+    std = as_float(config[keys.DIVERGENCE_NOISE_STDDEV])
     raw = metrics.get(keys.DIVERGENCE, 0.0)
     if isinstance(raw, bool) or not isinstance(raw, int | float):
         raise InvalidReply(f"'{keys.DIVERGENCE}' = {raw!r} is not a number")

@@ -28,7 +28,7 @@ from flwr.serverapp.strategy import FedProx
 
 from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
-from protocol.records import InvalidReply, arrays_of, to_record
+from protocol.records import InvalidReply, arrays_of, as_float, to_record
 from protocol.replies import checked_metrics, is_number
 from strategies.algorithms.smart_fedprox.hybrid_selection import (
     fill_unknown,
@@ -46,6 +46,7 @@ SELECTIONS = ("random", "hybrid")
 # One row per (round, selected node). mode: random | cold-start | exploration | hybrid;
 # group: high | middle | low | fill (hybrid), "" otherwise; smoothed-divergence: the value
 # ranked (NaN when drawn at random); the last five columns are filled on aggregation.
+HISTORY_COLUMNS: tuple[str, ...]
 HISTORY_COLUMNS = ("round", "node-id", "mode", "group", "smoothed-divergence", "replied-ok")
 HISTORY_COLUMNS += ("divergence", "effective-mu", "train-loss", "reason")
 
@@ -225,7 +226,8 @@ class SmartFedProx(PartitionOrderedEvaluation, FedProx):
         if not valid or current is None:
             return None, None
         aggregate, metrics = super().aggregate_train(server_round, [m for m, _ in valid.values()])
-        divergences = [float(m[keys.DIVERGENCE]) for _, m in valid.values()]
+        divergences = [as_float(m[keys.DIVERGENCE]) for _, m in valid.values()]
+        assert metrics is not None  # FedAvg's metrics of a non-empty round
         metrics["divergence-std"] = float(np.std(divergences))
         metrics["failed-replies"] = failed
         return to_record(current, arrays_of(aggregate)), metrics
@@ -381,7 +383,7 @@ def _message(
 
 def _row(server_round: int, node: int, mode: str, group: str, smoothed: float) -> dict:
     """A history row at selection time; the reply's columns are filled on aggregation."""
-    row = dict.fromkeys(HISTORY_COLUMNS, math.nan)
+    row: dict[str, Any] = dict.fromkeys(HISTORY_COLUMNS, math.nan)
     row.update({"round": server_round, "node-id": int(node), "mode": mode, "group": group})
     row.update({"smoothed-divergence": smoothed, "replied-ok": False, "reason": "pending"})
     return row

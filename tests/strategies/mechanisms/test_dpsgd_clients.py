@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from privacy.accounting import PrivacyLedger
@@ -142,6 +142,20 @@ def test_budget_refuses_a_round_a_client_would_exceed_and_a_client_refusal_stops
     strategy.aggregate_train(1, [error_from(1, reason)])
     with pytest.raises(StopTraining, match="a client refused to train"):
         strategy.configure_train(2, record(GLOBAL), ConfigRecord(), FakeGrid([1]))
+
+
+def test_an_error_reply_without_a_reason_is_a_failure_not_a_refusal():
+    strategy = _wrapper()
+    list(strategy.configure_train(1, record(GLOBAL), ConfigRecord(), FakeGrid([1, 2])))
+    sent = Message(content=RecordDict(), dst_node_id=2, message_type="train")
+    no_reason = Message(Error(code=0), reply_to=sent)
+    assert no_reason.error.reason is None
+    arrays, _ = strategy.aggregate_train(
+        1, [reply_from(1, GLOBAL, {keys.NUM_EXAMPLES: 10}), no_reason]
+    )
+    assert arrays is not None  # node 1's update is aggregated
+    messages = list(strategy.configure_train(2, record(GLOBAL), ConfigRecord(), FakeGrid([1, 2])))
+    assert len(messages) == 2  # no refusal was read into the reasonless error
 
 
 def test_dpsgd_metric_keys_are_the_tasks():
