@@ -266,6 +266,14 @@ class ImageClassificationTask(Task):
             self.SPEC, cfg.partition_settings, central, partition_id, num_partitions
         )
 
+    @property
+    def head_only(self) -> bool:
+        return self.config.head_only
+
+    @property
+    def warm_start_epochs(self) -> int:
+        return self.config.warm_start_epochs
+
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a
         freshly built ``model.name`` (``head_parameter_names``)."""
