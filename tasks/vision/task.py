@@ -146,11 +146,11 @@ class ImageClassificationTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        seed = SEED.parse(run_config.get(SEED.key, SEED.default))
+        seed = SEED.read(run_config)
         declared = VisionConfig.from_options(self.options)
         self.config = replace(
             declared,
-            num_edges=int(NUM_EDGES.parse(run_config.get(NUM_EDGES.key, NUM_EDGES.default))),
+            num_edges=int(NUM_EDGES.read(run_config)),
             groups=MappingProxyType(self._resolve_groups(declared.grouping)),
             model_name=(
                 self.DEFAULT_MODEL if declared.model_name == "auto" else declared.model_name
