@@ -1,6 +1,6 @@
 """The app's own top-level keys that the ServerApp, the ClientApp and the tasks read.
 
-Each is declared once here and read typed with :meth:`config.options.Option.read`.
+Each is declared once here and read typed with ``Option.read``.
 ``task``, ``strategy`` and ``privacy`` take their valid values from the registries,
 which the ServerApp adds (``server_app.config.TOP_LEVEL``); the other top-level keys
 are the ServerApp's alone and declared there.

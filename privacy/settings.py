@@ -2,8 +2,8 @@
 
 Declared here, without Flower, because both halves read them: the server's wrappers
 and checks (``strategies/``, ``server_app/``) and the ClientApp (its DP seed, the
-audit's canaries), which reads them with :meth:`config.settings.Settings.from_run_config`
-without importing the server's strategies.
+audit's canaries), which reads them with ``Settings.from_run_config``
+(``config.settings``) without importing the server's strategies.
 """
 
 from __future__ import annotations

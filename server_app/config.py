@@ -34,6 +34,7 @@ from strategies import registry
 from strategies.algorithms.clustered import ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.algorithms.server_optimizer import ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.private import DivergenceSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
 from strategies.mechanisms.base import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
 from strategies.mechanisms.correlated_noise import CorrelatedSettings
@@ -101,6 +102,7 @@ PARTS: tuple[type[Settings], ...] = (
     AggregationSettings,
     ClusterSettings,
     SmartSettings,
+    DivergenceSettings,
     HierSettings,
     ServerOptimizerSettings,
     DPSettings,
