@@ -51,9 +51,19 @@ SAVED_READERS: dict[str, int] = {
 
 
 def option_reads(path: Path, keys: frozenset[str]) -> list[tuple[int, str]]:
-    """``(line, key)`` of every read of a run-config key by string literal in ``path``."""
+    """``(line, key)`` of every read of a run-config key by string literal in ``path``,
+    directly or through a module-level name bound to one (``CANARIES = "audit.canaries"``)
+    or an option's ``.key`` (``run_config.get(SEED.key)``: ``Option.read`` parses it)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    named = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name) and node.value.value in keys
+    }
+    for node in ast.walk(tree):
         literal = None
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
             literal = node.slice
@@ -64,7 +74,11 @@ def option_reads(path: Path, keys: frozenset[str]) -> list[tuple[int, str]]:
             and node.args
         ):
             literal = node.args[0]
-        if isinstance(literal, ast.Constant) and literal.value in keys:
+        if isinstance(literal, ast.Name) and literal.id in named:
+            found.append((node.lineno, named[literal.id]))
+        elif isinstance(literal, ast.Attribute) and literal.attr == "key":
+            found.append((node.lineno, ast.unparse(literal)))
+        elif isinstance(literal, ast.Constant) and literal.value in keys:
             found.append((node.lineno, literal.value))
     return found
 
@@ -90,9 +104,20 @@ def test_the_scan_finds_subscripts_and_gets_of_declared_keys_only(tmp_path):
         '"""x["fedprox.mu"] in a docstring"""\n'
         'd = run_config["seed"]\n'
         'need["fedprox.mu"] = 1\n'  # a write names the key, it reads nothing
+        'MU = "fedprox.mu"\n'
+        "e = run_config.get(MU, 0.1)\n"
+        "f = run_config.get(SEED.key, SEED.default)\n"
+        'ROUND = "server-round"\n'  # a name bound to a message key
+        "g = config[ROUND]\n"
     )
     keys = frozenset({"dp.clip-norm", "smart.selection", "fedprox.mu", "seed"})
-    assert option_reads(source, keys) == [(1, "dp.clip-norm"), (2, "smart.selection"), (5, "seed")]
+    assert option_reads(source, keys) == [
+        (1, "dp.clip-norm"),
+        (2, "smart.selection"),
+        (5, "seed"),
+        (8, "fedprox.mu"),
+        (9, "SEED.key"),
+    ]
 
 
 def test_no_option_is_read_by_string_outside_the_config_layer():
