@@ -93,7 +93,9 @@ class RunOptions(Typed):
     for a reader that has the options but not the run's other choices."""
 
     options: Mapping[str, Scalar]
-    parts: dict[type, Any] = field(default_factory=dict, compare=False, repr=False)
+    parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
 
 class Settings:
