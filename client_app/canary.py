@@ -19,16 +19,17 @@ from typing import Any
 
 import numpy as np
 
+from config.app import PRIVACY, SEED
 from privacy import audit
+from privacy.settings import AuditSettings, DPSettings
 from protocol import keys
 from protocol.records import arrays_of
 
-CANARIES = "audit.canaries"
-RATE = "audit.canary-rate"
+CANARIES = AuditSettings.key("canaries")
 
 
 def num_canaries(run_config: Mapping[str, Any]) -> int:
-    return int(run_config.get(CANARIES, 0) or 0)
+    return AuditSettings.from_run_config(run_config).canaries
 
 
 def real_partitions(run_config: Mapping[str, Any], num_partitions: int) -> int:
@@ -77,9 +78,13 @@ def _scale(direction: np.ndarray, config, run_config: Mapping[str, Any]) -> floa
     if keys.DP_CLIP_NORM in config:
         clip = float(config[keys.DP_CLIP_NORM])
         return audit.canary_norm(direction, l2_bound=clip, l1_bound=None)
-    clip = float(run_config.get("dp.clip-norm", 0.0) or 1.0)
-    if run_config.get("privacy") == "subspace-dp":
-        tau = float(run_config.get("subspace.tau", 1.0))
+    clip = DPSettings.from_run_config(run_config).clip_norm or 1.0
+    if PRIVACY.read(run_config) == "subspace-dp":
+        # On use: subspace-dp's settings live beside its server half, which a client
+        # imports only under that mechanism (client_app.mods).
+        from strategies.mechanisms.subspace_dp import SubspaceSettings
+
+        tau = SubspaceSettings.from_run_config(run_config).tau
         return audit.canary_norm(direction, l2_bound=clip / math.sqrt(tau), l1_bound=None)
     return clip
 
@@ -88,7 +93,9 @@ def absent_when_held_out(config, run_config: Mapping[str, Any]) -> bool:
     """Whether a held-out canary must send nothing this round: under add-or-remove-one
     (Poisson sampling) any report beyond the zero update, i.e. the adaptive clip's norm
     bit, would make "out" differ from "absent"."""
-    return bool(config.get(keys.DP_ADAPTIVE)) and run_config.get("dp.sampling") == "poisson"
+    if not config.get(keys.DP_ADAPTIVE):
+        return False
+    return DPSettings.from_run_config(run_config).sampling == "poisson"
 
 
 HELD_OUT = "held-out audit canary: absent this round (add-or-remove-one)"
@@ -96,10 +103,11 @@ HELD_OUT = "held-out audit canary: absent this round (add-or-remove-one)"
 
 def inserted(config, run_config: Mapping[str, Any], index: int) -> bool:
     """Whether canary ``index`` inserts its direction in this round."""
-    seed = int(run_config.get("seed", 0))
+    seed = int(SEED.read(run_config))
     server_round = int(config.get(keys.SERVER_ROUND, 0))
-    return bool(audit.inclusion(seed, num_canaries(run_config))[index]) and (
-        audit.inserts_in_round(seed, index, server_round, float(run_config.get(RATE, 1.0)))
+    settings = AuditSettings.from_run_config(run_config)
+    return bool(audit.inclusion(seed, settings.canaries)[index]) and (
+        audit.inserts_in_round(seed, index, server_round, settings.canary_rate)
     )
 
 
@@ -109,7 +117,7 @@ def update(
     """The canary's trained arrays (received + its update) and whether it inserted its
     direction this round."""
     reference = arrays_of(received)
-    seed = int(run_config.get("seed", 0))
+    seed = int(SEED.read(run_config))
     if not inserted(config, run_config, index):
         return [np.array(a, copy=True) for a in reference], False
     flat = audit.flatten(reference)

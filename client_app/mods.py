@@ -13,11 +13,13 @@ from flwr.app import Context, Message
 from flwr.client.mod.utils import make_ffn
 from flwr.clientapp.typing import ClientAppCallable
 
+from config.app import PRIVACY
+
 
 def privacy_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
     """Run the mods of the run's ``privacy`` mechanism (after ``preset_mod``) around the
     rest of the chain; without a mechanism, the rest of the chain alone."""
-    privacy = str(ctxt.run_config.get("privacy", "none"))
+    privacy = str(PRIVACY.read(ctxt.run_config))
     if privacy == "none":
         return call_next(msg, ctxt)
     # On use: the registry imports every server wrapper, which a client needs only

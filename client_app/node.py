@@ -27,6 +27,7 @@ import tasks
 from client_app import canary, state
 from client_app.halves.base import ClientHalf, Round
 from privacy.mechanisms import secret_seed
+from privacy.settings import DPSettings
 from protocol import keys
 from protocol.records import to_numpy
 from tasks.base import SEED, LocalTraining, Task
@@ -49,7 +50,7 @@ def _model(task: Task, seed: int) -> torch.nn.Module:
 
 
 def run_seed(context: Context) -> int:
-    return int(context.run_config.get(SEED.key, SEED.default))
+    return int(SEED.read(context.run_config))
 
 
 def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
@@ -100,7 +101,7 @@ def reply(msg: Message, metrics: dict[str, float], model: torch.nn.Module | None
 def dp_seed(reproducible_seed: int, run_config) -> int:
     """The seed of this training's DP randomness: OS entropy, never sent anywhere;
     ``reproducible_seed`` (from the run seed) only under ``dp.reproducible-noise``."""
-    if bool(run_config.get("dp.reproducible-noise", False)):
+    if DPSettings.from_run_config(run_config).reproducible_noise:
         return int(np.random.SeedSequence([reproducible_seed, _DP_STREAM]).generate_state(1)[0])
     return secret_seed()
 

@@ -85,6 +85,11 @@ class Option:
         self._check_range(value)
         return value
 
+    def read(self, run_config: Mapping[str, Any]) -> Scalar:
+        """This key's value in a flat run-config as Flower hands it, parsed (its
+        default where the key is absent): how a part reads a single declared key."""
+        return self.parse(run_config[self.key]) if self.key in run_config else self.default
+
     def _check_range(self, value: float) -> None:
         too_low = self.low is not None and (
             value < self.low or (self.low_open and value == self.low)

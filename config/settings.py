@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, Self, TypeVar
 
-from config.options import Option, Scalar
+from config.options import Option, Scalar, parse_options
 
 
 class SettingsError(ValueError):
@@ -72,7 +72,8 @@ class Typed:
 class Choice(Typed):
     """What the parts' checks see of a run: the choices, the options and the task's
     traits (``traits``: what the chosen task supports; ``tasks_with``: the tasks with
-    each trait, for the error message)."""
+    each trait, for the error message; ``head_only``, ``warm_start``: the task's own
+    settings that other parts' checks depend on)."""
 
     strategy: str
     privacy: str
@@ -81,6 +82,19 @@ class Choice(Typed):
     options: Mapping[str, Scalar]
     traits: frozenset[str] = frozenset()
     tasks_with: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    head_only: bool = False  # the task trains and shares only its head (subspace.head-only)
+    warm_start: int = 0  # the task's epochs on public data before round 1 (subspace.warm-start)
+    parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+
+@dataclass(frozen=True)
+class RunOptions(Typed):
+    """A run's parsed options alone, read typed (``RunOptions(cfg.options).part(...)``):
+    for a reader that has the options but not the run's other choices."""
+
+    options: Mapping[str, Scalar]
     parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -126,6 +140,18 @@ class Settings:
         its default)."""
         keyed = (f for f in fields(cls) if "option" in f.metadata)  # type: ignore[arg-type]
         return cls(**{f.name: options[cls.field_key(f)] for f in keyed})
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> Self:
+        """The settings of a flat run-config as Flower hands it (each key parsed and
+        range-checked, its default where absent): how a ClientApp reads its part's keys."""
+        return cls.from_options(parse_options(run_config, cls.options()))
+
+    def kwargs(self) -> dict[str, Any]:
+        """Every keyed field by name: the constructor arguments of the part these
+        settings configure (a registry builds it with ``Part(**settings.kwargs())``)."""
+        keyed = (f for f in fields(self) if "option" in f.metadata)  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in keyed}
 
     @staticmethod
     def check(choice: Choice) -> None:

@@ -84,7 +84,7 @@ def _run(grid: Grid, context: Context) -> None:
         raise
     failed = outcome.status == "failed"
     title = f"{cfg.task} · {cfg.strategy} · privacy={cfg.privacy} · seed {cfg.seed}"
-    report = threat_models.run_report(cfg.privacy, cfg.options, strategy) if ledger else None
+    report = threat_models.run_report(cfg.privacy, cfg, strategy) if ledger else None
     status = run_status.from_report(cfg.privacy, report, outcome.to_json())
     state = None if failed else final.to_torch_state_dict()
     run_dir.finish(state, title=title, caption=status.caption())

@@ -10,18 +10,22 @@ and the canaries' own synthetic truth (directions and coins from the run seed), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
-from typing import ClassVar, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
-from config.settings import Choice, Settings, SettingsError, listed, setting
+from config.settings import Settings
 from privacy import audit
-from strategies.mechanisms.base import DPSettings
+from privacy.settings import (  # noqa: F401 (declared without Flower: the ClientApp reads them)
+    AUDIT_PRIVACY,
+    AUDIT_STRATEGIES,
+    AuditSettings,
+    DPSettings,
+)
 
 S = TypeVar("S", bound=Settings)
 
@@ -185,70 +189,3 @@ def _plot(result: audit.AuditResult, path: Path) -> None:
     ax.legend(fontsize=8)
     figure.tight_layout()
     save_figure(figure, path)
-
-
-# What the audit's canaries fit: one global model that averages uploads, released under
-# a client-level mechanism (or none). DP-SGD is sample-level (a canary client would
-# exceed its epsilon by design); the hierarchical modes, clusters and SmartFedProx's
-# selection are not one average of sampled uploads.
-AUDIT_STRATEGIES = ("fedavg", "fedprox")
-AUDIT_PRIVACY = ("none", "dp-fedavg-fixed", "dp-fedavg-adaptive", "laplace", "subspace-dp")
-
-
-@dataclass(frozen=True)
-class AuditSettings(Settings):
-    """The empirical privacy audit's run-config keys (``audit.*``)."""
-
-    PREFIX: ClassVar[str] = "audit"
-    canaries: int = setting(
-        0,
-        "Empirical privacy audit: k canary clients, the federation's last k partition"
-        " ids (simulation: num-supernodes = N + k); each is inserted with probability"
-        " 1/2, the rest are held out. 0: no audit.",
-        low=0,
-    )
-    canary_rate: float = setting(
-        1.0,
-        "Audit: probability that a sampled inserted canary uploads its direction in a"
-        " round (1: it is sampled and uploads exactly like a real client).",
-        low=0.0,
-        high=1.0,
-        low_open=True,
-    )
-    every: int = setting(
-        0,
-        "Audit also the global model of every this many rounds (its delta from the "
-        "initial model; audit.json 'history'); 0: only the final model.",
-        low=0,
-    )
-    confidence: float = setting(
-        0.95,
-        "Audit: confidence of the one-run epsilon lower bound (Steinke et al. 2023).",
-        low=0.5,
-        high=1.0,
-        high_open=True,
-    )
-
-    @staticmethod
-    def check(choice: Choice) -> None:
-        """Enough canaries, in a run whose release the audit's method fits."""
-        k = choice.part(AuditSettings).canaries
-        if not k:
-            return
-        if k < 4:
-            raise SettingsError(
-                f"'audit.canaries' = {k} is too few: the estimate fits a Gaussian to the "
-                "inserted and to the held-out canaries (each about k/2); valid values: 0 "
-                "(off) or >= 4"
-            )
-        if choice.strategy not in AUDIT_STRATEGIES:
-            raise SettingsError(
-                f"'audit.canaries' = {k} is not available with 'strategy' = "
-                f"{choice.strategy!r}; valid strategies: " + listed(AUDIT_STRATEGIES)
-            )
-        if choice.privacy not in AUDIT_PRIVACY:
-            raise SettingsError(
-                f"'audit.canaries' = {k} is not available with 'privacy' = "
-                f"{choice.privacy!r} (the audit tests a client-level guarantee of one "
-                "released model); valid values: " + listed(AUDIT_PRIVACY)
-            )

@@ -25,7 +25,7 @@ def ledger_report(cfg: RunConfig, strategy: Strategy) -> dict:
     """``ledger.json``'s record of who each epsilon holds against, and of the noise
     calibrated to ``dp.target-epsilon`` (None when the noise was given)."""
     return {
-        "threat-models": threat_models.run_report(cfg.privacy, cfg.options, strategy),
+        "threat-models": threat_models.run_report(cfg.privacy, cfg, strategy),
         "calibration": getattr(strategy, "calibration", None),
     }
 

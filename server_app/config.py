@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 import strategies
 import tasks
+from config.app import NUM_SERVER_ROUNDS, PRIVACY, SEED, STRATEGY, TASK
 from config.options import ConfigError, Option, Scalar, check_unknown_keys, parse_options
 from config.settings import Choice, Settings, Typed, listed
 from privacy.accounting import AccountingError
@@ -33,18 +34,18 @@ from strategies import registry
 from strategies.algorithms.clustered import ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.algorithms.server_optimizer import ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.private import DivergenceSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
 from strategies.mechanisms.base import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
 from strategies.mechanisms.correlated_noise import CorrelatedSettings
 from strategies.mechanisms.subspace_dp import SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.secure.secagg_plus import SecAggSettings
-from tasks.base import NUM_SERVER_ROUNDS, SEED
 
 TOP_LEVEL: tuple[Option, ...] = (
-    Option("task", "digits", "Learning task.", choices=tuple(tasks.REGISTRY)),
-    Option("strategy", "fedavg", "Federated strategy.", choices=tuple(strategies.STRATEGIES)),
-    Option("privacy", "none", "Privacy mechanism.", choices=tuple(strategies.PRIVACY)),
+    replace(TASK, choices=tuple(tasks.REGISTRY)),
+    replace(STRATEGY, choices=tuple(strategies.STRATEGIES)),
+    replace(PRIVACY, choices=tuple(strategies.PRIVACY)),
     NUM_SERVER_ROUNDS,
     SEED,
     Option(
@@ -101,6 +102,7 @@ PARTS: tuple[type[Settings], ...] = (
     AggregationSettings,
     ClusterSettings,
     SmartSettings,
+    DivergenceSettings,
     HierSettings,
     ServerOptimizerSettings,
     DPSettings,
@@ -272,6 +274,8 @@ def check_combinations(cfg: RunConfig) -> None:
         options=cfg.options,
         traits=_traits(cfg.task),
         tasks_with={t: tuple(n for n in tasks.REGISTRY if t in _traits(n)) for t in TRAITS},
+        head_only=bool(cfg.options.get("subspace.head-only", False)),
+        warm_start=int(cfg.options.get("subspace.warm-start", 0)),
         parts=cfg.parts,
     )
     for part in PARTS:

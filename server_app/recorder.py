@@ -13,7 +13,7 @@ from server_app import certify
 from server_app.audit import RunAudit
 from server_app.config import RunConfig
 from server_app.failures import FailureWatch
-from server_app.results import CURATOR_DIR, RunDirectory
+from server_app.results import CURATOR_DIR, STRATEGY_STATE, RunDirectory
 from server_app.rounds import RoundResult
 from strategies.runtime.capabilities import (
     MultiModel,
@@ -60,7 +60,7 @@ class RoundRecorder:
         with the failure policy's state (the divergence guard's reference values)."""
         payload = {
             "arrays": encode(result.arrays),
-            "strategy": strategy_state(self.strategy),
+            STRATEGY_STATE: strategy_state(self.strategy),
             "rng": global_rng_state(),
             "result": {
                 "train": dict(result.train) if result.train is not None else None,
@@ -122,7 +122,7 @@ def restore(
     partitions = partition_map(strategy)  # the run's node -> partition map
     nodes = wait_for_nodes(grid, cfg.min_available_nodes, partitions, timeout=cfg.round_timeout)
     node_of = {p: n for n in nodes if (p := partitions.partition_of(n)) is not None}
-    load_strategy_state(strategy, saved["strategy"], node_of)
+    load_strategy_state(strategy, saved[STRATEGY_STATE], node_of)
     set_global_rng_state(saved["rng"])
     if watch is not None:
         watch.load_state_dict(saved.get("guard"))

@@ -37,7 +37,8 @@ SERVER_CHECKPOINT = "server.pt"
 CHECKPOINT_FORMAT = 3  # 3: each strategy layer's own state_dict(); 2: attribute lists
 CURATOR_DIR = "curator"  # under a privacy mechanism: what no epsilon covers
 CLIENTS_DIR = "clients"  # what the clients write (logs, their state): shared in simulation
-CHECKPOINT_KEYS = ("round", "arrays", "strategy", "rng", "result")
+STRATEGY_STATE = "strategy"  # the checkpoint's strategy layers' state (not a run-config read)
+CHECKPOINT_KEYS = ("round", "arrays", STRATEGY_STATE, "rng", "result")
 REJECTED = "rejected"  # a committed round that failed the divergence guard (not resumable)
 # Keys a resumed run may set differently from the run it continues.
 RESUME_FREE_KEYS = ("resume-from", "output-dir")

@@ -57,7 +57,7 @@ def load(run_config: dict, explicit: Collection[str] | None = None) -> Setup:
         # unreachable dataset fails here, with the key to fix, not inside a client.
         test_set = task.load_central_test()
         settings = cfg.strategy_settings()
-        if _head_only(cfg):  # DP wrappers release (and update) only the head's arrays
+        if task.head_only:  # DP wrappers release (and update) only the head's arrays
             settings = replace(settings, released_keys=task.head_keys())
         strategy = strategies.build(cfg.privacy, settings)
         subspace_setup.check(cfg, task)
@@ -136,25 +136,21 @@ def privacy_line(cfg: config.RunConfig) -> str:
     return f"PRIVATE: {', '.join(how)}; {goal} ({what})"
 
 
-def _head_only(cfg: config.RunConfig) -> bool:
-    return bool(cfg.options.get("subspace.head-only", False))
-
-
 def initial_model(run: Setup) -> torch.nn.Module:
     """The model of round 0: the task's, seeded, after the experiment's public-data
     steps (a warm start; subspace-dp's public basis and allocation samples), which
     touch no client."""
     cfg, task = run.cfg, run.task
     model = task.build_model(cfg.seed)
-    if int(cfg.options.get("subspace.warm-start", 0)) > 0:
+    if task.warm_start_epochs > 0:
         warm = cast(PublicData, task).warm_start(model)  # public data only: no client is touched
         shown = ", ".join(f"{k} {v:.4f}" for k, v in warm.items())
         log(INFO, "Warm start on public data: %s", shown)
         run.run_dir.write_json("warm-start.json", warm)
         run.run_dir.write_model("warm-start.pt", model.state_dict())
-    if _head_only(cfg):
+    if task.head_only:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
-    released = task.head_keys() if _head_only(cfg) else tuple(model.state_dict())
+    released = task.head_keys() if task.head_only else tuple(model.state_dict())
     subspace_setup.prepare(cfg, task, model, run.strategy, released)
     _distinct_cluster_models(run)
     return model

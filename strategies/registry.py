@@ -22,7 +22,7 @@ from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg, HierSettings
 from strategies.algorithms.local import LocalOnly
 from strategies.algorithms.server_optimizer import ServerOptimizer, ServerOptimizerSettings
-from strategies.algorithms.smart_fedprox.private import DivergenceRelease
+from strategies.algorithms.smart_fedprox.private import DivergenceRelease, DivergenceSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartFedProx, SmartSettings
 from strategies.mechanisms.base import (  # noqa: F401 (_SERVER_STREAM: the tests and bench)
     _SERVER_STREAM,
@@ -102,33 +102,26 @@ def _seeded(strategy: Strategy, s: StrategySettings) -> Strategy:
     )
 
 
+# Each strategy is built from its settings object: every field of its settings dataclass
+# is the constructor argument of the same name (``Settings.kwargs``), so a new key
+# reaches the strategy without an edit here (docs/extending.md).
+
+
 def _clustered(s: StrategySettings) -> Strategy:
-    c = s.part(ClusterSettings)
     return ClusteredFedAvg(
         **_sampling(s),
-        k=c.k,
-        assign=c.assign,
-        space=c.space,
-        update=c.update,
-        init=c.init,
+        **s.part(ClusterSettings).kwargs(),
         seed=s.seed,
         query_timeout=s.round_timeout,
     )
 
 
 def _smart_fedprox(s: StrategySettings) -> Strategy:
-    smart = s.part(SmartSettings)
     return SmartFedProx(
         **_sampling(s),
+        **s.part(SmartSettings).kwargs(),
         proximal_mu=s.part(FedProxSettings).mu,
-        selection=smart.selection,
-        adaptive_mu=smart.adaptive_mu,
-        cold_start_rounds=smart.cold_start_rounds,
-        exploration_rate=smart.exploration_rate,
-        mu_min=smart.mu_min,
-        mu_max=smart.mu_max,
         local_epochs=s.local_epochs,
-        ema_alpha=smart.ema_alpha,
         seed=s.seed,
         sample_size=s.train_sample_size,
         connect_timeout=s.round_timeout,
@@ -136,16 +129,10 @@ def _smart_fedprox(s: StrategySettings) -> Strategy:
 
 
 def _hierarchical(s: StrategySettings) -> Strategy:
-    h = s.part(HierSettings)
     return HierarchicalFedAvg(
         fraction_evaluate=s.fraction_evaluate,
         min_evaluate_nodes=s.min_evaluate_nodes,
-        num_edges=h.num_edges,
-        edge_rounds=h.edge_rounds,
-        local_updates=h.local_updates,
-        client_fraction=h.client_fraction,
-        edge_fraction=h.edge_fraction,
-        eta=h.eta,
+        **s.part(HierSettings).kwargs(),
         seed=s.seed,
         timeout=s.round_timeout,
         min_available_nodes=s.min_available_nodes,
@@ -272,10 +259,10 @@ def divergence_release(s: StrategySettings) -> DivergenceRelease | None:
     """SmartFedProx's divergence report under DP-FedAvg (``smart.divergence-*``)."""
     if s.strategy != "smart-fedprox":
         return None
-    smart = s.part(SmartSettings)
+    release = s.part(DivergenceSettings)
     return DivergenceRelease(
-        bound=smart.divergence_clip,
-        noise_multiplier=smart.divergence_noise or None,
+        bound=release.divergence_clip,
+        noise_multiplier=release.divergence_noise or None,
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from config.app import TASK
 from config.options import ConfigError
 
 if TYPE_CHECKING:
@@ -63,5 +64,5 @@ def get(name: str) -> type[Task]:
 
 
 def build(run_config: Mapping[str, Any]) -> Task:
-    """Build the task named by ``run_config["task"]`` with its options parsed."""
-    return get(run_config["task"])(run_config)
+    """Build the task named by the run-config's ``task`` with its options parsed."""
+    return get(str(TASK.read(run_config)))(run_config)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from config.app import NUM_SERVER_ROUNDS as NUM_SERVER_ROUNDS
+from config.app import SEED as SEED
 from config.options import ConfigError, Option, parse_options
 
 # DP-SGD's settings and metric, re-exported: a task's LocalTraining carries them.
@@ -26,8 +28,6 @@ from privacy.mechanisms import secret_seed
 if TYPE_CHECKING:
     from privacy.frontloaded import FrontLoadedDP
 
-SEED = Option("seed", 42, "Run seed: partitioning, model init, sampling, local shuffling.", low=0)
-NUM_SERVER_ROUNDS = Option("num-server-rounds", 10, "Number of federated rounds.", low=1)
 
 # Metric keys every task reports (kebab-case, stable across tasks).
 NUM_EXAMPLES = "num-examples"
@@ -169,6 +169,17 @@ class Task(ABC):
         """State-dict keys that stay on the client (e.g. FedBN's BatchNorm layers): the
         ClientApp restores them from its own state after loading the global weights."""
         return ()
+
+    @property
+    def head_only(self) -> bool:
+        """Whether only the model's head trains and travels (``subspace.head-only``)."""
+        return False
+
+    @property
+    def warm_start_epochs(self) -> int:
+        """Epochs of central training on public data before round 1
+        (``subspace.warm-start``; 0: none)."""
+        return 0
 
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the model's head, the only part that trains and travels

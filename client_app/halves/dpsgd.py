@@ -9,6 +9,7 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context
 
 from client_app.halves.base import ClientHalf, Round
+from config.app import NUM_SERVER_ROUNDS
 from privacy.dpsgd import DPSGD
 from protocol import keys
 
@@ -20,7 +21,7 @@ def dp_sgd(config: ConfigRecord, run_config) -> DPSGD:
         max_grad_norm=float(config[keys.DPSGD_MAX_GRAD_NORM]),
         delta=float(config[keys.DPSGD_DELTA]),
         target_epsilon=float(config.get(keys.DPSGD_TARGET_EPSILON, 0.0)),
-        planned_rounds=int(run_config.get("num-server-rounds", 0)),
+        planned_rounds=int(NUM_SERVER_ROUNDS.read(run_config)),
         max_epsilon=float(config.get(keys.DPSGD_MAX_EPSILON, 0.0)),
     )
 

@@ -649,10 +649,10 @@ class ClusterSettings(Settings):
                 "'cluster.update' = 'assignment': no k-means runs there (each model is the "
                 "mean of its assignees' uploads); valid value: 'weights'"
             )
-        if cluster.init == "distinct" and (int(choice.options.get("subspace.warm-start", 0)) > 0):
+        if cluster.init == "distinct" and choice.warm_start > 0:
             raise SettingsError(
                 "'cluster.init' = 'distinct' draws models 1..K-1 afresh, which would skip "
-                f"'subspace.warm-start' = {choice.options['subspace.warm-start']}; valid "
+                f"'subspace.warm-start' = {choice.warm_start}; valid "
                 "values with a warm start: 'shared'"
             )
         if choice.privacy in CENTRAL_CLUSTERED:

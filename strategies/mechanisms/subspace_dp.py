@@ -533,7 +533,7 @@ class SubspaceSettings(Settings):
         codes of at least 2 bits that a top-up can make Gaussian, server-side noise."""
         if choice.privacy != "subspace-dp":
             return
-        o, sub, dp = choice.options, choice.part(SubspaceSettings), choice.part(DPSettings)
+        sub, dp = choice.part(SubspaceSettings), choice.part(DPSettings)
         rank, sketch = sub.rank, sub.sketch_dim
         if rank >= sketch:
             raise SettingsError(
@@ -543,7 +543,7 @@ class SubspaceSettings(Settings):
             )
         for name, default in (("init", "isotropic"), ("allocation", "uniform")):
             key, value = SubspaceSettings.key(name), getattr(sub, name)
-            if value != default and int(o.get("subspace.warm-start", 0)) == 0:
+            if value != default and choice.warm_start == 0:
                 raise SettingsError(
                     f"{key!r} = {value!r} needs public data: set 'subspace.warm-start' > 0 "
                     "(a vision task's public split of the held-out set), or "

@@ -15,9 +15,13 @@ Design notes: ``docs/notes.md``, ``strategies.mechanisms.threat_models``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from config.settings import Typed
+from privacy.settings import DPSettings
+from strategies.secure.secagg_plus import SecAggSettings
 
 THREAT_MODELS = ("trusted-server", "honest-but-curious-server", "local")
 TITLES = {
@@ -51,22 +55,22 @@ class Row:
 
     privacy: str
     when: str
-    applies: Callable[[Mapping[str, Any]], bool]
+    applies: Callable[[Typed], bool]  # of the run's settings
     cells: tuple[Cell, Cell, Cell]  # in THREAT_MODELS order
 
 
-def _noise_site(site: str) -> Callable[[Mapping[str, Any]], bool]:
-    return lambda options: str(options.get("dp.noise-site", "server")) == site
+def _noise_site(site: str) -> Callable[[Typed], bool]:
+    return lambda run: run.part(DPSettings).noise_site == site
 
 
-def _always(_options: Mapping[str, Any]) -> bool:
+def _always(_run: Typed) -> bool:
     return True
 
 
-def _secagg(site: str | None) -> Callable[[Mapping[str, Any]], bool]:
-    def applies(options: Mapping[str, Any]) -> bool:
-        on = bool(options.get("secagg.enabled", False))
-        return on and (site is None or str(options.get("dp.noise-site", "server")) == site)
+def _secagg(site: str | None) -> Callable[[Typed], bool]:
+    def applies(run: Typed) -> bool:
+        on = SecAggSettings.enabled_in(run)
+        return on and (site is None or run.part(DPSettings).noise_site == site)
 
     return applies
 
@@ -206,13 +210,13 @@ ROWS: tuple[Row, ...] = (
     Row(
         "cg-ng",
         "dp.per-example = true",
-        lambda o: bool(o.get("dp.per-example", False)),
+        lambda run: run.part(DPSettings).per_example,
         (_SAMPLE, _SAMPLE, _SAMPLE),
     ),
     Row(
         "cg-ng",
         "dp.per-example = false",
-        lambda o: not bool(o.get("dp.per-example", False)),
+        lambda run: not run.part(DPSettings).per_example,
         (_PER_BATCH,) * 3,
     ),
     Row("cg-np", "", _always, (_PER_BATCH,) * 3),
@@ -229,10 +233,10 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-def row_for(privacy: str, options: Mapping[str, Any]) -> Row:
-    """The row describing ``privacy`` under ``options``."""
+def row_for(privacy: str, run: Typed) -> Row:
+    """The row describing ``privacy`` under the run's settings ``run``."""
     for row in ROWS:
-        if row.privacy == privacy and row.applies(options):
+        if row.privacy == privacy and row.applies(run):
             return row
     raise KeyError(f"no threat-model row for privacy = {privacy!r}")
 
@@ -266,11 +270,11 @@ def _epsilon(kind: str, strategy) -> tuple[float | None, float | None, str | Non
     return worst.epsilon, worst.delta, worst.client
 
 
-def run_report(privacy: str, options: Mapping[str, Any], strategy) -> list[dict[str, Any]]:
+def run_report(privacy: str, run: Typed, strategy) -> list[dict[str, Any]]:
     """For each threat model: whether an ε holds, its value (worst client where per
     client) and what it rests on, for ``ledger.json`` and the run's summary."""
-    row = row_for(privacy, options)
-    seed_known = bool(options.get("dp.reproducible-noise", False)) and privacy != "none"
+    row = row_for(privacy, run)
+    seed_known = run.part(DPSettings).reproducible_noise and privacy != "none"
     report = []
     for threat, cell in zip(THREAT_MODELS, row.cells, strict=True):
         entry: dict[str, Any] = {"threat-model": threat, "holds": cell.kind != NONE}

@@ -25,6 +25,7 @@ from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
 from protocol.records import InvalidReply, as_float, to_numpy, to_record
 from protocol.replies import check_reply, is_number
+from strategies.secure.secagg_plus import SecAggSettings
 
 RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan")
 # Strategies whose aggregate is one (weighted) mean of the replies' models, which a
@@ -104,7 +105,7 @@ class AggregationSettings(Settings):
                 "mean; a robust aggregate would need its own sensitivity analysis "
                 f"(valid: 'privacy' in {listed(ROBUST_PRIVACY)})"
             )
-        if bool(choice.options.get("secagg.enabled", False)):
+        if SecAggSettings.enabled_in(choice):
             raise SettingsError(
                 f"'aggregation.rule' = {rule!r} cannot run with 'secagg.enabled' = true: "
                 "the server sees only the sum of the updates"

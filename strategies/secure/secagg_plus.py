@@ -34,6 +34,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
 from config.settings import Choice, Settings, SettingsError, Typed, listed, setting
+from privacy.settings import AuditSettings, DPSettings
 from protocol.masking import (
     MASKED,
     MAX_CIPHERTEXT_BYTES,
@@ -45,7 +46,6 @@ from protocol.masking import (
     transport_dtype,
 )
 from protocol.replies import REPLY_MARGIN_BYTES, REPLY_MARGIN_SHARE, oversized_reason
-from strategies.mechanisms.base import DPSettings
 from strategies.runtime.messaging import send_and_receive
 
 ENCODING = "secagg-encoding"  # the collect message's ConfigRecord of encoding parameters
@@ -151,7 +151,7 @@ class SecAggSettings(Settings):
         """What secure aggregation can run with."""
         if not SecAggSettings.enabled_in(choice):
             return
-        o, dp = choice.options, choice.part(DPSettings)
+        dp = choice.part(DPSettings)
         if choice.strategy not in SECAGG_STRATEGIES:
             raise SettingsError(
                 f"'secagg.enabled' = true gives the server only the sum of the updates; "
@@ -179,11 +179,11 @@ class SecAggSettings(Settings):
                 "bits has no distributed mechanism here; use 'dp.noise-site' = 'server' (the "
                 "bits are summed securely and the server noises their count)"
             )
-        if bool(o.get("subspace.head-only", False)):
+        if choice.head_only:
             raise SettingsError(
                 "'subspace.head-only' = true is not available with 'secagg.enabled' = true"
             )
-        if int(o["audit.canaries"]):  # server_app's key: no import of it here
+        if choice.part(AuditSettings).canaries:
             raise SettingsError(
                 "'audit.canaries' > 0 is not available with 'secagg.enabled' = true (the "
                 "audit's canaries upload crafted updates the secure sum would hide)"

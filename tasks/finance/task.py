@@ -282,7 +282,7 @@ class FinanceTask(Task):
             scheme=parse_scheme(declared.partitioning),
             norm=resolve_norm(declared.norm, self.under_dp_sgd),
             device=resolve_device(declared.device, "finance.device"),
-            seed=int(SEED.parse(run_config.get(SEED.key, SEED.default))),
+            seed=int(SEED.read(run_config)),
         )
         self._check_norm(declared.norm)
 

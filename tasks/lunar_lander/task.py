@@ -104,7 +104,7 @@ class LunarLanderTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        self.seed = int(SEED.parse(run_config.get(SEED.key, SEED.default)))
+        self.seed = int(SEED.read(run_config))
         declared = PPOConfig.from_options(self.options)
         n_steps, n_envs = declared.n_steps, declared.n_envs
         if n_steps * n_envs <= 1:
@@ -112,11 +112,10 @@ class LunarLanderTask(Task):
                 f"'ppo.n-steps' x 'ppo.n-envs' = {n_steps} x {n_envs} must be > 1 "
                 "(PPO normalises advantages over the rollout)"
             )
-        rounds = run_config.get(NUM_SERVER_ROUNDS.key, NUM_SERVER_ROUNDS.default)
         self.config = cfg = dataclasses.replace(
             declared,
             device=resolve_device(declared.device, "ppo.device"),
-            num_rounds=int(NUM_SERVER_ROUNDS.parse(rounds)),
+            num_rounds=int(NUM_SERVER_ROUNDS.read(run_config)),
         )
         # Each planet's clients' steps per round (ppo.local-steps-<planet>, 0: the default)
         self.planet_steps = {

@@ -285,7 +285,7 @@ class MovieLensTask(Task):
         self.config = replace(
             declared,
             device=resolve_device(declared.device, "movielens.device"),
-            seed=int(SEED.parse(run_config.get(SEED.key, SEED.default))),
+            seed=int(SEED.read(run_config)),
         )
 
     @property

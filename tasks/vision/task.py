@@ -146,11 +146,11 @@ class ImageClassificationTask(Task):
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
-        seed = SEED.parse(run_config.get(SEED.key, SEED.default))
+        seed = SEED.read(run_config)
         declared = VisionConfig.from_options(self.options)
         self.config = replace(
             declared,
-            num_edges=int(NUM_EDGES.parse(run_config.get(NUM_EDGES.key, NUM_EDGES.default))),
+            num_edges=int(NUM_EDGES.read(run_config)),
             groups=MappingProxyType(self._resolve_groups(declared.grouping)),
             model_name=(
                 self.DEFAULT_MODEL if declared.model_name == "auto" else declared.model_name
@@ -265,6 +265,14 @@ class ImageClassificationTask(Task):
         return hub.load_hub_partition(
             self.SPEC, cfg.partition_settings, central, partition_id, num_partitions
         )
+
+    @property
+    def head_only(self) -> bool:
+        return self.config.head_only
+
+    @property
+    def warm_start_epochs(self) -> int:
+        return self.config.warm_start_epochs
 
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a

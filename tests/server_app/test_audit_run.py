@@ -157,6 +157,24 @@ def test_a_laplace_canary_has_twice_the_l1_bound_and_is_clipped_to_it():
     assert np.abs(audit.flatten(clipped)).sum() == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize(
+    ("run", "norm"),
+    [
+        # subspace-dp clips on the server in the P-norm: L2 bound C / sqrt(tau) = 2 / 2
+        ({"privacy": "subspace-dp", "dp.clip-norm": 2, "subspace.tau": 4}, audit.CANARY_OVERSHOOT),
+        ({"privacy": "none", "dp.clip-norm": 3}, 3.0),  # nothing clips: C is the scale
+        ({"privacy": "none"}, 1.0),  # dp.clip-norm = 0 (its default): 1
+    ],
+)
+def test_a_canary_without_a_clip_in_the_config_reads_its_scale_from_the_run_config(run, norm):
+    received = {"w": np.zeros((3, 4)), "b": np.zeros(4)}
+    run = {"seed": 0, "audit.canaries": 4, **run}
+    index = int(np.flatnonzero(audit.inclusion(0, 4))[0])
+    arrays, inserted = canary.update(record(received), {keys.SERVER_ROUND: 1}, run, index)
+    assert inserted
+    assert np.linalg.norm(audit.flatten(arrays)) == pytest.approx(norm)
+
+
 def test_a_federation_with_no_real_client_stops_at_start_up(tmp_path):
     with pytest.raises(RunFailed, match=r"'audit\.canaries' = 4 needs num-partitions = N \+ 4"):
         _run(tmp_path, nodes=4)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from config.settings import RunOptions
 from strategies.mechanisms import threat_models
 from tests.inprocess import InProcessGrid, run_config, run_server
 
@@ -126,4 +127,4 @@ def test_every_privacy_value_has_a_threat_model_row():
     for value in privacy.choices:
         for options in ({}, {"dp.noise-site": "client"}, {"dp.per-example": True}):
             if value == "cg-ng" or not options.get("dp.per-example"):
-                assert threat_models.row_for(value, options).privacy == value
+                assert threat_models.row_for(value, RunOptions(options)).privacy == value

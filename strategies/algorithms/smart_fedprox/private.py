@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from logging import INFO
+from typing import ClassVar
 
 from flwr.app import ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 
+from config.settings import Choice, Settings, SettingsError, setting
 from privacy.accounting import Release
 from privacy.mechanisms import BoundedScalarRelease
 from protocol import keys
@@ -26,6 +28,40 @@ NOTE = (
     "amplification: the server knows whom it asked, and selection depends on "
     "the reports"
 )
+
+
+@dataclass(frozen=True)
+class DivergenceSettings(Settings):
+    """The divergence release's run-config keys (``smart.divergence-*``)."""
+
+    PREFIX: ClassVar[str] = "smart"
+    divergence_clip: float = setting(
+        0.0,
+        "SmartFedProx under DP-FedAvg: public bound D each client clips its reported "
+        "divergence to; 0: the round's clip norm C.",
+        low=0.0,
+    )
+    divergence_noise: float = setting(
+        0.0,
+        "SmartFedProx under DP-FedAvg: noise multiplier of the divergence report (std"
+        " / D), charged every round; 0: the run's `dp.noise-multiplier` z.",
+        low=0.0,
+    )
+
+    @staticmethod
+    def check(choice: Choice) -> None:
+        """A divergence release only where DP-FedAvg releases it."""
+        if choice.strategy != "smart-fedprox":
+            return
+        release = choice.part(DivergenceSettings)
+        reports = [n for n in ("divergence_clip", "divergence_noise") if getattr(release, n)]
+        if reports and choice.privacy not in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
+            key, value = DivergenceSettings.key(reports[0]), getattr(release, reports[0])
+            raise SettingsError(
+                f"{key!r} = {value:g} sets the divergence release of DP-FedAvg; with "
+                f"'privacy' = {choice.privacy!r} nothing is released that way; valid privacy "
+                "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'"
+            )
 
 
 @dataclass(frozen=True)

@@ -406,7 +406,9 @@ SMART_PRIVACY = ("none", "dp-sgd", "dp-fedavg-fixed", "dp-fedavg-adaptive")
 
 @dataclass(frozen=True)
 class SmartSettings(Settings):
-    """SmartFedProx's run-config keys (``smart.*``; its base mu is ``fedprox.mu``)."""
+    """SmartFedProx's run-config keys (``smart.*``; its base mu is ``fedprox.mu``; the
+    divergence release under DP: ``DivergenceSettings``), each a constructor argument
+    of :class:`SmartFedProx` of the same name."""
 
     PREFIX: ClassVar[str] = "smart"
     selection: str = setting(
@@ -447,18 +449,6 @@ class SmartSettings(Settings):
         high=1.0,
         low_open=True,
     )
-    divergence_clip: float = setting(
-        0.0,
-        "SmartFedProx under DP-FedAvg: public bound D each client clips its reported "
-        "divergence to; 0: the round's clip norm C.",
-        low=0.0,
-    )
-    divergence_noise: float = setting(
-        0.0,
-        "SmartFedProx under DP-FedAvg: noise multiplier of the divergence report (std"
-        " / D), charged every round; 0: the run's `dp.noise-multiplier` z.",
-        low=0.0,
-    )
 
     @staticmethod
     def check(choice: Choice) -> None:
@@ -472,14 +462,6 @@ class SmartSettings(Settings):
                 "it selects clients by the divergence ||w_local - w_global|| each reports, "
                 "which only DP-SGD and the DP-FedAvg family make private; valid values with "
                 "smart-fedprox: " + listed(SMART_PRIVACY)
-            )
-        reports = [n for n in ("divergence_clip", "divergence_noise") if getattr(smart, n)]
-        if reports and choice.privacy not in ("dp-fedavg-fixed", "dp-fedavg-adaptive"):
-            key, value = SmartSettings.key(reports[0]), getattr(smart, reports[0])
-            raise SettingsError(
-                f"{key!r} = {value:g} sets the divergence release of DP-FedAvg; with "
-                f"'privacy' = {choice.privacy!r} nothing is released that way; valid privacy "
-                "values for it: 'dp-fedavg-fixed', 'dp-fedavg-adaptive'"
             )
         low, high = smart.mu_min, smart.mu_max
         if low > high:

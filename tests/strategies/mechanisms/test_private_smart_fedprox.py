@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from config.settings import RunOptions
 from privacy.accounting import PrivacyLedger
 from privacy.mechanisms import BoundedScalarRelease, NonFiniteUpdateError
 from protocol import keys
@@ -254,7 +255,8 @@ def test_selection_reads_the_reply_not_the_client():
 def test_the_ledger_report_says_no_amplification_is_claimed():
     strategy = _wrapper(z=1.0)
     _round(strategy, 1, dict.fromkeys(NODES, 0.3))
-    central = run_report("dp-fedavg-fixed", {"dp.noise-site": "server"}, strategy)[0]
+    run = RunOptions({"dp.noise-site": "server"})
+    central = run_report("dp-fedavg-fixed", run, strategy)[0]
     assert central["holds"] and "no amplification claimed" in central["basis"]
     assert "divergence" in strategy.ledger.releases[1].note
 
