@@ -1,15 +1,16 @@
-"""Experiment tracking: TensorBoard hparams for every run, MLflow when asked.
+"""Experiment tracking: TensorBoard hparams for every run, MLflow and W&B when asked.
 
 At the end of a run, from the files of its run directory:
 
 * **TensorBoard hparams** (always; the scalars are written round by round by
   :class:`server_app.results.RunDirectory`): the run-config and the final metrics into
-  the run's ``tensorboard/``, so ``tensorboard --logdir runs/`` compares runs in its
-  HParams tab.
+  the run's ``tensorboard/`` (``tensorboard --logdir runs/``: its HParams tab).
 * **MLflow** (``tracking.mlflow = true``): params (the run-config), per-round metrics
   (``<scope>/<metric>`` at step = round), the ε the ledger states and whom it holds
   against, and the run directory's published files as artifacts. Default store: a local
   file store ``<output-dir>/mlruns`` (``mlflow ui --backend-store-uri runs/mlruns``).
+* **Weights & Biases** (``tracking.wandb = true``): the same, one offline run under
+  ``<output-dir>/wandb`` (unless ``WANDB_MODE`` is set: nothing leaves the machine).
 
 Design notes: ``docs/notes.md``, ``server_app.tracking``.
 """
@@ -52,6 +53,16 @@ class TrackingSettings(Settings):
         "MLflow tracking URI; empty: the local file store `<output-dir>/mlruns`.",
     )
     mlflow_experiment: str = setting("", "MLflow experiment name; empty: the task's name.")
+    wandb: bool = setting(
+        False,
+        "Log the run to Weights & Biases at its end, offline unless WANDB_MODE says "
+        "otherwise: run-config, per-round metrics, epsilon, the published files of the "
+        "run directory as an artifact (needs the `wandb` extra).",
+    )
+    wandb_dir: str = setting(
+        "", "Where W&B writes its offline runs (`<dir>/wandb/`); empty: `<output-dir>`."
+    )
+    wandb_project: str = setting("", "W&B project name; empty: the task's name.")
 
 
 def published(name: str, covered: list[str] | None) -> bool:
@@ -216,11 +227,64 @@ def log_mlflow(settings: TrackingSettings, record: RunRecord) -> str:
     return run_id
 
 
+def wandb_dir(settings: TrackingSettings, record: RunRecord) -> Path:
+    """The folder W&B writes its ``wandb/`` run folders under: the key's, else the
+    output directory beside the run."""
+    return Path(settings.wandb_dir).resolve() if settings.wandb_dir else record.path.parent
+
+
+def log_wandb(settings: TrackingSettings, record: RunRecord) -> Path:
+    """Log ``record`` as one W&B run, offline unless ``WANDB_MODE`` is set; returns the
+    W&B run's folder."""
+    import wandb
+
+    root = wandb_dir(settings, record)
+    root.mkdir(parents=True, exist_ok=True)
+    mode = os.environ.get("WANDB_MODE") or "offline"  # nothing leaves the machine
+    tags = [f"{key}={record.run_config.get(key)}" for key in TAGS]
+    if record.ledger is not None:
+        holding = [e["threat-model"] for e in record.ledger.get("threat-models", [])
+                   if e.get("holds") and e.get("epsilon") is not None]  # fmt: skip
+        tags.append("epsilon-holds-against=" + (", ".join(holding) or "nobody"))
+    quiet = wandb.Settings(  # a finished run: no console capture, no system monitor
+        mode=mode, silent=True, console="off", x_disable_stats=True, save_code=False
+    )
+    run = wandb.init(
+        dir=str(root),
+        project=settings.wandb_project or str(record.run_config.get("task", "default")),
+        name=record.path.name,
+        config=record.params(),
+        tags=[tag[:64] for tag in tags],  # W&B's limit on a tag's length
+        settings=quiet,
+    )
+    failed = record.outcome is not None and record.outcome.get("status") == "failed"
+    try:
+        rounds: dict[int, dict[str, float]] = {}
+        for key, value, step in record.per_round():
+            rounds.setdefault(step, {})[key] = value
+        for step in sorted(rounds):
+            run.log(rounds[step], step=step)
+        for key, value in record.privacy_numbers().items():
+            run.summary[key] = value
+        run.summary["run-directory"] = str(record.path)
+        # "immutable": referenced in place, not copied to W&B's staging folder in $HOME
+        artifact = wandb.Artifact(f"run-{record.path.name}", type="run-directory")
+        for file in record.files():
+            name = file.relative_to(record.path).as_posix()
+            artifact.add_file(str(file), name=name, policy="immutable")
+        run.log_artifact(artifact)
+    except BaseException:
+        run.finish(exit_code=1)
+        raise
+    run.finish(exit_code=1 if failed else 0)
+    return Path(run.dir).parent
+
+
 def finish_run(run_dir: Path, run_config: Mapping[str, Any], log=None) -> str | None:
-    """Hand the finished run to the trackers (hparams always; MLflow when the parsed
-    options ``run_config`` say ``tracking.mlflow``); returns the MLflow run id, if
-    logged. A tracker that fails is reported through ``log(level, fmt, *args)``; the
-    run's files stand."""
+    """Hand the finished run to the trackers (hparams always; MLflow and W&B when the
+    parsed options ``run_config`` say ``tracking.mlflow`` / ``tracking.wandb``); returns
+    the MLflow run id, if logged. A tracker that fails is reported through
+    ``log(level, fmt, *args)``; the run's files stand."""
     settings = TrackingSettings.from_options(run_config)
     record = RunRecord.read(Path(run_dir))
     say = log or (lambda *_: None)
@@ -228,13 +292,22 @@ def finish_run(run_dir: Path, run_config: Mapping[str, Any], log=None) -> str | 
         write_hparams(record)
     except Exception as err:  # a tracker never fails the run it records
         say(WARNING, "TensorBoard hparams not written: %s: %s", type(err).__name__, err)
-    if not settings.mlflow:
-        return None
-    try:
-        run_id = log_mlflow(settings, record)
-    except Exception as err:  # e.g. mlflow not installed, server unreachable
-        say(WARNING, "MLflow logging failed (%s: %s); install the `tracking` extra "
-            "and check 'tracking.mlflow-uri'", type(err).__name__, err)  # fmt: skip
-        return None
-    say(INFO, "MLflow: run %s logged to %s", run_id, mlflow_uri(settings, record))
+    run_id = None
+    if settings.mlflow:
+        try:
+            run_id = log_mlflow(settings, record)
+        except Exception as err:  # e.g. mlflow not installed, server unreachable
+            say(WARNING, "MLflow logging failed (%s: %s); install the `tracking` extra "
+                "and check 'tracking.mlflow-uri'", type(err).__name__, err)  # fmt: skip
+        else:
+            say(INFO, "MLflow: run %s logged to %s", run_id, mlflow_uri(settings, record))
+    if settings.wandb:
+        try:
+            folder = log_wandb(settings, record)
+        except Exception as err:  # e.g. wandb not installed
+            say(WARNING, "W&B logging failed (%s: %s); install the `wandb` extra",
+                type(err).__name__, err)  # fmt: skip
+        else:
+            say(INFO, "W&B: run logged to %s (offline: `wandb sync %s` uploads it)",
+                folder, folder)  # fmt: skip
     return run_id

@@ -1,11 +1,15 @@
 """Experiment tracking of real runs: MLflow against a local file store in a temporary
-directory, TensorBoard hparams read back from the event files; under DP only what the
-run directory publishes reaches a tracker."""
+directory, W&B's offline run read back with its own reader (`wandb leet inspect`),
+TensorBoard hparams read back from the event files; under DP only what the run
+directory publishes reaches a tracker."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -26,10 +30,13 @@ def tracked(tmp_path_factory):
     """A private run logged to MLflow, and a plain run with tracking off."""
     root = tmp_path_factory.mktemp("tracked")
     uri = (root / "store").as_uri()
-    private = run_like_flwr(
-        f"{TINY} {DP} output-dir='{root / 'runs'}' tracking.mlflow=true "
-        f"tracking.mlflow-uri='{uri}' tracking.mlflow-experiment='digits-dp'"
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("WANDB_MODE", raising=False)  # the app must choose offline itself
+        private = run_like_flwr(
+            f"{TINY} {DP} output-dir='{root / 'runs'}' tracking.mlflow=true "
+            f"tracking.mlflow-uri='{uri}' tracking.mlflow-experiment='digits-dp' "
+            "tracking.wandb=true tracking.wandb-project='digits-dp'"
+        )
     assert private.returncode == 0 and private.run_dir is not None, private.output
     plain = run_like_flwr(f"{TINY} output-dir='{root / 'plain'}'")
     assert plain.returncode == 0, plain.output
@@ -83,6 +90,54 @@ def test_under_dp_only_published_files_and_columns_reach_mlflow(tracked):
     assert only_curator and not (logged & only_curator)
 
 
+def wandb_records(root: Path) -> list[dict]:
+    """The records of the one offline W&B run under ``root/wandb``, as W&B reads them."""
+    (log,) = (root / "wandb").glob("offline-run-*/run-*.wandb")
+    cli = Path(sys.executable).with_name("wandb")
+    out = subprocess.run(
+        [str(cli), "leet", "inspect", "--json", str(log)],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_wandb_offline_run_holds_params_per_round_metrics_epsilon_and_files(tracked):
+    private, _, _, root = tracked
+    records = wandb_records(root / "runs")
+    metrics = pd.read_csv(private.run_dir / "metrics.csv")
+    central = metrics[metrics["scope"] == "central-eval"]
+    ledger = json.loads((private.run_dir / "ledger.json").read_text())
+    by_type: dict[str, list[dict]] = {}
+    for record in records:
+        by_type.setdefault(record["type"], []).append(record[record["type"]])
+
+    (run,) = by_type["run"]
+    assert run["telemetry"]["feature"]["offline"] is True
+    assert run["project"] == "digits-dp" and run["display_name"] == private.run_dir.name
+    assert run["config"]["update"]["privacy"] == "dp-fedavg-fixed"
+    assert run["config"]["update"]["num-server-rounds"] == 2
+    assert "epsilon-holds-against=trusted-server" in run["tags"]
+    history = {h["step"].get("num", 0): h["item"] for h in by_type["history"]}
+    assert sorted(history) == [0, 1, 2]
+    accuracy = [history[step]["central-eval/eval-accuracy"] for step in (0, 1, 2)]
+    assert accuracy == pytest.approx(list(central["eval-accuracy"]))
+    summary = {}
+    for update in by_type["summary"]:
+        summary.update(update.get("update", {}))
+    assert summary["privacy/epsilon"] == pytest.approx(ledger["summary"]["epsilon"])
+    assert summary["privacy/delta"] == 1e-5
+    (artifact,) = by_type["artifact"]
+    files = {entry["path"] for entry in artifact["manifest"]["contents"]}
+    assert artifact["type"] == "run-directory"
+    assert {"config.json", "metrics.csv", "ledger.json", "model.pt"} <= files
+    assert not any(f.startswith(("curator", "clients")) for f in files)
+    assert "checkpoint/server.pt" not in files
+    # no metric of curator/metrics.csv: no federated evaluation reaches W&B either
+    assert not any(k.startswith("federated-eval/") for item in history.values() for k in item)
+    assert by_type["exit"][0]["exit_code"] == 0
+    assert "W&B: run logged to" in private.output
+
+
 def test_tensorboard_hparams_hold_the_run_config_and_final_metrics(tracked):
     private, _, _, _ = tracked
     events = EventAccumulator(str(private.run_dir / "tensorboard"))
@@ -100,10 +155,11 @@ def test_tensorboard_hparams_hold_the_run_config_and_final_metrics(tracked):
     assert "privacy/epsilon" in events.Tags()["scalars"]
 
 
-def test_mlflow_is_off_by_default(tracked):
+def test_mlflow_and_wandb_are_off_by_default(tracked):
     _, plain, _, root = tracked
     assert "MLflow" not in plain.output
     assert not (root / "plain" / "mlruns").exists()
+    assert "W&B" not in plain.output and not (root / "plain" / "wandb").exists()
     assert (plain.run_dir / "tensorboard").is_dir()
 
 
