@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import pandas as pd
 
@@ -247,7 +247,11 @@ def log_wandb(settings: TrackingSettings, record: RunRecord) -> Path:
                    if e.get("holds") and e.get("epsilon") is not None]  # fmt: skip
         tags.append("epsilon-holds-against=" + (", ".join(holding) or "nobody"))
     quiet = wandb.Settings(  # a finished run: no console capture, no system monitor
-        mode=mode, silent=True, console="off", x_disable_stats=True, save_code=False
+        mode=cast(Any, mode),  # WANDB_MODE as the user set it: wandb validates it
+        silent=True,
+        console="off",
+        x_disable_stats=True,
+        save_code=False,
     )
     run = wandb.init(
         dir=str(root),

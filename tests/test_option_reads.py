@@ -39,7 +39,7 @@ CONFIG_LAYER = frozenset(
 SAVED_READERS: dict[str, int] = {
     "server_app/plots.py": 3,  # a comparison's results table: its runs' columns
     "server_app/run_status.py": 1,  # a finished run's config.json
-    "server_app/tracking.py": 2,  # RunRecord: a finished run's config.json
+    "server_app/tracking.py": 3,  # RunRecord: a finished run's config.json
     "lab/check.py": 1,
     "lab/comparison.py": 7,
     "lab/comparison_plots.py": 1,
