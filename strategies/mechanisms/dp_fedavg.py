@@ -104,10 +104,13 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         target_epsilon: float | None = None,
         planned_rounds: int = 1,
         divergence: DivergenceRelease | None = None,
+        aggregate_device: str | None = None,
         **kwargs,
     ) -> None:
         _check_noise(clip_norm, noise_multiplier, target_epsilon, num_sampled_clients)
         site = noise_site_of(noise_site)
+        if site.name == "server":  # None: NumPy; else float32 torch there (noise_site.py)
+            site.device = aggregate_device
         if site.name == "client" and ledger.sampling == "poisson":
             raise ValueError("client-side noise needs fixed-size sampling (see config.py)")
         if divergence is not None:
