@@ -238,7 +238,11 @@ def run(
     FLOWER_LOGGER.addHandler(seen)
     started, returncode, error = time.monotonic(), 0, ""
     try:
-        server_app(grid, context)
+        # The server's torch (central evaluation, the aggregate) gets the clients' threads
+        # too: two OpenMP threads on a small model under load cost ~30x one (measured:
+        # a 16 x 64 linear at 4.4 ms vs 0.13 ms at a load of 7 on 2 cores).
+        with _torch_threads(federation.num_cpus):
+            server_app(grid, context)
     except Exception:  # the run failed: its outcome.json (if any) says why
         returncode, error = 1, traceback.format_exc()
         FLOWER_LOGGER.error("The ServerApp raised:\n%s", error)

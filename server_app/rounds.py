@@ -320,12 +320,11 @@ def _evaluate(
     result: RoundResult,
     watch: FailureWatch,
     evaluation: Mapping[str, Any],
-    started: float,
 ) -> str | None:
     """Evaluate the committed round and apply the divergence guard to its metrics: why
-    its model diverged, or None."""
+    its model diverged, or None. ``result.seconds`` stays the round's train time
+    (messages out to aggregate), as its checkpoint holds it."""
     evaluate_round(strategy, grid, result, **evaluation)
-    result.seconds = time.monotonic() - started
     reason = watch.diverged(
         result.server_round,
         {"central-eval": result.central_eval, "federated-eval": result.federated_eval},
@@ -374,9 +373,7 @@ def run_rounds(
             on_round(first)
     else:
         arrays, start = resumed.arrays, resumed.server_round + 1
-        kept = resumed.seconds  # its train row keeps the time it was committed with
-        again = _evaluate(strategy, grid, resumed, watch, evaluation, time.monotonic())
-        resumed.seconds = kept
+        again = _evaluate(strategy, grid, resumed, watch, evaluation)
         if again is not None:
             on_reject(resumed, again)
             on_round(resumed)
@@ -405,7 +402,7 @@ def run_rounds(
             )
             result.seconds = time.monotonic() - started
             on_commit(result)
-            diverged = _evaluate(strategy, grid, result, watch, evaluation, started)
+            diverged = _evaluate(strategy, grid, result, watch, evaluation)
             if diverged is not None:
                 on_reject(result, diverged)
             on_round(result)

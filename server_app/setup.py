@@ -59,6 +59,9 @@ def load(run_config: dict, explicit: Collection[str] | None = None) -> Setup:
         settings = cfg.strategy_settings()
         if task.head_only:  # DP wrappers release (and update) only the head's arrays
             settings = replace(settings, released_keys=task.head_keys())
+        device = getattr(task, "device", None)  # clients train on a GPU: aggregate there
+        if isinstance(device, torch.device) and device.type == "cuda":
+            settings = replace(settings, aggregate_device=str(device))
         strategy = strategies.build(cfg.privacy, settings)
         subspace_setup.check(cfg, task)
         # Under a privacy mechanism the run directory keeps apart what no epsilon covers.

@@ -67,6 +67,7 @@ class StrategySettings(Typed):
     num_rounds: int = 1  # rounds the run plans (subspace-dp splits its noise budget over them)
     released_keys: tuple[str, ...] | None = None  # head-only: the arrays DP wrappers release
     train_sample_size: int | None = None  # clients a data-dependent selection picks (DP: m)
+    aggregate_device: str | None = None  # DP-FedAvg's server sum on the clients' GPU (None: NumPy)
     parts: dict[tuple[type, int], tuple[Mapping[str, Scalar], Any]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -251,6 +252,7 @@ def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
         "connect_timeout": s.round_timeout,
         "uniform_sampling": s.strategy not in DATA_DEPENDENT_SELECTION,
         "released_keys": s.released_keys,
+        "aggregate_device": s.aggregate_device,
         **_wrapper_kwargs(s),
     }
 

@@ -39,7 +39,12 @@ from strategies.mechanisms.calibrated import CalibratedNoise
 from strategies.mechanisms.client import client_mod
 from strategies.mechanisms.dp_report import contributions, log_summary
 from strategies.mechanisms.head_only import ReleasedArrays
-from strategies.mechanisms.noise_site import SecureNoiseSite, report_noise_to_signal, sum_release
+from strategies.mechanisms.noise_site import (
+    SecureNoiseSite,
+    ServerNoise,
+    report_noise_to_signal,
+    sum_release,
+)
 from strategies.mechanisms.noise_site import noise_site as noise_site_of
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
@@ -104,10 +109,13 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         target_epsilon: float | None = None,
         planned_rounds: int = 1,
         divergence: DivergenceRelease | None = None,
+        aggregate_device: str | None = None,
         **kwargs,
     ) -> None:
         _check_noise(clip_norm, noise_multiplier, target_epsilon, num_sampled_clients)
         site = noise_site_of(noise_site)
+        if isinstance(site, ServerNoise):  # None: NumPy; else float32 torch there (noise_site.py)
+            site.device = aggregate_device
         if site.name == "client" and ledger.sampling == "poisson":
             raise ValueError("client-side noise needs fixed-size sampling (see config.py)")
         if divergence is not None:

@@ -73,9 +73,12 @@ class SecureNoiseSite(Protocol):
 
 
 class ServerNoise:
-    """The server clips each delta and noises the sum once."""
+    """The server clips each delta and noises the sum once: in float64 NumPy, or with a
+    ``device`` (the clients' training device) in float32 torch there
+    (:func:`privacy.device_sum.noisy_sum_on_device`: the same draws, the same charge)."""
 
     name = "server"
+    device: str | None = None
 
     def client_config(self, mech: GaussianMechanism, m: int) -> dict[str, float]:
         """Nothing for the clients to add."""
@@ -83,6 +86,13 @@ class ServerNoise:
 
     def noisy_sum(self, deltas, missing: int, mech: GaussianMechanism, m: int, rng, template):
         """Σ clip(Δ) + N(0, (zC)²), in float64 (one draw: 1/m of the clients' draws)."""
+        if self.device is not None:
+            from privacy.device_sum import noisy_sum_on_device  # torch, on use
+
+            try:
+                return noisy_sum_on_device(deltas, mech, rng, template, self.device)
+            except NonFiniteUpdateError as err:  # checked already; defensive
+                raise InvalidReply(str(err)) from err
         total = [np.zeros(a.shape) for a in template]
         for delta in deltas:
             try:

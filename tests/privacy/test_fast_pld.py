@@ -46,3 +46,36 @@ def test_equal_to_from_gaussian_mechanism(z, q, interval):
 def test_sampling_probability_outside_zero_one_is_refused():
     with pytest.raises(ValueError, match="sampling_prob"):
         from_subsampled_gaussian(1.0, 1.0, 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("z", "q", "interval", "counts"),
+    [
+        (0.7293342243400441, 0.1, 1e-3, (2, 30, 1000)),  # the ε = 8, N = 100 peer run's z
+        (0.5858702703028728, 0.05, 1e-4, (30,)),  # ε = 8, N = 1 000, at the ledger's grid
+        (6.390444234542291, 0.1, 4e-3, (1, 1000)),
+        (0.3, 0.5, 2e-3, (7, 300)),
+    ],
+)
+def test_self_composition_bounds_are_dp_accountings(z, q, interval, counts):
+    from privacy import fast_pld
+
+    pld = from_subsampled_gaussian(z, q, interval)
+    for pmf in (pld._pmf_remove, pld._pmf_add):
+        pmf = pmf.to_dense_pmf() if hasattr(pmf, "to_dense_pmf") else pmf
+        for count in counts:
+            for tail in (1e-15, 1e-10):
+                want = fast_pld._DP_ACCOUNTING_BOUNDS(pmf._probs, count, tail)
+                assert fast_pld.self_convolve_bounds(pmf._probs, count, tail) == want
+
+
+def test_self_composition_bounds_edge_cases_follow_dp_accounting():
+    from privacy import fast_pld
+
+    probs = np.array([0.0, 0.25, 0.5, 0.0, 0.25])
+    for args in ((probs, 3, 0), (probs, 3, 1e-3), (probs, 3, 1e-3, [0.5, -0.5]), (probs, 1, 0.5)):
+        assert fast_pld.self_convolve_bounds(*args) == fast_pld._DP_ACCOUNTING_BOUNDS(*args)
+    # What every self-composition in the process now calls.
+    from dp_accounting.pld import common
+
+    assert common.compute_self_convolve_bounds is fast_pld.self_convolve_bounds

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-from flwr.app import MetricRecord
+import types
 
+import pytest
+from flwr.app import Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+from protocol import keys
+from server_app import rounds
 from server_app.rounds import Progress, participation, regroup
-from tests.fakes import error_from, instruction, reply_from
+from tests.fakes import error_from, instruction, record, reply_from
 
 
 def test_participation_has_one_row_per_client_sent_a_message():
@@ -85,3 +90,59 @@ def test_the_eta_leaves_out_the_first_rounds_start_up():
     assert progress.eta() is None
     progress.seconds = [29.0, 2.0, 4.0]
     assert progress.eta() == 3.0 * 7  # the issue's "ETA 4:20" for a 2 s round is gone
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+class _EchoGrid:
+    """Every node answers a train message with the arrays it got; answering costs 1 s."""
+
+    def __init__(self, clock, nodes):
+        self.clock, self.nodes = clock, nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        self.clock.now += 1.0
+        out = []
+        for m in messages:
+            content = RecordDict(
+                {
+                    keys.ARRAYS: m.content[keys.ARRAYS],
+                    keys.METRICS: MetricRecord({"num-examples": 1}),
+                }
+            )
+            out.append(Message(content, reply_to=m))
+        return out
+
+
+def test_round_seconds_are_the_train_time_without_the_evaluation(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(rounds, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+
+    def central_eval(server_round, arrays):
+        clock.now += 100.0  # evaluation is slow; the round's train row must not count it
+        return {"eval-loss": 1.0}
+
+    seen = []
+    strategy = FedAvg(
+        fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2
+    )
+    rounds.run_rounds(
+        strategy,
+        _EchoGrid(clock, [1, 2]),
+        record({"w": [0.0, 1.0]}),
+        num_rounds=2,
+        timeout=10.0,
+        central_eval=central_eval,
+        on_round=seen.append,
+    )
+    assert [r.server_round for r in seen] == [0, 1, 2]
+    assert [r.seconds for r in seen[1:]] == [1.0, 1.0]

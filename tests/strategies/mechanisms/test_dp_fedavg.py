@@ -358,3 +358,17 @@ def test_data_dependent_selection_claims_no_amplification():
     unsampled = dp_accounting.rdp.RdpAccountant()
     unsampled.compose(dp_accounting.GaussianDpEvent(1.0))
     assert ledger.epsilon() == pytest.approx(unsampled.get_epsilon(1e-5), rel=1e-2)
+
+
+def test_the_aggregate_on_a_device_gives_the_by_hand_mean():
+    # The by-hand case above with aggregate_device: clip, sum and noise in float32 torch
+    # (on the CPU here; the clients' GPU in a run), within float32 tolerance.
+    strategy = _wrapper(z=1e-12, clip=1.0, aggregate_device="cpu")
+    assert strategy.site.device == "cpu"
+    messages = _configure(strategy)
+    deltas = [([3.0, 4.0], [0.0]), ([0.3, 0.0], [0.4]), ([0.0, 0.0], [-2.0])]
+    arrays, _ = strategy.aggregate_train(1, _replies(messages, deltas))
+    np.testing.assert_allclose(arrays["w"].numpy(), [(0.6 + 0.3) / 3, 0.8 / 3], atol=1e-6)
+    np.testing.assert_allclose(arrays["b"].numpy(), [1.0 + (0.4 - 1.0) / 3], atol=1e-6)
+    assert len(strategy.ledger.releases) == 1
+    assert getattr(_wrapper(site="client", aggregate_device="cpu").site, "device", None) is None
