@@ -272,7 +272,7 @@ def check_combinations(cfg: RunConfig) -> None:
         tasks_with={t: tuple(n for n in tasks.REGISTRY if t in _traits(n)) for t in TRAITS},
         parts=cfg.parts,
     )
-    for part in PARTS:
+    for part in registry.settings_to_check(PARTS, cfg.strategy, cfg.privacy, choice):
         try:
             part.check(choice)
         except ValueError as err:  # SettingsError, or a settings class's own range check

@@ -71,7 +71,7 @@ class CorrelatedSettings(Settings):
         if choice.privacy not in MECHANISMS:
             return
         dp, corr = choice.part(DPSettings), choice.part(CorrelatedSettings)
-        if SecAggSettings.enabled_in(choice) or dp.noise_site != "server":
+        if SecAggSettings.on_in(choice) or dp.noise_site != "server":
             raise SettingsError(
                 f"'privacy' = {choice.privacy!r} adds its noise at the server: it needs "
                 "'dp.noise-site' = 'server' and 'secagg.enabled' = false"
