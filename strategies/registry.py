@@ -40,6 +40,7 @@ from strategies.mechanisms.laplace import LaplaceDP, laplace_mod
 from strategies.mechanisms.subspace_dp import SubspaceDP, SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.runtime.seeded import SeededSampling
+from strategies.secure.distributed_dp import SecureNoise
 from strategies.secure.secagg_plus import SecAggSettings
 from strategies.secure.secure_aggregation import SecureAggregation
 
@@ -276,9 +277,17 @@ def divergence_release(s: StrategySettings) -> DivergenceRelease | None:
     )
 
 
+def secure_noise_site(s: StrategySettings) -> SecureNoise | None:
+    """DP-FedAvg's noise site under SecAgg+ (None without it): the server's noise on the
+    unmasked sum, or the clients' distributed Skellam shares (``dp.noise-site``)."""
+    secagg = secagg_settings(s)
+    return None if secagg is None else SecureNoise(secagg, distributed_dp(s))
+
+
 def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
     dp = s.part(DPSettings)
     kwargs = {**_dp_fedavg_kwargs(s), "noise_site": dp.noise_site}
+    kwargs["secure"] = secure_noise_site(s)
     kwargs["divergence"] = divergence_release(s)
     clustered = s.strategy == "clustered"
     if not adaptive:

@@ -104,6 +104,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         target_epsilon: float | None = None,
         planned_rounds: int = 1,
         divergence: DivergenceRelease | None = None,
+        secure: SecureNoiseSite | None = None,
         **kwargs,
     ) -> None:
         _check_noise(clip_norm, noise_multiplier, target_epsilon, num_sampled_clients)
@@ -122,9 +123,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         )
         self.uniform_sampling, self.connect_timeout = uniform_sampling, connect_timeout
         self.head, self.divergence = ReleasedArrays(released_keys), divergence
-        view = noise_site == "client" and self.LOCAL_VIEW
+        # Under secure aggregation the server never sees an upload: no local view.
+        view = noise_site == "client" and self.LOCAL_VIEW and secure is None
         self.local_view = LocalViewLedger.beside(ledger) if view else None
-        self.secure: SecureNoiseSite | None = None  # set by SecureAggregation
+        self.secure = secure  # the secure sum's noise site (the registry's, with SecAgg+)
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
 
     # -- what one round releases ------------------------------------------------
