@@ -26,8 +26,7 @@ from strategies.base import add_to_config
 from strategies.errors import StopTraining
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings, dp_generator
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
-from strategies.runtime.nodes import GridView, wait_for_nodes
-from strategies.runtime.sampling import poisson_sample
+from strategies.runtime.nodes import GridView, poisson_sample, wait_for_nodes
 from strategies.secure.secagg_plus import SecAggSettings
 
 MECHANISMS = ("banded-mf", "dp-ftrl")

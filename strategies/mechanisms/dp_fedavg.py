@@ -43,8 +43,7 @@ from strategies.mechanisms.noise_site import SecureNoiseSite, report_noise_to_si
 from strategies.mechanisms.noise_site import noise_site as noise_site_of
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import GridView
-from strategies.runtime.sampling import dp_cohort
+from strategies.runtime.nodes import GridView, dp_cohort
 
 __all__ = ["DPFedAvgFixed", "DivergenceRelease", "dp_fedavg_mod", "privatise_update"]
 
