@@ -3,9 +3,9 @@
 Runs one in-process ``dp-fedavg-fixed`` digits round (``tests.inprocess.run_like_flwr``,
 4 virtual SuperNodes) under ``sys.setprofile`` and prints how many of the project's files
 and functions it called, by package, the longest classes of strategies/, then the import
-circles among the shipped packages
-(every ``import`` of ours in their sources, module-level, ``TYPE_CHECKING`` and
-in-function alike). Reproduce from the repository root::
+circles among the shipped packages (every ``import`` of ours in their sources,
+module-level, ``TYPE_CHECKING`` and in-function alike). Reproduce from the repository
+root::
 
     .venv/bin/python bench/trace_round.py
     .venv/bin/python bench/trace_round.py --list   # the files, too
