@@ -1,42 +1,90 @@
 """ClientApp: load this node's partition, train or evaluate the received model, reply.
 
 Each algorithm's client half (:mod:`client_app.halves`) hooks into train and evaluate
-when a message activates it (:data:`HALVES`); privacy and SecAgg+ are client mods.
+when its predicate holds for the message and this node (:data:`HALVES`, one table
+lookup; a half's module is imported on first use); privacy and SecAgg+ are client mods.
 """
 
 from __future__ import annotations
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+import importlib
+from collections.abc import Callable
+from functools import cache
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app import node, state
+from client_app import canary, node, state
 from client_app.halves.base import ClientHalf
-from client_app.halves.canary import CanaryHalf
-from client_app.halves.dpsgd import DPSGDHalf
-from client_app.halves.fedbn import FedBNHalf
-from client_app.halves.fedprox import FedProxHalf
-from client_app.halves.frontloaded import FrontLoadedHalf
-from client_app.halves.hierarchical import HierarchicalHalf, edge_reply
-from client_app.halves.local import LocalHalf
-from client_app.mods import privacy_mod
-from client_app.preset_mod import preset_mod
-from client_app.secagg_mod import secagg_mod
+from client_app.mods import mechanism, preset_mod, privacy_mod, secure_mod
+from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from tasks.base import EVAL_LOSS, EVAL_REWARD, LocalTraining, local_seed
 
-# preset_mod first: every later step reads the preset's keys; secagg_mod answers
+# preset_mod first: every later step reads the preset's keys; secure_mod answers
 # SecAgg+ stages
-app = ClientApp(mods=[preset_mod, secagg_mod, privacy_mod])
+app = ClientApp(mods=[preset_mod, secure_mod, privacy_mod])
 
-# Every client half, in the order its hooks run (the first reply it gives is sent).
-HALVES: tuple[ClientHalf, ...] = (
-    LocalHalf(), FedBNHalf(), FedProxHalf(), DPSGDHalf(), HierarchicalHalf(),
-    FrontLoadedHalf(), CanaryHalf(),
-)  # fmt: skip
+Runs = Callable[[ConfigRecord, Context], bool]
+
+
+def _fedprox(config: ConfigRecord, context: Context) -> bool:
+    # FedProx's mu or SmartFedProx's state, or a reply that may carry the divergence
+    # (every reply does unless a privacy mechanism restricts it to other keys).
+    allowed = config.get(keys.REPORT_METRICS)
+    return (
+        keys.PROXIMAL_MU in config
+        or keys.SMART_EMA_ALPHA in config
+        or allowed is None
+        or keys.DIVERGENCE in allowed
+    )
+
+
+def _dpsgd(config: ConfigRecord, context: Context) -> bool:
+    # This client's own run-config decides too: a server that leaves the settings out
+    # cannot make a DP-SGD client train without it (the half then refuses to train).
+    return keys.DPSGD_NOISE_MULTIPLIER in config or mechanism(context) == "dp-sgd"
+
+
+def _front_loaded(config: ConfigRecord, context: Context) -> bool:
+    return keys.FRONT_LOADED_MODE in config or mechanism(context) in FRONT_LOADED_MODES
+
+
+def _canary(config: ConfigRecord, context: Context) -> bool:
+    pid, num = node.node_partition(context.node_config)
+    return canary.canary_index(context.run_config, pid, num) is not None
+
+
+# Every client half, in the order its hooks run (the first reply it gives is sent):
+# name -> (whether this message and node run it, "module:Class").
+HALVES: dict[str, tuple[Runs, str]] = {
+    "local": (lambda c, _: bool(c.get(keys.LOCAL_ONLY)), "client_app.halves.local:LocalHalf"),
+    "fedbn": (lambda c, _: True, "client_app.halves.fedbn:FedBNHalf"),
+    "fedprox": (_fedprox, "client_app.halves.fedprox:FedProxHalf"),
+    "dpsgd": (_dpsgd, "client_app.halves.dpsgd:DPSGDHalf"),
+    "hierarchical": (
+        lambda c, _: keys.EDGE_ROUND in c or keys.LOCAL_UPDATES in c,
+        "client_app.halves.hierarchical:HierarchicalHalf",
+    ),
+    "frontloaded": (_front_loaded, "client_app.halves.frontloaded:FrontLoadedHalf"),
+    "canary": (_canary, "client_app.halves.canary:CanaryHalf"),
+}
+
+
+@cache
+def half(path: str) -> ClientHalf:
+    """The client half ``"module:Class"``, its module imported on first use."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+def active_halves(config: ConfigRecord, context: Context) -> list[ClientHalf]:
+    """The halves this message runs on this node, in table order."""
+    return [half(path) for runs, path in HALVES.values() if runs(config, context)]
 
 
 def _active(msg: Message, context: Context) -> list[ClientHalf]:
-    return [h for h in HALVES if h.active(msg.content[keys.CONFIG], context)]
+    return active_halves(msg.content[keys.CONFIG], context)
 
 
 @app.train()
@@ -116,4 +164,6 @@ def partition(msg: Message, context: Context) -> Message:
 @app.query(keys.HIER_QUERY)
 def edge(msg: Message, context: Context) -> Message:
     """Hierarchical FL: this node's edge, partition and training size."""
+    from client_app.halves.hierarchical import edge_reply
+
     return edge_reply(msg, context)

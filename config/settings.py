@@ -104,6 +104,16 @@ class Settings:
     """Base of the parts' frozen settings dataclasses."""
 
     PREFIX: ClassVar[str]
+    # The field values under which the part is off (its check skipped, nothing of it
+    # built), e.g. SecAgg+'s ``{"enabled": False}``; empty: on whenever it is chosen.
+    OFF: ClassVar[Mapping[str, Scalar]] = {}
+
+    @classmethod
+    def on_in(cls, run: Typed) -> bool:
+        """Whether ``run`` turns this part on (a field differs from ``OFF``), read
+        without building, and so checking, the part's other keys."""
+        values = ChainMap(run.options, cls.defaults())
+        return not cls.OFF or any(values[cls.key(k)] != off for k, off in cls.OFF.items())
 
     @classmethod
     def key(cls, name: str) -> str:

@@ -217,6 +217,7 @@ class AuditSettings(Settings):
     """The empirical privacy audit's run-config keys (``audit.*``)."""
 
     PREFIX: ClassVar[str] = "audit"
+    OFF: ClassVar[dict] = {"canaries": 0}
     canaries: int = setting(
         0,
         "Empirical privacy audit: k canary clients, the federation's last k partition"

@@ -13,7 +13,7 @@ from threadpoolctl import threadpool_limits
 
 from protocol import keys
 from server_app import certify, console, environment, run_status, setup, tracking
-from server_app.audit import RunAudit
+from server_app.audit import AuditSettings, RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, restore
@@ -54,7 +54,7 @@ def _run(grid: Grid, context: Context) -> None:
         central = central_eval(task, model, innermost(strategy), run.test_set)
     if ledger is not None:
         ledger.privacy_unit = task.PRIVACY_UNIT
-    auditor = RunAudit(cfg, initial, ledger)
+    auditor = RunAudit(cfg, initial, ledger) if AuditSettings.on_in(cfg) else None
     recorder = RoundRecorder(run_dir, cfg, strategy, auditor, watch)
     if run.saved is not None:
         recorder.adopt(run.saved)
@@ -89,7 +89,7 @@ def _run(grid: Grid, context: Context) -> None:
     state = None if failed else final.to_torch_state_dict()
     run_dir.finish(state, title=title, caption=status.caption())
     # A failed run's last model is no release to audit.
-    audited = None if failed else auditor.final(run_dir, final)
+    audited = None if failed or auditor is None else auditor.final(run_dir, final)
     if ledger is not None:
         certify.finish(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)

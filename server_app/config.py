@@ -278,7 +278,7 @@ def check_combinations(cfg: RunConfig) -> None:
         warm_start=int(cfg.options.get("subspace.warm-start", 0)),
         parts=cfg.parts,
     )
-    for part in PARTS:
+    for part in registry.settings_to_check(PARTS, cfg.strategy, cfg.privacy, choice):
         try:
             part.check(choice)
         except ValueError as err:  # SettingsError, or a settings class's own range check

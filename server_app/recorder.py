@@ -45,7 +45,7 @@ class RoundRecorder:
         run_dir: RunDirectory,
         cfg: RunConfig,
         strategy: Strategy,
-        auditor: RunAudit,
+        auditor: RunAudit | None,
         watch: FailureWatch | None = None,
     ) -> None:
         self.run_dir, self.cfg, self.strategy, self.auditor = run_dir, cfg, strategy, auditor
@@ -89,7 +89,8 @@ class RoundRecorder:
         """Write the evaluated round: metrics, models, the strategy's tables, the ledger."""
         if not result.diverged:
             self.last_recorded = result.server_round
-            self.auditor.interim(result.server_round, result.arrays)
+            if self.auditor is not None:  # audit.canaries > 0
+                self.auditor.interim(result.server_round, result.arrays)
         models = None
         multi = cast(MultiModel, self.base)
         if provides(multi, MultiModel) and multi.models:

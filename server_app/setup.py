@@ -26,6 +26,8 @@ from strategies.runtime.capabilities import Accounted, innermost, provides
 from strategies.secure.secagg_plus import SecAggSettings
 from tasks.base import Task
 
+SUBSPACE = "subspace-dp"  # the mechanism whose set-up reads public data (subspace_setup)
+
 
 @dataclass
 class Setup:
@@ -63,7 +65,8 @@ def load(run_config: dict, explicit: Collection[str] | None = None) -> Setup:
         if isinstance(device, torch.device) and device.type == "cuda":
             settings = replace(settings, aggregate_device=str(device))
         strategy = strategies.build(cfg.privacy, settings)
-        subspace_setup.check(cfg, task)
+        if cfg.privacy == SUBSPACE:
+            subspace_setup.check(cfg, task)
         # Under a privacy mechanism the run directory keeps apart what no epsilon covers.
         released = (
             cast(Accounted, strategy).releases_metric if provides(strategy, Accounted) else None
@@ -111,7 +114,7 @@ def explicit_keys(grid: Any) -> frozenset[str] | None:
 
 def privacy_line(cfg: config.RunConfig) -> str:
     """One plain line: private or NOT PRIVATE, the mechanism and the epsilon target."""
-    o, dp, secure = cfg.options, cfg.part(DPSettings), SecAggSettings.enabled_in(cfg)
+    o, dp, secure = cfg.options, cfg.part(DPSettings), SecAggSettings.on_in(cfg)
     what = f"task {cfg.task}, strategy {cfg.strategy}"
     if cfg.preset:
         what += f", preset {cfg.preset!r}"
@@ -154,7 +157,8 @@ def initial_model(run: Setup) -> torch.nn.Module:
     if task.head_only:
         log(INFO, "Head-only training: clients train and share %s", ", ".join(task.head_keys()))
     released = task.head_keys() if task.head_only else tuple(model.state_dict())
-    subspace_setup.prepare(cfg, task, model, run.strategy, released)
+    if cfg.privacy == SUBSPACE:
+        subspace_setup.prepare(cfg, task, model, run.strategy, released)
     _distinct_cluster_models(run)
     return model
 

@@ -18,8 +18,8 @@ from strategies import StopTraining
 from strategies.algorithms.clustered import ClusteredFedAvg
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.runtime.capabilities import innermost
+from strategies.runtime.nodes import fedavg_sample_size
 from strategies.runtime.partitions import partition_map
-from strategies.runtime.sampling import fedavg_sample_size
 from tasks.base import Task
 
 SETTLE_S = 1.0  # simulation: virtual SuperNodes register within this of the first one

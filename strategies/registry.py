@@ -7,7 +7,7 @@ the strategy with :func:`build`: the base strategy, wrapped by the privacy strat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -32,7 +32,7 @@ from strategies.mechanisms.base import (  # noqa: F401 (_SERVER_STREAM: the test
 )
 from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
-from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY
+from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY, CorrelatedSettings
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed, dp_fedavg_mod
 from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
@@ -41,6 +41,7 @@ from strategies.mechanisms.laplace import LaplaceDP, laplace_mod
 from strategies.mechanisms.subspace_dp import SubspaceDP, SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.runtime.seeded import SeededSampling
+from strategies.secure.distributed_dp import SecureNoise
 from strategies.secure.secagg_plus import SecAggSettings
 from strategies.secure.secure_aggregation import SecureAggregation
 
@@ -153,12 +154,12 @@ STRATEGIES: dict[str, Callable[[StrategySettings], Strategy]] = {
 def secagg_settings(s: Typed) -> SecAggSettings | None:
     """The ``secagg.*`` settings, or None when ``secagg.enabled`` is false (the other
     ``secagg.*`` keys are then not checked)."""
-    return s.part(SecAggSettings) if SecAggSettings.enabled_in(s) else None
+    return s.part(SecAggSettings) if SecAggSettings.on_in(s) else None
 
 
 def distributed_dp(s: Typed) -> bool:
     """Client-side noise under secure aggregation: the distributed Skellam mechanism."""
-    return SecAggSettings.enabled_in(s) and s.part(DPSettings).noise_site == "client"
+    return SecAggSettings.on_in(s) and s.part(DPSettings).noise_site == "client"
 
 
 def dp_mechanisms(s: StrategySettings) -> tuple[str, ...]:
@@ -268,9 +269,17 @@ def divergence_release(s: StrategySettings) -> DivergenceRelease | None:
     )
 
 
+def secure_noise_site(s: StrategySettings) -> SecureNoise | None:
+    """DP-FedAvg's noise site under SecAgg+ (None without it): the server's noise on the
+    unmasked sum, or the clients' distributed Skellam shares (``dp.noise-site``)."""
+    secagg = secagg_settings(s)
+    return None if secagg is None else SecureNoise(secagg, distributed_dp(s))
+
+
 def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
     dp = s.part(DPSettings)
     kwargs = {**_dp_fedavg_kwargs(s), "noise_site": dp.noise_site}
+    kwargs["secure"] = secure_noise_site(s)
     kwargs["divergence"] = divergence_release(s)
     clustered = s.strategy == "clustered"
     if not adaptive:
@@ -405,6 +414,34 @@ def self_sampling(privacy: str, s: Typed) -> bool:
     )
 
 
+# The settings of a strategy or mechanism beyond the app-wide ones, by name: a run
+# checks only those of the strategy and mechanism it chose (:func:`settings_to_check`).
+STRATEGY_SETTINGS: dict[str, tuple[type[Settings], ...]] = {
+    "clustered": (ClusterSettings,),
+    "smart-fedprox": (SmartSettings,),
+    "hierarchical": (HierSettings,),
+}
+PRIVACY_SETTINGS: dict[str, tuple[type[Settings], ...]] = {
+    "subspace-dp": (SubspaceSettings,),
+    # The front-loaded modes are client modes of hierarchical FL.
+    **{mode: (HierSettings,) for mode in FRONT_LOADED_MODES},
+    **{mechanism: (CorrelatedSettings,) for mechanism in CORRELATED_PRIVACY},
+}
+
+
+def settings_to_check(
+    parts: Iterable[type[Settings]], strategy: str, privacy: str, run: Typed
+) -> list[type[Settings]]:
+    """Of ``parts``, those whose ``check`` a run of ``strategy`` and ``privacy`` needs:
+    the app-wide ones and the chosen strategy's and mechanism's, each unless ``run``
+    leaves it off (:attr:`config.settings.Settings.OFF`)."""
+    chosen = {*STRATEGY_SETTINGS.get(strategy, ()), *PRIVACY_SETTINGS.get(privacy, ())}
+    named = {
+        p for table in (STRATEGY_SETTINGS, PRIVACY_SETTINGS) for ps in table.values() for p in ps
+    }
+    return [p for p in parts if (p in chosen or p not in named) and p.on_in(run)]
+
+
 def build(privacy: str, settings: StrategySettings) -> Strategy:
     """Build ``settings.strategy`` wrapped by the privacy strategy ``privacy``, and by
     the server optimizer when one is asked for (:mod:`strategies.algorithms.server_optimizer`)."""
@@ -421,10 +458,9 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
     secagg = secagg_settings(settings)
     if secagg is not None:
         strategy = SecureAggregation(strategy, secagg)
-    optimizer = settings.part(ServerOptimizerSettings)
-    if optimizer.is_identity:
+    if not ServerOptimizerSettings.on_in(settings):
         return strategy
-    return ServerOptimizer(strategy, optimizer)
+    return ServerOptimizer(strategy, settings.part(ServerOptimizerSettings))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The hooks an algorithm's client half may fill in, and the message they act on.
 
 Every hook's default does nothing, so a half overrides only what its algorithm
-changes; the ClientApp calls them in table order (:data:`client_app.app.HALVES`).
+changes; the ClientApp calls them in table order (:data:`client_app.app.HALVES`, which
+also says when each half runs).
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ class Round:
 
 class ClientHalf:
     """One algorithm's client half: hooks around the task's train and evaluate."""
-
-    def active(self, config: ConfigRecord, context: Context) -> bool:
-        """Whether this message (its config, this node) runs the algorithm."""
-        return True
 
     def without_training(self, msg: Message, context: Context) -> Message | None:
         """A train reply that needs no training (None: train)."""

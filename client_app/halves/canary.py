@@ -6,7 +6,7 @@ computes, and evaluates with weight 0 (``num-examples = 0``).
 
 from __future__ import annotations
 
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
 from client_app import canary
@@ -37,9 +37,6 @@ def canary_reply(msg: Message, context: Context, index: int, metrics: dict) -> M
 
 class CanaryHalf(ClientHalf):
     """The canary's update replaces the model it trained (if it trained at all)."""
-
-    def active(self, config: ConfigRecord, context: Context) -> bool:
-        return canary_of(context) is not None
 
     def without_training(self, msg: Message, context: Context) -> Message | None:
         if not canary.reports_nothing_trained(msg.content[keys.CONFIG]):

@@ -6,7 +6,7 @@ loss and data loader; the task reports the client's ``local-epsilon``.
 
 from __future__ import annotations
 
-from flwr.app import ConfigRecord, Context
+from flwr.app import ConfigRecord
 
 from client_app.halves.base import ClientHalf, Round
 from config.app import NUM_SERVER_ROUNDS
@@ -29,8 +29,10 @@ def dp_sgd(config: ConfigRecord, run_config) -> DPSGD:
 class DPSGDHalf(ClientHalf):
     """Trains with DP-SGD when the server sends its settings."""
 
-    def active(self, config: ConfigRecord, context: Context) -> bool:
-        return keys.DPSGD_NOISE_MULTIPLIER in config
-
     def training(self, r: Round) -> dict:
+        if keys.DPSGD_NOISE_MULTIPLIER not in r.config:
+            raise ValueError(
+                "privacy = 'dp-sgd' in this client's run-config, but the server sent no "
+                f"'{keys.DPSGD_NOISE_MULTIPLIER}': the client does not train without DP-SGD"
+            )
         return {"dp_sgd": dp_sgd(r.config, r.context.run_config)}

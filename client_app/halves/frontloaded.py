@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from client_app.halves.base import ClientHalf, Round
 from privacy.frontloaded import FrontLoadedDP, clip_and_noise_delta
@@ -52,11 +52,14 @@ def cp_np_reply(
 class FrontLoadedHalf(ClientHalf):
     """Trains under the requested mode; replies CP-NP's noisy delta alone."""
 
-    def active(self, config: ConfigRecord, context: Context) -> bool:
-        return keys.FRONT_LOADED_MODE in config
-
     def training(self, r: Round) -> dict:
-        return {"front_loaded": front_loaded(r.config)}
+        dp = front_loaded(r.config)
+        if dp is None:
+            raise ValueError(
+                "a front-loaded 'privacy' mode in this client's run-config, but the server "
+                f"sent no '{keys.FRONT_LOADED_MODE}': the client does not train without it"
+            )
+        return {"front_loaded": dp}
 
     def reply(self, r: Round, metrics: dict[str, float], local: LocalTraining):
         if local.front_loaded.mode != "cp-np":

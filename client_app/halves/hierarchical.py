@@ -47,9 +47,6 @@ def edge_reply(msg: Message, context: Context) -> Message:
 class HierarchicalHalf(ClientHalf):
     """An independent seed per edge aggregation; ``local-updates`` iterations (tau_1)."""
 
-    def active(self, config: ConfigRecord, context: Context) -> bool:
-        return keys.EDGE_ROUND in config or keys.LOCAL_UPDATES in config
-
     def seed_entropy(self, config: ConfigRecord) -> tuple[int, ...]:
         return (int(config[keys.EDGE_ROUND]),) if keys.EDGE_ROUND in config else ()
 

@@ -15,9 +15,6 @@ from protocol import keys
 class LocalHalf(ClientHalf):
     """Loads the client's own model, once it has one; keeps the trained one."""
 
-    def active(self, config: ConfigRecord, context: Context) -> bool:
-        return bool(config.get(keys.LOCAL_ONLY))
-
     def weights(self, arrays: ArrayRecord, config: ConfigRecord, context: Context):
         return context.state.get(keys.LOCAL_MODEL, arrays)
 

@@ -44,6 +44,7 @@ class ServerOptimizerSettings(Settings):
     """The server optimizer's run-config keys (``server.*``)."""
 
     PREFIX: ClassVar[str] = "server"
+    OFF: ClassVar[dict] = {"optimizer": "sgd", "lr": 1.0}  # the aggregate is the model
     optimizer: str = setting(
         "sgd",
         "Server optimizer on the round's aggregate (strategies with one global model;"
@@ -106,7 +107,7 @@ class ServerOptimizerSettings(Settings):
     @property
     def is_identity(self) -> bool:
         """Plain SGD with learning rate 1: the aggregate is the new model."""
-        return self.name == "sgd" and self.lr == 1.0
+        return all(getattr(self, name) == off for name, off in self.OFF.items())
 
     def rule(self) -> FedAvgM | FedOpt:
         """Flower's strategy whose update rule this optimizer is."""

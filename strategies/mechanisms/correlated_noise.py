@@ -26,8 +26,7 @@ from strategies.base import add_to_config
 from strategies.errors import StopTraining
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings, dp_generator
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
-from strategies.runtime.nodes import grid_view, wait_for_nodes
-from strategies.runtime.sampling import poisson_sample
+from strategies.runtime.nodes import grid_view, poisson_sample, wait_for_nodes
 from strategies.secure.secagg_plus import SecAggSettings
 
 MECHANISMS = ("banded-mf", "dp-ftrl")
@@ -71,7 +70,7 @@ class CorrelatedSettings(Settings):
         if choice.privacy not in MECHANISMS:
             return
         dp, corr = choice.part(DPSettings), choice.part(CorrelatedSettings)
-        if SecAggSettings.enabled_in(choice) or dp.noise_site != "server":
+        if SecAggSettings.on_in(choice) or dp.noise_site != "server":
             raise SettingsError(
                 f"'privacy' = {choice.privacy!r} adds its noise at the server: it needs "
                 "'dp.noise-site' = 'server' and 'secagg.enabled' = false"

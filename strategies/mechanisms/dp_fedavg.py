@@ -48,8 +48,7 @@ from strategies.mechanisms.noise_site import (
 from strategies.mechanisms.noise_site import noise_site as noise_site_of
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import grid_view
-from strategies.runtime.sampling import dp_cohort
+from strategies.runtime.nodes import dp_cohort, grid_view
 
 __all__ = ["DPFedAvgFixed", "DivergenceRelease", "dp_fedavg_mod", "privatise_update"]
 
@@ -110,6 +109,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         planned_rounds: int = 1,
         divergence: DivergenceRelease | None = None,
         aggregate_device: str | None = None,
+        secure: SecureNoiseSite | None = None,
         **kwargs,
     ) -> None:
         _check_noise(clip_norm, noise_multiplier, target_epsilon, num_sampled_clients)
@@ -130,9 +130,10 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         )
         self.uniform_sampling, self.connect_timeout = uniform_sampling, connect_timeout
         self.head, self.divergence = ReleasedArrays(released_keys), divergence
-        view = noise_site == "client" and self.LOCAL_VIEW
+        # Under secure aggregation the server never sees an upload: no local view.
+        view = noise_site == "client" and self.LOCAL_VIEW and secure is None
         self.local_view = LocalViewLedger.beside(ledger) if view else None
-        self.secure: SecureNoiseSite | None = None  # set by SecureAggregation
+        self.secure = secure  # the secure sum's noise site (the registry's, with SecAgg+)
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
 
     # -- what one round releases ------------------------------------------------

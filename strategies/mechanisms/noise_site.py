@@ -59,8 +59,8 @@ def sum_release(
 
 
 class SecureNoiseSite(Protocol):
-    """Where the noise is added when the round runs as a secure sum (set by
-    SecureAggregation on the wrapper's ``secure``)."""
+    """Where the noise is added when the round runs as a secure sum (given to the
+    wrapper as ``secure`` when it is built, by the registry)."""
 
     distributed: bool
 

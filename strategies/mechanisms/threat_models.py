@@ -69,7 +69,7 @@ def _always(_run: Typed) -> bool:
 
 def _secagg(site: str | None) -> Callable[[Typed], bool]:
     def applies(run: Typed) -> bool:
-        on = SecAggSettings.enabled_in(run)
+        on = SecAggSettings.on_in(run)
         return on and (site is None or run.part(DPSettings).noise_site == site)
 
     return applies

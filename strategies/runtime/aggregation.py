@@ -105,7 +105,7 @@ class AggregationSettings(Settings):
                 "mean; a robust aggregate would need its own sensitivity analysis "
                 f"(valid: 'privacy' in {listed(ROBUST_PRIVACY)})"
             )
-        if SecAggSettings.enabled_in(choice):
+        if SecAggSettings.on_in(choice):
             raise SettingsError(
                 f"'aggregation.rule' = {rule!r} cannot run with 'secagg.enabled' = true: "
                 "the server sees only the sum of the updates"

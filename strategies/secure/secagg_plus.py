@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -33,7 +32,7 @@ from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
-from config.settings import Choice, Settings, SettingsError, Typed, listed, setting
+from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy.settings import AuditSettings, DPSettings
 from protocol.masking import (
     MASKED,
@@ -85,6 +84,7 @@ class SecAggSettings(Settings):
     """
 
     PREFIX: ClassVar[str] = "secagg"
+    OFF: ClassVar[dict] = {"enabled": False}
     enabled: bool = setting(
         False,
         "Run each train round as SecAgg+ (strategies/secure/secagg_plus.py): the server obtains "
@@ -140,16 +140,10 @@ class SecAggSettings(Settings):
         low=0,
     )
 
-    @classmethod
-    def enabled_in(cls, run: Typed) -> bool:
-        """``secagg.enabled`` of a run, read without building (and so checking) the
-        other ``secagg.*`` keys, which matter only when it is true."""
-        return bool(ChainMap(dict(run.options), cls.defaults())[cls.key("enabled")])
-
     @staticmethod
     def check(choice: Choice) -> None:
         """What secure aggregation can run with."""
-        if not SecAggSettings.enabled_in(choice):
+        if not SecAggSettings.on_in(choice):
             return
         dp = choice.part(DPSettings)
         if choice.strategy not in SECAGG_STRATEGIES:

@@ -65,8 +65,11 @@ class SecureAggregation(TrainingWrapper):
                     "distributed DP under secure aggregation supports fixed clipping only: "
                     "the count of norm bits would need its own distributed mechanism"
                 )
-            self.dp.secure = SecureNoise(settings, distributed)
-            self.dp.local_view = None  # the server never sees an upload
+            if self.dp.secure is None or self.dp.secure.distributed != distributed:
+                raise ValueError(
+                    "DP-FedAvg under secure aggregation needs the secure sum's noise site "
+                    "given when it is built (strategies.registry: secure_noise_site)"
+                )
         self._current: ArrayRecord | None = None
         self._result: SecureSum | None = None
         self._length = 0

@@ -6,11 +6,12 @@ import ast
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from client_app import app
-from client_app.halves.dpsgd import DPSGDHalf, dp_sgd
-from client_app.halves.frontloaded import FrontLoadedHalf
+from client_app.halves.base import Round
+from client_app.halves.dpsgd import dp_sgd
 from client_app.halves.hierarchical import HierarchicalHalf
 from client_app.halves.local import LocalHalf
 from protocol import keys
@@ -24,7 +25,7 @@ def _context(state: RecordDict | None = None, pid: int = 0, num: int = 4, **run_
 
 
 def _names(config: dict, context: Context) -> list[str]:
-    return [type(h).__name__ for h in app.HALVES if h.active(ConfigRecord(config), context)]
+    return [type(h).__name__ for h in app.active_halves(ConfigRecord(config), context)]
 
 
 def test_a_plain_message_activates_only_fedbn_and_fedprox():
@@ -50,7 +51,7 @@ def test_the_last_partitions_are_canaries():
 
 
 def test_cp_np_and_the_canary_reply_before_the_default_in_that_order():
-    order = [type(h).__name__ for h in app.HALVES]
+    order = [path.split(":")[1] for _, path in app.HALVES.values()]
     assert order.index("FrontLoadedHalf") < order.index("CanaryHalf")
 
 
@@ -85,8 +86,9 @@ def test_dp_sgd_settings_come_from_the_config_and_the_planned_rounds():
         7,
         0.0,
     )
-    assert DPSGDHalf().active(config, _context())
-    assert not FrontLoadedHalf().active(config, _context())
+    runs = {name: when for name, (when, _) in app.HALVES.items()}
+    assert runs["dpsgd"](config, _context())
+    assert not runs["frontloaded"](config, _context())
 
 
 def test_train_and_evaluate_branch_on_no_algorithm_key():
@@ -100,3 +102,34 @@ def test_train_and_evaluate_branch_on_no_algorithm_key():
         if isinstance(node, ast.If)
     ]
     assert tests and not [t for t in tests if "keys." in t or "config" in t], tests
+
+
+def test_a_dp_fedavg_train_message_runs_fedbn_alone():
+    # Replies restricted to the mechanism's keys carry no divergence: FedProx's half
+    # (and SmartFedProx's adaptive-mu code) does not run, nor is any other half imported.
+    config = {keys.SERVER_ROUND: 1, keys.REPORT_METRICS: [keys.NUM_EXAMPLES]}
+    assert _names(config, _context(privacy="dp-fedavg-fixed")) == ["FedBNHalf"]
+    with_divergence = {**config, keys.REPORT_METRICS: [keys.NUM_EXAMPLES, keys.DIVERGENCE]}
+    assert _names(with_divergence, _context()) == ["FedBNHalf", "FedProxHalf"]
+    assert "FedProxHalf" in _names({**config, keys.PROXIMAL_MU: 0.1}, _context())
+
+
+def test_the_clients_own_run_config_turns_dp_sgd_and_front_loaded_on():
+    plain = {keys.SERVER_ROUND: 1}
+    assert "DPSGDHalf" in _names(plain, _context(privacy="dp-sgd"))
+    assert "FrontLoadedHalf" in _names(plain, _context(privacy="cg-ng"))
+    assert "DPSGDHalf" not in _names(plain, _context(privacy="dp-fedavg-fixed"))
+
+
+def test_a_dp_sgd_client_refuses_to_train_without_the_servers_settings():
+    context = _context(privacy="dp-sgd")
+    (dpsgd,) = [h for h in app.active_halves(ConfigRecord({}), context) if "DPSGD" in str(h)]
+    msg = Message(RecordDict({keys.CONFIG: ConfigRecord({})}), dst_node_id=0, message_type="train")
+    r = Round(msg, context, task=None, model=None, partition=None, pid=0)
+    with pytest.raises(ValueError, match="does not train without DP-SGD"):
+        dpsgd.training(r)
+
+
+def test_every_half_of_the_table_imports_to_its_class():
+    for name, (_, path) in app.HALVES.items():
+        assert type(app.half(path)).__name__ == path.split(":")[1], name

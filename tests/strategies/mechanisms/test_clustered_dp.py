@@ -34,7 +34,7 @@ def _inner(assign="l2") -> ClusteredFedAvg:
         query_timeout=0.0,
     )
     inner.models = [record(m) for m in MODELS]
-    inner._uploads = {n: np.asarray(u) for n, u in LAST_UPLOADS.items()}
+    inner.book.uploads = {n: np.asarray(u) for n, u in LAST_UPLOADS.items()}
     return inner
 
 
@@ -85,7 +85,7 @@ def test_each_model_moves_by_its_clusters_clipped_sum_over_m():
     np.testing.assert_allclose(arrays["w"].numpy(), models[0])  # model 0 is "the" model
     assert metrics["cluster-0-size"] == 2 and metrics["cluster-2-size"] == 0
     assert not strategy.releases_metric("cluster-0-size")  # sizes stay with the curator
-    assert strategy.strategy._clusters == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert strategy.strategy.book.clusters == {1: 0, 2: 0, 3: 1, 4: 1}
     assert [r["cluster"] for r in strategy.strategy.history] == [0, 0, 1, 1]
 
 

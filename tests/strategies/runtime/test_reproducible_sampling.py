@@ -9,9 +9,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from protocol import keys
 from strategies.errors import DuplicatePartitionError, StopTraining
-from strategies.runtime.nodes import wait_for_nodes
+from strategies.runtime.nodes import sample_uniform, wait_for_nodes
 from strategies.runtime.partitions import QUERY_TYPE, PartitionMap
-from strategies.runtime.sampling import sample_uniform
 from strategies.runtime.seeded import SeededSampling
 from tests.fakes import FakeGrid, record, reply_from
 
