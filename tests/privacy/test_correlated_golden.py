@@ -174,3 +174,17 @@ def test_amplified_at_q_one_is_the_unamplified_min_separation_mechanism():
     )
     cyclic = cr.epsilon(noise_multiplier=z, sensitivity=sens.value, delta=1e-5)
     assert ledger.epsilon() == pytest.approx(cyclic, rel=2e-3)
+
+
+def test_calibration_matches_pfl_researchs_pld_accountant():
+    """Value from pfl-research 0.6.0, computed in its own environment by
+    bench/peers/pfl_banded_mf.py (N = 200, m = 10, 60 rounds, b = 20: k = 3):
+    ``PLDPrivacyAccountant(num_compositions=3, sampling_probability=1.0,
+    mechanism="gaussian", epsilon=2, delta=1e-5).cohort_noise_parameter`` is
+    3.4534454345703125. k Gaussians at sigma are one Gaussian at sigma / sqrt(k), so the
+    cyclic calibration at sensitivity sqrt(3) must agree, on the private side."""
+    pfl = 3.4534454345703125
+    z = cr.calibrate(target_epsilon=2.0, sensitivity=math.sqrt(3), delta=1e-5)
+    assert z == pytest.approx(pfl, rel=1e-4)
+    assert cr.epsilon(noise_multiplier=pfl, sensitivity=math.sqrt(3), delta=1e-5) <= 2.0
+    assert cr.epsilon(noise_multiplier=z, sensitivity=math.sqrt(3), delta=1e-5) <= 2.0
