@@ -8,11 +8,16 @@ round, 300 rounds (b = 20 groups: each client about 15 times), delta 1e-5, fixed
                           cyclic cohorts, no amplification
     b  dp-fedavg-poisson  DP-FedAvg, secret Poisson sampling (the idealised reference)
     c  banded-mf          cyclic cohorts, b = 20 bands, no amplification
-    d  banded-mf-amp      amplified banded MF (b = 10 groups of 100, Poisson q = 0.5
-                          within the round's group)
+    d  banded-mf-amp      amplified banded MF: b groups, Poisson q = m / (N // b) within
+                          the round's group, b the least mechanism-alone error at the
+                          run's ε (``best_amplified_groups``; ``--amp-groups`` fixes it)
     e  dp-ftrl            honest tree, cyclic cohorts
+    f  pfl-banded-mf      pfl-research 0.6's BandedMatrixFactorizationMechanism on the
+                          same workload in its own environment (``--pfl-python``;
+                          bench/peers/pfl_banded_mf.py), cyclic (min_separation N // m)
 
-    python bench/correlated.py --eps 2 8 --seeds 0 --out /tmp/correlated-bench
+    python bench/correlated.py --eps 2 8 --seeds 0 --out /tmp/correlated-bench \
+        --pfl-python /work/pflvenv/bin/python
     python bench/correlated.py --cost   # the mechanism's cost per round at 1e7 weights
     python bench/correlated.py --error  # the mechanisms alone: z and prefix-sum error
 
@@ -39,7 +44,6 @@ sys.path.insert(0, str(REPO))
 import peer_digits  # noqa: E402  (this directory is on sys.path when run as a script)
 
 N, COHORT, ROUNDS = 1000, 50, 300
-AMPLIFIED_GROUPS = 10  # b of the amplified arm: groups of 100, q = 50/100
 # The shared peer workload (bench/peer_digits.py), with this benchmark's own keys.
 WORKLOAD = {
     **{k: v for k, v in peer_digits.WORKLOAD.items() if k != "num-server-rounds"},
@@ -60,10 +64,11 @@ ARMS = {
     "banded-mf-amp": {
         "privacy": "banded-mf",
         "correlated.schema": "amplified",
-        "correlated.min-separation": AMPLIFIED_GROUPS,
     },
     "dp-ftrl": {"privacy": "dp-ftrl"},
+    "pfl-banded-mf": {},  # the peer, in its own environment (``peer``)
 }
+PEER_SCRIPT = REPO / "bench" / "peers" / "pfl_banded_mf.py"
 
 
 def _toml(value) -> str:
@@ -75,13 +80,25 @@ def _toml(value) -> str:
 
 
 def one(
-    arm: str, epsilon: float, seed: int, rounds: int, out: Path, clients=N, cohort=COHORT
+    arm: str,
+    epsilon: float,
+    seed: int,
+    rounds: int,
+    out: Path,
+    clients=N,
+    cohort=COHORT,
+    amp_groups: int = 0,
 ) -> dict:
     """One run; its final accuracy, ε (the ledger's), z and warm round."""
     root = out / f"{arm}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     before = set(root.iterdir())
     config = {**WORKLOAD, **ARMS[arm], "seed": seed, "num-server-rounds": rounds}
+    if arm == "banded-mf-amp":
+        config["correlated.min-separation"] = (
+            amp_groups
+            or best_amplified_groups(epsilon, rounds=rounds, clients=clients, cohort=cohort)[0]
+        )
     config |= {"dp.target-epsilon": epsilon, "output-dir": str(root)}
     config |= {"min-available-nodes": clients, "min-train-nodes": cohort}
     config["dp.num-sampled-clients"] = cohort
@@ -111,6 +128,51 @@ def one(
         "accuracy": float(central["eval-accuracy"].iloc[-1]),
         "warm round s": statistics.median(train["round-seconds"]),
         "process s": round(seconds, 1),
+        "groups": config.get("correlated.min-separation", 0),
+    }
+
+
+def peer(
+    python: str, epsilon: float, seed: int, rounds: int, out: Path, clients=N, cohort=COHORT
+) -> dict:
+    """Arm f: pfl-research's banded MF (bench/peers/pfl_banded_mf.py) in its own
+    environment; beside pfl's own ε, the ε of what ran: pfl's noise on the sensitivity
+    of its C for k participations >= N // m apart (privacy.correlated.sensitivity)."""
+    import json
+
+    from privacy import correlated as cr
+
+    root = out / f"pfl-banded-mf-eps{epsilon:g}-seed{seed}"
+    root.mkdir(parents=True, exist_ok=True)
+    result, strategy = root / "result.json", root / "strategy.npy"
+    cmd = [
+        python, str(PEER_SCRIPT), "--clients", str(clients), "--cohort", str(cohort),
+        "--rounds", str(rounds), "--epsilon", str(epsilon), "--seed", str(seed),
+        "--out", str(result), "--save-strategy", str(strategy),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    got = json.loads(result.read_text())
+    found = cr.sensitivity(
+        np.load(strategy),
+        participations=got["participations"],
+        min_separation=got["min_separation"],
+    )
+    ran = cr.epsilon(noise_multiplier=got["noise_parameter"], sensitivity=found.value, delta=1e-5)
+    return {
+        "arm": "pfl-banded-mf",
+        "epsilon": epsilon,
+        "seed": seed,
+        "ledger epsilon": ran,  # what ran: pfl states `epsilon` for sensitivity sqrt(k)
+        "accuracy": got["accuracy"],
+        "warm round s": got["warm_round_s"],
+        "process s": round(seconds, 1),
+        "groups": got["min_separation"],
+        "pfl sensitivity": found.value,
+        "pfl assumed sensitivity": math.sqrt(got["participations"]),
     }
 
 
@@ -131,44 +193,63 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _timed(step, repeat: int = 1) -> tuple[float, float]:
+    """(wall s, CPU s of this process) per call of ``step``, over ``repeat`` calls."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(repeat):
+        step()
+    return (time.perf_counter() - wall) / repeat, (time.process_time() - cpu) / repeat
+
+
 def cost(dim: int = 10_000_000, rounds: int = 5, bands: int = 20) -> dict[str, float]:
     """Seconds per round of the mechanism at ``dim`` weights: the stream's increment
-    (noise drawn, the factorization applied) for banded MF (b bands), the tree, and
-    DP-FedAvg's independent draw, beside the server's clip-and-sum of the cohort's
-    updates; the L-BFGS time of the strategy for 2 000 rounds, b = 64 (uncached)."""
+    (noise drawn, the factorization applied, added to the sum) for banded MF (b bands),
+    the tree, and DP-FedAvg's independent draw, beside the server's clip-and-sum of the
+    cohort's updates; wall and CPU seconds (the shares use CPU seconds of this process,
+    which other processes on a shared machine do not inflate); the L-BFGS time of the
+    strategy for 2 000 rounds, b = 64 (uncached)."""
     import tempfile
 
     from privacy import correlated as cr
+    from privacy.mechanisms import GaussianMechanism
 
     out = {}
     coefs = cr.optimize_banded(ROUNDS, bands, use_cache=False).coefs
+    rng = np.random.default_rng()
+    # The server's own aggregate of one round at this size: m clipped float32 updates
+    # summed in float64 (DP-FedAvg's clip and sum; the floor of a round, before
+    # training and messages).
+    mech = GaussianMechanism(clip_norm=1.0, noise_multiplier=1.0)
+    update = [rng.normal(0.0, 1.0, dim).astype(np.float32)]
+    total = np.zeros(dim)
+
+    def clip_and_sum():
+        total[:] = 0.0
+        for _ in range(COHORT):
+            total.__iadd__(mech.clip(update).arrays[0])
+
+    wall, cpu = _timed(clip_and_sum)
+    out[f"clip and sum of {COHORT} updates s"], out[f"clip and sum of {COHORT} CPU s"] = wall, cpu
+    # float32 weights: the stream runs in float32 and is added to the float64 sum in
+    # place, as CorrelatedNoiseDP._private_mean does.
     streams = {
-        "banded-mf": cr.BandedNoise(coefs, dim=dim, std=1.0, generator=np.random.default_rng()),
+        "banded-mf": cr.BandedNoise(
+            coefs, dim=dim, std=1.0, generator=np.random.default_rng(), dtype=np.float32
+        ),
         "dp-ftrl": cr.TreeNoise(dim=dim, std=1.0, generator=np.random.default_rng()),
     }
     for name, stream in streams.items():
         for _ in range(bands):  # fill the band
-            stream.next()
-        started = time.perf_counter()
-        for _ in range(rounds):
-            stream.next()
-        out[f"{name} s/round"] = (time.perf_counter() - started) / rounds
-    rng = np.random.default_rng()
-    started = time.perf_counter()
-    for _ in range(rounds):
-        rng.normal(0.0, 1.0, dim)
-    out["independent draw s/round"] = (time.perf_counter() - started) / rounds
-    # The server's own aggregate of one round at this size: m clipped updates summed
-    # (DP-FedAvg's clip and sum; the floor of a round, before training and messages).
-    from privacy.mechanisms import GaussianMechanism
-
-    mech = GaussianMechanism(clip_norm=1.0, noise_multiplier=1.0)
-    update = [rng.normal(0.0, 1.0, dim).astype(np.float32)]
-    started = time.perf_counter()
-    total = np.zeros(dim)
-    for _ in range(COHORT):
-        total += mech.clip(update).arrays[0]
-    out[f"clip and sum of {COHORT} updates s"] = time.perf_counter() - started
+            stream.add_to(total)
+        wall, cpu = _timed(lambda s=stream: s.add_to(total), rounds)
+        out[f"{name} s/round"], out[f"{name} CPU s/round"] = wall, cpu
+    del streams
+    wall, cpu = _timed(lambda: total.__iadd__(rng.normal(0.0, 1.0, dim)), rounds)
+    out["independent draw s/round"], out["independent draw CPU s/round"] = wall, cpu
+    for name in ("banded-mf", "dp-ftrl", "independent draw"):
+        out[f"{name} share of the aggregate (CPU)"] = (
+            out[f"{name} CPU s/round"] / out[f"clip and sum of {COHORT} CPU s"]
+        )
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         cr.optimize_banded(2000, 64, cache=Path(tmp))
@@ -179,94 +260,151 @@ def cost(dim: int = 10_000_000, rounds: int = 5, bands: int = 20) -> dict[str, f
     return out
 
 
-def error_table(epsilons=(2.0, 8.0), delta: float = 1e-5) -> str:
-    """The mechanisms alone at the benchmark's size (N, m, n): z calibrated to each ε
-    and the mean squared error of the released prefix sums per coordinate, in units
-    of C² (the noise the model's trajectory carries; no training)."""
+def _poisson_z(eps: float, delta: float, cohort: int, population: int, count: int) -> float:
+    """z of ``count`` Poisson-sampled Gaussians (q = cohort / population) at (ε, δ), PLD."""
     from dataclasses import replace
 
-    from privacy import correlated as cr
     from privacy.accounting import Release
     from privacy.calibration import calibrate_parameter
 
-    n, b = ROUNDS, N // COHORT
+    release = Release(
+        server_round=1,
+        kind="model-update",
+        mechanism="gaussian",
+        noise_multiplier=1.0,
+        sampling="poisson",
+        sample_size=cohort,
+        population=population,
+        count=count,
+    )
+    return calibrate_parameter(
+        lambda p: [replace(release, noise_multiplier=p)],
+        target_epsilon=eps,
+        target_delta=delta,
+        accountant="pld",
+        neighboring="add-or-remove-one",
+    )
+
+
+def amplified_error(
+    eps: float, groups: int, *, rounds=ROUNDS, clients=N, cohort=COHORT, delta=1e-5
+) -> tuple[float, float]:
+    """Amplified banded MF with b = ``groups`` (b bands, groups of N // b, q = m / (N //
+    b), k = ceil(n / b) Poisson-sampled Gaussians at max column norm 1): (z, mean sq.
+    prefix-sum error / C²). b = 1 is DP-FedAvg with Poisson sampling (C = I)."""
+    from privacy import correlated as cr
+
+    population = clients // groups
+    if population < cohort:
+        raise ValueError(f"groups={groups}: groups of {population} < cohort {cohort}")
+    z = _poisson_z(eps, delta, cohort, population, math.ceil(rounds / groups))
+    decoder = cr.optimize_banded(rounds, groups).decoder()
+    return z, cr.prefix_sum_error(decoder, noise_std=z)
+
+
+def best_amplified_groups(eps: float, *, rounds=ROUNDS, clients=N, cohort=COHORT, delta=1e-5):
+    """The b (1 .. N // m) with the least mechanism-alone error at ε, and every b's
+    (z, error): the choice is data-independent (n, N, m, ε, δ are public), so it costs
+    no privacy (Choquette-Choo, McMahan et al. 2023 choose the bands the same way)."""
+    errors = {
+        b: amplified_error(eps, b, rounds=rounds, clients=clients, cohort=cohort, delta=delta)
+        for b in range(1, clients // cohort + 1)
+    }
+    return min(errors, key=lambda b: errors[b][1]), errors
+
+
+def error_table(
+    epsilons=(2.0, 8.0), delta: float = 1e-5, *, rounds=ROUNDS, clients=N, cohort=COHORT
+) -> str:
+    """The mechanisms alone at the benchmark's size (N, m, n): z calibrated to each ε
+    and the mean squared error of the released prefix sums per coordinate, in units
+    of C² (the noise the model's trajectory carries; no training); then amplified
+    banded MF for every b, the least-error b marked."""
+    from privacy import correlated as cr
+
+    n, b = rounds, clients // cohort
     k = math.ceil(n / b)
     identity = n * (n + 1) / 2 / n  # ||A||_F^2 / n
 
-    def poisson_z(eps: float, population: int, count: int) -> float:
-        release = Release(
-            server_round=1,
-            kind="model-update",
-            mechanism="gaussian",
-            noise_multiplier=1.0,
-            sampling="poisson",
-            sample_size=COHORT,
-            population=population,
-            count=count,
-        )
-        return calibrate_parameter(
-            lambda p: [replace(release, noise_multiplier=p)],
-            target_epsilon=eps,
-            target_delta=delta,
-            accountant="pld",
-            neighboring="add-or-remove-one",
-        )
-
     banded = cr.optimize_banded(n, b)
     sens = cr.sensitivity(banded.strategy(), participations=k, min_separation=b).value
-    amp_b = AMPLIFIED_GROUPS
-    amplified = cr.optimize_banded(n, amp_b)
     tree = cr.tree_sensitivity(n, participations=k, min_separation=b)
     lines = [
         "| arm | ε | z | sensitivity | mean sq. prefix-sum error / C² | RMSE / C |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    sweep = [
+        "",
+        "| ε | b (groups, bands) | q | k | z | mean sq. prefix-sum error / C² |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for eps in epsilons:
         rows = []
         z = cr.calibrate(target_epsilon=eps, sensitivity=math.sqrt(k), delta=delta)
         rows.append(("a dp-fedavg-cyclic", z, math.sqrt(k), z**2 * identity))
-        z = poisson_z(eps, N, n)
+        z = _poisson_z(eps, delta, cohort, clients, n)
         rows.append(("b dp-fedavg-poisson", z, 1.0, z**2 * identity))
         z = cr.calibrate(target_epsilon=eps, sensitivity=sens, delta=delta)
         rows.append(("c banded-mf", z, sens, cr.prefix_sum_error(banded.decoder(), noise_std=z)))
-        z = poisson_z(eps, N // amp_b, math.ceil(n / amp_b))
-        error = cr.prefix_sum_error(amplified.decoder(), noise_std=z)
-        rows.append(("d banded-mf-amp", z, 1.0, error))
+        best, errors = best_amplified_groups(
+            eps, rounds=n, clients=clients, cohort=cohort, delta=delta
+        )
+        z, error = errors[best]
+        rows.append((f"d banded-mf-amp (b = {best})", z, 1.0, error))
         z = cr.calibrate(target_epsilon=eps, sensitivity=tree, delta=delta)
         rows.append(("e dp-ftrl", z, tree, cr.prefix_sum_error(cr.tree_decoder(n), noise_std=z)))
         for name, z, s, err in rows:
             lines.append(
                 f"| {name} | {eps:g} | {z:.3f} | {s:.3f} | {err:.4g} | {math.sqrt(err):.2f} |"
             )
-    return "\n".join(lines)
+        for g, (z, err) in errors.items():
+            q = cohort / (clients // g)
+            mark = " **(chosen)**" if g == best else ""
+            sweep.append(
+                f"| {eps:g} | {g}{mark} | {q:.3g} | {math.ceil(n / g)} | {z:.3f} | {err:.4g} |"
+            )
+    return "\n".join(lines + sweep)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--eps", type=float, nargs="+", default=[2.0, 8.0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=None, choices=list(ARMS))
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--clients", type=int, default=N)
     parser.add_argument("--cohort", type=int, default=COHORT)
     parser.add_argument("--out", type=Path, default=Path("/tmp/correlated-bench"))
     parser.add_argument("--cost", action="store_true", help="only the mechanism's cost")
     parser.add_argument("--error", action="store_true", help="only the mechanisms' error")
+    parser.add_argument(
+        "--pfl-python", default=None, help="arm f: the Python of pfl-research's environment"
+    )
+    parser.add_argument(
+        "--amp-groups", type=int, default=0, help="arm d's b (0: the least-error b at each ε)"
+    )
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
             print(f"{key}: {value:.4f}")
         return 0
     if args.error:
-        print(error_table(args.eps))
+        print(error_table(args.eps, rounds=args.rounds, clients=args.clients, cohort=args.cohort))
         return 0
+    if args.arms is None:  # all of them; the peer when its environment is given
+        args.arms = [a for a in ARMS if a != "pfl-banded-mf" or args.pfl_python]
     rows = []
     for seed in args.seeds:
         for epsilon in args.eps:
             for arm in args.arms:
-                rows.append(
-                    one(arm, epsilon, seed, args.rounds, args.out, args.clients, args.cohort)
-                )
+                if arm == "pfl-banded-mf":
+                    if not args.pfl_python:
+                        parser.error("arm 'pfl-banded-mf' needs --pfl-python PATH")
+                    sizes = (args.rounds, args.out, args.clients, args.cohort)
+                    rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
+                else:
+                    sizes = (args.rounds, args.out, args.clients, args.cohort, args.amp_groups)
+                    rows.append(one(arm, epsilon, seed, *sizes))
                 print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "results.csv", index=False)

@@ -385,51 +385,78 @@ class BandedNoise:
     """Round-t noise (C^{-1} w)_t for a banded Toeplitz C, O(b) past solutions kept.
 
     w_t ~ N(0, std^2 I_dim) from ``generator`` (secret); y_t = (w_t - sum_k c_k y_{t-k})/c_0.
+    ``dtype`` is the released weights' (float32 models: float32 noise, half the memory
+    traffic of a round; the stream's cost per round: docs/correlated-noise.md).
     """
 
-    def __init__(self, coefs, *, dim: int, std: float, generator: np.random.Generator):
+    def __init__(
+        self,
+        coefs,
+        *,
+        dim: int,
+        std: float,
+        generator: np.random.Generator,
+        dtype=np.float64,
+    ):
         self.coefs = np.asarray(coefs, dtype=np.float64)
         if self.coefs.ndim != 1 or self.coefs.size == 0 or self.coefs[0] == 0:
             raise FactorizationError("coefs must be a non-empty vector with coefs[0] != 0")
         self.dim = _positive_int("dim", dim)
         if not (math.isfinite(std) and std >= 0):
             raise FactorizationError(f"std must be finite and >= 0, got {std!r}")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise FactorizationError(f"dtype must be float32 or float64, got {dtype!r}")
         self.std, self.generator = float(std), generator
         self.round = 0
-        # Ring buffer of y_{t-1}..y_{t-b+1}: y_s in row s % (b-1), so a round is one
-        # matrix-vector product (BLAS) and no copy of the b-1 past vectors.
-        self._buffer = np.zeros((self.coefs.size - 1, self.dim))
+        # Hand-written ring (no library keeps a banded solve's past online): y_s lives
+        # in row s % b, preallocated once; a round draws into the oldest row in place
+        # and subtracts the band as one matrix-vector product (BLAS gemv) into a
+        # preallocated scratch row, so no (b - 1) x dim temporary is ever made.
+        self._buffer = np.zeros((self.coefs.size, self.dim), dtype=self.dtype)
+        self._scratch = np.empty(self.dim, dtype=self.dtype) if self.coefs.size > 1 else None
 
     def _slots(self, count: int) -> list[int]:
         """Rows holding y_{t-1}, ..., y_{t-count} (t = self.round)."""
-        m = self._buffer.shape[0]
-        return [(self.round - k) % m for k in range(1, count + 1)]
+        b = self._buffer.shape[0]
+        return [(self.round - k) % b for k in range(1, count + 1)]
+
+    def _advance(self) -> np.ndarray:
+        """y_t computed in its ring row (a view, overwritten b rounds later)."""
+        b = self._buffer.shape[0]
+        y = self._buffer[self.round % b]
+        if self.std:
+            self.generator.standard_normal(dtype=self.dtype, out=y)
+            y *= self.std / self.coefs[0]
+        else:
+            y[:] = 0.0
+        past = min(self.round, b - 1)
+        if past:
+            weights = np.zeros(b, dtype=self.dtype)
+            for k, slot in enumerate(self._slots(past), start=1):
+                weights[slot] = self.coefs[k] / self.coefs[0]
+            np.dot(weights, self._buffer, out=self._scratch)  # row t's weight is 0
+            y -= self._scratch
+        self.round += 1
+        return y
 
     def next(self) -> np.ndarray:
-        """The next round's noise increment, shape (dim,)."""
-        y = self.generator.normal(0.0, self.std, self.dim) if self.std else np.zeros(self.dim)
-        m = self._buffer.shape[0]
-        if m:
-            weights = np.zeros(m)
-            for k, slot in enumerate(self._slots(min(self.round, m)), start=1):
-                weights[slot] = self.coefs[k]
-            y -= weights @ self._buffer
-            y /= self.coefs[0]
-            self._buffer[self.round % m] = y
-        else:
-            y /= self.coefs[0]
-        self.round += 1
-        return y.copy()
+        """The next round's noise increment, shape (dim,) (a fresh array)."""
+        return self._advance().copy()
+
+    def add_to(self, total: np.ndarray) -> None:
+        """Add the next round's increment to ``total`` in place (no copy of it)."""
+        total += self._advance()
 
     def state_dict(self) -> dict:
         """The stream's state (secret: past noise, newest first); the generator is saved
         by its owner."""
-        m = self._buffer.shape[0]
+        b = self._buffer.shape[0]
         return {
             "kind": "banded-mf",
             "coefs": self.coefs.tolist(),
             "round": self.round,
-            "past": [self._buffer[s].copy() for s in self._slots(min(self.round, m))],
+            "past": [self._buffer[s].copy() for s in self._slots(min(self.round, b - 1))],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -439,11 +466,12 @@ class BandedNoise:
             raise FactorizationError("noise state was saved for other band coefficients")
         if any(np.shape(p) != (self.dim,) for p in state["past"]):
             raise FactorizationError(f"noise state was saved for another dim than {self.dim}")
-        m, count = self._buffer.shape[0], min(int(state["round"]), self._buffer.shape[0])
+        b = self._buffer.shape[0]
+        count = min(int(state["round"]), b - 1)
         if len(state["past"]) != count:
             raise FactorizationError(f"noise state must hold {count} past vectors")
         self.round = int(state["round"])
-        self._buffer = np.zeros((m, self.dim))
+        self._buffer[:] = 0.0
         for slot, past in zip(self._slots(count), state["past"], strict=True):
             self._buffer[slot] = past
 
@@ -490,6 +518,10 @@ class TreeNoise:
         self._nodes[low] = fresh
         self.round += 1
         return increment
+
+    def add_to(self, total: np.ndarray) -> None:
+        """Add the next round's increment to ``total`` in place."""
+        total += self.next()
 
     def state_dict(self) -> dict:
         """The stream's state (secret: open node noises)."""

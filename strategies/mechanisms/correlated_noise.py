@@ -386,8 +386,9 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
             self._charged_rounds.add(server_round)
         return result
 
-    def _noise_stream(self, dim: int):
-        """The round's noise stream (std z C), created at the first aggregate."""
+    def _noise_stream(self, dim: int, dtype=np.float64):
+        """The round's noise stream (std z C), created at the first aggregate; banded
+        noise in ``dtype``, the released weights' (float32 when all of them are)."""
         if self.stream is None:
             std = self.update_noise_multiplier() * self.clip_norm
             if self.mechanism == "dp-ftrl":
@@ -397,7 +398,7 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
             else:
                 assert self.plan is not None
                 self.stream = correlated.BandedNoise(
-                    self.plan.coefs, dim=dim, std=std, generator=self.rng
+                    self.plan.coefs, dim=dim, std=std, generator=self.rng, dtype=dtype
                 )
             if self._stream_state is not None:
                 self.stream.load_state_dict(self._stream_state)
@@ -406,7 +407,8 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
 
     def _private_mean(self, deltas, missing, template):
         """The mean over m of the clipped deltas plus the stream's increment for this
-        round (one draw of dim = the released weights; kept in float64 until the end)."""
+        round (one draw of dim = the released weights, in their dtype when all are
+        float32; the sum kept in float64 until the end)."""
         mech, m = self._mechanism(), self.num_sampled_clients
         total = np.zeros(sum(a.size for a in template))
         for delta in deltas:
@@ -415,7 +417,8 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
             except NonFiniteUpdateError as err:  # checked already; defensive
                 raise InvalidReply(str(err)) from err
             total += np.concatenate([np.ravel(d) for d in clipped])
-        total += self._noise_stream(total.size).next()
+        single = all(np.asarray(a).dtype == np.float32 for a in template)
+        self._noise_stream(total.size, np.float32 if single else np.float64).add_to(total)
         out, offset = [], 0
         for a in template:
             part = total[offset : offset + a.size].reshape(a.shape) / m

@@ -144,6 +144,22 @@ def test_banded_stream_is_c_inverse_of_the_draws():
     assert len(stream.state_dict()["past"]) == 3  # b - 1 solutions kept
 
 
+def test_float32_stream_is_c_inverse_of_float32_draws_added_in_place():
+    f = cr.optimize_banded(20, 4)
+    stream = cr.BandedNoise(
+        f.coefs, dim=3, std=2.0, generator=np.random.default_rng(5), dtype=np.float32
+    )
+    total = np.zeros((20, 3))
+    for t in range(20):
+        stream.add_to(total[t])  # the mechanism's path: no copy, float64 sum
+    draws = 2.0 * np.random.default_rng(5).standard_normal((20, 3), dtype=np.float32)
+    expected = solve_triangular(f.strategy(), draws.astype(np.float64), lower=True)
+    np.testing.assert_allclose(total, expected, rtol=1e-5, atol=1e-5)
+    assert stream.next().dtype == np.float32
+    with pytest.raises(cr.FactorizationError, match="dtype must be float32 or float64"):
+        cr.BandedNoise(f.coefs, dim=3, std=1.0, generator=np.random.default_rng(), dtype=int)
+
+
 def test_banded_stream_resumes_identically():
     coefs = cr.optimize_banded(30, 5).coefs
     whole = cr.BandedNoise(coefs, dim=4, std=1.0, generator=np.random.default_rng(9))
