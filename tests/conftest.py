@@ -19,13 +19,15 @@ settings.register_profile("ci", max_examples=40, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-# Modules not named here are in group "e2e" (privacy runs, flwr run, movielens, and the
-# three that read the session's digits runs: flwr run, reproducibility, engine parity).
+# Each end-to-end module test_<name> is a work unit of its own (group "e2e-<name>": its
+# module-scoped runs are made once, on one worker), except the three that read the
+# session's digits run through `flwr run` (tests/e2e/conftest.py): flwr run,
+# reproducibility and engine parity share one, so the run is made once. Small units
+# let `--dist loadgroup` spread the long modules over both workers.
 E2E_GROUPS = {
-    "test_deployment": "e2e-deployment",
-    "test_hierarchical": "e2e-b",
-    "test_lunar_lander": "e2e-b",
-    "test_finance": "e2e-b",
+    "test_flwr_run": "e2e-digits",
+    "test_reproducibility": "e2e-digits",
+    "test_engine_parity": "e2e-digits",
 }
 
 # What the fast default (`pytest -m "not e2e and not slow"`) leaves to CI: whole-app
@@ -55,16 +57,18 @@ SLOW = (
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items):
     """Mark the ``SLOW`` tests ``slow``. Under ``pytest -n 2 --dist loadgroup`` (CI's
-    command) the end-to-end tests go to three groups, each run in order on one worker:
-    a group's modules share that worker's local SuperLink (``tests/e2e/conftest.py``;
-    each on its own port), and the deployment tests start their own SuperLink. Both
-    cores are busy: what shortens the suite is less work, not more workers."""
+    command) the end-to-end tests go to the groups of ``E2E_GROUPS``, each run in order
+    on one worker; the modules a worker runs share its local SuperLink
+    (``tests/e2e/conftest.py``; each on its own port), and the deployment tests start
+    their own SuperLink. Both cores are busy: what shortens the suite is less work, not
+    more workers."""
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("e2e"):
             module = item.module.__name__.rsplit(".", 1)[-1]
-            item.add_marker(pytest.mark.xdist_group(E2E_GROUPS.get(module, "e2e")))
+            group = E2E_GROUPS.get(module, "e2e-" + module.removeprefix("test_"))
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)

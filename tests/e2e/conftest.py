@@ -1,10 +1,10 @@
 """End-to-end harness: `flwr run . local-simulation` exactly as the README says.
 
 The session shares one private Flower home (4 virtual SuperNodes); its local
-SuperLink is stopped by PID at the end, whatever happened. The plain digits runs are
-made once per session and read by several modules (:func:`digits_runs`): each
+SuperLink is stopped by PID at the end, whatever happened. The plain digits run is
+made once per session and read by several modules (:func:`digits_run`): each
 `flwr run` costs Flower's and Ray's start-up, so one run serves every check that
-needs a plain FedAvg run through the runtime. The modules that read them are in one
+needs a plain FedAvg run through the runtime. The modules that read it are in one
 xdist group (``tests/conftest.py``), so they share one session.
 """
 
@@ -14,17 +14,21 @@ import dataclasses
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from lab import engine
 from lab.launcher import APP_DIR, LocalSimulation, RunOutcome
 
 # FedAvg on digits, 3 rounds, half the clients trained and evaluated each round, no
-# client momentum; the same seed twice and another seed (test_reproducibility), the
-# first run against the in-process engine (test_engine_parity) and read as the
-# FedAvg run by test_flwr_run (output, learning, plots, checkpoint), the other seed's
-# run with the default output-dir (the app directory's runs/). Deterministic torch:
-# the runs are compared bit for bit, on CUDA too (docs/testing.md).
+# client momentum, seed 7, the default output-dir (the app directory's runs/, moved out
+# after the run). It is compared with the in-process engine's run of the same config
+# (test_engine_parity: the same metrics and model bit for bit, so the same seed gives
+# the same results through `flwr run`), with an in-process run of another seed
+# (test_reproducibility), and read as the FedAvg run by test_flwr_run (output, learning,
+# plots, checkpoint, default output-dir). Deterministic torch: the runs are compared bit
+# for bit, on CUDA too (docs/testing.md).
 DIGITS = (
     "num-server-rounds=3 fraction-train=0.5 fraction-evaluate=0.5 train.momentum=0.0 "
     "train.deterministic=true round-timeout=120.0"
@@ -60,43 +64,56 @@ def run_once(flower, run_config: str, attempts: int = 3) -> RunOutcome:
 
 
 @dataclass
-class DigitsRuns:
-    first: RunOutcome  # seed 7
-    again: RunOutcome  # seed 7 again
-    other: RunOutcome  # seed 8, default output-dir; its run directory moved out after
-    created_in_app_dir: list[str]  # what the seed-8 run created under <app>/runs
-    git: tuple[str, str]  # git status before and after the three runs
-    config: str  # the run-config of each (without seed and output-dir)
+class DigitsRun:
+    run: RunOutcome  # seed 7, default output-dir; its run directory moved out after
+    printed_run_dir: Path | None  # where the run wrote it (what its output names)
+    created_in_app_dir: list[str]  # what the run created under <app>/runs
+    git: tuple[str, str]  # git status before and after the run
+    config: str  # its run-config (without seed and output-dir)
+    seed: int
 
 
 @pytest.fixture(scope="session")
-def digits_runs(flower, tmp_path_factory) -> DigitsRuns:
-    """Three plain digits runs through `flwr run` (:data:`DIGITS`)."""
-    root = tmp_path_factory.mktemp("digits-runs")
+def digits_run(flower, tmp_path_factory) -> DigitsRun:
+    """The session's one plain digits run through `flwr run` (:data:`DIGITS`, seed 7)."""
+    root = tmp_path_factory.mktemp("digits-run")
     before = git_status()
-    first = run_once(flower, f"{DIGITS} seed=7 output-dir='{root / 'first'}'")
-    again = run_once(flower, f"{DIGITS} seed=7 output-dir='{root / 'again'}'")
     runs_root = APP_DIR / "runs"
     existing = set(runs_root.iterdir()) if runs_root.exists() else set()
-    other = run_once(flower, f"{DIGITS} seed=8")  # no output-dir: the app directory's
-    if other.run_dir is not None and other.run_dir.parent != runs_root:
+    run = run_once(flower, f"{DIGITS} seed=7")  # no output-dir: the app directory's
+    printed = run.run_dir
+    if run.run_dir is not None and run.run_dir.parent != runs_root:
         # The app pip-installed from another checkout (a shared environment): a relative
         # output-dir resolves against that one; its runs/ is where the run must be.
-        runs_root = other.run_dir.parent
-        existing = set(runs_root.iterdir()) - {other.run_dir}
+        runs_root = run.run_dir.parent
+        existing = set(runs_root.iterdir()) - {run.run_dir}
         assert runs_root.name == "runs" and (runs_root.parent / "pyproject.toml").is_file()
     created = sorted(set(runs_root.iterdir()) - existing) if runs_root.exists() else []
-    moved = root / "other"
+    moved = root / "runs"
     moved.mkdir()
     for path in created:  # out of the repository, whatever the tests find
         shutil.move(path, moved / path.name)
-    if other.run_dir is not None and other.run_dir.parent == runs_root:
-        other = dataclasses.replace(other, run_dir=moved / other.run_dir.name)
-    return DigitsRuns(
-        first=first,
-        again=again,
-        other=other,
+    if run.run_dir is not None and run.run_dir.parent == runs_root:
+        run = dataclasses.replace(run, run_dir=moved / run.run_dir.name)
+    return DigitsRun(
+        run=run,
+        printed_run_dir=printed,
         created_in_app_dir=[p.name for p in created],
         git=(before, git_status()),
         config=DIGITS,
+        seed=7,
     )
+
+
+@pytest.fixture(scope="session")
+def digits_engine_run(digits_run, tmp_path_factory) -> Path:
+    """The run directory of :func:`digits_run`'s config and seed made by the in-process
+    engine (4 nodes): what the `flwr run` is compared with, bit for bit."""
+    root = tmp_path_factory.mktemp("digits-engine")
+    ours = engine.run(
+        f"{digits_run.config} seed={digits_run.seed} output-dir='{root}'",
+        engine.Federation(num_supernodes=4),
+    )
+    assert ours.returncode == 0 and ours.run_dir is not None, ours.error
+    assert engine.engine_of(ours.run_dir) == "inprocess"
+    return ours.run_dir

@@ -8,25 +8,22 @@ host) run as written, in bash, with ``HOME`` set to the test's folder (so
 (:func:`doc_block`); the guide cannot drift from what works. Certificates and keys come
 from :mod:`lab.deploy` as §1 says; then ``flwr run . lab``.
 
-The run aggregates with SecAgg+ (``secagg.enabled``: four exchanges per round, the
-server sees only the sum), so it also checks the protocol across real SuperNodes with
-TLS and node authentication. One run serves two checks, because a deployed SuperNode
-starts a fresh ClientApp process per message (about 6 s of imports here), so a second
-run would not fit the time budget: its first round has all three SuperNodes; in round
-2 (the last), once all three have shared their SecAgg+ keys, SuperNode 2 and its children are
-SIGKILLed (a dropout after key sharing: the round's sum must be the two survivors'),
-and the run must finish on the two survivors (the SuperLink keeps a killed node
-"online" until 2 x 30 s heartbeat intervals pass, so meanwhile each exchange with it
-waits ``round-timeout``).
-
-The last two tests share one more run: the guide's SuperNodes are stopped and the
-guide's block for the warm executor (``python -m deploy.superexec``, one per SuperNode
-started with ``--isolation process`` through ``python -m deploy.supernode``;
-:mod:`deploy.superexec`) starts three again; one of them is SIGKILLed with its executor
-right after it joined and restarted at once with the same commands: it is refused
-(2004) while the SuperLink still lists the dead one online and rejoins under its node
-id; a short run on all three must complete with every message answered by a fork of
-an executor, and SIGTERM must stop each executor with its processes.
+The guide's SuperNodes come online and are stopped; the guide's block for the warm
+executor (``python -m deploy.superexec``, one per SuperNode started with ``--isolation
+process`` through ``python -m deploy.supernode``; :mod:`deploy.superexec`) starts three
+again. One of them is SIGKILLed with its executor right after it joined and restarted
+at once with the same commands: it is refused (2004) while the SuperLink still lists
+the dead one online and rejoins under its node id. Then one run serves every check of
+a run, each message a fork of an executor (a new ClientApp process per message costs
+about 7 s of imports, too slow for this budget): it aggregates with SecAgg+
+(``secagg.enabled``: four exchanges per round, the server sees only the sum) across
+real SuperNodes with TLS and node authentication; its first round has all three
+SuperNodes; in round 2 (the last), once SuperNode 2 has shared its SecAgg+ keys, its
+executor is frozen and then it is SIGKILLed with it (a dropout after key sharing: the
+round's sum must be the two survivors'), and the run must finish on the two
+survivors (the SuperLink keeps a killed node "online" until 2 x 30 s heartbeat
+intervals pass, so meanwhile each exchange with it waits ``round-timeout``). SIGTERM
+must then stop each surviving executor with its processes.
 
 Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
 found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
@@ -64,11 +61,14 @@ pytestmark = pytest.mark.e2e
 # gRPC-era defaults 9091-9095; HTTP APIs 8000, 9094): never given to our processes.
 RESERVED_PORTS = {8000, *range(9090, 9100), *range(39090, 39100)}
 NUM_NODES = 3  # SuperNodes started with registered keys; key 3 stays unregistered
-KILLED = 2  # the SuperNode killed after round 1
+KILLED = 2  # the SuperNode killed in round 2, after it shared its SecAgg+ keys
 CRASHED = 0  # the warm SuperNode SIGKILLed right after it joined, restarted at once
 ROUNDS = 2  # round 1 on all three, round 2 the dropout after key sharing
-ROUND_TIMEOUT = 60  # s: 3 ClientApp starts (about 7 s each) on 2 cores busy with the
-# other tests; 30 s was once too short on CI. A dead node costs a round this long.
+ROUND_TIMEOUT = 45  # s: each message is a fork of a warm executor, but on a machine
+# loaded 10-fold (load average 20 on 2 cores) round 1's collect stage, all three
+# training at once, took 30 s. A dead node costs an exchange this long.
+SECAGG_STAGES = 4  # messages per SecAgg+ round: setup, share keys, collect, unmask
+WARM_DONE = re.compile(r"Warm executor: task \d+ done")
 KEYS_SHARED = "SecAgg+ round 2: keys shared among 3 of 3 clients"
 RUN_CONFIG = (
     f"num-server-rounds={ROUNDS} fraction-train=1.0 fraction-evaluate=0.0 "
@@ -373,133 +373,6 @@ def test_plaintext_connection_to_the_tls_superlink_fails(deployment):
     assert set(deployment.nodes()) == set(deployment.node_ids.values())  # no one joined
 
 
-@dataclass
-class Run:
-    out: Path  # the run's output-dir
-    output: str
-    status: str
-    path: Path
-    metrics: pd.DataFrame
-    participation: pd.DataFrame
-    killed_after: int  # the last round checkpointed when the SuperNode was killed
-    offline_after_s: float | None  # kill -> the SuperLink lists the node offline
-    git: tuple[str, str]  # git status before and after
-
-
-def _checkpointed_round(out: Path) -> int:
-    states = list(out.glob("*/checkpoint/state.json"))
-    try:
-        return int(json.loads(states[0].read_text())["round"]) if states else 0
-    except (ValueError, KeyError):  # mid-write
-        return 0
-
-
-@pytest.fixture(scope="module")
-def killed_run(deployment) -> Run:
-    """`flwr run . lab`; SuperNode ``KILLED`` is SIGKILLed once round 1 is checkpointed."""
-    out = deployment.root / "runs"
-    before = git_status()
-    flwr = deployment.start(
-        "flwr-run", str(BIN / "flwr"), "run", ".", "lab", "--stream",
-        "--run-config", f"{RUN_CONFIG} output-dir='{out}'", cwd=APP_DIR,
-    )  # fmt: skip
-    # Four exchanges a round, each starting a ClientApp per SuperNode (~7 s alone, far
-    # more on 2 cores busy with other tests), and a dead node costs an exchange the
-    # round timeout: a generous limit, reached only by a run that hangs.
-    deadline = time.monotonic() + 120 + 8 * ROUND_TIMEOUT
-    # Killed in round 2 once every SuperNode has shared its keys, while the collect stage
-    # trains (a ClientApp start of ~7 s): its masked vector never arrives.
-    while KEYS_SHARED not in deployment.log("flwr-run"):
-        assert flwr.poll() is None, deployment.log("flwr-run")
-        assert time.monotonic() < deadline, "round 2 not reached\n" + deployment.log("flwr-run")
-        time.sleep(0.1)
-    done = _checkpointed_round(out)
-    deployment.kill_tree(f"supernode-{KILLED}")
-    killed_at = time.monotonic()
-    try:
-        deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
-    except AssertionError as err:
-        raise AssertionError(f"{err}\n{deployment.log('flwr-run')}") from None
-    after = git_status()
-    output = deployment.log("flwr-run")
-    run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
-    assert run_id and run_dir, output
-    offline_after = None
-    # Look at least once, however long the run took after the kill.
-    look_until = max(killed_at + 90, time.monotonic() + 5)
-    while offline_after is None and time.monotonic() < look_until:
-        if deployment.nodes()[deployment.node_ids[KILLED]] == "offline":
-            offline_after = time.monotonic() - killed_at
-        else:
-            time.sleep(2)
-    path = Path(run_dir.group(1))
-    return Run(
-        out=out,
-        output=output,
-        status=deployment.run_status(run_id.group(1)),
-        path=path,
-        metrics=pd.read_csv(path / "metrics.csv"),
-        participation=pd.read_csv(path / "participation.csv"),
-        killed_after=done,
-        offline_after_s=offline_after,
-        git=(before, after),
-    )
-
-
-def test_run_completes_on_authenticated_supernodes(killed_run, deployment):
-    run = killed_run
-    assert run.status == "finished:completed", run.output
-    assert run.path.parent == run.out and (run.path / "model.pt").is_file()
-    train = run.metrics[run.metrics["scope"] == "train"]
-    central = run.metrics[run.metrics["scope"] == "central-eval"]
-    assert list(train["round"]) == list(range(1, ROUNDS + 1)), run.metrics
-    assert list(central["round"]) == list(range(0, ROUNDS + 1)), run.metrics
-    first = run.participation[run.participation["round"] == 1]
-    assert set(first["node-id"]) == set(deployment.node_ids.values())
-    assert first["replied"].all(), first.to_string()
-    assert run.git[0] == run.git[1]  # `flwr run` wrote nothing into the repository
-    # Every round was a SecAgg+ round: the server unmasked only the sum.
-    unmasked = re.findall(r"SecAgg\+ round (\d+): sum of (\d+) of (\d+)", run.output)
-    assert [int(r) for r, _, _ in unmasked] == list(range(1, ROUNDS + 1)), run.output
-    assert unmasked[0][1:] == ("3", "3")
-
-
-def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment):
-    run = killed_run
-    dead = deployment.node_ids[KILLED]
-    survivors = {deployment.node_ids[k] for k in range(NUM_NODES) if k != KILLED}
-    assert run.killed_after == 1  # killed before round 2 was recorded
-    for server_round in range(2, ROUNDS + 1):
-        rows = run.participation[run.participation["round"] == server_round]
-        # Still "online" for up to 2 x 30 s, the dead node is sampled but never replies.
-        assert not rows[rows["node-id"] == dead]["replied"].any(), rows.to_string()
-        replied = set(rows[rows["replied"]]["node-id"])
-        assert replied == survivors, rows.to_string()
-    # Round 2: it died after sharing its keys; the survivors' sum was unmasked (its
-    # pairwise masks removed with its key's shares), the model after it evaluated.
-    assert "SecAgg+ round 2: sum of 2 of 3 clients' vectors unmasked (1 dropped after " in (
-        run.output
-    )
-    central = run.metrics[run.metrics["scope"] == "central-eval"].set_index("round")
-    assert central.loc[ROUNDS, "eval-loss"] < central.loc[0, "eval-loss"], central
-    assert run.status == "finished:completed"
-    # The SuperLink marks it offline after 2 missed 30 s heartbeat intervals (measured
-    # here from the kill to the first look after the run, so only an upper bound).
-    assert run.offline_after_s is not None, "killed SuperNode never listed offline"
-    print(f"killed SuperNode listed offline {run.offline_after_s:.0f} s after SIGKILL")
-    print("\n".join(line for line in run.output.splitlines() if "round " in line))
-    print(run.participation[["round", "node-id", "replied", "error"]].to_string())
-
-
-WARM_ROUNDS = 2
-WARM_CONFIG = (
-    f"num-server-rounds={WARM_ROUNDS} fraction-train=1.0 fraction-evaluate=0.0 "
-    f"central-eval=false train.local-epochs=1 min-available-nodes={NUM_NODES} "
-    f"min-train-nodes={NUM_NODES} round-timeout={ROUND_TIMEOUT}"
-)
-WARM_DONE = re.compile(r"Warm executor: task \d+ done")
-
-
 def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
     """The live process of the guide's ``~/flwr-lab/<name>.pid``, if it is still ours
     (a killed one's PID may be another process's by now)."""
@@ -512,27 +385,19 @@ def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
     return None
 
 
-@dataclass
-class WarmRun:
-    crashed: int  # node id of the SuperNode SIGKILLed right after it joined
-    rejoined_after_s: float  # kill -> the restarted SuperNode logs its (same) node id
-    run_id: str
-    output: str
-    status: str
-    metrics: pd.DataFrame
-    participation: pd.DataFrame
-    executor_logs: list[str]
-    supernode_logs: list[str]
-    stopped: bool  # SIGTERM stopped every executor and its processes
-    timing: str
-
-
 def _logs(deployment: Deployment, name: str) -> list[str]:
     return [deployment.log(f"{name}-{k}") for k in range(NUM_NODES)]
 
 
+@dataclass
+class WarmNodes:
+    crashed: int  # node id of the SuperNode SIGKILLed right after it joined
+    rejoined_after_s: float  # kill -> the restarted SuperNode logs its (same) node id
+    ready_after_s: float  # the guide's SuperNodes stopped -> all warm ones online, ready
+
+
 @pytest.fixture(scope="module")
-def warm_run(deployment) -> WarmRun:
+def warm_nodes(deployment) -> WarmNodes:
     """docs/deploy.md's warm executor (``python -m deploy.superexec``), and a crash.
 
     The guide's SuperNodes are stopped (a stopped SuperNode deactivates: ``offline`` at
@@ -542,10 +407,8 @@ def warm_run(deployment) -> WarmRun:
     ``CRASHED`` joined it and its executor are SIGKILLed (a machine that dies: the
     SuperLink keeps its node ``online`` for 2 x 30 s) and restarted at once with the
     same commands: the SuperNode is refused while its node is still online, retries,
-    and rejoins under the same id (that wait overlaps the executors' imports). A short
-    run on all three then completes, every message answered by a fork of an executor,
-    and SIGTERM stops each executor with its processes. After it the guide's first
-    SuperNodes are gone: this fixture comes last in the module."""
+    and rejoins under the same id (that wait overlaps the executors' imports). After it
+    the guide's first SuperNodes are gone."""
     started = time.monotonic()
     crashed = deployment.node_ids[CRASHED]
     # One SIGTERM each, by PID. They share the block's process group, and a SIGTERM to
@@ -605,85 +468,218 @@ def warm_run(deployment) -> WarmRun:
     while not all("Warm executor ready" in log for log in _logs(deployment, "superexec")):
         assert time.monotonic() < deadline, _logs(deployment, "superexec")
         time.sleep(0.5)
-    ready = time.monotonic()
-    out = deployment.root / "warm-runs"
+    return WarmNodes(crashed, rejoined_after, time.monotonic() - started)
+
+
+@dataclass
+class Run:
+    out: Path  # the run's output-dir
+    output: str
+    status: str
+    path: Path
+    metrics: pd.DataFrame
+    participation: pd.DataFrame
+    killed_after: int  # the last round checkpointed when the SuperNode was killed
+    offline_after_s: float | None  # kill -> the SuperLink lists the node offline
+    git: tuple[str, str]  # git status before and after
+    executor_logs: list[str]  # after the run, before the survivors' executors stopped
+    supernode_logs: list[str]
+    stopped: bool  # SIGTERM stopped every surviving executor and its processes
+
+
+def _checkpointed_round(out: Path) -> int:
+    states = list(out.glob("*/checkpoint/state.json"))
+    try:
+        return int(json.loads(states[0].read_text())["round"]) if states else 0
+    except (ValueError, KeyError):  # mid-write
+        return 0
+
+
+def _freeze_after_key_sharing(deployment: Deployment, flwr: subprocess.Popen) -> None:
+    """SIGSTOP SuperNode ``KILLED``'s executor and its processes once it has answered
+    round 2's share-keys message: it forks no ClientApp for the collect stage, while its
+    SuperNode still forwards the keys it shared."""
+    executor = psutil.Process(deployment.pid(f"superexec-{KILLED}"))
+    answered = 1 + SECAGG_STAGES + 2  # query.partition, round 1, round 2's setup, keys
+    deadline = time.monotonic() + 120 + 4 * ROUND_TIMEOUT
+    while len(WARM_DONE.findall(deployment.log(f"superexec-{KILLED}"))) < answered:
+        assert flwr.poll() is None, deployment.log("flwr-run")
+        assert time.monotonic() < deadline, deployment.log(f"superexec-{KILLED}")
+        time.sleep(0.02)
+    executor.suspend()  # first the zygote (no fork after this), then what it forked
+    for child in executor.children(recursive=True):
+        child.suspend()
+
+
+@pytest.fixture(scope="module")
+def killed_run(deployment, warm_nodes) -> Run:
+    """`flwr run . lab` on the warm SuperNodes, 2 SecAgg+ rounds; SuperNode ``KILLED``
+    dies in round 2 after it shared its keys; SIGTERM stops the other executors after."""
+    out = deployment.root / "runs"
+    before = git_status()
     flwr = deployment.start(
-        "flwr-run-warm", str(BIN / "flwr"), "run", ".", "lab", "--stream",
-        "--run-config", f"{WARM_CONFIG} output-dir='{out}'", cwd=APP_DIR,
+        "flwr-run", str(BIN / "flwr"), "run", ".", "lab", "--stream",
+        "--run-config", f"{RUN_CONFIG} output-dir='{out}'", cwd=APP_DIR,
     )  # fmt: skip
-    deployment.wait_exit("flwr-run-warm", timeout=120 + 4 * ROUND_TIMEOUT)
-    output = deployment.log("flwr-run-warm")
+    # A generous limit, reached only by a run that hangs: every message is a fork, and a
+    # dead node costs an exchange the round timeout.
+    deadline = time.monotonic() + 120 + 4 * ROUND_TIMEOUT
+    _freeze_after_key_sharing(deployment, flwr)
+    # Killed in round 2 once every SuperNode has shared its keys (the server says so):
+    # its masked vector never arrives.
+    while KEYS_SHARED not in deployment.log("flwr-run"):
+        assert flwr.poll() is None, deployment.log("flwr-run")
+        assert time.monotonic() < deadline, "round 2 not reached\n" + deployment.log("flwr-run")
+        time.sleep(0.1)
+    done = _checkpointed_round(out)
+    executor = psutil.Process(deployment.pid(f"superexec-{KILLED}"))
+    victims = [executor, *executor.children(recursive=True)]
+    deployment.kill_tree(f"supernode-{KILLED}")
+    for victim in victims:
+        victim.kill()
+    killed_at = time.monotonic()
+    deployment.orphans += victims
+    psutil.wait_procs(victims, timeout=10)
+    try:
+        deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{deployment.log('flwr-run')}") from None
+    after = git_status()
+    output = deployment.log("flwr-run")
     run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
-    assert flwr.returncode == 0 and run_id and run_dir, output
-    assert (Path(run_dir.group(1)) / "metrics.csv").is_file(), output  # rounds were run
-    ran = time.monotonic()
-    executors = [_guide_process(deployment, f"superexec-{k}") for k in range(NUM_NODES)]
+    assert run_id and run_dir, output
+    # The survivors' executors: each message was a fork, each replied (the executor logs
+    # it when it reaps the fork, within 0.1 s of its exit); then SIGTERM stops each.
+    survivors = [k for k in range(NUM_NODES) if k != KILLED]
+    executors = [_guide_process(deployment, f"superexec-{k}") for k in survivors]
     assert all(executors), "an executor exited during the run"
     descendants = [c for e in executors for c in e.children(recursive=True)]  # the pollers
-    # query.partition, then one train message a round: each a fork, each replied (the
-    # executor logs it when it reaps the fork, within 0.1 s of its exit)
-    deadline = time.monotonic() + 10
+    wait_until = time.monotonic() + 10
     while any(
-        len(WARM_DONE.findall(log)) < 1 + WARM_ROUNDS for log in _logs(deployment, "superexec")
+        len(WARM_DONE.findall(deployment.log(f"superexec-{k}"))) < 1 + SECAGG_STAGES * ROUNDS
+        for k in survivors
     ):
-        assert time.monotonic() < deadline, _logs(deployment, "superexec")
+        assert time.monotonic() < wait_until, _logs(deployment, "superexec")
         time.sleep(0.2)
-    done_logs = _logs(deployment, "superexec")
-    for executor in executors:
-        executor.terminate()
+    executor_logs = _logs(deployment, "superexec")
+    for survivor in executors:
+        survivor.terminate()
     _, alive = psutil.wait_procs([*executors, *descendants], timeout=60)  # an upper bound
-    return WarmRun(
-        crashed=crashed,
-        rejoined_after_s=rejoined_after,
-        run_id=run_id.group(1),
+    stopped = not alive and all(
+        "Warm executor stopped after" in deployment.log(f"superexec-{k}") for k in survivors
+    )
+    offline_after = None
+    # Look at least once, however long the run took after the kill.
+    look_until = max(killed_at + 90, time.monotonic() + 5)
+    while offline_after is None and time.monotonic() < look_until:
+        if deployment.nodes()[deployment.node_ids[KILLED]] == "offline":
+            offline_after = time.monotonic() - killed_at
+        else:
+            time.sleep(2)
+    path = Path(run_dir.group(1))
+    return Run(
+        out=out,
         output=output,
         status=deployment.run_status(run_id.group(1)),
-        metrics=pd.read_csv(Path(run_dir.group(1)) / "metrics.csv"),
-        participation=pd.read_csv(Path(run_dir.group(1)) / "participation.csv"),
-        executor_logs=done_logs,
+        path=path,
+        metrics=pd.read_csv(path / "metrics.csv"),
+        participation=pd.read_csv(path / "participation.csv"),
+        killed_after=done,
+        offline_after_s=offline_after,
+        git=(before, after),
+        executor_logs=executor_logs,
         supernode_logs=_logs(deployment, "supernode"),
-        stopped=not alive
-        and all("Warm executor stopped after" in log for log in _logs(deployment, "superexec")),
-        timing=f"SuperNodes online and executors ready after {ready - started:.0f} s, run "
-        f"{ran - ready:.0f} s",
+        stopped=stopped,
     )
 
 
-def test_a_supernode_restarted_right_after_a_crash_rejoins(warm_run, deployment):
+def test_run_completes_on_authenticated_supernodes(killed_run, deployment):
+    run = killed_run
+    assert run.status == "finished:completed", run.output
+    assert run.path.parent == run.out and (run.path / "model.pt").is_file()
+    train = run.metrics[run.metrics["scope"] == "train"]
+    central = run.metrics[run.metrics["scope"] == "central-eval"]
+    assert list(train["round"]) == list(range(1, ROUNDS + 1)), run.metrics
+    assert list(central["round"]) == list(range(0, ROUNDS + 1)), run.metrics
+    first = run.participation[run.participation["round"] == 1]
+    assert set(first["node-id"]) == set(deployment.node_ids.values())
+    assert first["replied"].all(), first.to_string()
+    assert run.git[0] == run.git[1]  # `flwr run` wrote nothing into the repository
+    # Every round was a SecAgg+ round: the server unmasked only the sum.
+    unmasked = re.findall(r"SecAgg\+ round (\d+): sum of (\d+) of (\d+)", run.output)
+    assert [int(r) for r, _, _ in unmasked] == list(range(1, ROUNDS + 1)), run.output
+    assert unmasked[0][1:] == ("3", "3")
+
+
+def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment):
+    run = killed_run
+    dead = deployment.node_ids[KILLED]
+    survivors = {deployment.node_ids[k] for k in range(NUM_NODES) if k != KILLED}
+    assert run.killed_after == 1  # killed before round 2 was recorded
+    for server_round in range(2, ROUNDS + 1):
+        rows = run.participation[run.participation["round"] == server_round]
+        # Still "online" for up to 2 x 30 s, the dead node is sampled but never replies.
+        assert not rows[rows["node-id"] == dead]["replied"].any(), rows.to_string()
+        replied = set(rows[rows["replied"]]["node-id"])
+        assert replied == survivors, rows.to_string()
+    # Round 2: it died after sharing its keys; the survivors' sum was unmasked (its
+    # pairwise masks removed with its key's shares), the model after it evaluated.
+    assert "SecAgg+ round 2: sum of 2 of 3 clients' vectors unmasked (1 dropped after " in (
+        run.output
+    )
+    central = run.metrics[run.metrics["scope"] == "central-eval"].set_index("round")
+    assert central.loc[ROUNDS, "eval-loss"] < central.loc[0, "eval-loss"], central
+    assert run.status == "finished:completed"
+    # The SuperLink marks it offline after 2 missed 30 s heartbeat intervals (measured
+    # here from the kill to the first look after the run, so only an upper bound).
+    assert run.offline_after_s is not None, "killed SuperNode never listed offline"
+    print(f"killed SuperNode listed offline {run.offline_after_s:.0f} s after SIGKILL")
+    print("\n".join(line for line in run.output.splitlines() if "round " in line))
+    print(run.participation[["round", "node-id", "replied", "error"]].to_string())
+
+
+def test_a_supernode_restarted_right_after_a_crash_rejoins(warm_nodes, killed_run, deployment):
     """docs/deploy.md: ``python -m deploy.supernode`` restarted at once after a crash is
     refused (2004) while the SuperLink still lists the crashed node online, retries, and
     rejoins under the same node id; the next run trains on it in every round."""
-    run = warm_run
-    restarted = run.supernode_logs[CRASHED]
+    restarted = killed_run.supernode_logs[CRASHED]
     assert "refused to activate this node (2004)" in restarted, restarted
     assert "activation still refused" not in restarted, restarted
-    assert f"SuperNode ID: {run.crashed}" in restarted, restarted
+    assert f"SuperNode ID: {warm_nodes.crashed}" in restarted, restarted
     # Offline at most 2 x 30 s after its last heartbeat, then one retry interval (5 s),
     # with 10 s for the restarted SuperNode to log its id on a busy machine.
-    assert run.rejoined_after_s < node_launcher.DEFAULT_ACTIVATION_WAIT, run.rejoined_after_s
+    assert warm_nodes.rejoined_after_s < node_launcher.DEFAULT_ACTIVATION_WAIT, (
+        warm_nodes.rejoined_after_s
+    )
     assert set(deployment.node_ids.values()) == set(deployment.nodes())
-    assert run.status == "finished:completed", run.output
-    for server_round in range(1, WARM_ROUNDS + 1):
-        rows = run.participation[run.participation["round"] == server_round]
-        assert set(rows[rows["replied"]]["node-id"]) == set(deployment.node_ids.values()), (
-            rows.to_string()
-        )
-    print(f"crashed SuperNode rejoined {run.rejoined_after_s:.0f} s after SIGKILL")
+    assert killed_run.status == "finished:completed", killed_run.output
+    participation = killed_run.participation
+    for server_round in range(1, ROUNDS + 1):
+        rows = participation[participation["round"] == server_round]
+        assert warm_nodes.crashed in set(rows[rows["replied"]]["node-id"]), rows.to_string()
+    print(f"crashed SuperNode rejoined {warm_nodes.rejoined_after_s:.0f} s after SIGKILL")
 
 
-def test_a_run_completes_on_the_warm_executor(warm_run):
+def test_a_run_completes_on_the_warm_executor(warm_nodes, killed_run, deployment):
     """docs/deploy.md's warm executor: the run completes with every message answered by
     a fork of an executor, and SIGTERM stops each executor with its processes."""
-    run = warm_run
+    run = killed_run
     assert all("deploy.supernode: pulling again 0.50 s" in log for log in run.supernode_logs), (
         run.supernode_logs
     )
     assert run.status == "finished:completed", run.output
     train = run.metrics[run.metrics["scope"] == "train"]
-    assert list(train["round"]) == list(range(1, WARM_ROUNDS + 1)), run.metrics
-    assert run.participation["replied"].all(), run.participation.to_string()
-    for log in run.executor_logs:
-        assert len(WARM_DONE.findall(log)) == 1 + WARM_ROUNDS, log
+    assert list(train["round"]) == list(range(1, ROUNDS + 1)), run.metrics
+    # Every message to a live SuperNode was answered: only the killed one missed round 2.
+    missed = run.participation[~run.participation["replied"]]
+    assert set(missed["node-id"]) == {deployment.node_ids[KILLED]}, missed.to_string()
+    assert set(missed["round"]) == {2}, missed.to_string()
+    for k, log in enumerate(run.executor_logs):
+        # query.partition, then SecAgg+'s 4 messages a round; the killed one's executor
+        # was stopped after round 2's setup and share-keys messages
+        expected = 1 + (SECAGG_STAGES + 2 if k == KILLED else SECAGG_STAGES * ROUNDS)
+        assert len(WARM_DONE.findall(log)) == expected, log
         assert "exited with status" not in log and "killed by" not in log, log
     assert run.stopped, run.executor_logs
-    print(f"warm executor: {run.timing}, round-seconds {list(train['round-seconds'])}")
+    print(f"warm SuperNodes ready after {warm_nodes.ready_after_s:.0f} s")
+    print(f"round-seconds {list(train['round-seconds'])}")

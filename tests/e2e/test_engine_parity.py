@@ -52,13 +52,12 @@ def _metrics(run_dir: Path) -> pd.DataFrame:
     return metrics.drop(columns=[c for c in metrics if c in TIMING_COLUMNS])
 
 
-def test_plain_run_gives_flwr_runs_metrics_and_model(digits_runs, tmp_path):
+def test_plain_run_gives_flwr_runs_metrics_and_model(digits_run, digits_engine_run):
     # The session's plain FedAvg run (tests/e2e/conftest.py), seed 7, and the engine's.
-    result = digits_runs.first
+    result = digits_run.run
     assert result.returncode == 0 and result.run_dir is not None, result.output
-    flwr = result.run_dir
+    flwr, ours = result.run_dir, digits_engine_run
     assert engine.engine_of(flwr) == "flwr"
-    ours = _engine(tmp_path, f"{digits_runs.config} seed=7")
     pd.testing.assert_frame_equal(_metrics(ours), _metrics(flwr), check_exact=True)
     expected = torch.load(flwr / "model.pt", weights_only=True)
     got = torch.load(ours / "model.pt", weights_only=True)

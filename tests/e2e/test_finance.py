@@ -3,8 +3,8 @@ with hybrid selection after a one-round cold start, the same under DP-FedAvg wit
 adaptive clipping (noised divergence reports), FedAvg with FedBN layers, and FedAvg
 with sample-level DP-SGD on the LayerNorm MLP.
 
-The private SmartFedProx run and DP-SGD (Opacus in Ray's workers: the only DP-SGD
-`flwr run` of the suite) go through `flwr run`; the others are made in process
+DP-SGD (Opacus in Ray's workers: the only DP-SGD `flwr run` of the suite) goes through
+`flwr run`; the others are made in process
 (:func:`tests.inprocess.run_like_flwr`: the same ServerApp and ClientApp without the
 Flower runtime), which keeps CI within its time."""
 
@@ -36,7 +36,7 @@ VARIANTS = {
     "dpsgd": "strategy='fedavg' privacy='dp-sgd' dp.noise-multiplier=1.0",
 }
 LEARNS = ("smart", "fedbn")
-THROUGH_FLOWER = {"smart-dp", "dpsgd"}
+THROUGH_FLOWER = {"dpsgd"}
 
 
 @pytest.fixture(scope="module")

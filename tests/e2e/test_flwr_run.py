@@ -3,7 +3,9 @@
 One tiny run per strategy (4 SuperNodes, 3 rounds): FedAvg is the session's plain
 digits run through `flwr run` (tests/e2e/conftest.py), FedProx and local training the
 same runs made in process; the tests read the run directories the ServerApp wrote, and
-the analysis notebook is executed on them.
+the analysis notebook is executed on them. Two more `flwr run`s test what the runtime
+does with a bad run: a key the SuperLink refuses, and a run that fails (Flower's status,
+the exit code); a config the app refuses is the same run made in process.
 """
 
 from __future__ import annotations
@@ -30,29 +32,31 @@ TINY = "num-server-rounds=3 fraction-train=1.0 train.local-epochs=2"
 class Run:
     stdout: str
     path: Path
+    printed: Path  # the run directory the output names (FedAvg's was moved after)
     metrics: pd.DataFrame
     config: dict
 
 
-def _run(result, path: Path) -> Run:
+def _run(result, path: Path, printed: Path | None = None) -> Run:
     return Run(
         stdout=result.output,
         path=path,
+        printed=printed or path,
         metrics=pd.read_csv(path / "metrics.csv"),
         config=json.loads((path / "config.json").read_text())["run-config"],
     )
 
 
 @pytest.fixture(scope="module")
-def runs(digits_runs, tmp_path_factory) -> dict[str, Run]:
+def runs(digits_run, tmp_path_factory) -> dict[str, Run]:
     """One tiny run per strategy, each in its own output directory: FedAvg is the
     session's `flwr run` (tests/e2e/conftest.py, seed 7), the others in process."""
     root = tmp_path_factory.mktemp("runs")
-    fedavg = digits_runs.first
+    fedavg = digits_run.run
     assert fedavg.returncode == 0 and fedavg.run_dir is not None, fedavg.output
     (path,) = list(fedavg.run_dir.parent.iterdir())
     assert fedavg.run_dir == path
-    made = {"fedavg": _run(fedavg, path)}
+    made = {"fedavg": _run(fedavg, path, digits_run.printed_run_dir)}
     for strategy, extra in (("fedprox", "fedprox.mu=0.5"), ("local", "")):
         out = root / strategy
         result = run_like_flwr(f"{TINY} strategy='{strategy}' output-dir='{out}' {extra}")
@@ -61,14 +65,14 @@ def runs(digits_runs, tmp_path_factory) -> dict[str, Run]:
         assert result.run_dir == path
         made[strategy] = _run(result, path)
     # `flwr run` must not rewrite tracked files (e.g. migrate pyproject.toml).
-    assert digits_runs.git[0] == digits_runs.git[1]
+    assert digits_run.git[0] == digits_run.git[1]
     return made
 
 
 def test_fedavg_writes_run_directory_and_learns(runs):
     run = runs["fedavg"]
     # The path is printed at the start and at the end of the run.
-    assert run.stdout.count(str(run.path)) >= 2, run.stdout
+    assert run.stdout.count(str(run.printed)) >= 2, run.stdout
     assert "[round 3/3]" in run.stdout and "ETA" in run.stdout
     assert set(run.metrics["scope"]) == {"train", "federated-eval", "central-eval"}
     central = run.metrics[run.metrics["scope"] == "central-eval"].set_index("round")
@@ -118,13 +122,15 @@ def test_notebook_executes_on_the_runs(runs, tmp_path):
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # comparison + 3 curves
 
 
-def test_default_output_dir_is_the_app_directory(digits_runs):
-    # The session's seed-8 run had no output-dir: it made one run directory in the app
+def test_default_output_dir_is_the_app_directory(digits_run):
+    # The session's digits run had no output-dir: it made one run directory in the app
     # directory's runs/ (moved out of the repository after the run).
-    result = digits_runs.other
+    result = digits_run.run
     assert result.returncode == 0, result.output
-    assert len(digits_runs.created_in_app_dir) == 1
-    assert result.run_dir is not None and result.run_dir.name == digits_runs.created_in_app_dir[0]
+    assert len(digits_run.created_in_app_dir) == 1
+    assert result.run_dir is not None and result.run_dir.name == digits_run.created_in_app_dir[0]
+    assert digits_run.printed_run_dir is not None
+    assert digits_run.printed_run_dir.parent.name == "runs"
     assert (result.run_dir / "metrics.csv").is_file()
 
 
@@ -137,11 +143,12 @@ def test_an_unknown_key_is_refused_by_the_superlink_and_named(flower):
     assert "num-server-round" in result.output.split("The SuperLink's reason")[1]
 
 
-def test_invalid_config_fails_before_training(flower, tmp_path):
-    result = flower.run(f"strategy='fedsgd' output-dir='{tmp_path}'")
+def test_invalid_config_fails_before_training(tmp_path):
+    # The app's own check, made in process; Flower's status and exit code of a failed
+    # run through the runtime: test_a_run_that_cannot_learn_fails_loudly.
+    result = run_like_flwr(f"strategy='fedsgd' output-dir='{tmp_path}'")
     assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in result.output
     assert result.run_dir is None and not any(tmp_path.iterdir())  # nothing was trained
-    assert flower.list_runs()[0]["status"].endswith("failed")
     assert result.returncode == 1 and result.status.endswith("failed")
 
 

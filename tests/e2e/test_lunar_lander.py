@@ -3,12 +3,11 @@ fedavg, clustered FedAvg, the Laplace mechanism and the options of the study tha
 state, the gravity input, a server optimizer, seeded evaluation with standard errors),
 each for 2 tiny rounds.
 
-The landing-study run ("lands": client state kept across rounds in Flower's Context) and
-clustered FedAvg (K global models, each client sent the one it is assigned to: the
-suite's only clustered `flwr run`) go through `flwr run`; the others are made in process
+The "lands" run (client state kept across rounds in Flower's Context, SB3 training in
+Ray's worker processes) goes through `flwr run`, twice: the same seed gives the same
+metrics.csv outside the timing columns, bit for bit. The others are made in process
 (:func:`tests.inprocess.run_like_flwr`: the same ServerApp and ClientApp without the
-Flower runtime), which keeps CI within its time. ``tests/e2e/test_reproducibility.py``
-runs fedavg's PPO through Ray too."""
+Flower runtime), which keeps CI within its time."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from client_app import state
-from server_app.results import load_metrics
+from server_app.results import TIMING_COLUMNS, load_metrics
 from tasks.lunar_lander.logs import load_snapshots
 from tests.inprocess import make_run
 
@@ -50,7 +49,8 @@ VARIANTS = {
     "server.lr=1.0 server.momentum=0.5 ppo.gamma=0.999 ppo.gae-lambda=0.98 "
     "ppo.ent-coef=0.01 ppo.reward-scale=0.01 ppo.target-kl=0.015 ppo.eval-episodes=3",
 }
-THROUGH_FLOWER = {"lands", "clustered"}
+THROUGH_FLOWER = {"lands"}
+FEDERATION = "num-supernodes=3 client-resources-num-cpus=1"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def lunar_runs(flower, tmp_path_factory):
             flower,
             f"{TINY} {options} output-dir='{root}'",
             in_process=name not in THROUGH_FLOWER,
-            federation_config="num-supernodes=3 client-resources-num-cpus=1",
+            federation_config=FEDERATION,
         )
         assert result.returncode == 0 and result.run_dir is not None, result.output
         runs[name] = result
@@ -167,3 +167,25 @@ def test_kept_adam_state_and_seeded_evaluation_with_standard_errors(lunar_runs):
         state.restore(context, str(result.run_dir / "clients"), pid, 3)
         steps.add(float(context.state["task-tensors"]["adam.0.step"].numpy()))
     assert files and steps <= {4.0, 8.0} and 8.0 in steps  # someone trained in both rounds
+
+
+def test_lands_run_repeated_through_flwr_gives_identical_metrics(flower, lunar_runs, tmp_path):
+    """The same seed twice through `flwr run` (SB3's PPO in Ray's workers): the same
+    metrics.csv outside the timing columns, bit for bit. (The same run in process agrees
+    only to float rounding, about 1e-7 in the training loss: no in-process stand-in.)"""
+    first = lunar_runs["lands"]
+    again = make_run(
+        flower,
+        f"{TINY} {VARIANTS['lands']} output-dir='{tmp_path}'",
+        in_process=False,
+        federation_config=FEDERATION,
+    )
+    assert again.returncode == 0 and again.run_dir is not None, again.output
+
+    def metrics(run_dir):
+        frame = pd.read_csv(run_dir / "metrics.csv")
+        return frame.drop(columns=list(TIMING_COLUMNS), errors="ignore")
+
+    expected, got = metrics(first.run_dir), metrics(again.run_dir)
+    assert len(expected) > 0
+    pd.testing.assert_frame_equal(expected, got, check_exact=True)
