@@ -21,7 +21,7 @@ from server_app.results import TIMING_COLUMNS
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 SEEDED = {"dp.reproducible-noise": True}  # DP noise from the seed: metrics comparable too
-DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5, **SEEDED}
+DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 1.0, "dp.clip-norm": 0.5, **SEEDED}
 CASES = {
     "fedavg-none": {"strategy": "fedavg", "fraction-train": 0.5},
     "fedprox-dp-fixed": {"strategy": "fedprox", "privacy": "dp-fedavg-fixed", **DP},

@@ -26,7 +26,7 @@ TINY = (
     "run.divergence-factor=0.0"
 )
 RUNS = {
-    "dp-fedavg-adaptive": "dp.num-sampled-clients=3 dp.noise-multiplier=0.1 "
+    "dp-fedavg-adaptive": "dp.num-sampled-clients=3 dp.noise-multiplier=1.0 "
     "dp.noise-site='client' dp.sampling='fixed' dp.clip-count-stddev=1.0 dp.clip-norm=0.5",
     "laplace": "dp.sensitivity=1.0 dp.epsilon=30.0 dp.sampling='fixed'",
     "dp-sgd": "dp.target-epsilon=5.0 dp.clip-norm=1.0",

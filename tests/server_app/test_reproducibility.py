@@ -22,7 +22,7 @@ NEW_NODES = [808, 707, 606, 505]
 
 DP_ADAPTIVE = {
     "privacy": "dp-fedavg-adaptive", "fraction-train": 0.5, "dp.num-sampled-clients": 2,
-    "dp.noise-multiplier": 0.5, "dp.clip-count-stddev": 1.0,
+    "dp.noise-multiplier": 1.0, "dp.clip-count-stddev": 1.0,
 }  # fmt: skip
 CONFIGS = {
     "dp-fedavg-adaptive-digits": {**DP_ADAPTIVE, "dp.reproducible-noise": True},

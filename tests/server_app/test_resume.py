@@ -48,7 +48,7 @@ NEW_NODES = [505, 606, 707, 808]  # a new run: new ids, same partitions
 KILLED_AT = 2
 
 SEEDED = {"dp.reproducible-noise": True}
-DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 0.3, "dp.clip-norm": 0.5, **SEEDED}
+DP = {"dp.num-sampled-clients": 2, "dp.noise-multiplier": 1.0, "dp.clip-norm": 0.5, **SEEDED}
 CASES = {
     "fedavg": ("fedavg", "none", {"fraction-train": 0.5}),
     "fedprox": ("fedprox", "none", {}),
