@@ -17,7 +17,7 @@ round, 300 rounds (b = 20 groups: each client about 15 times), delta 1e-5, fixed
                           bench/peers/pfl_banded_mf.py), cyclic (min_separation N // m)
 
     python bench/correlated.py --eps 2 8 --seeds 0 --out /tmp/correlated-bench \
-        --pfl-python /work/pflvenv/bin/python
+        --pfl-python .pfl-venv/bin/python
     python bench/correlated.py --cost   # the mechanism's cost per round at 1e7 weights
     python bench/correlated.py --error  # the mechanisms alone: z and prefix-sum error
 

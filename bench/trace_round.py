@@ -10,17 +10,7 @@ root::
     .venv/bin/python bench/trace_round.py
     .venv/bin/python bench/trace_round.py --list   # the files, too
 
-Measured (2-core machine under load): before strategies/ was laid out by role, 68 files,
-441 functions, 6 circles (2 in strategies/); after, 69 files, 443 functions, 4 circles
-(none in strategies/). With DP-FedAvg's pieces composed (noise site, head-only arrays,
-reply collection in their own modules) and the last circles broken: 80 files (77
-before), 486 functions, 0 circles. With each part run only by the runs that use it
-(the ClientApp's halves and SecAgg+'s mod imported when their predicate holds, the
-settings checked only of the chosen strategy and mechanism and of the parts a key
-turns on, subspace-dp's and the audit's set-up only when on) and the node sampling in
-one module: 79 files, 477 functions before; 60 files, 446 functions after, 0 circles.
-The largest class in strategies/ went from 424 lines (ClusteredFedAvg, now 299 in its
-package) to 400 (SubspaceDP).
+Numbers before and after each restructuring: bench/BENCHMARKS.md.
 """
 
 from __future__ import annotations

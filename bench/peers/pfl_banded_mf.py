@@ -15,7 +15,7 @@ probability 1 (no amplification), wrapped in ``CentrallyAppliedPrivacyMechanism`
 pfl's ``minimize_reuse`` user sampler (client ids in order: every client at most once
 every N // m rounds, the cyclic schema).
 
-    /work/pflvenv/bin/python bench/peers/pfl_banded_mf.py --clients 1000 --cohort 50 \
+    .pfl-venv/bin/python bench/peers/pfl_banded_mf.py --clients 1000 --cohort 50 \
         --rounds 300 --epsilon 2 --seed 0 --out /tmp/pfl.json
 
 Prints and writes one JSON object: final central accuracy, the noise parameter, the
