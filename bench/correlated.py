@@ -1,28 +1,17 @@
 """Correlated noise against the honest baselines on the peer workload, and its cost.
 
 Digits MLP (the peer workload of ``bench/peer_digits.py``), N = 1 000 clients, 50 a
-round, 300 rounds (b = 20 groups: each client about 15 times), delta 1e-5, fixed clip
-0.5, server momentum 0.5, z calibrated to the whole run's epsilon:
-
-    a  dp-fedavg-cyclic   banded-mf with 1 band (C = I: DP-FedAvg's noise) on the same
-                          cyclic cohorts, no amplification
-    b  dp-fedavg-poisson  DP-FedAvg, secret Poisson sampling (the idealised reference)
-    c  banded-mf          cyclic cohorts, b = 20 bands, no amplification
-    d  banded-mf-amp      amplified banded MF: b groups, Poisson q = m / (N // b) within
-                          the round's group, b the least mechanism-alone error at the
-                          run's ε (``best_amplified_groups``; ``--amp-groups`` fixes it)
-    e  dp-ftrl            honest tree, cyclic cohorts
-    f  pfl-banded-mf      pfl-research 0.6's BandedMatrixFactorizationMechanism on the
-                          same workload in its own environment (``--pfl-python``;
-                          bench/peers/pfl_banded_mf.py), cyclic (min_separation N // m)
+round, 300 rounds, delta 1e-5, fixed clip 0.5, server momentum 0.5, z calibrated to the
+whole run's epsilon. Arms (studies/correlated-noise/README.md): a DP-FedAvg on cyclic cohorts,
+b DP-FedAvg with secret Poisson sampling, c banded MF, d amplified banded MF (b chosen
+by least mechanism-alone error), e DP-FTRL's honest tree, f pfl-research 0.6's banded
+MF in its own environment (bench/peers/pfl_banded_mf.py). Each run is ``python -m
+lab.run --engine inprocess`` in its own process.
 
     python bench/correlated.py --eps 2 8 --seeds 0 --out /tmp/correlated-bench \
         --pfl-python .pfl-venv/bin/python
     python bench/correlated.py --cost   # the mechanism's cost per round at 1e7 weights
     python bench/correlated.py --error  # the mechanisms alone: z and prefix-sum error
-
-Each run is ``python -m lab.run --engine inprocess`` in its own process; the table has
-the final central accuracy (mean ± std over seeds) and the median warm round.
 """
 
 from __future__ import annotations
