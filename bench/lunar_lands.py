@@ -1,6 +1,12 @@
-"""Does federated PPO land, and does it beat single agents?
+"""The PPO study: does federated PPO land, and does it beat single agents?
 
-Design notes: ``docs/notes.md``, ``bench.lunar_lands``.
+    python bench/lunar_lands.py PRESET.toml ... --out DIR   # run and analyse the study
+    python bench/lunar_lands.py one-planet PRESET.toml --planet moon --out DIR
+    python bench/lunar_lands.py outcomes --from DIR/comparison.json --out DIR
+
+``one-planet``: one agent on one planet with the whole env-step budget (no Flower);
+``outcomes``: how the final policies' episodes end. Design notes: ``docs/notes.md``,
+``bench.lunar_lands``, ``bench.lunar_one_planet``, ``bench.lunar_outcomes``.
 """
 
 from __future__ import annotations
@@ -8,7 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -20,14 +27,20 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab import comparison  # noqa: E402
+from lab import comparison, study  # noqa: E402
 from lab.study import StudyError  # noqa: E402
 from server_app.evaluation import best_of_clusters  # noqa: E402
+from tasks.base import LocalTraining, local_seed  # noqa: E402
 from tasks.lunar_lander import LunarLanderTask  # noqa: E402
 from tasks.lunar_lander.clients import PLANETS, ClientEnv  # noqa: E402
 from tasks.lunar_lander.logs import load_snapshots  # noqa: E402
-from tasks.lunar_lander.ppo import flatten_state_dict, unflatten_state_dict  # noqa: E402
-from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE  # noqa: E402
+from tasks.lunar_lander.ppo import (  # noqa: E402
+    OUTCOMES,
+    flatten_state_dict,
+    play_episodes,
+    unflatten_state_dict,
+)
+from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  # noqa: E402
 
 LANDED = 200.0  # the issue's goal: mean evaluation reward per planet
 STABLE_FROM, MAX_DROP = 150.0, 50.0  # after first reaching 150, no drop > 50
@@ -386,9 +399,15 @@ def analyse(runs: Mapping[str, Mapping[int, Path]], out: Path) -> pd.DataFrame:
     return final
 
 
-def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+def study_main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """Run the study's presets (or read finished runs) and analyse them."""
     matplotlib.use("Agg")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lunar_lands.py",
+        description=__doc__.splitlines()[0],
+        epilog="other commands: one-planet (one agent, one planet, the whole budget), "
+        "outcomes (how the final policies' episodes end); each takes --help",
+    )
     parser.add_argument("presets", nargs="*", metavar="PRESET.toml")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--from", dest="from_json", type=Path, metavar="COMPARISON.json")
@@ -410,6 +429,176 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     except StudyError as err:
         raise SystemExit(f"lunar_lands: {err}") from None
     return analyse(runs, args.out)
+
+
+# --- one-planet: one agent with the whole budget ---------------------------------
+
+
+def one_planet(config: dict, planet: str, steps: int, seed: int) -> Iterator[dict]:
+    """``seed, planet, env-steps, reward, se`` after each ``ppo.local-steps`` chunk of
+    PPO on ``planet``'s base environment, trained by one client with kept Adam state."""
+    task = LunarLanderTask({**config, "seed": seed, "ppo.keep-optimizer": True})
+    index = list(PLANETS).index(planet)  # base clients come first in the table
+    env = task.clients[index]
+    model = task.build_model(seed)
+    state: dict = {}  # the client's persistent state and Adam tensors, kept across chunks
+    tensors: dict = {}
+    done, chunk = 0, 0
+    while done < steps:
+        chunk += 1
+        local = LocalTraining(
+            server_round=chunk, seed=local_seed(seed, chunk, index), state=state,
+            state_tensors=tensors, partition_id=index,
+        )  # fmt: skip
+        done += int(task.train(model, env, local)["num-examples"])
+        played = task.evaluate(model, env)  # the central evaluation's episodes of env
+        yield {
+            "seed": seed,
+            "planet": planet,
+            "env-steps": done,
+            "reward": played[EVAL_REWARD],
+            "se": played.get(EVAL_REWARD_SE, float("nan")),
+        }
+
+
+def one_planet_main(argv: Sequence[str] | None = None) -> None:
+    """How far PPO gets on one planet alone with the whole env-step budget."""
+    parser = argparse.ArgumentParser(
+        prog="lunar_lands.py one-planet",
+        description="How far does PPO get on one planet alone with the whole budget?",
+    )
+    parser.add_argument("preset", type=Path, help="take the ppo.* settings from this preset")
+    parser.add_argument("--planet", choices=tuple(PLANETS), default="moon")
+    parser.add_argument("--steps", type=int, default=1_572_864, help="env steps in all")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--print-every", type=int, default=4, help="chunks between lines")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    # One torch thread, as each ClientApp of the federated runs has one CPU (2 threads
+    # on a busy 2-core machine spin OpenMP workers for most of the time).
+    torch.set_num_threads(1)
+    config = study.load_preset(str(args.preset), study.app_defaults()).run_config
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in args.seeds:
+        started = time.perf_counter()
+        for chunk, row in enumerate(one_planet(dict(config), args.planet, args.steps, seed), 1):
+            rows.append(row)
+            if chunk % args.print_every == 0 or row["env-steps"] >= args.steps:
+                elapsed = time.perf_counter() - started
+                eta = elapsed / row["env-steps"] * max(args.steps - row["env-steps"], 0)
+                print(
+                    f"seed {seed} {args.planet}: {row['env-steps']:>9,} steps  reward "
+                    f"{row['reward']:7.1f} ± {row['se']:.1f} (SE)  {elapsed:.0f} s, "
+                    f"ETA {eta:.0f} s for this seed",
+                    flush=True,
+                )
+        pd.DataFrame(rows).to_csv(args.out / "one_planet.csv", index=False)
+    print(f"Written: {args.out / 'one_planet.csv'}")
+
+
+# --- outcomes: how the final policies' episodes end -------------------------------
+
+POLICIES = {"most-likely": False, "sampled": True}  # label -> play_episodes' stochastic
+
+
+def run_outcomes(run_dir: Path, episodes: int) -> pd.DataFrame:
+    """One row per planet and policy of ``run_dir``'s final policies."""
+    config = _run_config(run_dir) | {"ppo.eval-episodes": episodes}
+    task = LunarLanderTask(config)
+    model = task.build_model(0)
+    weights = final_policies(run_dir)
+    rows = []
+    for index, client in enumerate(task.load_central_test()):
+        if client.planet not in weights:
+            continue
+        model.load_state_dict(weights[client.planet])
+        for label, stochastic in POLICIES.items():
+            played = play_episodes(model, client, task.eval_seeds(index), stochastic=stochastic)
+            stats = episode_stats(played.returns, played.lengths)  # the run's own statistics
+            rows.append(
+                {
+                    "planet": client.planet,
+                    "policy": label,
+                    "episodes": len(played.returns),
+                    "reward": stats[EVAL_REWARD],
+                    "se": stats[EVAL_REWARD_SE],
+                    **{outcome: played.outcomes.count(outcome) for outcome in OUTCOMES},
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def outcomes(runs: Mapping[str, Mapping[int, Path]], episodes: int) -> pd.DataFrame:
+    frames = []
+    for name, seeds in runs.items():
+        for seed, run_dir in seeds.items():
+            frame = run_outcomes(run_dir, episodes)
+            frame.insert(0, "experiment", name)
+            frame.insert(1, "seed", seed)
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def totals(table: pd.DataFrame) -> pd.DataFrame:
+    """Per experiment, planet and policy: episodes and outcome counts summed over seeds,
+    and the mean of the per-seed rewards."""
+    keys = ["experiment", "planet", "policy"]
+    summed = table.groupby(keys, sort=False)[["episodes", *OUTCOMES]].sum()
+    summed.insert(1, "reward", table.groupby(keys, sort=False)["reward"].mean())
+    summed.insert(1, "seeds", table.groupby(keys, sort=False)["seed"].nunique())
+    return summed.reset_index()
+
+
+def outcomes_main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """How the final policies' episodes end, per planet and policy."""
+    parser = argparse.ArgumentParser(
+        prog="lunar_lands.py outcomes", description="How do the final policies' episodes end?"
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from", dest="from_json", type=Path, metavar="COMPARISON.json")
+    source.add_argument("--runs", nargs="+", metavar="NAME:SEED=RUN_DIR")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.episodes < 2:
+        parser.error(f"--episodes = {args.episodes}: give 2 or more (the SE needs two)")
+    try:
+        if args.runs:
+            runs = comparison.parse_runs(args.runs)
+        else:
+            runs, _ = comparison.read_comparison_json(args.from_json)
+    except StudyError as err:
+        raise SystemExit(f"lunar_lands outcomes: {err}") from None
+    table = outcomes(runs, args.episodes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out / "outcomes.csv", index=False)
+    text = "\n".join(
+        [
+            f"## How the final policies' episodes end ({args.episodes} per planet and policy)",
+            "",
+            _markdown(table),
+            "",
+            "## Summed over seeds",
+            "",
+            _markdown(totals(table)),
+            "",
+        ]
+    )
+    (args.out / "outcomes.md").write_text(text)
+    print(text)
+    return table
+
+
+COMMANDS = {"one-planet": one_planet_main, "outcomes": outcomes_main}
+
+
+def main(argv: Sequence[str] | None = None) -> object:
+    """``one-planet`` or ``outcomes`` with their arguments, else the study's arguments."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in COMMANDS:
+        return COMMANDS[args[0]](args[1:])
+    return study_main(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``bench/lunar_outcomes.py``: how a run's final policies' episodes end, on a hand-made
+"""``bench/lunar_lands.py outcomes``: how a run's final policies' episodes end, on a hand-made
 run directory (a FedAvg run's config and global checkpoint) and hand-made tables."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import lunar_outcomes
+from bench import lunar_lands
 from tasks.lunar_lander import LunarLanderTask
 from tasks.lunar_lander.ppo import evaluate_episodes
 
@@ -32,7 +32,7 @@ def test_run_outcomes_plays_the_global_model_on_the_central_episodes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"run-config": CONFIG}))
 
     # Execute: 3 episodes per planet and policy
-    table = lunar_outcomes.run_outcomes(tmp_path, episodes=3)
+    table = lunar_lands.run_outcomes(tmp_path, episodes=3)
 
     # Assert: every planet both ways; the counts add up to the episodes; the most
     # likely actions' rewards are the first 3 episodes of the run's own evaluation
@@ -62,7 +62,7 @@ def test_totals_sum_outcomes_over_seeds_and_average_rewards():
         }
     )
 
-    summed = lunar_outcomes.totals(table).set_index("planet")
+    summed = lunar_lands.totals(table).set_index("planet")
 
     assert summed.loc["moon", "episodes"] == 20 and summed.loc["moon", "seeds"] == 2
     assert summed.loc["moon", "reward"] == 150.0
