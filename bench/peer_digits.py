@@ -9,7 +9,12 @@ training rows cut by ``np.array_split(default_rng(0).permutation(n_train), N)``
 rounds; central test accuracy after round 30. N = 100 with 10 clients per round and
 N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, client-level.
 
-Design notes: ``docs/notes.md``, ``bench.peer_digits``.
+    python bench/peer_digits.py --out DIR                      # accuracy, this app
+    python bench/peer_digits.py pfl --python PFL_PYTHON --out DIR   # pfl-research's
+    python bench/peer_digits.py engine                         # in-process engine time
+    python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON   # both, back to back
+
+Design notes: ``docs/notes.md``, ``bench.peer_digits``, ``bench.peer_pfl``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -130,7 +137,7 @@ def run_one(
 
 
 def pfl_side_by_side(path: Path | None) -> dict[tuple[int, float | None], str]:
-    """pfl-research's mean ± std per (N, epsilon) from ``bench/peer_pfl.py``'s runs.csv."""
+    """pfl-research's mean ± std per (N, epsilon) from the ``pfl`` command's runs.csv."""
     if path is None:
         return {}
     runs = pd.read_csv(path)
@@ -198,8 +205,13 @@ def write_tables(out: Path, rows: list[dict], pfl_runs: Path | None) -> None:
     print(to_markdown(table))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def accuracy_main(argv: list[str] | None = None) -> None:
+    """This app's accuracy on the peer workload, beside pfl-research's."""
+    parser = argparse.ArgumentParser(
+        prog="peer_digits.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="other commands: pfl, engine, engine-vs-pfl; each takes --help",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
@@ -207,12 +219,12 @@ def main() -> None:
     parser.add_argument("--curve-only", action="store_true", help="only the N = 100 curve")
     parser.add_argument("--no-curve", action="store_true")
     parser.add_argument(
-        "--pfl-runs", type=Path, help="runs.csv of bench/peer_pfl.py, for a side-by-side column"
+        "--pfl-runs", type=Path, help="runs.csv of the pfl command, for a side-by-side column"
     )
     parser.add_argument(
         "--table-only", action="store_true", help="rebuild the tables from <out>/runs.csv"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     args.out.mkdir(parents=True, exist_ok=True)
     runs_dir = args.out / "runs"
@@ -242,5 +254,243 @@ def main() -> None:
         print(f"privacy-utility curve: {args.out / 'curve' / 'plots'}")
 
 
+# --- pfl: pfl-research's own script over the same seeds -----------------------------
+# pfl is not a dependency of the app: install it in a separate environment
+#   python -m venv /tmp/pflvenv && /tmp/pflvenv/bin/pip install pfl==0.6.0 torch scikit-learn
+# and pass its interpreter as --python.
+
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "pfl_digits.py"
+CELLS = [(100, None), (100, 8.0), (100, 2.0), (1000, None), (1000, 8.0), (1000, 2.0)]
+
+
+def pfl_run_one(python: str, script: Path, n: int, epsilon: float | None, seed: int) -> dict:
+    """One child run of the peer's script; its JSON result."""
+    args = ["--num-clients", str(n), "--seed", str(seed)]
+    if epsilon is None:
+        args += ["--dp", "none"]
+    else:
+        args += ["--dp", "adaptive", "--epsilon", str(epsilon)]
+        if (n, epsilon) == (100, 2.0):
+            args += ["--indicator-std", "3.0"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        done = subprocess.run(
+            [python, str(script), "--child", "--out", str(out), *args],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"pfl run {args} failed:\n{done.stdout}\n{done.stderr}")
+        result = json.loads(out.read_text())
+    if result["status"] != "ok":
+        raise RuntimeError(f"pfl run {args}: {result['status']}")
+    return result
+
+
+def pfl_summarise(runs: pd.DataFrame) -> str:
+    lines = [
+        "| N | per round | epsilon | z (pfl) | accuracy (mean ± std) | seeds | s per round |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (n, eps), group in runs.groupby(["N", "epsilon"], dropna=False, sort=False):
+        acc = group["accuracy"].tolist()
+        std = statistics.stdev(acc) if len(acc) > 1 else 0.0
+        z = group["noise_multiplier"].iloc[0]
+        lines.append(
+            f"| {n} | {group['cohort'].iloc[0]} | {'none' if pd.isna(eps) else f'{eps:g}'} | "
+            f"{'-' if pd.isna(z) else f'{z:.4f}'} | {statistics.mean(acc):.3f} ± {std:.3f} | "
+            f"{len(acc)} | {group['round_s'].median():.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def pfl_main(argv: list[str] | None = None) -> None:
+    """pfl-research's own script on the peer workload, over the same seeds."""
+    parser = argparse.ArgumentParser(
+        prog="peer_digits.py pfl",
+        description="pfl-research on the shared peer workload, over the same seeds as this "
+        "app's runs (its own script, bench/peers/pfl_digits.py --child, in its own "
+        "environment: --python).",
+    )
+    parser.add_argument("--python", required=True, help="interpreter with pfl installed")
+    parser.add_argument("--script", type=Path, default=PEER_SCRIPT)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n, epsilon in CELLS:
+        for seed in args.seeds:
+            r = pfl_run_one(args.python, args.script, n, epsilon, seed)
+            rows.append(
+                {
+                    "N": n,
+                    "cohort": r["cohort"],
+                    "epsilon": epsilon,
+                    "seed": seed,
+                    "noise_multiplier": r.get("noise_multiplier"),
+                    "accuracy": r["test_accuracy"],
+                    "round_s": r["median_round_seconds"],
+                }
+            )
+            print(f"pfl N={n} epsilon={epsilon} seed={seed}: {r['test_accuracy']:.4f}", flush=True)
+            pd.DataFrame(rows).to_csv(args.out / "runs.csv", index=False)
+    table = pfl_summarise(pd.DataFrame(rows))
+    (args.out / "results.md").write_text(table)
+    print(table)
+
+
+# --- engine: the in-process engine's time on the workload ---------------------------
+# Each run is ``python -m lab.run --engine inprocess`` in a fresh process (imports, data,
+# calibration and the run directory included), without DP (FedAvg) and with the DP
+# preset (experiments/digits-dp-eps8.toml). The warm round is the median of
+# ``round-seconds`` over rounds 2-30; the round with evaluation the median gap between
+# consecutive central evaluations (``elapsed-s``).
+
+# The workload's settings, the rounds given per run and a round timeout for loaded hosts.
+ENGINE_WORKLOAD = {
+    **{k: v for k, v in WORKLOAD.items() if k != "num-server-rounds"},
+    "round-timeout": 600.0,
+}
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f"'{value}'"
+    return repr(value)
+
+
+def engine_run_config(num_clients: int, private: bool, rounds: int, out: Path) -> str:
+    """The run-config string of one run."""
+    cohort = COHORT[num_clients]
+    config = {**ENGINE_WORKLOAD, "num-server-rounds": rounds, "output-dir": str(out)}
+    config |= {"min-available-nodes": num_clients, "min-train-nodes": cohort}
+    config["fraction-train"] = cohort / num_clients
+    if private:
+        preset = tomllib.loads((REPO / "experiments" / "digits-dp-eps8.toml").read_text())
+        for key, value in preset.items():
+            if isinstance(value, dict):
+                config |= {f"{key}.{k}": v for k, v in value.items()}
+            else:
+                config[key] = value
+        config |= {"dp.num-sampled-clients": cohort, "num-server-rounds": rounds}
+    return " ".join(f"{k}={_toml(v)}" for k, v in config.items())
+
+
+def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
+    root = out / f"n{num_clients}-{'dp' if private else 'plain'}"
+    root.mkdir(parents=True, exist_ok=True)
+    before = set(root.iterdir())
+    cmd = [
+        sys.executable, "-m", "lab.run", "--engine", "inprocess",
+        "--run-config", engine_run_config(num_clients, private, rounds, root),
+        "--federation-config", f"num-supernodes={num_clients}",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    (run_dir,) = set(root.iterdir()) - before
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    timing = metrics
+    if (run_dir / "curator" / "metrics.csv").exists():  # under DP timing is the curator's
+        timing = pd.read_csv(run_dir / "curator" / "metrics.csv")
+    train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
+    central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
+    timed = timing[timing["scope"] == "central-eval"].sort_values("round")
+    gaps = timed["elapsed-s"].diff().dropna().iloc[1:] if "elapsed-s" in timed else []
+    return {
+        "N": num_clients,
+        "per round": COHORT[num_clients],
+        "DP": "eps 8 adaptive" if private else "none",
+        "process s": round(seconds, 1),
+        "warm round s": round(statistics.median(train["round-seconds"]), 4),
+        "round with eval s": round(statistics.median(gaps), 4) if len(gaps) else None,
+        "accuracy": round(float(central["eval-accuracy"].iloc[-1]), 4),
+    }
+
+
+def engine_main(argv: list[str] | None = None) -> int:
+    """Whole-process time and warm round of the in-process engine, per (N, DP)."""
+    parser = argparse.ArgumentParser(
+        prog="peer_digits.py engine",
+        description="The in-process engine on the peer workload: whole-process time of a "
+        "30-round run and its warm round, per (N, DP).",
+    )
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/engine-bench"))
+    args = parser.parse_args(argv)
+    rows = []
+    for num_clients in args.sizes:
+        for private in (False, True):
+            rows.append(engine_one(num_clients, private, args.rounds, args.out))
+            print(rows[-1], flush=True)
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + " --- |" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    return 0
+
+
+# --- engine-vs-pfl: both on the same load -------------------------------------------
+# Each cell runs the engine and then pfl-research's own script back to back, so both see
+# the same load. Warm round: the engine's median ``round-seconds`` over rounds 2-30,
+# pfl's median round lap; process: wall seconds of the whole child process. ``flwr run``
+# is not in this run (its Ray start-up alone takes minutes on a shared machine).
+
+
+def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
+    """The engine and pfl-research back to back per (N, DP): warm round and process."""
+    parser = argparse.ArgumentParser(
+        prog="peer_digits.py engine-vs-pfl",
+        description="The in-process engine against pfl-research on the peer workload, "
+        "side by side in one run: warm round and whole process, per (N, DP).",
+    )
+    parser.add_argument("--python", required=True, help="pfl-research's interpreter")
+    parser.add_argument("--script", type=Path, default=PEER_SCRIPT)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--dp", nargs="+", choices=["none", "adaptive"], default=["none"])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/engine-vs-pfl"))
+    args = parser.parse_args(argv)
+    lines = [
+        "| N | per round | DP | engine warm round s | pfl warm round s | ratio "
+        "| engine process s | pfl process s | engine acc | pfl acc |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n in args.sizes:
+        for dp in args.dp:
+            ours = engine_one(n, dp == "adaptive", args.rounds, args.out)
+            started = time.perf_counter()
+            theirs = pfl_run_one(args.python, args.script, n, 8.0 if dp == "adaptive" else None, 0)
+            theirs_s = time.perf_counter() - started
+            ratio = ours["warm round s"] / theirs["median_round_seconds"]
+            lines.append(
+                f"| {n} | {COHORT[n]} | {dp} | {ours['warm round s']:.4f} "
+                f"| {theirs['median_round_seconds']:.4f} | {ratio:.1f} "
+                f"| {ours['process s']:.1f} | {theirs_s:.1f} | {ours['accuracy']:.3f} "
+                f"| {theirs['test_accuracy']:.3f} |"
+            )
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+COMMANDS = {"pfl": pfl_main, "engine": engine_main, "engine-vs-pfl": engine_vs_pfl_main}
+
+
+def main(argv: list[str] | None = None) -> object:
+    """``pfl``, ``engine`` or ``engine-vs-pfl`` with their arguments, else the accuracy
+    runs' arguments."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in COMMANDS:
+        return COMMANDS[args[0]](args[1:])
+    return accuracy_main(args)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
