@@ -11,6 +11,12 @@ separately, each started when the machine's 1-min load average was below 0.35)::
     PYTHONPATH=. python bench/secagg.py --sections protocol --dims 1e5 1e6 --clients 10 50
     PYTHONPATH=. python bench/secagg.py --sections cifar --cifar-examples 500 --repeats 3
 
+``distributed-dp``: central DP against distributed DP (SecAgg+ and Skellam) at the same
+ε, whole in-process runs of the presets (accuracy, ε, z, seconds)::
+
+    PYTHONPATH=. python bench/secagg.py distributed-dp --seeds 0 1 2 3 \\
+        --presets experiments/digits-dp-eps8.toml experiments/digits-secagg-dp-eps8.toml
+
 Design notes: ``docs/notes.md``, ``bench.secagg``.
 """
 
@@ -18,18 +24,24 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
+import tomllib
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.config import flatten_dict, fuse_dicts
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp.strategy import FedAvg
@@ -382,8 +394,13 @@ def section_cifar(args: argparse.Namespace) -> None:
     print(markdown([row]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def protocol_main(argv: list[str] | None = None) -> None:
+    """A SecAgg+ round's cost against the same round without it (protocol, CIFAR-10)."""
+    parser = argparse.ArgumentParser(
+        prog="secagg.py",
+        description=__doc__.splitlines()[0],
+        epilog="other command: distributed-dp (central against distributed DP; --help)",
+    )
     parser.add_argument("--dims", type=float, nargs="+", default=[1e4, 1e5, 1e6, 1e7])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument(
@@ -408,7 +425,7 @@ def main() -> None:
         action="store_true",
         help="smoke check: d 1e4 1e5, n 10 50, 64 examples, 1 repeat",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.dims, args.clients, args.cifar_examples, args.repeats = [1e4, 1e5], [10, 50], 64, 1
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -430,6 +447,77 @@ def main() -> None:
         "\nload average (1, 5, 15 min) at the end: "
         + ", ".join(f"{x:.2f}" for x in os.getloadavg())
     )
+
+
+# -- distributed-dp: central against distributed DP, whole runs --------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def distributed_run(preset: Path, nodes: int, seed: int, out: Path, **extra) -> dict:
+    """One run of ``preset``: its final central accuracy, ε, z and wall time."""
+    defaults = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    config = fuse_dicts(defaults["config"], flatten_dict(tomllib.loads(preset.read_text())))
+    config.update({"output-dir": str(out), "seed": seed, "min-available-nodes": nodes, **extra})
+    from tests.inprocess import InProcessGrid as AppGrid  # the app's grid, not the one above
+    from tests.inprocess import run_server
+
+    grid = AppGrid(config, list(range(1000, 1000 + nodes)))
+    started = time.monotonic()
+    run_server(config, grid)
+    seconds = time.monotonic() - started
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    central = metrics[metrics["scope"] == "central-eval"]
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    return {
+        "preset": preset.name,
+        "seed": seed,
+        "accuracy": float(central["eval-accuracy"].iloc[-1]),
+        "epsilon": ledger["summary"]["epsilon"],
+        "z": (ledger.get("calibration") or {}).get("value"),
+        "seconds": round(seconds, 1),
+    }
+
+
+def distributed_main(argv: list[str] | None = None) -> None:
+    """Central against distributed DP at the same ε: accuracy, ε, z, seconds per run."""
+    parser = argparse.ArgumentParser(
+        prog="secagg.py distributed-dp",
+        description="Central DP against distributed DP (SecAgg+ and Skellam) at the same ε, "
+        "in process: each preset fused with pyproject.toml's defaults, run by the app's own "
+        "ServerApp loop against the real ClientApp, --nodes of them.",
+    )
+    parser.add_argument("--presets", nargs="+", type=Path, required=True)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--nodes", type=int, default=100)
+    args = parser.parse_args(argv)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    rows = []
+    for preset in args.presets:
+        for seed in args.seeds:
+            with tempfile.TemporaryDirectory() as out:
+                rows.append(distributed_run(preset, args.nodes, seed, Path(out)))
+            print(json.dumps(rows[-1]), flush=True)
+    print(
+        "\n| preset | z | epsilon | accuracy per seed | mean |\n| --- | ---: | ---: | --- | ---: |"
+    )
+    for preset in args.presets:
+        mine = [r for r in rows if r["preset"] == preset.name]
+        accuracies = [r["accuracy"] for r in mine]
+        print(
+            f"| {preset.name} | {mine[0]['z'] or 0:.2f} | {max(r['epsilon'] for r in mine):.2f} "
+            f"| {', '.join(f'{a:.3f}' for a in accuracies)} | {statistics.mean(accuracies):.3f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``distributed-dp`` with its arguments, else the protocol benchmark's."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "distributed-dp":
+        distributed_main(args[1:])
+    else:
+        protocol_main(args)
 
 
 if __name__ == "__main__":
