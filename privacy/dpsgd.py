@@ -65,7 +65,7 @@ class PrivateRound(Protocol):
 def opacus_names() -> SimpleNamespace:
     """The Opacus names used here, imported on first use: importing Opacus costs
     ~0.8 s per process (it pulls in torch._dynamo), which every ClientApp process would
-    pay at start-up although only DP-SGD runs need it (bench/orchestration.py)."""
+    pay at start-up although only DP-SGD runs need it (bench/vs_flower.py orchestration)."""
     from opacus.accountants import RDPAccountant
     from opacus.accountants.utils import get_noise_multiplier
     from opacus.data_loader import DPDataLoader

@@ -34,7 +34,7 @@ def to_numpy(array: Array, *, copy: bool = True) -> np.ndarray:
 
     Flower's ``Array.numpy()`` reads the header with ``ast.literal_eval``, most of the
     cost of decoding a small array (the server decodes every array of every reply;
-    bench/orchestration.py). A C-order version-1.0 payload whose header states exactly
+    bench/vs_flower.py orchestration). A C-order version-1.0 payload whose header states exactly
     the ``dtype`` and ``shape`` the Array declares is read directly from the bytes,
     into a new writable array as ``np.load`` returns (``copy=False``: a read-only
     view of the bytes, for a check that keeps nothing); anything else goes to

@@ -4,7 +4,7 @@ Flower's ``Grid.send_and_receive`` pushes the messages and then polls the SuperL
 for replies at a fixed interval: 0.1 s in the simulation engine (``InMemoryGrid``), 3 s
 on a deployed SuperLink (``GrpcGrid``). A round whose clients need 20 ms then still
 takes up to one whole interval longer; on digits with 10 clients per round that was
-most of the round (``bench/orchestration.py``). :func:`send_and_receive` uses the same
+most of the round (``bench/vs_flower.py orchestration``). :func:`send_and_receive` uses the same
 two public calls, ``push_messages`` and ``pull_messages``, polling first after
 ``first_poll`` seconds and backing off by 10 % per pull up to ``max_poll``: a reply is
 seen at most about a tenth of the time waited so far after it arrived (a 0.15 s round
