@@ -1,22 +1,16 @@
-"""A newcomer's first run: the README's install command's second half, then the
-default experiment, timed.
-
-In a fresh Flower home (the user's ``~/.flwr`` is not touched) and on free ports, with
-nothing of the benchmarks' own set-up (no ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION``
-in the environment, no staging of the app):
-
-1. ``python -m lab.connections`` (writes ``local-simulation`` and starts the local
-   SuperLink with runtime dependency installation off);
-2. ``flwr run . local-simulation --stream`` in the checkout: the default experiment
-   (digits, FedAvg, 10 virtual SuperNodes, 10 rounds, central evaluation).
+"""The first runs' costs: a newcomer's first run, how soon a mistake is reported, and
+the time, accuracy and epsilon of whole runs.
 
     python bench/first_run.py --repeats 3              # the newcomer's first run
     python bench/first_run.py mistakes --repeats 1     # how soon a mistake is reported
     python bench/first_run.py runs --repeats 3 [--config NAME=RUN_CONFIG ...]
 
-``mistakes``: how long a run-config error takes to reach the user through ``python -m
-lab check``, and each ``lab`` command's ``--help``; ``runs``: wall time, accuracy and
-epsilon of whole ``flwr run`` runs. Design notes: ``docs/notes.md``, ``bench.first_run``.
+The newcomer's run: in a fresh Flower home and on free ports, ``python -m
+lab.connections`` then ``flwr run . local-simulation --stream`` (the default
+experiment), timed. ``mistakes``: how long a run-config error takes to reach the user
+through ``python -m lab check``, and each ``lab`` command's ``--help``; ``runs``: whole
+``flwr run`` runs through one private local SuperLink. Design notes: ``docs/notes.md``,
+``bench.first_run``.
 """
 
 from __future__ import annotations

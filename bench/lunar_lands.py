@@ -6,7 +6,7 @@
 
 ``one-planet``: one agent on one planet with the whole env-step budget (no Flower);
 ``outcomes``: how the final policies' episodes end. Design notes: ``docs/notes.md``,
-``bench.lunar_lands``, ``bench.lunar_one_planet``, ``bench.lunar_outcomes``.
+``bench.lunar_lands`` and its subcommands.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
-"""The shared peer workload in this app, beside
-pfl-research's numbers measured on this machine.
+"""The shared peer workload in this app, beside pfl-research's numbers on this machine.
 
-Workload, exactly as the peers run it: scikit-learn digits, X / 16 (``data.normalize =
-false``), ``train_test_split(test_size=0.2, random_state=0, stratify=y)`` and the
-training rows cut by ``np.array_split(default_rng(0).permutation(n_train), N)``
-(``data.partitioner = "array-split"``, every client example trains); the MLP 64-64-10
-(``model.name = "mlp"``); local SGD lr 0.1, no momentum, batch 16, one epoch; 30
-rounds; central test accuracy after round 30. N = 100 with 10 clients per round and
-N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, client-level.
+Workload, as the peers run it: scikit-learn digits, X / 16, ``array_split`` partitions
+(``data.partitioner = "array-split"``), the MLP 64-64-10, local SGD lr 0.1, no momentum,
+batch 16, one epoch; 30 rounds; central test accuracy after round 30. N = 100 with 10
+clients per round and N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, client-level.
 
     python bench/peer_digits.py --out DIR                      # accuracy, this app
     python bench/peer_digits.py pfl --python PFL_PYTHON --out DIR   # pfl-research's
     python bench/peer_digits.py engine                         # in-process engine time
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON   # both, back to back
 
-Design notes: ``docs/notes.md``, ``bench.peer_digits``, ``bench.peer_pfl``.
+Design notes (the split, pfl's settings): ``docs/notes.md``, ``bench.peer_digits``.
 """
 
 from __future__ import annotations

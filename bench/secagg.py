@@ -1,23 +1,16 @@
-"""Cost of a SecAgg+ round on the Message API against the same round without it.
+"""Cost of a SecAgg+ round on the Message API against the same round without it, and
+of distributed DP against central DP at the same ε.
 
-Reproduce from the repository root (the first is the full run, ~12 min; the second a
-smoke check of under a minute; the BENCHMARKS.md tables ran the full run's two sections
-separately, each started when the machine's 1-min load average was below 0.35)::
-
-    PYTHONPATH=. python bench/secagg.py
-    PYTHONPATH=. python bench/secagg.py --quick
-    PYTHONPATH=. python bench/secagg.py --sections protocol
-    PYTHONPATH=. python bench/secagg.py --sections cifar
+    PYTHONPATH=. python bench/secagg.py                    # both sections, ~12 min
+    PYTHONPATH=. python bench/secagg.py --quick            # a smoke check, < 1 min
     PYTHONPATH=. python bench/secagg.py --sections protocol --dims 1e5 1e6 --clients 10 50
     PYTHONPATH=. python bench/secagg.py --sections cifar --cifar-examples 500 --repeats 3
-
-``distributed-dp``: central DP against distributed DP (SecAgg+ and Skellam) at the same
-ε, whole in-process runs of the presets (accuracy, ε, z, seconds)::
-
     PYTHONPATH=. python bench/secagg.py distributed-dp --seeds 0 1 2 3 \\
         --presets experiments/digits-dp-eps8.toml experiments/digits-secagg-dp-eps8.toml
 
-Design notes: ``docs/notes.md``, ``bench.secagg``.
+``distributed-dp`` runs each preset whole, in process (accuracy, ε, z, seconds). The
+BENCHMARKS.md tables ran the two sections separately, each started when the 1-min load
+average was below 0.35. Design notes: ``docs/notes.md``, ``bench.secagg``.
 """
 
 from __future__ import annotations

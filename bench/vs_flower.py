@@ -12,7 +12,7 @@ N = 1000 with 50. Our app keeps its default per-round outputs on (checkpoint,
 
 ``orchestration``: what Flower adds per round and at start-up, against the same training
 in a plain loop and the app in one process. Design notes: ``docs/notes.md``,
-``bench.vs_flower``, ``bench.orchestration``.
+``bench.vs_flower`` and ``bench.vs_flower orchestration``.
 """
 
 from __future__ import annotations
