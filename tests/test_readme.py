@@ -85,3 +85,43 @@ def test_every_preset_path_the_docs_and_studies_name_exists():
         if not list(REPO.glob(pattern))
     ]
     assert missing == []
+
+
+_BENCH_CITED = re.compile(r"(?<![\w/.-])bench/([a-z0-9_]+)\.py")
+_BENCH_COMMAND = re.compile(r"python bench/([a-z0-9_]+)\.py ([a-z][a-z0-9-]*)(?![\w/.-])")
+
+
+def _bench_citation_faults(pages: list[Path], bench: Path) -> list[str]:
+    """Citations of a ``bench/`` script that is gone (and not said, in the paragraph, to
+    be retired), and commands naming a subcommand the script's parsers do not have."""
+    faults = []
+    for page in pages:
+        for paragraph in re.split(r"\n\s*\n", page.read_text()):
+            for name in _BENCH_CITED.findall(paragraph):
+                if not (bench / f"{name}.py").is_file() and "retired" not in paragraph:
+                    faults.append(f"{page.name}: bench/{name}.py")
+            for name, word in _BENCH_COMMAND.findall(paragraph):
+                script = bench / f"{name}.py"
+                if script.is_file() and f'prog="{name}.py {word}"' not in script.read_text():
+                    faults.append(f"{page.name}: bench/{name}.py {word}")
+    return faults
+
+
+def test_every_bench_script_and_subcommand_the_docs_cite_exists():
+    # A folded script is cited by its new home's subcommand; a removed one as retired.
+    pages = [REPO / "README.md", REPO / "CONTRIBUTING.md", REPO / "bench" / "BENCHMARKS.md"]
+    pages += [*(REPO / "docs").rglob("*.md"), *(REPO / "studies").rglob("*.md")]
+    pages += [*(REPO / "studies").rglob("*.toml"), *(REPO / "experiments").glob("*.toml")]
+    assert _bench_citation_faults([p for p in pages if p.is_file()], REPO / "bench") == []
+
+
+def test_a_gone_bench_script_or_subcommand_is_found(tmp_path):
+    (tmp_path / "kept.py").write_text('parser = ArgumentParser(prog="kept.py sub")\n')
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `python bench/kept.py sub --x 1` or `python bench/kept.py other`.\n\n"
+        "`bench/gone.py` measured 3 ms.\n\n"
+        "`bench/old.py`, since retired (commit abc1234), measured 4 ms.\n"
+    )
+    faults = _bench_citation_faults([page], tmp_path)
+    assert faults == ["page.md: bench/kept.py other", "page.md: bench/gone.py"]
