@@ -68,3 +68,20 @@ def test_totals_sum_outcomes_over_seeds_and_average_rewards():
     assert summed.loc["moon", "reward"] == 150.0
     assert summed.loc["moon", ["crashed", "at-rest", "time-limit"]].tolist() == [5, 12, 3]
     assert summed.loc["earth", "crashed"] == 10
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["outcomes", "--runs", "a:0=x", "--episodes", "1"], "--episodes = 1: give 2 or more"),
+        (["one-planet", "moon.toml", "--planet", "venus"], "invalid choice: 'venus'"),
+        (["--seeds", "0"], "give one of: PRESET.toml files"),
+    ],
+)
+def test_the_study_script_dispatches_its_subcommands(tmp_path, capsys, argv, error):
+    # Each subcommand's own parser answers (its own error), the study's arguments are
+    # the default; all fail before any run.
+    with pytest.raises(SystemExit) as exited:
+        lunar_lands.main([*argv, "--out", str(tmp_path)])
+
+    assert exited.value.code == 2 and error in capsys.readouterr().err
