@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
 
-from client_app import canary, node, state
+# Not ``from client_app import canary``: this package's own ``canary`` half would shadow it.
+from client_app import node, state
+from client_app.canary import canary_index
 from client_app.mods import mechanism
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
@@ -101,7 +103,7 @@ def _front_loaded(config: ConfigRecord, context: Context) -> bool:
 
 def _canary(config: ConfigRecord, context: Context) -> bool:
     pid, num = node.node_partition(context.node_config)
-    return canary.canary_index(context.run_config, pid, num) is not None
+    return canary_index(context.run_config, pid, num) is not None
 
 
 # Every client half, in the order its hooks run (the first reply it gives is sent):
