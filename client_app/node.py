@@ -18,14 +18,12 @@ from flwr.app import (
     ConfigRecord,
     Context,
     Message,
-    MessageType,
     MetricRecord,
     RecordDict,
 )
 
 import tasks
-from client_app import canary, state
-from client_app.halves.base import ClientHalf, Round
+from client_app import canary
 from privacy.mechanisms import secret_seed
 from privacy.settings import DPSettings
 from protocol import keys
@@ -133,21 +131,3 @@ def artifacts_dir(config, node_config: Mapping[str, Any]) -> str | None:
     """The SuperNode's own ``artifacts-dir`` if it sets one, else the server's."""
     chosen = node_config.get(keys.ARTIFACTS_DIR, config.get(keys.ARTIFACTS_DIR))
     return str(chosen) if chosen else None
-
-
-def prepare(msg: Message, context: Context, halves: list[ClientHalf]) -> Round:
-    """This node's task and partition, the model loaded with the weights to use (a
-    fresh context first gets the state this client saved: :mod:`client_app.state`)."""
-    task, model, partition, pid = setup(context)
-    config, arrays = msg.content[keys.CONFIG], msg.content[keys.ARRAYS]
-    if keys.SERVER_ROUND in config:
-        artifacts = artifacts_dir(config, context.node_config)
-        evaluate = msg.metadata.message_type == MessageType.EVALUATE
-        state.restore(context, artifacts, pid, int(config[keys.SERVER_ROUND]), evaluate=evaluate)
-    for half in halves:
-        arrays = half.weights(arrays, config, context)
-    model.load_state_dict(state_dict(arrays), strict=True)
-    r = Round(msg, context, task, model, partition, pid)
-    for half in halves:
-        half.loaded(r)
-    return r

@@ -10,7 +10,7 @@ from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
 from client_app import canary
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 from client_app.node import node_partition
 from protocol import keys
 from protocol.records import to_record

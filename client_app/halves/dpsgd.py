@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flwr.app import ConfigRecord
 
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 from config.app import NUM_SERVER_ROUNDS
 from privacy.dpsgd import DPSGD
 from protocol import keys

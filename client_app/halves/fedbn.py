@@ -11,7 +11,7 @@ from collections import OrderedDict
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 
 LOCAL_LAYERS = "local-layers"  # context.state ArrayRecord: FedBN's client-only entries
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 from protocol import keys
 from tasks.adaptive_mu import adaptive_mu, ema, model_divergence
 

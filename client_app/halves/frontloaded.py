@@ -11,7 +11,7 @@ from collections import OrderedDict
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 from privacy.frontloaded import FrontLoadedDP, clip_and_noise_delta
 from protocol import keys
 from tasks.base import LocalTraining

@@ -11,7 +11,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 from client_app.node import node_partition, setup
 from protocol import keys
 from tasks.topology import edge_of

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 
-from client_app.halves.base import ClientHalf, Round
+from client_app.halves import ClientHalf, Round
 from protocol import keys
 
 

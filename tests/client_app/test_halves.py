@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from client_app import app
-from client_app.halves.base import Round
+from client_app import app, halves
+from client_app.halves import Round
 from client_app.halves.dpsgd import dp_sgd
 from client_app.halves.hierarchical import HierarchicalHalf
 from client_app.halves.local import LocalHalf
@@ -25,7 +25,7 @@ def _context(state: RecordDict | None = None, pid: int = 0, num: int = 4, **run_
 
 
 def _names(config: dict, context: Context) -> list[str]:
-    return [type(h).__name__ for h in app.active_halves(ConfigRecord(config), context)]
+    return [type(h).__name__ for h in halves.active_halves(ConfigRecord(config), context)]
 
 
 def test_a_plain_message_activates_only_fedbn_and_fedprox():
@@ -51,7 +51,7 @@ def test_the_last_partitions_are_canaries():
 
 
 def test_cp_np_and_the_canary_reply_before_the_default_in_that_order():
-    order = [path.split(":")[1] for _, path in app.HALVES.values()]
+    order = [path.split(":")[1] for _, path in halves.HALVES.values()]
     assert order.index("FrontLoadedHalf") < order.index("CanaryHalf")
 
 
@@ -86,7 +86,7 @@ def test_dp_sgd_settings_come_from_the_config_and_the_planned_rounds():
         7,
         0.0,
     )
-    runs = {name: when for name, (when, _) in app.HALVES.items()}
+    runs = {name: when for name, (when, _) in halves.HALVES.items()}
     assert runs["dpsgd"](config, _context())
     assert not runs["frontloaded"](config, _context())
 
@@ -123,7 +123,7 @@ def test_the_clients_own_run_config_turns_dp_sgd_and_front_loaded_on():
 
 def test_a_dp_sgd_client_refuses_to_train_without_the_servers_settings():
     context = _context(privacy="dp-sgd")
-    (dpsgd,) = [h for h in app.active_halves(ConfigRecord({}), context) if "DPSGD" in str(h)]
+    (dpsgd,) = [h for h in halves.active_halves(ConfigRecord({}), context) if "DPSGD" in str(h)]
     msg = Message(RecordDict({keys.CONFIG: ConfigRecord({})}), dst_node_id=0, message_type="train")
     r = Round(msg, context, task=None, model=None, partition=None, pid=0)
     with pytest.raises(ValueError, match="does not train without DP-SGD"):
@@ -131,5 +131,5 @@ def test_a_dp_sgd_client_refuses_to_train_without_the_servers_settings():
 
 
 def test_every_half_of_the_table_imports_to_its_class():
-    for name, (_, path) in app.HALVES.items():
-        assert type(app.half(path)).__name__ == path.split(":")[1], name
+    for name, (_, path) in halves.HALVES.items():
+        assert type(halves.half(path)).__name__ == path.split(":")[1], name

@@ -179,7 +179,7 @@ def test_head_only_keys_must_exist():
 
 
 def test_sketch_too_large_stops_before_any_work(monkeypatch):
-    monkeypatch.setattr("strategies.mechanisms.subspace_dp.MAX_SKETCH_BYTES", 100)
+    monkeypatch.setattr("strategies.mechanisms.subspace_dp.geometry.MAX_SKETCH_BYTES", 100)
     strategy = _wrapper(reserve=0.1)
     with pytest.raises(StopTraining, match=r"subspace\.sketch-dim"):
         _round(strategy, {"w": np.zeros(20)}, [{"w": np.zeros(20)}] * 3)
@@ -207,7 +207,9 @@ def test_unusable_pmu_estimate_keeps_the_metric(monkeypatch):
     def rank_deficient(*_args, **_kwargs):
         raise ValueError("the vectors are linearly dependent: no rank-k basis")
 
-    monkeypatch.setattr("strategies.mechanisms.subspace_dp.estimate_subspace", rank_deficient)
+    monkeypatch.setattr(
+        "strategies.mechanisms.subspace_dp.geometry.estimate_subspace", rank_deficient
+    )
     strategy = _wrapper(reserve=0.2)
     _, (arrays, metrics) = _round(strategy, {"w": np.zeros(20)}, [{"w": np.ones(20)}] * 3)
     assert arrays is not None and metrics["subspace-pmu-adopted"] == 0.0
