@@ -60,14 +60,6 @@ ARMS = {
 PEER_SCRIPT = REPO / "bench" / "peers" / "pfl_banded_mf.py"
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f"'{value}'"
-    return repr(value)
-
-
 def one(
     arm: str,
     epsilon: float,
@@ -81,7 +73,6 @@ def one(
     """One run; its final accuracy, ε (the ledger's), z and warm round."""
     root = out / f"{arm}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
-    before = set(root.iterdir())
     config = {**WORKLOAD, **ARMS[arm], "seed": seed, "num-server-rounds": rounds}
     if arm == "banded-mf-amp":
         config["correlated.min-separation"] = (
@@ -91,21 +82,8 @@ def one(
     config |= {"dp.target-epsilon": epsilon, "output-dir": str(root)}
     config |= {"min-available-nodes": clients, "min-train-nodes": cohort}
     config["dp.num-sampled-clients"] = cohort
-    cmd = [
-        sys.executable, "-m", "lab.run", "--engine", "inprocess",
-        "--run-config", " ".join(f"{k}={_toml(v)}" for k, v in config.items()),
-        "--federation-config", f"num-supernodes={clients}",
-    ]  # fmt: skip
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
-    (run_dir,) = set(root.iterdir()) - before
-    metrics = pd.read_csv(run_dir / "metrics.csv")
-    timing = metrics
-    if (run_dir / "curator" / "metrics.csv").exists():
-        timing = pd.read_csv(run_dir / "curator" / "metrics.csv")
+    run_config = " ".join(f"{k}={peer_digits.toml_value(v)}" for k, v in config.items())
+    seconds, metrics, timing = peer_digits.run_engine(run_config, clients, root)
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
     released = metrics[metrics["scope"] == "train"].sort_values("round")

@@ -350,7 +350,8 @@ ENGINE_WORKLOAD = {
 }
 
 
-def _toml(value) -> str:
+def toml_value(value) -> str:
+    """``value`` as a run-config literal (``flwr run --run-config``)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -372,17 +373,16 @@ def engine_run_config(num_clients: int, private: bool, rounds: int, out: Path) -
             else:
                 config[key] = value
         config |= {"dp.num-sampled-clients": cohort, "num-server-rounds": rounds}
-    return " ".join(f"{k}={_toml(v)}" for k, v in config.items())
+    return " ".join(f"{k}={toml_value(v)}" for k, v in config.items())
 
 
-def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
-    root = out / f"n{num_clients}-{'dp' if private else 'plain'}"
-    root.mkdir(parents=True, exist_ok=True)
+def run_engine(run_config: str, num_clients: int, root: Path):
+    """``python -m lab.run --engine inprocess`` in its own process, its one run written
+    under ``root``: (seconds, metrics.csv, the timing table: the curator's under DP)."""
     before = set(root.iterdir())
     cmd = [
         sys.executable, "-m", "lab.run", "--engine", "inprocess",
-        "--run-config", engine_run_config(num_clients, private, rounds, root),
-        "--federation-config", f"num-supernodes={num_clients}",
+        "--run-config", run_config, "--federation-config", f"num-supernodes={num_clients}",
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -394,6 +394,15 @@ def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
     timing = metrics
     if (run_dir / "curator" / "metrics.csv").exists():  # under DP timing is the curator's
         timing = pd.read_csv(run_dir / "curator" / "metrics.csv")
+    return seconds, metrics, timing
+
+
+def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
+    root = out / f"n{num_clients}-{'dp' if private else 'plain'}"
+    root.mkdir(parents=True, exist_ok=True)
+    seconds, metrics, timing = run_engine(
+        engine_run_config(num_clients, private, rounds, root), num_clients, root
+    )
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
     timed = timing[timing["scope"] == "central-eval"].sort_values("round")
