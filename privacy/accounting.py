@@ -16,6 +16,7 @@ Bookkeeping lives here; the events are built in ``privacy.events`` and composed 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -313,6 +314,21 @@ class PrivacyLedger:
         if not self._groups:
             return 0.0
         return float(self._composition(self._groups).get_delta(float(epsilon)))
+
+    def delta_curve(self, epsilons: Iterable[float]) -> list[float]:
+        """``delta_for`` at each of ``epsilons`` (ascending), in one pass: RDP's values
+        bit for bit; PLD's an upper bound on each within ~1e-12 (``privacy.fast_pld``)."""
+        grid = [float(e) for e in epsilons]
+        for e in grid:
+            if not (math.isfinite(e) and e >= 0):
+                raise AccountingError(f"epsilon must be finite and >= 0, got {e!r}")
+        if any(b < a for a, b in itertools.pairwise(grid)):
+            raise AccountingError("epsilons must be in ascending order")
+        if not self._groups:
+            return [0.0] * len(grid)
+        from privacy.composition import delta_curve_of  # on use (above)
+
+        return [float(d) for d in delta_curve_of(self._composition(self._groups), grid)]
 
     def would_exceed(self, releases: Release | Iterable[Release]) -> bool:
         """Whether charging ``releases`` would take ε above ``max_epsilon`` (no change)."""
