@@ -137,6 +137,20 @@ def _make_config(
     )
 
 
+# Counts up to this are composed as they are; above it, rounded up to 7 significant
+# bits (at most 1/64 more releases): one PLD composition per checkpoint.
+_EXACT_COUNTS = 128
+_CHECKPOINT_BITS = 7
+
+
+def checkpoint_count(count: int) -> int:
+    """``count`` rounded up to ``_CHECKPOINT_BITS`` significant bits (exact up to 128)."""
+    if count <= _EXACT_COUNTS:
+        return count
+    step = 1 << (count.bit_length() - _CHECKPOINT_BITS)
+    return -(-count // step) * step
+
+
 def _basic_epsilon(groups: dict) -> float | None:
     """Σ count·ε of Laplace events (basic composition; a sampled release is at most as
     private as unsampled), or None when any other event is present."""
@@ -215,6 +229,10 @@ class PrivacyLedger:
         # What is done with released outputs that costs no privacy (e.g. a server
         # optimizer): stated in the summary (set by the app's wrappers).
         self.post_processing: list[str] = []
+        # PLD only: report the ε of each event's count rounded up to a checkpoint
+        # (``checkpoint_count``), a sound upper bound composed once per checkpoint, not
+        # every round (set by the app for the run's ledger; docs/notes.md).
+        self.epsilon_checkpoints = False
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -278,20 +296,37 @@ class PrivacyLedger:
     def _composition(self, groups: dict):
         return self._cached(groups)[0]
 
+    def _memo_epsilon(self, groups: dict, delta: float) -> float:
+        """The accountant's ε at ``delta`` of exactly ``groups`` (memoised per δ)."""
+        # A round asks the same ε up to four times (would_exceed, charge, epsilon,
+        # summary); PLD's get_epsilon costs 10-80 ms, so it is computed once.
+        composition, epsilons = self._cached(groups)
+        if delta not in epsilons:
+            epsilons[delta] = float(composition.get_epsilon(delta))
+        return epsilons[delta]
+
+    def _accountant_epsilon(self, groups: dict, delta: float) -> float:
+        """The accountant's ε of ``groups``; with ``epsilon_checkpoints`` (PLD), that of
+        each count rounded up to a checkpoint, unless that exceeds ``max_epsilon`` at the
+        target δ (the budget is then decided, and ε reported, without rounding)."""
+        if self.epsilon_checkpoints and self.accountant == "pld":
+            rounded = {event: checkpoint_count(count) for event, count in groups.items()}
+            if rounded != groups and (
+                self.max_epsilon is None
+                or self._memo_epsilon(rounded, self.target_delta) <= self.max_epsilon
+            ):
+                return self._memo_epsilon(rounded, delta)
+        return self._memo_epsilon(groups, delta)
+
     def _epsilon_of(self, groups: dict, delta: float) -> float:
         """ε at ``delta`` of ``groups``: the accountant's, or basic composition's pure ε
         when that is smaller (Laplace only: a pure ε-DP release is (ε, δ)-DP for every
         δ, and the accountant's discretised bound can exceed Σ ε by a hair)."""
-        # A round asks the same ε up to four times (would_exceed, charge, epsilon,
-        # summary); PLD's get_epsilon costs 10-80 ms, so it is computed once.
         if not groups:
             return 0.0
-        composition, epsilons = self._cached(groups)
-        if delta not in epsilons:
-            epsilon = float(composition.get_epsilon(delta))
-            basic = _basic_epsilon(groups)
-            epsilons[delta] = epsilon if basic is None else min(epsilon, basic)
-        return epsilons[delta]
+        epsilon = self._accountant_epsilon(groups, delta)
+        basic = _basic_epsilon(groups)
+        return epsilon if basic is None else min(epsilon, basic)
 
     def accountant_epsilon(self, delta: float | None = None) -> float:
         """The accountant's own ε at ``delta`` (default: target δ), before the minimum
@@ -299,7 +334,7 @@ class PrivacyLedger:
         if not self._groups:
             return 0.0
         delta = _check_delta(self.target_delta if delta is None else delta)
-        return float(self._composition(self._groups).get_epsilon(delta))
+        return self._accountant_epsilon(self._groups, delta)
 
     def epsilon(self, delta: float | None = None) -> float:
         """Cumulative ε at ``delta`` (default: target δ); 0.0 when nothing is charged."""
