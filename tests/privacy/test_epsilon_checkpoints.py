@@ -122,3 +122,18 @@ def test_rounds_between_checkpoints_compose_once_and_reload_gives_the_same_epsil
     replayed = PrivacyLedger.from_state_dict(ledger.state_dict())
     assert replayed.epsilon() == _reference((EVENT, 1007)) < epsilons[-1]
     assert asdict(replayed.releases[-1]) == asdict(_release(1007)) and len(replayed.releases) == 8
+
+
+def test_state_dict_caches_release_dicts_but_returns_fresh_ones():
+    ledger = PrivacyLedger(accountant="rdp", target_delta=1e-5, sampling="poisson")
+    ledger.charge(_release(1))
+    first = ledger.state_dict()
+    first["releases"][0]["count"] = 99  # a caller's edit stays in its copy
+    ledger.charge(_release(2, count=3))
+    second = ledger.state_dict()
+    assert second["releases"] == [asdict(_release(1)), asdict(_release(2, count=3))]
+    other = PrivacyLedger(accountant="rdp", target_delta=1e-5, sampling="poisson")
+    other.charge(_release(7))
+    other.state_dict()
+    other.load_state_dict(second)  # replaced releases: the cache follows
+    assert other.state_dict() == second
