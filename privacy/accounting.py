@@ -222,6 +222,7 @@ class PrivacyLedger:
         self._local: list[LocalGuarantee] = []
         self._cache: dict[tuple, tuple[Any, dict[float, float]]] = {}
         self._release_dicts: list[dict] = []  # asdict of each release (state_dict)
+        self._planned: dict = {}  # event -> planned count (``plan``)
         # What one "client" is for the task that ran (set by the app; shown in summary).
         self.privacy_unit: str | None = None
         # dp.reproducible-noise: the noise and the DP sample derive from the run seed, so
@@ -311,13 +312,25 @@ class PrivacyLedger:
         each count rounded up to a checkpoint, unless that exceeds ``max_epsilon`` at the
         target δ (the budget is then decided, and ε reported, without rounding)."""
         if self.epsilon_checkpoints and self.accountant == "pld":
-            rounded = {event: checkpoint_count(count) for event, count in groups.items()}
+            rounded = {event: self._checkpoint(event, count) for event, count in groups.items()}
             if rounded != groups and (
                 self.max_epsilon is None
                 or self._memo_epsilon(rounded, self.target_delta) <= self.max_epsilon
             ):
                 return self._memo_epsilon(rounded, delta)
         return self._memo_epsilon(groups, delta)
+
+    def _checkpoint(self, event, count: int) -> int:
+        """``checkpoint_count(count)``, never past a planned count it does not exceed."""
+        rounded = checkpoint_count(count)
+        planned = self._planned.get(event)
+        return min(rounded, planned) if planned is not None and count <= planned else rounded
+
+    def plan(self, releases: Release | Iterable[Release]) -> None:
+        """Declare the run's planned releases (e.g. those calibrated to a target ε): a
+        checkpoint never rounds a count past its planned total, so the planned run's
+        last round reports its exact ε."""
+        self._planned = merged_groups({}, self._events(_as_list(releases)))
 
     def _epsilon_of(self, groups: dict, delta: float) -> float:
         """ε at ``delta`` of ``groups``: the accountant's, or basic composition's pure ε

@@ -137,3 +137,14 @@ def test_state_dict_caches_release_dicts_but_returns_fresh_ones():
     other.state_dict()
     other.load_state_dict(second)  # replaced releases: the cache follows
     assert other.state_dict() == second
+
+
+def test_a_planned_count_caps_its_checkpoint():
+    ledger = _ledger()
+    ledger.plan(_release(count=1001))
+    ledger.charge(_release(count=999))
+    assert ledger.epsilon() == _reference((EVENT, 1000))  # 999 -> 1000 <= 1001
+    ledger.charge(_release(count=2))
+    assert ledger.epsilon() == _reference((EVENT, 1001))  # the planned run's exact ε
+    ledger.charge(_release())
+    assert ledger.epsilon() == _reference((EVENT, 1008))  # past the plan: checkpoints
