@@ -370,6 +370,7 @@ def time_window(
     ledger = PrivacyLedger(
         accountant=accountant, target_delta=DELTA, max_epsilon=MAX_EPSILON, sampling=sampling
     )
+    ledger.epsilon_checkpoints = True  # as the app's (strategies.registry.make_ledger)
     row: dict[str, object] = {"accountant": accountant, "sampling": sampling, "event": event}
     row["rounds"] = f"{first}-{last}"
     try:

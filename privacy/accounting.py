@@ -16,6 +16,7 @@ Bookkeeping lives here; the events are built in ``privacy.events`` and composed 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -136,6 +137,20 @@ def _make_config(
     )
 
 
+# Counts up to this are composed as they are; above it, rounded up to 7 significant
+# bits (at most 1/64 more releases): one PLD composition per checkpoint.
+_EXACT_COUNTS = 128
+_CHECKPOINT_BITS = 7
+
+
+def checkpoint_count(count: int) -> int:
+    """``count`` rounded up to ``_CHECKPOINT_BITS`` significant bits (exact up to 128)."""
+    if count <= _EXACT_COUNTS:
+        return count
+    step = 1 << (count.bit_length() - _CHECKPOINT_BITS)
+    return -(-count // step) * step
+
+
 def _basic_epsilon(groups: dict) -> float | None:
     """Σ count·ε of Laplace events (basic composition; a sampled release is at most as
     private as unsampled), or None when any other event is present."""
@@ -206,6 +221,8 @@ class PrivacyLedger:
         self._unaccounted: list[UnaccountedRelease] = []
         self._local: list[LocalGuarantee] = []
         self._cache: dict[tuple, tuple[Any, dict[float, float]]] = {}
+        self._release_dicts: list[dict] = []  # asdict of each release (state_dict)
+        self._planned: dict = {}  # event -> planned count (``plan``)
         # What one "client" is for the task that ran (set by the app; shown in summary).
         self.privacy_unit: str | None = None
         # dp.reproducible-noise: the noise and the DP sample derive from the run seed, so
@@ -214,6 +231,10 @@ class PrivacyLedger:
         # What is done with released outputs that costs no privacy (e.g. a server
         # optimizer): stated in the summary (set by the app's wrappers).
         self.post_processing: list[str] = []
+        # PLD only: report the ε of each event's count rounded up to a checkpoint
+        # (``checkpoint_count``), a sound upper bound composed once per checkpoint, not
+        # every round (set by the app for the run's ledger; docs/notes.md).
+        self.epsilon_checkpoints = False
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -277,20 +298,49 @@ class PrivacyLedger:
     def _composition(self, groups: dict):
         return self._cached(groups)[0]
 
+    def _memo_epsilon(self, groups: dict, delta: float) -> float:
+        """The accountant's ε at ``delta`` of exactly ``groups`` (memoised per δ)."""
+        # A round asks the same ε up to four times (would_exceed, charge, epsilon,
+        # summary); PLD's get_epsilon costs 10-80 ms, so it is computed once.
+        composition, epsilons = self._cached(groups)
+        if delta not in epsilons:
+            epsilons[delta] = float(composition.get_epsilon(delta))
+        return epsilons[delta]
+
+    def _accountant_epsilon(self, groups: dict, delta: float) -> float:
+        """The accountant's ε of ``groups``; with ``epsilon_checkpoints`` (PLD), that of
+        each count rounded up to a checkpoint, unless that exceeds ``max_epsilon`` at the
+        target δ (the budget is then decided, and ε reported, without rounding)."""
+        if self.epsilon_checkpoints and self.accountant == "pld":
+            rounded = {event: self._checkpoint(event, count) for event, count in groups.items()}
+            if rounded != groups and (
+                self.max_epsilon is None
+                or self._memo_epsilon(rounded, self.target_delta) <= self.max_epsilon
+            ):
+                return self._memo_epsilon(rounded, delta)
+        return self._memo_epsilon(groups, delta)
+
+    def _checkpoint(self, event, count: int) -> int:
+        """``checkpoint_count(count)``, never past a planned count it does not exceed."""
+        rounded = checkpoint_count(count)
+        planned = self._planned.get(event)
+        return min(rounded, planned) if planned is not None and count <= planned else rounded
+
+    def plan(self, releases: Release | Iterable[Release]) -> None:
+        """Declare the run's planned releases (e.g. those calibrated to a target ε): a
+        checkpoint never rounds a count past its planned total, so the planned run's
+        last round reports its exact ε."""
+        self._planned = merged_groups({}, self._events(_as_list(releases)))
+
     def _epsilon_of(self, groups: dict, delta: float) -> float:
         """ε at ``delta`` of ``groups``: the accountant's, or basic composition's pure ε
         when that is smaller (Laplace only: a pure ε-DP release is (ε, δ)-DP for every
         δ, and the accountant's discretised bound can exceed Σ ε by a hair)."""
-        # A round asks the same ε up to four times (would_exceed, charge, epsilon,
-        # summary); PLD's get_epsilon costs 10-80 ms, so it is computed once.
         if not groups:
             return 0.0
-        composition, epsilons = self._cached(groups)
-        if delta not in epsilons:
-            epsilon = float(composition.get_epsilon(delta))
-            basic = _basic_epsilon(groups)
-            epsilons[delta] = epsilon if basic is None else min(epsilon, basic)
-        return epsilons[delta]
+        epsilon = self._accountant_epsilon(groups, delta)
+        basic = _basic_epsilon(groups)
+        return epsilon if basic is None else min(epsilon, basic)
 
     def accountant_epsilon(self, delta: float | None = None) -> float:
         """The accountant's own ε at ``delta`` (default: target δ), before the minimum
@@ -298,7 +348,7 @@ class PrivacyLedger:
         if not self._groups:
             return 0.0
         delta = _check_delta(self.target_delta if delta is None else delta)
-        return float(self._composition(self._groups).get_epsilon(delta))
+        return self._accountant_epsilon(self._groups, delta)
 
     def epsilon(self, delta: float | None = None) -> float:
         """Cumulative ε at ``delta`` (default: target δ); 0.0 when nothing is charged."""
@@ -313,6 +363,21 @@ class PrivacyLedger:
         if not self._groups:
             return 0.0
         return float(self._composition(self._groups).get_delta(float(epsilon)))
+
+    def delta_curve(self, epsilons: Iterable[float]) -> list[float]:
+        """``delta_for`` at each of ``epsilons`` (ascending), in one pass: RDP's values
+        bit for bit; PLD's an upper bound on each within ~1e-12 (``privacy.fast_pld``)."""
+        grid = [float(e) for e in epsilons]
+        for e in grid:
+            if not (math.isfinite(e) and e >= 0):
+                raise AccountingError(f"epsilon must be finite and >= 0, got {e!r}")
+        if any(b < a for a, b in itertools.pairwise(grid)):
+            raise AccountingError("epsilons must be in ascending order")
+        if not self._groups:
+            return [0.0] * len(grid)
+        from privacy.composition import delta_curve_of  # on use (above)
+
+        return [float(d) for d in delta_curve_of(self._composition(self._groups), grid)]
 
     def would_exceed(self, releases: Release | Iterable[Release]) -> bool:
         """Whether charging ``releases`` would take ε above ``max_epsilon`` (no change)."""
@@ -383,7 +448,13 @@ class PrivacyLedger:
     # -- serialisation ------------------------------------------------------------
     def state_dict(self) -> dict:
         """JSON-serialisable state: config, releases, unaccounted, local guarantees."""
-        return ledger_state.dump(self._config, self._releases, self._unaccounted, self._local)
+        # The releases never change once charged: each is turned into a dict once (asdict
+        # of 1 000 releases costs ~10 ms, and the app saves the state every round).
+        cache = self._release_dicts
+        cache.extend(asdict(r) for r in self._releases[len(cache) :])
+        state = ledger_state.dump(self._config, (), self._unaccounted, self._local)
+        state["releases"] = [dict(d) for d in cache]
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PrivacyLedger:
@@ -408,6 +479,7 @@ class PrivacyLedger:
         self._releases, self._groups = other._releases, other._groups
         self._unaccounted, self._local = other._unaccounted, other._local
         self._cache = {}
+        self._release_dicts = []
 
     def summary(self) -> dict:
         """The human-readable record for ``ledger.json``.

@@ -93,7 +93,9 @@ def tpr_bound_dp(fpr: float, curve: Iterable[tuple[float, float]]) -> float:
 def ledger_curve(ledger, epsilon_max: float) -> list[tuple[float, float]]:
     """``(ε, δ(ε))`` pairs of the ledger on a grid from 0 to ``epsilon_max``."""
     grid = np.concatenate([[0.0], np.geomspace(1e-3, max(epsilon_max, 1e-3), _EPSILON_GRID)])
-    return [(float(e), ledger.delta_for(float(e))) for e in grid]
+    # One pass over the composition (PLD: a sound upper bound on each δ, within ~1e-12 of
+    # delta_for's), instead of one pass per point.
+    return list(zip(grid.tolist(), ledger.delta_curve(grid.tolist()), strict=True))
 
 
 def spi(

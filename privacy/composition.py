@@ -24,7 +24,7 @@ from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_me
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from privacy.events import neighboring_name, neighboring_relation, new_accountant
-from privacy.fast_pld import from_subsampled_gaussian
+from privacy.fast_pld import delta_curve, from_subsampled_gaussian
 from privacy.skellam import skellam_rdp
 from privacy.skellam_accounting import SkellamDpEvent
 
@@ -74,6 +74,23 @@ class RdpComposition:
         """δ at ε (dp-accounting's ``compute_delta``)."""
         delta, _ = rdp_privacy_accountant.compute_delta(self.orders, self.rdp, target_epsilon)
         return float(delta)
+
+    def get_deltas(self, epsilons: np.ndarray) -> np.ndarray:
+        """``get_delta`` at each ε, bit for bit, with the ε-free terms computed once."""
+        # compute_delta's loop (dp-accounting 0.6.0, Canonne et al. 2020, Prop. 12) over
+        # the orders, per ε: the same float operations in the same order, on arrays.
+        if np.any(self.orders < 1) or not np.all(self.rdp >= 0):  # errors, warnings: theirs
+            return np.array([self.get_delta(float(e)) for e in epsilons])
+        kl = np.array([-math.inf if r <= 0 else 0.5 * math.log1p(-math.exp(-r)) for r in self.rdp])
+        high = self.orders > 1.01
+        a, r = self.orders[high], self.rdp[high]
+        shift = np.array([math.log1p(-1 / x) for x in a])
+        log_a = np.array([math.log(x) for x in a])
+        eps = np.asarray(epsilons, dtype=np.float64)[:, None]
+        bound = (a - 1) * (r - eps + shift) - log_a
+        log_delta = np.minimum(kl[high], bound)
+        best = np.minimum(np.min(log_delta, axis=1), np.min(kl[~high], initial=math.inf))
+        return np.array([min(math.exp(v), 1.0) for v in best])
 
 
 def compose_rdp(
@@ -220,6 +237,17 @@ class PldComposition:
         """δ at ε (``PLDAccountant.get_delta``)."""
         return self.pld.get_delta_for_epsilon(target_epsilon) if self.private else 1
 
+    def get_deltas(self, epsilons: np.ndarray) -> np.ndarray:
+        """δ at each ε (ascending): ``privacy.fast_pld.delta_curve``, an upper bound on
+        the PLD's exact δ within ~1e-12 of ``get_delta``, in one pass."""
+        if not self.private:
+            return np.ones(len(epsilons))
+        pld = self.pld
+        deltas = delta_curve(pld._pmf_remove, epsilons)
+        if not pld._symmetric:
+            deltas = np.maximum(deltas, delta_curve(pld._pmf_add, epsilons))
+        return deltas
+
 
 def compose_pld(
     groups: Iterable[tuple[dp_accounting.DpEvent, int]], neighboring: str, discretization: float
@@ -268,6 +296,14 @@ def compose_groups(
         return compose_rdp(groups, neighboring, rdp_orders)
     assert pld_discretization is not None
     return compose_pld(groups, neighboring, pld_discretization)
+
+
+def delta_curve_of(composition, epsilons) -> np.ndarray:
+    """``composition.get_delta`` at each of ``epsilons`` (ascending): in one pass where
+    the composition has ``get_deltas``, else point by point (a dp-accounting accountant)."""
+    if hasattr(composition, "get_deltas"):
+        return composition.get_deltas(np.asarray(epsilons, dtype=np.float64))
+    return np.array([float(composition.get_delta(float(e))) for e in epsilons])
 
 
 def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:

@@ -217,6 +217,7 @@ def make_ledger(
         mechanisms=mechanisms,
     )
     ledger.noise_from_seed = dp.reproducible_noise
+    ledger.epsilon_checkpoints = True  # PLD: ε at checkpoint counts (privacy.accounting)
     return ledger
 
 

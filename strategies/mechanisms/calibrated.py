@@ -93,6 +93,7 @@ class CalibratedNoise:
 
     def record_calibration(self, key: str, value: float, population: int, **details) -> None:
         """Keep and log the calibrated ``value`` of the run-config key ``key``."""
+        self.ledger.plan(self.planned_releases(value, population))  # ε exact at the end
         self.calibration = {
             "parameter": key,
             "value": value,
