@@ -91,6 +91,13 @@ class CalibratedNoise:
         except AccountingError as err:
             raise StopTraining(f"'dp.target-epsilon' = {self.target_epsilon:g}: {err}") from None
 
+    def restore_plan(self) -> None:
+        """Declare the calibrated run's plan to the ledger again (after a resume)."""
+        if self.calibration:
+            value, population = self.calibration["value"], self.calibration["population"]
+            assert isinstance(value, float) and isinstance(population, int)
+            self.ledger.plan(self.planned_releases(value, population))
+
     def record_calibration(self, key: str, value: float, population: int, **details) -> None:
         """Keep and log the calibrated ``value`` of the run-config key ``key``."""
         self.ledger.plan(self.planned_releases(value, population))  # ε exact at the end

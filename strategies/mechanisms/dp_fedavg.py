@@ -372,6 +372,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         self.calibration = state["calibration"]
         load_ledger(self.ledger, state["ledger"])
         load_ledger(self.local_view, state["local-view"])
+        self.restore_plan()  # a resumed run reports its exact ε at the last round
 
 
 # -- the client half ----------------------------------------------------------------

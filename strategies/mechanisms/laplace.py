@@ -303,6 +303,7 @@ class LaplaceDP(CalibratedNoise, PrivacyWrapper):
         self.epsilon, self.calibration = state["epsilon"], state["calibration"]
         load_ledger(self.ledger, state["ledger"])
         load_ledger(self.local_view, state["local-view"])
+        self.restore_plan()  # a resumed run reports its exact ε at the last round
 
     def summary(self) -> None:
         """Log the mechanism, then the wrapped strategy's summary."""

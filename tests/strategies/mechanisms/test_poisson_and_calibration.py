@@ -280,3 +280,18 @@ def test_the_noise_to_signal_ratio_is_logged_and_warned_when_it_drowns_the_signa
     assert f"about {ratio:.1f} x C" in line.getMessage()
     assert (line.levelname == "WARNING") is warns
     assert ("expect the model to learn little" in line.getMessage()) is warns
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: _wrapper(target=8.0, rounds=200), lambda: _laplace(target=10.0)]
+)
+def test_a_resumed_calibrated_run_declares_its_plan_again(make):
+    # The run ledger reports a checkpoint count's ε past 128 rounds but never past the
+    # planned run (privacy.accounting): a resume must restore that cap with the rest.
+    first = make()
+    _configure(first)
+    assert first.ledger._planned  # declared at calibration
+    resumed = make()
+    assert not resumed.ledger._planned
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.ledger._planned == first.ledger._planned
