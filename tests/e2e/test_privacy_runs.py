@@ -1,8 +1,10 @@
 """`flwr run` on digits for the privacy mechanisms the Flower runtime takes part in: the
 audit's canary SuperNodes beside the real ones, and SecAgg+ in the Ray simulation.
 epsilon per round in metrics.csv, ledger.json that reloads to the same epsilon, the
-final privacy summary. The other mechanisms' runs, with the same checks, are made in
-process: ``tests/server_app/test_privacy_runs.py``."""
+final privacy summary. The audited run is also made by the in-process engine, which must
+give its ledger (``tests/e2e/test_engine_parity.py`` compares the plain run). The other
+mechanisms' runs, with the same checks, are made in process:
+``tests/server_app/test_privacy_runs.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from lab import engine
 from tests.server_app.test_privacy_runs import TINY, check_epsilon_grows_and_reloads, finished
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +48,20 @@ def dp_runs(flower, tmp_path_factory):
         )
         runs[privacy] = finished(result)
     return runs
+
+
+@pytest.fixture(scope="module")
+def engine_fixed(dp_runs, tmp_path_factory):
+    """The audited DP-FedAvg run's config made by the in-process engine (8 nodes, one
+    torch thread each as Ray gives each ClientApp): its run directory."""
+    root = tmp_path_factory.mktemp("dp-engine")
+    ours = engine.run(
+        f"{TINY} {RUNS['dp-fedavg-fixed']} output-dir='{root}'",
+        engine.Federation.parse(FEDERATION["dp-fedavg-fixed"]),
+    )
+    assert ours.returncode == 0 and ours.run_dir is not None, ours.error
+    assert engine.engine_of(ours.run_dir) == "inprocess"
+    return ours.run_dir
 
 
 @pytest.mark.parametrize("privacy", list(VARIANTS))
@@ -97,3 +114,20 @@ def test_the_audit_runs_beside_the_ledger(dp_runs):
     assert "Federation: 8 nodes, num-partitions = 8 (4 of them the audit's canaries" in (
         result.output
     )
+
+
+def test_the_engine_gives_the_flwr_runs_ledger(dp_runs, engine_fixed):
+    """Secret noise, so not the model: the releases (each an event: mechanism, noise,
+    sampling, round, in charge order), the noise calibrated to the target, epsilon."""
+    result, _, expected = dp_runs["dp-fedavg-fixed"]
+    assert engine.engine_of(result.run_dir) == "flwr"
+    got = json.loads((engine_fixed / "ledger.json").read_text())
+    assert got["state"] == expected["state"]
+    assert got["summary"]["epsilon"] == expected["summary"]["epsilon"] <= 8.0
+    assert got["calibration"] == expected["calibration"]
+    assert got["calibration"]["accountant"] == "pld"
+    assert got["calibration"]["population"] == 8  # the canaries are sampled too
+    assert got["summary"]["num-releases"] == expected["summary"]["num-releases"] == 3
+    # The same canaries inserted and held out (drawn from the run seed)
+    audit = json.loads((engine_fixed / "audit.json").read_text())
+    assert audit["canaries"] == 4 and audit["inserted"] == 3

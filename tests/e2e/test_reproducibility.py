@@ -6,8 +6,9 @@ Flower draws new node ids in every run and replies arrive in any order: sampling
 partition ids and summing in partition order is what makes these runs identical. Here
 FedAvg on digits: the session's `flwr run` (seed 7, tests/e2e/conftest.py) against the
 in-process engine's run of the same config and seed, and of seed 8. PPO, whose SB3
-training runs in Ray's worker processes, is run twice through `flwr run` in
-``tests/e2e/test_lunar_lander.py`` (in process it agrees only to float rounding); the
+training runs in Ray's worker processes, through `flwr run` against the engine with
+one-thread BLAS and OpenMP pools as Ray gives its workers
+(``tests/e2e/test_lunar_lander.py``); the
 DP, smart-fedprox and secret-noise cases run in process with new node ids and replies
 in reverse order (``tests/server_app/test_reproducibility.py``).
 """
