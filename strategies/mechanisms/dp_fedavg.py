@@ -13,20 +13,16 @@ docs/privacy.md ("The mechanisms' server and client halves").
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
-from logging import INFO
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
+from privacy.accounting import PrivacyLedger, Release
 from privacy.certificates import spi
-from privacy.local_view import LocalViewLedger, noisy_upload
 from privacy.mechanisms import GaussianMechanism, gaussian_noise_like
 from protocol import keys
 from protocol.records import arrays_of, as_float, to_record
@@ -46,6 +42,7 @@ from strategies.mechanisms.noise_site import (
     sum_release,
 )
 from strategies.mechanisms.noise_site import noise_site as noise_site_of
+from strategies.mechanisms.upload_view import UploadView
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
 from strategies.runtime.nodes import dp_cohort, grid_view
@@ -130,9 +127,11 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         )
         self.uniform_sampling, self.connect_timeout = uniform_sampling, connect_timeout
         self.head, self.divergence = ReleasedArrays(released_keys), divergence
-        # Under secure aggregation the server never sees an upload: no local view.
+        # Client-side noise: the server sees each upload on its own (under secure
+        # aggregation it never sees one); ``local_view``: that per-client ledger.
         view = noise_site == "client" and self.LOCAL_VIEW and secure is None
-        self.local_view = LocalViewLedger.beside(ledger) if view else None
+        self.uploads = UploadView(ledger) if view else None
+        self.local_view = None if self.uploads is None else self.uploads.ledger
         self.secure = secure  # the secure sum's noise site (the registry's, with SecAgg+)
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
 
@@ -183,22 +182,6 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
     def after_calibration(self) -> None:
         """What depends on z once it is calibrated (adaptive clipping's count noise)."""
 
-    def local_release(self, server_round: int) -> Release:
-        """One client's noisy upload as the server sees it: its clipped update plus its
-        own share N(0, (z_Δ C)²/m), no amplification (the server knows whom it asked)."""
-        factor = l2_sensitivity_factor(self.ledger.neighboring)
-        z = self.update_noise_multiplier() / math.sqrt(self.num_sampled_clients) / factor
-        return noisy_upload(z, server_round)
-
-    def local_releases(self, server_round: int) -> list[Release]:
-        """What the server sees of one sampled client in one round: its noisy upload,
-        and its noised divergence when the wrapped strategy asks for one."""
-        z, report = self.noise_multiplier, self.divergence
-        assert z is not None
-        return [self.local_release(server_round)] + (
-            [] if report is None else [report.release(z, server_round)]
-        )
-
     # -- training half ----------------------------------------------------------
     def client_config(self) -> dict[str, float | bool | list[str]]:
         """Keys added to every sampled client's train config."""
@@ -228,10 +211,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f} at "
                 f"delta {self.ledger.target_delta:g}); nothing was sent"
             )
-        if self.local_view is not None:
-            refusal = self.local_view.refusal(server_round, *self.local_releases(server_round))
-            if refusal:
-                raise BudgetExhausted(refusal)
+        if self.uploads is not None:
+            self.uploads.refuse_over_budget(self, server_round)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -259,9 +240,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         self._fix_released(arrays)
         messages = add_to_config(messages, self.client_config())
         sent = self.partitions.order(m.metadata.dst_node_id for m in messages)
-        if self.local_view is not None:  # the server will see each of them on its own
+        if self.uploads is not None:  # the server will see each of them on its own
             clients = [self.partitions.client_name(n) for n in sent]
-            self.local_view.charge(clients, *self.local_releases(server_round))
+            self.uploads.charge(self, clients, server_round)
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
 
@@ -297,9 +278,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         aggregated.update(extra)
         aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
         aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
-        if self.local_view is not None:  # published: the sample-independent bound
-            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.bound()
-            aggregated[keys.DP_EPSILON_LOCAL_WORST] = self.local_view.worst()[1]
+        if self.uploads is not None:
+            aggregated.update(self.uploads.metrics())
         return MetricRecord(self.mark(aggregated))
 
     def _contributions(self, replies, sent, reference_of):
@@ -343,9 +323,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
 
     def on_resume(self) -> None:
         """Charge every client one noisy upload (the interrupted round's sample is lost)."""
-        if self.local_view is not None:
-            self.local_view.charge_all(*self.local_releases(0))
-            log(INFO, "resume: one noisy upload (and report) charged to every client")
+        if self.uploads is not None:
+            self.uploads.on_resume(self)
 
     # -- checkpoint (strategies.runtime.checkpoint) --------------------------------
     def state_dict(self) -> dict[str, Any]:

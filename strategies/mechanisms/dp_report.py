@@ -80,10 +80,5 @@ def log_summary(dp) -> None:
     )
     if dp.divergence is not None:
         dp.divergence.summary()
-    if dp.local_view is not None:
-        log(
-            INFO,
-            "\t│\t└── against the server: each client's noisy upload, multiplier %.4g, "
-            "composed over its own rounds (no amplification)",
-            dp.local_release(0).noise_multiplier,
-        )
+    if dp.uploads is not None:
+        dp.uploads.summary(dp)
