@@ -25,7 +25,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from privacy.mechanisms import noise_generator
+from privacy.mechanisms import is_released, noise_generator
 from privacy.settings import (  # noqa: F401 (declared without Flower: the ClientApp reads them)
     ADAPTIVE_INITIAL_CLIP,
     DATA_DEPENDENT_SELECTION,
@@ -34,6 +34,7 @@ from privacy.settings import (  # noqa: F401 (declared without Flower: the Clien
     DPSettings,
 )
 from protocol import keys
+from protocol.records import arrays_of
 from strategies.base import TrainingWrapper
 
 
@@ -116,6 +117,45 @@ class PrivacyWrapper(TrainingWrapper):
         trusted server releases is lost; what clients sent in that round (client-side
         noise, seen by the server) is charged here by the wrappers that have a local
         view. Called once when a run resumes, before its first round."""
+
+
+class ReleasedArrays:
+    """Which arrays of the model a DP wrapper releases: every floating array (integer
+    arrays, e.g. BatchNorm's step counter, keep the server's value); the mask and their
+    total size d are fixed at the first round. Head-only training composes
+    :class:`strategies.mechanisms.head_only.HeadOnlyArrays` instead."""
+
+    def __init__(self) -> None:
+        self.mask: list[bool] | None = None
+        self.dim = 0  # d of the released arrays, known from round 1
+
+    def released(self, arrays: ArrayRecord) -> list[bool]:
+        """Whether each array of the global model is released."""
+        return [is_released(a) for a in arrays_of(arrays)]
+
+    def fix(self, arrays: ArrayRecord) -> bool:
+        """Fix the mask and d from the global model; True the first time only."""
+        if self.mask is not None:
+            return False
+        self.mask = self.released(arrays)
+        kept = zip(arrays_of(arrays), self.mask, strict=True)
+        self.dim = sum(a.size for a, keep in kept if keep)
+        return True
+
+    def select(self, delta: list[np.ndarray]) -> list[np.ndarray]:
+        """The released arrays of ``delta``."""
+        assert self.mask is not None
+        return [d for d, keep in zip(delta, self.mask, strict=True) if keep]
+
+    def merge(self, mean: list[np.ndarray], reference: list[np.ndarray]) -> list[np.ndarray]:
+        """The released mean back among zero deltas of the frozen arrays: whatever a
+        client sent for those is ignored."""
+        assert self.mask is not None
+        released = iter(mean)
+        return [
+            next(released) if keep else np.zeros_like(c)
+            for c, keep in zip(reference, self.mask, strict=True)
+        ]
 
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise

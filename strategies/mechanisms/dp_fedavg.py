@@ -30,11 +30,11 @@ from protocol.replies import check_reply
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease, release_divergence
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted, StopTraining
-from strategies.mechanisms.base import PrivacyWrapper
+from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays
 from strategies.mechanisms.calibrated import CalibratedNoise
 from strategies.mechanisms.client import client_mod
 from strategies.mechanisms.dp_report import contributions, log_summary
-from strategies.mechanisms.head_only import ReleasedArrays
+from strategies.mechanisms.head_only import HeadOnlyArrays
 from strategies.mechanisms.noise_site import (
     SecureNoiseSite,
     ServerNoise,
@@ -126,7 +126,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             min_available_nodes,
         )
         self.uniform_sampling, self.connect_timeout = uniform_sampling, connect_timeout
-        self.head, self.divergence = ReleasedArrays(released_keys), divergence
+        self.head = ReleasedArrays() if released_keys is None else HeadOnlyArrays(released_keys)
+        self.divergence = divergence
         # Client-side noise: the server sees each upload on its own (under secure
         # aggregation it never sees one); ``local_view``: that per-client ledger.
         view = noise_site == "client" and self.LOCAL_VIEW and secure is None
@@ -290,7 +291,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         """The reply's arrays and metrics, or InvalidReply (see :func:`check_reply`)."""
         return check_reply(message, current)
 
-    # -- head-only: which arrays are released (strategies.mechanisms.head_only) -----
+    # -- which arrays are released (every floating one, or head-only: head_only.py) --
     def _fix_released(self, arrays: ArrayRecord) -> None:
         """At the first round: which arrays are released and their total size d."""
         if self.head.fix(arrays):
