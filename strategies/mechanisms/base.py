@@ -36,6 +36,8 @@ from privacy.settings import (  # noqa: F401 (declared without Flower: the Clien
 from protocol import keys
 from protocol.records import arrays_of
 from strategies.base import TrainingWrapper
+from strategies.errors import StopTraining
+from strategies.runtime.nodes import wait_for_nodes
 
 
 class PrivacyWrapper(TrainingWrapper):
@@ -108,6 +110,38 @@ class PrivacyWrapper(TrainingWrapper):
                 "collect them (written under curator/); central evaluation is unaffected.",
             )
         return []
+
+    # -- the round's population ----------------------------------------------------------
+    connect_timeout: float  # seconds to wait for the round's nodes (the wrapper's)
+
+    def calibrate(self, population: int) -> None:
+        """Set the noise for ``population`` clients (a wrapper with a target ε)."""
+
+    def _refuse_over_budget(self, server_round: int, population: int) -> None:
+        """StopTraining if the round would exceed the budget (a wrapper with a ledger)."""
+
+    def nodes_for_round(
+        self, server_round: int, grid: Grid, expected_clients: int, min_available_nodes: int
+    ) -> list[int]:
+        """The connected nodes once there are enough for ``expected_clients``; the noise
+        is calibrated to their number and the round checked against the budget before
+        anything is sent.
+
+        Raises
+        ------
+        StopTraining
+            Too few nodes within ``connect_timeout``, or the round would exceed the budget.
+        """
+        needed = max(expected_clients, min_available_nodes)
+        nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.connect_timeout)
+        if len(nodes) < expected_clients:
+            raise StopTraining(
+                f"'dp.num-sampled-clients' = {expected_clients} but only {len(nodes)} "
+                f"nodes connected within {self.connect_timeout:g} s"
+            )
+        self.calibrate(len(nodes))
+        self._refuse_over_budget(server_round, len(nodes))
+        return nodes
 
     # -- resume --------------------------------------------------------------------------
     def on_resume(self) -> None:
