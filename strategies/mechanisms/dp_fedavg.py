@@ -13,11 +13,13 @@ docs/privacy.md ("The mechanisms' server and client halves").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -25,7 +27,7 @@ from privacy.accounting import PrivacyLedger, Release
 from privacy.certificates import spi
 from privacy.mechanisms import GaussianMechanism, gaussian_noise_like
 from protocol import keys
-from protocol.records import arrays_of, as_float, to_record
+from protocol.records import InvalidReply, arrays_of, as_float, to_record
 from protocol.replies import check_reply
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease, release_divergence
 from strategies.base import add_to_config
@@ -33,7 +35,6 @@ from strategies.errors import BudgetExhausted, StopTraining
 from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays
 from strategies.mechanisms.calibrated import CalibratedNoise
 from strategies.mechanisms.client import client_mod
-from strategies.mechanisms.dp_report import contributions, log_summary
 from strategies.mechanisms.head_only import HeadOnlyArrays
 from strategies.mechanisms.noise_site import (
     SecureNoiseSite,
@@ -284,7 +285,7 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         return MetricRecord(self.mark(aggregated))
 
     def _contributions(self, replies, sent, reference_of):
-        """The released deltas, metrics and failed nodes (:func:`dp_report.contributions`)."""
+        """The released deltas, metrics and failed nodes (:func:`contributions`)."""
         return contributions(replies, sent, reference_of, self._check, self.head.select)
 
     def _check(self, message: Message, current: ArrayRecord):
@@ -352,6 +353,74 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         self.calibration = state["calibration"]
         load_ledger(self.ledger, state["ledger"])
         load_ledger(self.local_view, state["local-view"])
+
+
+# -- what the server reads from the replies and logs of itself ----------------------
+Check = Callable[[Message, ArrayRecord], tuple[list[np.ndarray], MetricRecord]]
+
+
+def contributions(
+    replies: Iterable[Message],
+    sent: list[int],
+    reference_of: Callable[[int], tuple[ArrayRecord, list[np.ndarray]]],
+    check: Check,
+    select: Callable[[list[np.ndarray]], list[np.ndarray]],
+) -> tuple[dict[int, list[np.ndarray]], list[MetricRecord], list[int]]:
+    """(node -> released delta of its valid reply, their metrics weighted 1, the sampled
+    nodes counted as a zero update), in the order of ``sent``. ``reference_of`` gives the
+    model a node was sent, as a record and as arrays; ``check`` validates a reply;
+    ``select`` keeps the released arrays of a delta."""
+    by_node: dict[int, Message] = {}
+    for reply in replies:
+        by_node.setdefault(reply.metadata.src_node_id, reply)
+    deltas, records, failed = {}, [], []
+    for node in sent:
+        current, reference = reference_of(node)
+        message = by_node.get(node)
+        try:
+            if message is None:
+                raise InvalidReply("no reply")
+            received, metrics = check(message, current)
+        except InvalidReply as err:
+            failed.append(node)
+            log(WARNING, "DP-FedAvg: node %d counts as a zero update: %s", node, err)
+            continue
+        deltas[node] = select([r - c for r, c in zip(received, reference, strict=True)])
+        metrics[keys.NUM_EXAMPLES] = 1.0
+        records.append(metrics)
+    return deltas, records, failed
+
+
+def log_summary(dp) -> None:
+    """Log the settings of ``dp`` (a :class:`~strategies.mechanisms.dp_fedavg.DPFedAvgFixed`)."""
+    log(INFO, "\t├──> DP-FedAvg (%s):", type(dp).__name__)
+    log(
+        INFO,
+        "\t│\t├── clip norm C = %g, noise multiplier z = %s",
+        dp.clip_norm,
+        f"{dp.noise_multiplier:g}"
+        if dp.noise_multiplier is not None
+        else f"calibrated in round 1 to epsilon {dp.target_epsilon:g}",
+    )
+    log(
+        INFO,
+        "\t│\t├── m = %d clients per round (%s), noise added by the %s",
+        dp.num_sampled_clients,
+        "expected, Poisson" if dp.ledger.sampling == "poisson" else "exactly",
+        dp.site.name,
+    )
+    log(
+        INFO,
+        "\t│\t└── accounting: %s, sampling %s, delta %g, max epsilon %s",
+        dp.ledger.accountant,
+        dp.ledger.sampling,
+        dp.ledger.target_delta,
+        dp.ledger.max_epsilon or "none",
+    )
+    if dp.divergence is not None:
+        dp.divergence.summary()
+    if dp.uploads is not None:
+        dp.uploads.summary(dp)
 
 
 # -- the client half ----------------------------------------------------------------
