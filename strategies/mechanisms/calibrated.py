@@ -20,19 +20,16 @@ from flwr.common.logger import log
 from privacy.accounting import AccountingError, PrivacyLedger, Release
 from privacy.calibration import calibrate_parameter
 from strategies.errors import StopTraining
-from strategies.runtime.partitions import PartitionMap
 
 
 class CalibratedNoise:
     """Mixin of a privacy wrapper with ``ledger``, ``target_epsilon`` (None: the noise
-    was given), ``planned_rounds``, ``connect_timeout`` and the run's ``partitions``
-    (see the module docstring)."""
+    was given) and ``planned_rounds`` (see the module docstring); the wrapper calls
+    :meth:`calibrate` at round start (``PrivacyWrapper.nodes_for_round``)."""
 
     ledger: PrivacyLedger
-    partitions: PartitionMap
     target_epsilon: float | None
     planned_rounds: int
-    connect_timeout: float
     calibration: dict[str, float | str | None] | None = None
 
     def calibrate(self, population: int) -> None:
