@@ -58,6 +58,15 @@ def shadow_partition(index: int, real: int) -> int:
     return index % real
 
 
+def partition(task, run_config: Mapping[str, Any], partition_id: int, num_partitions: int):
+    """This node's partition of ``task`` among the ``num-partitions - k`` real ones: its
+    own, or, for canary ``j``, the one it shadows."""
+    real = real_partitions(run_config, num_partitions)
+    index = canary_index(run_config, partition_id, num_partitions)
+    shadow = partition_id if index is None else shadow_partition(index, real)
+    return task.load_partition(shadow, real)
+
+
 def reports_nothing_trained(config) -> bool:
     """Whether the train config restricts replies to keys training does not compute (a
     canary then replies without training)."""

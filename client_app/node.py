@@ -25,7 +25,7 @@ from flwr.app import (
 import tasks
 from client_app import canary
 from privacy.mechanisms import secret_seed
-from privacy.settings import DPSettings
+from privacy.settings import AuditSettings, DPSettings
 from protocol import keys
 from protocol.records import to_numpy
 from tasks.base import SEED, LocalTraining, Task
@@ -74,11 +74,10 @@ def setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
     task = task_of(context)
     pid, num = node_partition(context.node_config)
     partition = task.partition_from_node_config(context.node_config)
-    if partition is None:
-        real = canary.real_partitions(run_config, num)
-        index = canary.canary_index(run_config, pid, num)
-        shadow = pid if index is None else canary.shadow_partition(index, real)
-        partition = task.load_partition(shadow, real)
+    if partition is None and AuditSettings.from_run_config(run_config).canaries:
+        partition = canary.partition(task, run_config, pid, num)
+    elif partition is None:  # no audit: every node is a real client
+        partition = task.load_partition(pid, num)
     return task, _model(task, run_seed(context)), partition, pid
 
 

@@ -419,7 +419,7 @@ def self_sampling(privacy: str, s: Typed) -> bool:
 # checks only those of the strategy and mechanism it chose (:func:`settings_to_check`).
 STRATEGY_SETTINGS: dict[str, tuple[type[Settings], ...]] = {
     "clustered": (ClusterSettings,),
-    "smart-fedprox": (SmartSettings,),
+    "smart-fedprox": (SmartSettings, DivergenceSettings),
     "hierarchical": (HierSettings,),
 }
 PRIVACY_SETTINGS: dict[str, tuple[type[Settings], ...]] = {

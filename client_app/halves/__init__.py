@@ -21,6 +21,7 @@ from client_app import node, state
 from client_app.canary import canary_index
 from client_app.mods import mechanism
 from privacy.mechanisms import FRONT_LOADED_MODES
+from privacy.settings import AuditSettings
 from protocol import keys
 from tasks.base import LocalTraining, Task, local_seed
 
@@ -101,7 +102,14 @@ def _front_loaded(config: ConfigRecord, context: Context) -> bool:
     return keys.FRONT_LOADED_MODE in config or mechanism(context) in FRONT_LOADED_MODES
 
 
+def _fedbn(config: ConfigRecord, context: Context) -> bool:
+    # Only a task that keeps layers on the client (e.g. finance.bn = 'local').
+    return bool(node.task_of(context).local_state_keys())
+
+
 def _canary(config: ConfigRecord, context: Context) -> bool:
+    if not AuditSettings.from_run_config(context.run_config).canaries:
+        return False  # no audit: no node is a canary
     pid, num = node.node_partition(context.node_config)
     return canary_index(context.run_config, pid, num) is not None
 
@@ -110,7 +118,7 @@ def _canary(config: ConfigRecord, context: Context) -> bool:
 # name -> (whether this message and node run it, "module:Class").
 HALVES: dict[str, tuple[Runs, str]] = {
     "local": (lambda c, _: bool(c.get(keys.LOCAL_ONLY)), "client_app.halves.local:LocalHalf"),
-    "fedbn": (lambda c, _: True, "client_app.halves.fedbn:FedBNHalf"),
+    "fedbn": (_fedbn, "client_app.halves.fedbn:FedBNHalf"),
     "fedprox": (_fedprox, "client_app.halves.fedprox:FedProxHalf"),
     "dpsgd": (_dpsgd, "client_app.halves.dpsgd:DPSGDHalf"),
     "hierarchical": (

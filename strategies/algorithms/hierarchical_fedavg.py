@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -28,7 +28,11 @@ from config.settings import Choice, Settings, SettingsError, listed, setting
 from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from protocol.records import InvalidReply, arrays_of, as_float, copy_record, to_record
-from protocol.replies import checked_metrics, is_number, metrics_of
+from protocol.replies import checked_metrics, is_number
+from strategies.algorithms.edge_membership import (  # noqa: F401 (QUERY_TYPE: the tests)
+    QUERY_TYPE,
+    EdgeMembership,
+)
 from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
@@ -39,21 +43,12 @@ from strategies.runtime.partitions import PartitionMap
 _STREAM = 0x4E  # edge and client sampling
 _EVAL_STREAM = 0x4F  # federated evaluation sampling (independent of training's)
 
-QUERY_TYPE = f"{MessageType.QUERY}.{keys.HIER_QUERY}"  # "query.edge"
 # One row per (cloud round, edge aggregation, node sent a train message).
 TABLE_COLUMNS: tuple[str, ...] = ("round", "edge-round", "edge-id", "node-id", "partition-id")
 TABLE_COLUMNS += ("num-examples", "replied-ok", "train-loss", "reason")
 
 EdgeHook = Callable[[int, int, dict[int, tuple[int, int]]], None]
 Sample = dict[int, tuple[list[int], int]]  # edge -> (sampled nodes, edge size)
-
-
-class Registration(NamedTuple):
-    """A node's answer to the edge query."""
-
-    edge: int
-    partition: int
-    num_examples: int
 
 
 # -- pure helpers ----------------------------------------------------------------------
@@ -91,29 +86,6 @@ def sample_edges(edges: list[int], fraction: float, rng: np.random.Generator) ->
     """``fraction`` of ``edges`` (at least one), uniform without replacement, sorted
     (edge ids are not node ids: drawn over ascending ids)."""
     return sample_uniform(edges, sample_size(len(edges), fraction), rng) if edges else []
-
-
-def integer_metric(metrics: MetricRecord, key: str, low: int, high: float = math.inf) -> int:
-    """``metrics[key]`` as an int in ``[low, high)``, or InvalidReply naming the key."""
-    value = metrics.get(key)
-    integral = is_number(value) and math.isfinite(value) and value == int(value)
-    if not (integral and is_number(value) and low <= value < high):
-        raise InvalidReply(f"'{key}' = {value!r} is not an integer in [{low}, {high})")
-    return int(value)
-
-
-def registration_of(reply: Message | None, num_edges: int) -> Registration:
-    """The edge query reply's registration, or InvalidReply (none, error, bad values)."""
-    if reply is None:
-        raise InvalidReply("no reply to the edge query")
-    if reply.has_error():
-        raise InvalidReply(f"error reply: {reply.error.reason}")
-    metrics = metrics_of(reply)
-    return Registration(
-        integer_metric(metrics, keys.EDGE_ID, 0, num_edges),
-        integer_metric(metrics, keys.PARTITION_ID, 0),
-        integer_metric(metrics, keys.NUM_EXAMPLES, 0),
-    )
 
 
 def _message(node: int, content: RecordDict, kind: str, server_round: int) -> Message:
@@ -207,12 +179,12 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
         # client that failed counts as (a noised zero delta drawn by the server); every sampled
         # client then weighs 1, and an edge averages over all it sampled.
         self.failed_upload: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None
-        self.query_config: dict = {}  # extra entries of the edge query's config
         # The run's node -> partition map; the edge query fills it (no partition query).
         self.partitions = partitions if partitions is not None else PartitionMap()
+        self.edges = EdgeMembership(num_edges, self.partitions, timeout)
+        self.registrations = self.edges.registrations  # node -> its edge query answer
         self.rng = np.random.default_rng([seed, _STREAM])
         self.eval_rng = np.random.default_rng([seed, _EVAL_STREAM])
-        self.registrations: dict[int, Registration] = {}  # node -> its query answer
         self.models: list[ArrayRecord] = []  # edge models, index = edge id (from round 1)
         self.rows: list[dict] = []  # the edges.csv table
         self._state: _CloudRound | None = None
@@ -220,21 +192,13 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
     # -- public helpers -----------------------------------------------------------------
     def membership(self) -> dict[int, list[int]]:
         """Edge id -> the registered node ids of that edge (sorted; every edge listed)."""
-        members: dict[int, list[int]] = {e: [] for e in range(self.num_edges)}
-        for node, registration in sorted(self.registrations.items()):
-            members[registration.edge].append(node)
-        return members
+        return self.edges.members()
 
     def tables(self) -> dict[str, list[dict]]:
         """``edges.csv``: one row per (round, edge aggregation, node sent a train
         message); ``edge-membership.csv``: every registered node's edge, partition and
         training examples."""
-        members = [
-            {"node-id": node, "edge-id": r.edge, "partition-id": r.partition,
-             "num-examples": r.num_examples}
-            for node, r in sorted(self.registrations.items())
-        ]  # fmt: skip
-        return {"edges.csv": self.rows, "edge-membership.csv": members}
+        return {"edges.csv": self.rows, "edge-membership.csv": self.edges.table()}
 
     # -- checkpoint (strategies.runtime.checkpoint) ------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -284,7 +248,7 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
         nodes = [int(n) for n in nodes]
         cloud = copy_record(arrays)
         state = _CloudRound(server_round, cloud, ConfigRecord(dict(config)), set(nodes))
-        state.failed_queries = self._register(server_round, nodes, grid)
+        state.failed_queries = self.edges.register(server_round, nodes, grid)
         self.models = [cloud] * self.num_edges  # HierFL's cloud.send_to_edge
         active = [e for e, members in self.membership().items() if state.connected & set(members)]
         state.edges = sample_edges(active, self.edge_fraction, self.rng)
@@ -336,33 +300,6 @@ class HierarchicalFedAvg(PartitionOrderedEvaluation, FedAvg):
         return self.eval_rng
 
     # -- internals ------------------------------------------------------------------------
-    def _register(self, server_round: int, nodes: list[int], grid: Grid) -> int:
-        """Query the unregistered ``nodes`` for their edge; return how many failed."""
-        unknown = [n for n in nodes if n not in self.registrations]
-        if not unknown:
-            return 0
-        config = ConfigRecord(
-            {keys.SERVER_ROUND: server_round, keys.NUM_EDGES: self.num_edges, **self.query_config}
-        )
-        content = RecordDict({keys.CONFIG: config})
-        queries = [_message(n, content, QUERY_TYPE, server_round) for n in unknown]
-        replies: dict[int, Message] = {}
-        screen = size_screen(queries)
-        for reply in send_and_receive(grid, queries, timeout=self.timeout, screen=screen):
-            replies.setdefault(int(reply.metadata.src_node_id), reply)
-        failed = 0
-        for node in unknown:
-            try:
-                self.registrations[node] = registration_of(replies.get(node), self.num_edges)
-                self.partitions.record(node, self.registrations[node].partition)
-            except InvalidReply as err:
-                failed += 1
-                log(WARNING, "Hierarchical: node %d not registered (asked again): %s", node, err)
-        self.partitions.check_unique(nodes)
-        sizes = {e: len(m) for e, m in self.membership().items()}
-        log(INFO, "Hierarchical: %d nodes registered, per edge %s", len(self.registrations), sizes)
-        return failed
-
     def _sample_clients(self, state: _CloudRound) -> Sample:
         """Edge -> (its sampled connected members, its connected member count)."""
         sample, membership = {}, self.membership()

@@ -25,7 +25,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from privacy.mechanisms import noise_generator
+from privacy.mechanisms import is_released, noise_generator
 from privacy.settings import (  # noqa: F401 (declared without Flower: the ClientApp reads them)
     ADAPTIVE_INITIAL_CLIP,
     DATA_DEPENDENT_SELECTION,
@@ -34,7 +34,10 @@ from privacy.settings import (  # noqa: F401 (declared without Flower: the Clien
     DPSettings,
 )
 from protocol import keys
+from protocol.records import arrays_of
 from strategies.base import TrainingWrapper
+from strategies.errors import StopTraining
+from strategies.runtime.nodes import wait_for_nodes
 
 
 class PrivacyWrapper(TrainingWrapper):
@@ -108,6 +111,38 @@ class PrivacyWrapper(TrainingWrapper):
             )
         return []
 
+    # -- the round's population ----------------------------------------------------------
+    connect_timeout: float  # seconds to wait for the round's nodes (the wrapper's)
+
+    def calibrate(self, population: int) -> None:
+        """Set the noise for ``population`` clients (a wrapper with a target ε)."""
+
+    def _refuse_over_budget(self, server_round: int, population: int) -> None:
+        """StopTraining if the round would exceed the budget (a wrapper with a ledger)."""
+
+    def nodes_for_round(
+        self, server_round: int, grid: Grid, expected_clients: int, min_available_nodes: int
+    ) -> list[int]:
+        """The connected nodes once there are enough for ``expected_clients``; the noise
+        is calibrated to their number and the round checked against the budget before
+        anything is sent.
+
+        Raises
+        ------
+        StopTraining
+            Too few nodes within ``connect_timeout``, or the round would exceed the budget.
+        """
+        needed = max(expected_clients, min_available_nodes)
+        nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.connect_timeout)
+        if len(nodes) < expected_clients:
+            raise StopTraining(
+                f"'dp.num-sampled-clients' = {expected_clients} but only {len(nodes)} "
+                f"nodes connected within {self.connect_timeout:g} s"
+            )
+        self.calibrate(len(nodes))
+        self._refuse_over_budget(server_round, len(nodes))
+        return nodes
+
     # -- resume --------------------------------------------------------------------------
     def on_resume(self) -> None:
         """Charge what the round under way when the server stopped may have released.
@@ -116,6 +151,45 @@ class PrivacyWrapper(TrainingWrapper):
         trusted server releases is lost; what clients sent in that round (client-side
         noise, seen by the server) is charged here by the wrappers that have a local
         view. Called once when a run resumes, before its first round."""
+
+
+class ReleasedArrays:
+    """Which arrays of the model a DP wrapper releases: every floating array (integer
+    arrays, e.g. BatchNorm's step counter, keep the server's value); the mask and their
+    total size d are fixed at the first round. Head-only training composes
+    :class:`strategies.mechanisms.head_only.HeadOnlyArrays` instead."""
+
+    def __init__(self) -> None:
+        self.mask: list[bool] | None = None
+        self.dim = 0  # d of the released arrays, known from round 1
+
+    def released(self, arrays: ArrayRecord) -> list[bool]:
+        """Whether each array of the global model is released."""
+        return [is_released(a) for a in arrays_of(arrays)]
+
+    def fix(self, arrays: ArrayRecord) -> bool:
+        """Fix the mask and d from the global model; True the first time only."""
+        if self.mask is not None:
+            return False
+        self.mask = self.released(arrays)
+        kept = zip(arrays_of(arrays), self.mask, strict=True)
+        self.dim = sum(a.size for a, keep in kept if keep)
+        return True
+
+    def select(self, delta: list[np.ndarray]) -> list[np.ndarray]:
+        """The released arrays of ``delta``."""
+        assert self.mask is not None
+        return [d for d, keep in zip(delta, self.mask, strict=True) if keep]
+
+    def merge(self, mean: list[np.ndarray], reference: list[np.ndarray]) -> list[np.ndarray]:
+        """The released mean back among zero deltas of the frozen arrays: whatever a
+        client sent for those is ignored."""
+        assert self.mask is not None
+        released = iter(mean)
+        return [
+            next(released) if keep else np.zeros_like(c)
+            for c, keep in zip(reference, self.mask, strict=True)
+        ]
 
 
 _SERVER_STREAM = 0x5E  # the server's generator: DP sampling and server-side noise

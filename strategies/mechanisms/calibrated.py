@@ -20,52 +20,21 @@ from flwr.common.logger import log
 from privacy.accounting import AccountingError, PrivacyLedger, Release
 from privacy.calibration import calibrate_parameter
 from strategies.errors import StopTraining
-from strategies.runtime.nodes import wait_for_nodes
-from strategies.runtime.partitions import PartitionMap
 
 
 class CalibratedNoise:
     """Mixin of a privacy wrapper with ``ledger``, ``target_epsilon`` (None: the noise
-    was given), ``planned_rounds``, ``connect_timeout`` and the run's ``partitions``
-    (see the module docstring)."""
+    was given) and ``planned_rounds`` (see the module docstring); the wrapper calls
+    :meth:`calibrate` at round start (``PrivacyWrapper.nodes_for_round``)."""
 
     ledger: PrivacyLedger
-    partitions: PartitionMap
     target_epsilon: float | None
     planned_rounds: int
-    connect_timeout: float
     calibration: dict[str, float | str | None] | None = None
 
     def calibrate(self, population: int) -> None:
         """Set the noise for ``population`` clients unless it is set (the wrapper's)."""
         raise NotImplementedError
-
-    def _refuse_over_budget(self, server_round: int, population: int) -> None:
-        """StopTraining if the round would exceed the budget (the wrapper's)."""
-        raise NotImplementedError
-
-    def nodes_for_round(
-        self, server_round: int, grid, expected_clients: int, min_available_nodes: int
-    ) -> list[int]:
-        """The connected nodes once there are enough for ``expected_clients``; the noise
-        is calibrated to their number and the round checked against the budget before
-        anything is sent.
-
-        Raises
-        ------
-        StopTraining
-            Too few nodes within ``connect_timeout``, or the round would exceed the budget.
-        """
-        needed = max(expected_clients, min_available_nodes)
-        nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.connect_timeout)
-        if len(nodes) < expected_clients:
-            raise StopTraining(
-                f"'dp.num-sampled-clients' = {expected_clients} but only {len(nodes)} "
-                f"nodes connected within {self.connect_timeout:g} s"
-            )
-        self.calibrate(len(nodes))
-        self._refuse_over_budget(server_round, len(nodes))
-        return nodes
 
     def planned_releases(self, parameter: float, population: int) -> list[Release]:
         """The releases of the whole planned run with noise parameter ``parameter``."""

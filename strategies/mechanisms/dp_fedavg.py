@@ -13,9 +13,8 @@ docs/privacy.md ("The mechanisms' server and client halves").
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
-from logging import INFO
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -24,21 +23,19 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
+from privacy.accounting import PrivacyLedger, Release
 from privacy.certificates import spi
-from privacy.local_view import LocalViewLedger, noisy_upload
 from privacy.mechanisms import GaussianMechanism, gaussian_noise_like
 from protocol import keys
-from protocol.records import arrays_of, as_float, to_record
+from protocol.records import InvalidReply, arrays_of, as_float, to_record
 from protocol.replies import check_reply
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease, release_divergence
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted, StopTraining
-from strategies.mechanisms.base import PrivacyWrapper
+from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays
 from strategies.mechanisms.calibrated import CalibratedNoise
 from strategies.mechanisms.client import client_mod
-from strategies.mechanisms.dp_report import contributions, log_summary
-from strategies.mechanisms.head_only import ReleasedArrays
+from strategies.mechanisms.head_only import HeadOnlyArrays
 from strategies.mechanisms.noise_site import (
     SecureNoiseSite,
     ServerNoise,
@@ -46,6 +43,7 @@ from strategies.mechanisms.noise_site import (
     sum_release,
 )
 from strategies.mechanisms.noise_site import noise_site as noise_site_of
+from strategies.mechanisms.upload_view import UploadView
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
 from strategies.runtime.nodes import dp_cohort, grid_view
@@ -129,10 +127,13 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
             min_available_nodes,
         )
         self.uniform_sampling, self.connect_timeout = uniform_sampling, connect_timeout
-        self.head, self.divergence = ReleasedArrays(released_keys), divergence
-        # Under secure aggregation the server never sees an upload: no local view.
+        self.head = ReleasedArrays() if released_keys is None else HeadOnlyArrays(released_keys)
+        self.divergence = divergence
+        # Client-side noise: the server sees each upload on its own (under secure
+        # aggregation it never sees one); ``local_view``: that per-client ledger.
         view = noise_site == "client" and self.LOCAL_VIEW and secure is None
-        self.local_view = LocalViewLedger.beside(ledger) if view else None
+        self.uploads = UploadView(ledger) if view else None
+        self.local_view = None if self.uploads is None else self.uploads.ledger
         self.secure = secure  # the secure sum's noise site (the registry's, with SecAgg+)
         self._round_state: tuple[ArrayRecord, list[int], int] | None = None
 
@@ -183,22 +184,6 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
     def after_calibration(self) -> None:
         """What depends on z once it is calibrated (adaptive clipping's count noise)."""
 
-    def local_release(self, server_round: int) -> Release:
-        """One client's noisy upload as the server sees it: its clipped update plus its
-        own share N(0, (z_Δ C)²/m), no amplification (the server knows whom it asked)."""
-        factor = l2_sensitivity_factor(self.ledger.neighboring)
-        z = self.update_noise_multiplier() / math.sqrt(self.num_sampled_clients) / factor
-        return noisy_upload(z, server_round)
-
-    def local_releases(self, server_round: int) -> list[Release]:
-        """What the server sees of one sampled client in one round: its noisy upload,
-        and its noised divergence when the wrapped strategy asks for one."""
-        z, report = self.noise_multiplier, self.divergence
-        assert z is not None
-        return [self.local_release(server_round)] + (
-            [] if report is None else [report.release(z, server_round)]
-        )
-
     # -- training half ----------------------------------------------------------
     def client_config(self) -> dict[str, float | bool | list[str]]:
         """Keys added to every sampled client's train config."""
@@ -228,10 +213,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
                 f"{self.ledger.max_epsilon} (epsilon so far {self.ledger.epsilon():.4f} at "
                 f"delta {self.ledger.target_delta:g}); nothing was sent"
             )
-        if self.local_view is not None:
-            refusal = self.local_view.refusal(server_round, *self.local_releases(server_round))
-            if refusal:
-                raise BudgetExhausted(refusal)
+        if self.uploads is not None:
+            self.uploads.refuse_over_budget(self, server_round)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -259,9 +242,9 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         self._fix_released(arrays)
         messages = add_to_config(messages, self.client_config())
         sent = self.partitions.order(m.metadata.dst_node_id for m in messages)
-        if self.local_view is not None:  # the server will see each of them on its own
+        if self.uploads is not None:  # the server will see each of them on its own
             clients = [self.partitions.client_name(n) for n in sent]
-            self.local_view.charge(clients, *self.local_releases(server_round))
+            self.uploads.charge(self, clients, server_round)
         self._round_state = (arrays, sent, len(all_nodes))
         return messages
 
@@ -297,20 +280,19 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         aggregated.update(extra)
         aggregated[keys.DP_FAILED_CLIENTS] = float(len(failed))
         aggregated[keys.DP_EPSILON] = self.ledger.epsilon()
-        if self.local_view is not None:  # published: the sample-independent bound
-            aggregated[keys.DP_EPSILON_LOCAL] = self.local_view.bound()
-            aggregated[keys.DP_EPSILON_LOCAL_WORST] = self.local_view.worst()[1]
+        if self.uploads is not None:
+            aggregated.update(self.uploads.metrics())
         return MetricRecord(self.mark(aggregated))
 
     def _contributions(self, replies, sent, reference_of):
-        """The released deltas, metrics and failed nodes (:func:`dp_report.contributions`)."""
+        """The released deltas, metrics and failed nodes (:func:`contributions`)."""
         return contributions(replies, sent, reference_of, self._check, self.head.select)
 
     def _check(self, message: Message, current: ArrayRecord):
         """The reply's arrays and metrics, or InvalidReply (see :func:`check_reply`)."""
         return check_reply(message, current)
 
-    # -- head-only: which arrays are released (strategies.mechanisms.head_only) -----
+    # -- which arrays are released (every floating one, or head-only: head_only.py) --
     def _fix_released(self, arrays: ArrayRecord) -> None:
         """At the first round: which arrays are released and their total size d."""
         if self.head.fix(arrays):
@@ -343,9 +325,8 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
 
     def on_resume(self) -> None:
         """Charge every client one noisy upload (the interrupted round's sample is lost)."""
-        if self.local_view is not None:
-            self.local_view.charge_all(*self.local_releases(0))
-            log(INFO, "resume: one noisy upload (and report) charged to every client")
+        if self.uploads is not None:
+            self.uploads.on_resume(self)
 
     # -- checkpoint (strategies.runtime.checkpoint) --------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -373,6 +354,74 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         load_ledger(self.ledger, state["ledger"])
         load_ledger(self.local_view, state["local-view"])
         self.restore_plan()  # a resumed run reports its exact ε at the last round
+
+
+# -- what the server reads from the replies and logs of itself ----------------------
+Check = Callable[[Message, ArrayRecord], tuple[list[np.ndarray], MetricRecord]]
+
+
+def contributions(
+    replies: Iterable[Message],
+    sent: list[int],
+    reference_of: Callable[[int], tuple[ArrayRecord, list[np.ndarray]]],
+    check: Check,
+    select: Callable[[list[np.ndarray]], list[np.ndarray]],
+) -> tuple[dict[int, list[np.ndarray]], list[MetricRecord], list[int]]:
+    """(node -> released delta of its valid reply, their metrics weighted 1, the sampled
+    nodes counted as a zero update), in the order of ``sent``. ``reference_of`` gives the
+    model a node was sent, as a record and as arrays; ``check`` validates a reply;
+    ``select`` keeps the released arrays of a delta."""
+    by_node: dict[int, Message] = {}
+    for reply in replies:
+        by_node.setdefault(reply.metadata.src_node_id, reply)
+    deltas, records, failed = {}, [], []
+    for node in sent:
+        current, reference = reference_of(node)
+        message = by_node.get(node)
+        try:
+            if message is None:
+                raise InvalidReply("no reply")
+            received, metrics = check(message, current)
+        except InvalidReply as err:
+            failed.append(node)
+            log(WARNING, "DP-FedAvg: node %d counts as a zero update: %s", node, err)
+            continue
+        deltas[node] = select([r - c for r, c in zip(received, reference, strict=True)])
+        metrics[keys.NUM_EXAMPLES] = 1.0
+        records.append(metrics)
+    return deltas, records, failed
+
+
+def log_summary(dp) -> None:
+    """Log the settings of ``dp`` (a :class:`~strategies.mechanisms.dp_fedavg.DPFedAvgFixed`)."""
+    log(INFO, "\t├──> DP-FedAvg (%s):", type(dp).__name__)
+    log(
+        INFO,
+        "\t│\t├── clip norm C = %g, noise multiplier z = %s",
+        dp.clip_norm,
+        f"{dp.noise_multiplier:g}"
+        if dp.noise_multiplier is not None
+        else f"calibrated in round 1 to epsilon {dp.target_epsilon:g}",
+    )
+    log(
+        INFO,
+        "\t│\t├── m = %d clients per round (%s), noise added by the %s",
+        dp.num_sampled_clients,
+        "expected, Poisson" if dp.ledger.sampling == "poisson" else "exactly",
+        dp.site.name,
+    )
+    log(
+        INFO,
+        "\t│\t└── accounting: %s, sampling %s, delta %g, max epsilon %s",
+        dp.ledger.accountant,
+        dp.ledger.sampling,
+        dp.ledger.target_delta,
+        dp.ledger.max_epsilon or "none",
+    )
+    if dp.divergence is not None:
+        dp.divergence.summary()
+    if dp.uploads is not None:
+        dp.uploads.summary(dp)
 
 
 # -- the client half ----------------------------------------------------------------

@@ -96,7 +96,8 @@ class FrontLoadedDPClients(PrivacyWrapper):
             strategy.before_edge_aggregation = self._charge
             strategy.failed_upload = self._noised_zero
             if not self.client_metrics:  # the edge query: no example count either
-                strategy.query_config = {keys.REPORT_METRICS: [keys.EDGE_ID, keys.PARTITION_ID]}
+                reported = [keys.EDGE_ID, keys.PARTITION_ID]
+                strategy.edges.query_config = {keys.REPORT_METRICS: reported}
         if per_example:  # every edge aggregation's replies, not only the last one's
             strategy.on_replies = self._record_local_epsilons
 

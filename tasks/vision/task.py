@@ -440,7 +440,8 @@ class ImageClassificationTask(Task):
     ) -> dict[str, float]:
         """Run the local epochs, with DP-SGD if ``local.dp_sgd``; return the metrics."""
         cfg = self.config
-        global_params = snapshot_parameters(model)
+        # FedProx's anchor (the received parameters): copied only when mu > 0 reads it.
+        global_params = snapshot_parameters(model) if local.proximal_mu > 0 else []
         optimizer = torch.optim.SGD(
             model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )

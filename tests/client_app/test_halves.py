@@ -28,9 +28,17 @@ def _names(config: dict, context: Context) -> list[str]:
     return [type(h).__name__ for h in halves.active_halves(ConfigRecord(config), context)]
 
 
-def test_a_plain_message_activates_only_fedbn_and_fedprox():
+def test_a_plain_message_activates_only_fedprox():
     # FedProx's half always runs: every train reply carries divergence and effective-mu.
-    assert _names({keys.SERVER_ROUND: 1}, _context()) == ["FedBNHalf", "FedProxHalf"]
+    # FedBN's runs only for a task that keeps layers on the client (digits keeps none).
+    assert _names({keys.SERVER_ROUND: 1}, _context()) == ["FedProxHalf"]
+
+
+def test_fedbn_runs_only_for_a_task_that_keeps_local_layers():
+    plain = {keys.SERVER_ROUND: 1}
+    fedbn = _context(**{"task": "finance", "finance.bn": "local"})
+    assert _names(plain, fedbn) == ["FedBNHalf", "FedProxHalf"]
+    assert "FedBNHalf" not in _names(plain, _context(task="finance"))
 
 
 def test_each_algorithm_key_activates_its_half():
@@ -104,13 +112,13 @@ def test_train_and_evaluate_branch_on_no_algorithm_key():
     assert tests and not [t for t in tests if "keys." in t or "config" in t], tests
 
 
-def test_a_dp_fedavg_train_message_runs_fedbn_alone():
+def test_a_dp_fedavg_train_message_runs_no_half():
     # Replies restricted to the mechanism's keys carry no divergence: FedProx's half
     # (and SmartFedProx's adaptive-mu code) does not run, nor is any other half imported.
     config = {keys.SERVER_ROUND: 1, keys.REPORT_METRICS: [keys.NUM_EXAMPLES]}
-    assert _names(config, _context(privacy="dp-fedavg-fixed")) == ["FedBNHalf"]
+    assert _names(config, _context(privacy="dp-fedavg-fixed")) == []
     with_divergence = {**config, keys.REPORT_METRICS: [keys.NUM_EXAMPLES, keys.DIVERGENCE]}
-    assert _names(with_divergence, _context()) == ["FedBNHalf", "FedProxHalf"]
+    assert _names(with_divergence, _context()) == ["FedProxHalf"]
     assert "FedProxHalf" in _names({**config, keys.PROXIMAL_MU: 0.1}, _context())
 
 

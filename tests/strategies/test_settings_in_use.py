@@ -10,6 +10,7 @@ from strategies import registry
 from strategies.algorithms.clustered import ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.algorithms.server_optimizer import ServerOptimizerSettings
+from strategies.algorithms.smart_fedprox.private import DivergenceSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
 from strategies.mechanisms.base import DPSettings
 from strategies.mechanisms.correlated_noise import CorrelatedSettings
@@ -18,7 +19,7 @@ from strategies.secure.secagg_plus import SecAggSettings
 
 OPTIONAL = {
     ClusterSettings, SmartSettings, HierSettings, SubspaceSettings, CorrelatedSettings,
-    SecAggSettings, ServerOptimizerSettings, AuditSettings,
+    SecAggSettings, ServerOptimizerSettings, AuditSettings, DivergenceSettings,
 }  # fmt: skip
 
 
@@ -38,6 +39,8 @@ def test_the_chosen_strategy_mechanism_and_switched_on_parts_are_checked():
     checked = _checked(strategy="clustered", **{"secagg.enabled": True})
     assert checked & OPTIONAL == {ClusterSettings, SecAggSettings}
     assert _checked(privacy="cg-ng", strategy="hierarchical") & OPTIONAL == {HierSettings}
+    smart = {SmartSettings, DivergenceSettings}  # the divergence release is SmartFedProx's
+    assert _checked(strategy="smart-fedprox", privacy="dp-fedavg-fixed") & OPTIONAL == smart
     assert _checked(**{"server.lr": 0.5}) & OPTIONAL == {ServerOptimizerSettings}
     assert _checked(**{"server.optimizer": "adam"}) & OPTIONAL == {ServerOptimizerSettings}
 
