@@ -69,6 +69,8 @@ def one(
     clients=N,
     cohort=COHORT,
     amp_groups: int = 0,
+    bands: int = 0,
+    cooldown: float = 0.0,
 ) -> dict:
     """One run; its final accuracy, ε (the ledger's), z and warm round."""
     root = out / f"{arm}-eps{epsilon:g}-seed{seed}"
@@ -79,6 +81,10 @@ def one(
             amp_groups
             or best_amplified_groups(epsilon, rounds=rounds, clients=clients, cohort=cohort)[0]
         )
+    if cooldown:  # every arm's server learning rate (post-processing)
+        config["server.cooldown"] = cooldown
+    if arm == "banded-mf" and bands:  # arm c's bands (0: b, the least prefix-sum error)
+        config["correlated.bands"] = bands
     config |= {"dp.target-epsilon": epsilon, "output-dir": str(root)}
     config |= {"min-available-nodes": clients, "min-train-nodes": cohort}
     config["dp.num-sampled-clients"] = cohort
@@ -96,6 +102,8 @@ def one(
         "warm round s": statistics.median(train["round-seconds"]),
         "process s": round(seconds, 1),
         "groups": config.get("correlated.min-separation", 0),
+        "bands": config.get("correlated.bands", 0),
+        "cooldown": cooldown,
     }
 
 
@@ -350,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--amp-groups", type=int, default=0, help="arm d's b (0: the least-error b at each ε)"
     )
+    parser.add_argument(
+        "--bands", type=int, default=0, help="arm c's bands (0: b; see the study on b)"
+    )
+    parser.add_argument("--cooldown", type=float, default=0.0, help="server.cooldown")
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
@@ -371,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
                 else:
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.amp_groups)
-                    rows.append(one(arm, epsilon, seed, *sizes))
+                    rows.append(
+                        one(arm, epsilon, seed, *sizes, bands=args.bands, cooldown=args.cooldown)
+                    )
                 print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "results.csv", index=False)

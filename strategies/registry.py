@@ -461,7 +461,7 @@ def build(privacy: str, settings: StrategySettings) -> Strategy:
         strategy = SecureAggregation(strategy, secagg)
     if not ServerOptimizerSettings.on_in(settings):
         return strategy
-    return ServerOptimizer(strategy, settings.part(ServerOptimizerSettings))
+    return ServerOptimizer(strategy, settings.part(ServerOptimizerSettings), settings.num_rounds)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class ServerOptimizerSettings(Settings):
     """The server optimizer's run-config keys (``server.*``)."""
 
     PREFIX: ClassVar[str] = "server"
-    OFF: ClassVar[dict] = {"optimizer": "sgd", "lr": 1.0}  # the aggregate is the model
+    OFF: ClassVar[dict] = {"optimizer": "sgd", "lr": 1.0, "cooldown": 0.0}  # the aggregate
     optimizer: str = setting(
         "sgd",
         "Server optimizer on the round's aggregate (strategies with one global model;"
@@ -87,6 +87,23 @@ class ServerOptimizerSettings(Settings):
         low=0.0,
         low_open=True,
     )
+
+    cooldown: float = setting(
+        0.0,
+        "Fraction of the run's last rounds over which the server learning rate (or eta)"
+        " decays linearly towards 0 (a learning-rate cooldown: the noise of correlated-"
+        "noise mechanisms cancels in the model but not in its last steps); 0: constant.",
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+
+    def lr_at(self, server_round: int, rounds: int) -> float:
+        """The learning rate of round ``server_round`` of ``rounds``: ``lr``, times
+        (rounds - t + 1) / (cooldown * rounds) in the last cooldown * rounds rounds."""
+        if not self.cooldown:
+            return self.lr
+        return self.lr * min(1.0, (rounds - server_round + 1) / (self.cooldown * rounds))
 
     @property
     def name(self) -> str:
@@ -136,15 +153,20 @@ class ServerOptimizer(TrainingWrapper):
     are read through this wrapper.
     """
 
-    def __init__(self, strategy: Strategy, settings: ServerOptimizerSettings) -> None:
+    def __init__(
+        self, strategy: Strategy, settings: ServerOptimizerSettings, rounds: int = 0
+    ) -> None:
         super().__init__(strategy)
-        self.settings = settings
+        if settings.cooldown and rounds < 1:
+            raise ValueError("'server.cooldown' needs the run's number of rounds")
+        self.settings, self.rounds = settings, rounds
         self.rule = settings.rule()
         self._current: ArrayRecord | None = None
         ledger = getattr(strategy, "ledger", None)
         if ledger is not None:
             ledger.post_processing.append(
-                f"server optimizer {settings.name} (lr {settings.lr:g}) on the released aggregate"
+                f"server optimizer {settings.name} (lr {settings.lr:g}, cooldown "
+                f"{settings.cooldown:g}) on the released aggregate"
             )
 
     def __getattr__(self, name: str):
@@ -167,9 +189,14 @@ class ServerOptimizer(TrainingWrapper):
 
     def step(self, server_round: int, current: ArrayRecord, aggregate: ArrayRecord) -> ArrayRecord:
         """The rule's new global arrays from ``current`` and the round's ``aggregate``."""
+        lr = self.settings.lr_at(server_round, self.rounds) if self.rounds else self.settings.lr
         if isinstance(self.rule, FedAvgM):
+            self.rule.server_learning_rate = lr
+            # Flower's FedAvgM skips its update when lr = 1 without momentum at init.
+            self.rule.server_opt = self.rule.server_opt or bool(self.settings.cooldown)
             self.rule.current_arrays = current
         else:
+            self.rule.eta = lr
             self.rule.current_arrays = dict(zip(current.keys(), arrays_of(current), strict=True))
         sent = Message(RecordDict(), dst_node_id=0, message_type="train")
         content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {

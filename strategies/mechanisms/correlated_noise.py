@@ -5,11 +5,9 @@ Design notes: ``docs/notes.md``, ``strategies.mechanisms.correlated_noise``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
@@ -17,102 +15,24 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from config.settings import Choice, Settings, SettingsError, setting
 from privacy import correlated
 from privacy.accounting import PrivacyLedger, Release
 from privacy.mechanisms import NonFiniteUpdateError
 from protocol.records import InvalidReply
 from strategies.base import add_to_config
 from strategies.errors import StopTraining
-from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings, dp_generator
+from strategies.mechanisms.base import DPSettings, dp_generator
+from strategies.mechanisms.correlated_schema import (
+    MECHANISMS,
+    SCHEMAS,
+    CorrelatedSettings,
+    Plan,
+    make_plan,
+)
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
-from strategies.runtime.nodes import grid_view, poisson_sample, wait_for_nodes
-from strategies.secure.secagg_plus import SecAggSettings
+from strategies.runtime.nodes import grid_view, wait_for_nodes
 
-MECHANISMS = ("banded-mf", "dp-ftrl")
-SCHEMAS = ("cyclic", "amplified")
-
-
-@dataclass(frozen=True)
-class CorrelatedSettings(Settings):
-    """The correlated-noise mechanisms' run-config keys (``correlated.*``)."""
-
-    PREFIX: ClassVar[str] = "correlated"
-    schema: str = setting(
-        "cyclic",
-        "Participation schema the server enforces (banded-mf, dp-ftrl): `cyclic` (b "
-        "fixed cohorts of dp.num-sampled-clients, each client at most once every b "
-        "rounds, no amplification) or `amplified` (banded-mf: Poisson sampling within "
-        "the round's group of b).",
-        choices=SCHEMAS,
-    )
-    min_separation: int = setting(
-        0,
-        "b: groups of the population and the minimum separation of a client's rounds "
-        "(0: N // dp.num-sampled-clients at round 1).",
-        low=0,
-    )
-    bands: int = setting(
-        0,
-        "banded-mf: bands of the strategy matrix, at most the separation (0: the "
-        "separation, capped at the rounds).",
-        low=0,
-    )
-    restart_every: int = setting(
-        0,
-        "dp-ftrl: a fresh tree every r rounds (0: one tree over the run).",
-        low=0,
-    )
-
-    @staticmethod
-    def check(choice: Choice) -> None:
-        """What the correlated-noise mechanisms cannot run or account for."""
-        if choice.privacy not in MECHANISMS:
-            return
-        dp, corr = choice.part(DPSettings), choice.part(CorrelatedSettings)
-        if SecAggSettings.on_in(choice) or dp.noise_site != "server":
-            raise SettingsError(
-                f"'privacy' = {choice.privacy!r} adds its noise at the server: it needs "
-                "'dp.noise-site' = 'server' and 'secagg.enabled' = false"
-            )
-        if choice.strategy in DATA_DEPENDENT_SELECTION:
-            raise SettingsError(
-                f"'privacy' = {choice.privacy!r} enforces its own participation schema; "
-                f"'strategy' = {choice.strategy!r} selects clients by their data"
-            )
-        if choice.privacy == "dp-ftrl" and corr.schema == "amplified":
-            raise SettingsError(
-                "'correlated.schema' = 'amplified' is banded MF's; 'privacy' = 'dp-ftrl' "
-                "takes 'cyclic'"
-            )
-        given, target = float(dp.noise_multiplier), float(dp.target_epsilon)
-        if bool(given) == bool(target):
-            raise SettingsError(
-                f"'privacy' = {choice.privacy!r} needs exactly one of "
-                f"'dp.noise-multiplier' (> 0) and 'dp.target-epsilon' (> 0), got "
-                f"{given:g} and {target:g}"
-            )
-        bands, separation = corr.bands, corr.min_separation
-        if bands and separation and bands > separation:
-            raise SettingsError(
-                f"'correlated.bands' = {bands} exceeds 'correlated.min-separation' = "
-                f"{separation}: valid values 1..{separation} (or 0: the separation)"
-            )
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The run's schema, factorization and sensitivity, fixed at the first round."""
-
-    schema: str
-    separation: int  # b: groups, and the least gap between a client's rounds
-    participations: int  # k = ceil(n / b)
-    sensitivity: float  # of C for k participations (cyclic); max column norm (amplified)
-    method: str  # how the sensitivity was obtained
-    group_size: int  # the smallest group (amplified: the Poisson population)
-    bands: int = 0  # banded MF
-    coefs: tuple[float, ...] = ()
-    workload: str = "prefix-sum"
+__all__ = ["CORRELATED_PRIVACY", "CorrelatedNoiseDP", "CorrelatedSettings", "Plan"]
 
 
 class CorrelatedNoiseDP(DPFedAvgFixed):
@@ -168,161 +88,32 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         self._stream_state: dict | None = None  # loaded before the stream exists
         self._charged_rounds: set[int] = set()
 
-    # -- the schema and the factorization (first round) -------------------------------
-    def _group_sizes(self, nodes: list[int], separation: int) -> list[int]:
-        sizes = [0] * separation
-        for node in nodes:
-            sizes[self._partition(node) % separation] += 1
-        return sizes
-
-    def _partition(self, node: int) -> int:
-        partition = self.partitions.partition_of(node)
-        if partition is None:
-            raise StopTraining(
-                f"'privacy' = {self.mechanism!r}: node {node} reported no partition id; the "
-                "participation schema assigns clients to groups by it"
-            )
-        return partition
-
-    def _make_plan(self, nodes: list[int]) -> Plan:
-        """The plan for the connected ``nodes``, or StopTraining with the one-line reason
-        the federation cannot provide the schema."""
-        n, m = self.planned_rounds, self.num_sampled_clients
-        population = len(nodes)
-        b = self.min_separation or population // m
-        if b < 1 or population < m * b:
-            raise StopTraining(
-                f"'correlated.schema' = {self.schema!r} needs {m} clients in each of "
-                f"b = {max(b, 1)} groups ('dp.num-sampled-clients' x "
-                f"'correlated.min-separation' = {m * max(b, 1)} nodes), only {population} "
-                "connected"
-            )
-        smallest = min(self._group_sizes(nodes, b))
-        if smallest < m:
-            raise StopTraining(
-                f"'correlated.schema' = {self.schema!r}: the smallest of the b = {b} groups "
-                f"(partition id mod {b}) has {smallest} clients, fewer than "
-                f"'dp.num-sampled-clients' = {m}"
-            )
-        k = math.ceil(n / b)
-        if self.mechanism == "dp-ftrl":
-            sens = correlated.tree_sensitivity(
-                n, participations=k, min_separation=b, restart_every=self.restart_every
-            )
-            return Plan(self.schema, b, k, sens, "tree-bound", smallest)
-        bands = min(self.bands or b, n)
-        if bands > b:
-            raise StopTraining(
-                f"'correlated.bands' = {bands} exceeds the separation b = {b}: valid values 1..{b}"
-            )
-        factorization = correlated.optimize_banded(n, bands, momentum=self.momentum)
-        strategy = factorization.strategy()
-        if self.schema == "amplified":  # k Poisson-sampled Gaussians, one per block
-            sens = float(np.max(np.linalg.norm(strategy, axis=0)))
-            method = "max-column-norm"
-        else:
-            found = correlated.sensitivity(strategy, participations=k, min_separation=b)
-            sens, method = found.value, found.method
-        return Plan(
-            self.schema,
-            b,
-            k,
-            sens,
-            method,
-            smallest,
-            bands,
-            factorization.coefs,
-            factorization.workload,
-        )
-
     # -- what is released and charged ------------------------------------------------
-    def _whole_run(self, noise_multiplier: float, server_round: int) -> Release:
-        plan = self.plan
-        assert plan is not None
-        return Release(
-            server_round=server_round,
-            kind="model-updates (whole run, correlated noise)",
-            mechanism="gaussian",
-            noise_multiplier=noise_multiplier / plan.sensitivity,
-            sampling="none",
-            sample_size=1,
-            population=1,
-            note=(
-                f"{self.mechanism}, schema cyclic: every client at most k = "
-                f"{plan.participations} times, >= {plan.separation} rounds apart, no "
-                f"amplification; sensitivity {plan.sensitivity:.6g} ({plan.method}) of the "
-                f"strategy matrix for k participations; z = {noise_multiplier:.6g}; the "
-                "whole run charged at its first round"
-            ),
-        )
-
-    def _block(self, noise_multiplier: float, server_round: int, count: int = 1) -> Release:
-        plan = self.plan
-        assert plan is not None
-        return Release(
-            server_round=server_round,
-            kind="model-updates (block of b rounds, correlated noise)",
-            mechanism="gaussian",
-            noise_multiplier=noise_multiplier / plan.sensitivity,
-            sampling="poisson",
-            sample_size=self.num_sampled_clients,
-            population=plan.group_size,
-            count=count,
-            note=(
-                f"banded-mf, schema amplified: b = {plan.separation} groups, Poisson "
-                f"sampling within the round's group (q = {self.num_sampled_clients}/"
-                f"{plan.group_size}); a client's rounds are one per block of b, whose "
-                f"columns share no row (bands {plan.bands} <= b); max column norm "
-                f"{plan.sensitivity:.6g}; z = {noise_multiplier:.6g}"
-            ),
-        )
-
     def releases_with(
         self, noise_multiplier: float, server_round: int, population: int, count: int = 1
     ) -> list[Release]:
-        """What aggregating round ``server_round`` charges: the whole run at the first
-        round (cyclic), one Poisson-sampled Gaussian at each block's start (amplified)."""
-        plan = self.plan
-        assert plan is not None
-        if plan.schema == "cyclic":
-            if self._charged_rounds:
-                return []
-            return [self._whole_run(noise_multiplier, server_round)]
-        if (server_round - 1) % plan.separation or server_round in self._charged_rounds:
-            return []
-        return [self._block(noise_multiplier, server_round)]
+        """What aggregating round ``server_round`` charges (:meth:`Plan.releases`)."""
+        assert self.plan is not None
+        charged = bool(self._charged_rounds)
+        if self.plan.schema == "amplified":
+            charged = server_round in self._charged_rounds
+        return self.plan.releases(
+            self.mechanism, noise_multiplier, server_round, self.num_sampled_clients, charged
+        )
 
     def planned_releases(self, noise_multiplier: float, population: int) -> list[Release]:
         """The whole planned run with multiplier z (calibration)."""
-        plan = self.plan
-        assert plan is not None
-        if plan.schema == "cyclic":
-            return [self._whole_run(noise_multiplier, 1)]
-        return [self._block(noise_multiplier, 1, count=plan.participations)]
+        assert self.plan is not None
+        return self.plan.planned(self.mechanism, noise_multiplier, self.num_sampled_clients)
 
     def calibrate(self, population: int) -> None:
         """z for ``dp.target-epsilon`` over the plan, unless given (once)."""
         if self.noise_multiplier is not None:
             return
         self.noise_multiplier = self.calibrated(population)
-        plan = self.plan
-        assert plan is not None
-        self.record_calibration(
-            "dp.noise-multiplier",
-            self.noise_multiplier,
-            population,
-            mechanism=self.mechanism,
-            schema=plan.schema,
-            **{
-                "min-separation": plan.separation,
-                "participations": plan.participations,
-                "sensitivity": plan.sensitivity,
-                "sensitivity-method": plan.method,
-                "bands": plan.bands,
-                "workload": plan.workload,
-                "expected-clients": self.num_sampled_clients,
-            },
-        )
+        assert self.plan is not None
+        record = self.plan.calibration_record(self.mechanism, self.num_sampled_clients)
+        self.record_calibration("dp.noise-multiplier", self.noise_multiplier, population, **record)
 
     def nodes_for_round(
         self, server_round: int, grid, expected_clients: int, min_available_nodes: int
@@ -332,7 +123,12 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         if self.plan is None:
             needed = max(expected_clients, min_available_nodes)
             nodes = wait_for_nodes(grid, needed, self.partitions, timeout=self.connect_timeout)
-            self.plan = self._make_plan(nodes)
+            self.plan = make_plan(
+                self.mechanism, self.schema, nodes, self.partitions,
+                rounds=self.planned_rounds, m=self.num_sampled_clients,
+                min_separation=self.min_separation, bands=self.bands,
+                restart_every=self.restart_every, momentum=self.momentum,
+            )  # fmt: skip
             log(INFO, "%s: %s", self.mechanism, self.plan)
         return super().nodes_for_round(server_round, grid, expected_clients, min_available_nodes)
 
@@ -348,20 +144,11 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
                 f"'num-server-rounds' = {self.planned_rounds} rounds"
             )
         all_nodes = self.nodes_for_round(server_round, grid, m, self.min_available_nodes)
-        plan = self.plan
-        assert plan is not None
-        group = (server_round - 1) % plan.separation
+        assert self.plan is not None
         ordered = self.partitions.order(all_nodes)
-        members = [n for n in ordered if self._partition(n) % plan.separation == group]
-        if plan.schema == "cyclic":
-            if len(members) < m:
-                raise StopTraining(
-                    f"round {server_round}: group {group} has {len(members)} connected "
-                    f"clients, the cyclic cohort needs 'dp.num-sampled-clients' = {m}"
-                )
-            cohort = members[:m]
-        else:
-            cohort = poisson_sample(members, m / plan.group_size, self.rng, self.partitions)
+        cohort = self.plan.cohort(
+            server_round, ordered, self.partitions, m, self.rng, self.mechanism
+        )
         view = grid_view(grid, cohort)
         messages = (
             list(self.strategy.configure_train(server_round, arrays, config, view))
@@ -380,7 +167,16 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         return messages
 
     def aggregate_train(self, server_round: int, replies):
-        """DP-FedAvg's aggregate with the stream's noise; marks the round charged."""
+        """DP-FedAvg's aggregate with the stream's noise; marks the round charged.
+        Round t must add row t of the factorization (the sensitivity is computed for
+        the schema's rounds as C's columns): a stream at another row is refused."""
+        saved = self._stream_state or {}
+        row = self.stream.round if self.stream is not None else saved.get("round", 0)
+        if self._round_state is not None and row != server_round - 1:
+            raise StopTraining(
+                f"round {server_round}: the {self.mechanism} noise stream is at round "
+                f"{row + 1}; its rows must follow the rounds (nothing released)"
+            )
         result = super().aggregate_train(server_round, replies)
         if result[0] is not None:
             self._charged_rounds.add(server_round)

@@ -123,3 +123,25 @@ def test_the_wrapped_strategys_attributes_are_read_through_and_the_ledger_says_s
     assert not hasattr(strategy, "on_resume")
     statements = base.ledger.summary()["statements"]
     assert any("Post-processing, no privacy cost: server optimizer adam" in s for s in statements)
+
+
+def test_cooldown_decays_the_learning_rate_linearly_over_the_last_rounds():
+    settings = ServerOptimizerSettings("sgd", 1.0, 0.9, 0.9, 0.99, 1e-3, 0.5)
+    # 4 rounds, the last half cooled: (4 - t + 1) / 2 capped at 1.
+    assert [settings.lr_at(t, 4) for t in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 0.5]
+    x = _flat(GLOBAL)
+    base = FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    sgd = ServerOptimizer(base, settings, 4)
+    got = [_flat(_round(sgd, t, GLOBAL)) for t in (1, 2, 3, 4)]
+    np.testing.assert_allclose(got[2], x + DELTA, rtol=1e-6)  # lr 1: the aggregate
+    np.testing.assert_allclose(got[3], x + 0.5 * DELTA, rtol=1e-6)  # FedAvgM applies 0.5
+    momentum = ServerOptimizerSettings("momentum", 0.5, 0.9, 0.9, 0.99, 1e-3, 0.5)
+    strategy = ServerOptimizer(
+        FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1), momentum, 4
+    )
+    got = [_flat(_round(strategy, t, GLOBAL)) for t in (1, 2, 3, 4)]
+    # v = Δ, 1.9Δ, 2.71Δ, 3.439Δ; round 4's lr is 0.5 * 0.5.
+    np.testing.assert_allclose(got[2], x + 0.5 * 2.71 * DELTA, rtol=1e-6)
+    np.testing.assert_allclose(got[3], x + 0.25 * 3.439 * DELTA, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"'server\.cooldown' needs the run's number of rounds"):
+        ServerOptimizer(base, settings)

@@ -208,6 +208,23 @@ def test_resume_continues_the_stream_and_charges_nothing_twice(mechanism):
     assert resumed.ledger.epsilon() == whole.ledger.epsilon()
 
 
+@pytest.mark.parametrize("mechanism", ["banded-mf", "dp-ftrl"])
+def test_a_round_whose_row_of_the_factorization_is_not_next_is_refused(mechanism):
+    # The sensitivity is computed for the schema's rounds as C's columns: round t must
+    # add the stream's row t. A checkpoint after round 2 resumed at round 4 (round 3
+    # skipped) would put a client's rounds 19 rows apart under separation 20.
+    first = _strategy(mechanism, seed=3)
+    for t in (1, 2):
+        _round(first, t)
+    resumed = _strategy(mechanism, seed=3)
+    resumed.load_state_dict(decode(encode(first.state_dict())))
+    charged = resumed.ledger.state_dict()["releases"]
+    with pytest.raises(StopTraining, match=r"^round 4: the .* noise stream is at round 3"):
+        _round(resumed, 4)
+    assert resumed.ledger.state_dict()["releases"] == charged  # nothing charged
+    _round(resumed, 3)  # the next row: accepted
+
+
 def test_too_few_nodes_for_the_schema_is_refused_in_one_line():
     strategy = _strategy(m=3, min_separation=5)  # needs 15 nodes, 12 connected
     with pytest.raises(
