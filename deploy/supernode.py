@@ -196,7 +196,7 @@ def set_heartbeat_interval(seconds: float) -> None:
                 f"{FLOWER_HEARTBEAT_INTERVAL:g}; run without --heartbeat-interval"
             )
     for module in modules:
-        module.HEARTBEAT_DEFAULT_INTERVAL = seconds  # type: ignore[attr-defined]
+        module.HEARTBEAT_DEFAULT_INTERVAL = seconds
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

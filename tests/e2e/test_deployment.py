@@ -24,8 +24,9 @@ round's sum must be the two survivors'), and the run must finish on the two
 survivors. The warm SuperNodes announce a 10 s heartbeat (``--heartbeat-interval``):
 the SuperLink lists a killed node offline within 2 x 10 s, which lets the crashed one
 rejoin and ends round 2's wait for the dead one (its message is answered with an
-error) well before ``round-timeout``. SIGTERM must then stop each surviving executor
-with its processes.
+error) well before ``round-timeout``; meanwhile a SuperNode with the unregistered key
+and two without TLS start and are refused. SIGTERM must then stop each surviving
+executor with its processes.
 
 Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
 found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
@@ -346,10 +347,9 @@ def deployment():
     assert not left, f"processes left running: {left}"
 
 
-@pytest.fixture(scope="module")
-def refused(deployment) -> Deployment:
-    """The SuperNodes the SuperLink must refuse, started at once (their start-ups and
-    retries overlap), and the plaintext ``lab-plaintext`` connection."""
+def _start_refused(deployment: Deployment) -> None:
+    """Start the SuperNodes the SuperLink must refuse, at once (their start-ups and
+    retries overlap), and write the plaintext ``lab-plaintext`` connection."""
     deployment.start_supernode(
         "unregistered",
         "--root-certificates", str(deployment.ca.public),
@@ -370,6 +370,12 @@ def refused(deployment) -> Deployment:
          "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
         cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refused(deployment, killed_run) -> Deployment:
+    """The refused SuperNodes, started during the run (:func:`killed_run`)."""
+    assert "unregistered" in deployment.processes
     return deployment
 
 
@@ -574,6 +580,17 @@ def killed_run(deployment, warm_nodes) -> Run:
     killed_at = time.monotonic()
     deployment.orphans += victims
     psutil.wait_procs(victims, timeout=10)
+    # Once the survivors answered round 2's collect stage, the run only waits for the
+    # dead node to be listed offline: the SuperNodes the SuperLink must refuse start
+    # then (a refusal must not disturb a run), using that idle time.
+    survivors = [k for k in range(NUM_NODES) if k != KILLED]
+    collected = 1 + SECAGG_STAGES + 3  # query.partition, round 1, round 2 to collect
+    while flwr.poll() is None and any(
+        len(WARM_DONE.findall(deployment.log(f"superexec-{k}"))) < collected for k in survivors
+    ):
+        assert time.monotonic() < deadline, "round 2 not collected\n" + deployment.log("flwr-run")
+        time.sleep(0.2)
+    _start_refused(deployment)
     try:
         deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
     except AssertionError as err:
@@ -584,7 +601,6 @@ def killed_run(deployment, warm_nodes) -> Run:
     assert run_id and run_dir, output
     # The survivors' executors: each message was a fork, each replied (the executor logs
     # it when it reaps the fork, within 0.1 s of its exit); then SIGTERM stops each.
-    survivors = [k for k in range(NUM_NODES) if k != KILLED]
     executors = [_guide_process(deployment, f"superexec-{k}") for k in survivors]
     assert all(executors), "an executor exited during the run"
     descendants = [c for e in executors for c in e.children(recursive=True)]  # the pollers
