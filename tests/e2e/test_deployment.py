@@ -372,29 +372,35 @@ def _start_refused(deployment: Deployment) -> None:
     )  # fmt: skip
 
 
+@dataclass
+class Refused:
+    returncodes: dict[str, int]  # refused SuperNode -> its exit status
+    nodes: dict[int, str]  # `flwr supernode list` once all of them exited
+
+
 @pytest.fixture(scope="module")
-def refused(deployment, killed_run) -> Deployment:
-    """The refused SuperNodes, started during the run (:func:`killed_run`)."""
-    assert "unregistered" in deployment.processes
-    return deployment
+def refused(deployment, killed_run) -> Refused:
+    """The refused SuperNodes (started during the run, :func:`killed_run`) once all
+    three exited, and the SuperLink's nodes then: one CLI call serves both tests."""
+    names = ("unregistered", "plaintext", "plaintext-auth")
+    returncodes = {name: deployment.wait_exit(name, timeout=60) for name in names}
+    return Refused(returncodes, deployment.nodes())
 
 
-def test_unregistered_key_is_refused(refused):
-    deployment = refused
+def test_unregistered_key_is_refused(refused, deployment):
     proc = deployment.processes["unregistered"]
-    returncode = deployment.wait_exit("unregistered", timeout=60)
+    returncode = refused.returncodes["unregistered"]
     log = deployment.log("unregistered")
     # Flower 1.41: ActivateNode answers HTTP 412 with ApiError 2004, the SuperNode exits.
     assert returncode == 1 and proc.returncode == 1, log
     assert "Exit Code: 305" in log and "[code: 2004] Failed to activate SuperNode." in log, log
     assert "No SuperNode found with the given public key" in deployment.log("superlink")
-    assert set(deployment.nodes()) == set(deployment.node_ids.values())
+    assert set(refused.nodes) == set(deployment.node_ids.values())
 
 
-def test_plaintext_connection_to_the_tls_superlink_fails(refused):
-    deployment = refused
+def test_plaintext_connection_to_the_tls_superlink_fails(refused, deployment):
     # A SuperNode without TLS: the TLS port drops the plaintext HTTP request.
-    returncode = deployment.wait_exit("plaintext", timeout=60)
+    returncode = refused.returncodes["plaintext"]
     log = deployment.log("plaintext")
     assert returncode == 1, log
     assert "Exit Code: 305" in log, log
@@ -402,13 +408,13 @@ def test_plaintext_connection_to_the_tls_superlink_fails(refused):
     dropped = ("Server disconnected without sending a response", "Connection reset by peer")
     assert any(reason in log for reason in dropped), log
     # A SuperNode key without TLS is refused before it dials (auth requires TLS).
-    assert deployment.wait_exit("plaintext-auth", timeout=60) == 1
+    assert refused.returncodes["plaintext-auth"] == 1
     assert "Exit Code: 303" in deployment.log("plaintext-auth")
     # The flwr CLI through a plaintext connection.
     result = deployment.flwr("supernode", "list", "lab-plaintext", check=False)
     assert result.returncode == 1
     assert "Connection to the SuperLink is unavailable" in result.stdout + result.stderr
-    assert set(deployment.nodes()) == set(deployment.node_ids.values())  # no one joined
+    assert set(refused.nodes) == set(deployment.node_ids.values())  # no one joined
 
 
 def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
