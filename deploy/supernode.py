@@ -4,8 +4,9 @@ It runs ``flower-supernode`` unchanged (same options, code and log) after replac
 the ``time`` module Flower's SuperNode loop sees with ``PollClock`` (why: the
 package docstring); ``check_flower`` first requires Flower 1.42's (or 1.41's, the same) loop with
 exactly the waits it replaces. ``ActivationRetry`` retries an activation the
-SuperLink refuses right after a restart (ApiError 2004). Use it as
-``flower-supernode``, with more options::
+SuperLink refuses right after a restart (ApiError 2004). ``--heartbeat-interval``
+sets the node's heartbeat (Flower: 30 s; the SuperLink lists a node offline after two
+missed). Use it as ``flower-supernode``, with more options::
 
     python -m deploy.supernode --poll-interval 0.5 --superlink superlink.lab.example:9093 ...
 
@@ -38,6 +39,12 @@ DEFAULT_REPLY_POLL_INTERVAL = 0.05
 # (30 s) after its last heartbeat; 15 s more for the SuperLink to notice.
 DEFAULT_ACTIVATION_WAIT = 75.0
 DEFAULT_ACTIVATION_RETRY_INTERVAL = 5.0
+# The node's heartbeat interval: announced at activation and with each heartbeat
+# (flwr.supernode.fleet_http_connection) and the pace of Flower's sender
+# (flwr.supercore.heartbeat); the SuperLink accepts [10, 1800] s.
+FLOWER_HEARTBEAT_INTERVAL = 30.0
+HEARTBEAT_INTERVAL_RANGE = (10.0, 1800.0)
+HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
 ACTIVATION_FAILED = 2004  # ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED (HTTP 412)
 
 
@@ -174,6 +181,24 @@ def check_flower(version: str, module: ModuleType) -> None:
         )
 
 
+def set_heartbeat_interval(seconds: float) -> None:
+    """Make this process's SuperNode announce and keep a heartbeat every ``seconds``
+    (Flower: 30), or refuse (``SystemExit``) unless Flower reads the interval from the
+    two module constants this replaces. In a SuperNode's process the only heartbeat
+    sender is the node's: each ClientApp's runs in the ClientApp's own process."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in HEARTBEAT_MODULES]
+    for module in modules:
+        if getattr(module, "HEARTBEAT_DEFAULT_INTERVAL", None) != FLOWER_HEARTBEAT_INTERVAL:
+            raise SystemExit(
+                f"deploy.supernode: {module.__name__} has no HEARTBEAT_DEFAULT_INTERVAL = "
+                f"{FLOWER_HEARTBEAT_INTERVAL:g}; run without --heartbeat-interval"
+            )
+    for module in modules:
+        module.HEARTBEAT_DEFAULT_INTERVAL = seconds
+
+
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our two options; the rest is ``flower-supernode``'s, passed on unchanged."""
     parser = argparse.ArgumentParser(
@@ -210,7 +235,22 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default=DEFAULT_ACTIVATION_RETRY_INTERVAL,
         help="seconds between two activation attempts (default: %(default)s)",
     )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=FLOWER_HEARTBEAT_INTERVAL,
+        help="seconds between the node's heartbeats as announced to the SuperLink, which "
+        "lists the node offline after two missed; a crashed SuperNode's node is then "
+        "offline, its pending messages answered with an error, after twice this "
+        "(Flower: 30; default: %(default)s)",
+    )
     args, rest = parser.parse_known_args(argv)
+    low, high = HEARTBEAT_INTERVAL_RANGE
+    if not low <= args.heartbeat_interval <= high:
+        parser.error(
+            f"--heartbeat-interval = {args.heartbeat_interval} must be in [{low:g}, {high:g}] "
+            "seconds (the SuperLink's range)"
+        )
     if not 0 <= args.activation_wait <= 3600:
         parser.error(f"--activation-wait = {args.activation_wait} must be in [0, 3600] seconds")
     if not 0.1 <= args.activation_retry_interval <= 60:
@@ -237,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     check_flower(package_version, loop)
     loop.time = PollClock(args.poll_interval, args.reply_poll_interval)
+    if args.heartbeat_interval != FLOWER_HEARTBEAT_INTERVAL:
+        set_heartbeat_interval(args.heartbeat_interval)
     if args.activation_wait > 0:
         from flwr.supernode.fleet_http_client import FleetHttpClient
 
@@ -245,8 +287,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     log(
         INFO,
         "deploy.supernode: pulling again %.2f s after a pull that brought no message "
-        "(Flower: %g s), looking for replies every %.2f s (Flower: %g s)",
+        "(Flower: %g s), looking for replies every %.2f s (Flower: %g s), heartbeat "
+        "every %g s (Flower: %g s)",
         args.poll_interval, PULL_WAIT, args.reply_poll_interval, REPLY_WAIT,
+        args.heartbeat_interval, FLOWER_HEARTBEAT_INTERVAL,
     )  # fmt: skip
     sys.argv = ["flower-supernode", *rest]
     flower_supernode()

@@ -162,3 +162,114 @@ def test_main_patches_the_loop_then_runs_flower_supernode(monkeypatch):
     clock = seen["time"]
     assert isinstance(clock, supernode.PollClock)
     assert (clock.poll_interval, clock.reply_poll_interval) == (0.3, 0.05)
+
+
+def test_heartbeat_interval_is_checked_and_not_passed_on(capsys):
+    args, rest = supernode.parse_args(["--heartbeat-interval", "10", "--insecure"])
+    assert args.heartbeat_interval == 10.0 and rest == ["--insecure"]
+    assert supernode.parse_args([])[0].heartbeat_interval == 30.0  # Flower's
+    for value in ("9.5", "1801"):
+        with pytest.raises(SystemExit):
+            supernode.parse_args(["--heartbeat-interval", value])
+        assert f"--heartbeat-interval = {float(value)} must be in [10, 1800]" in (
+            capsys.readouterr().err
+        )
+
+
+@pytest.fixture
+def heartbeat_restored(monkeypatch):
+    """Flower's heartbeat constants as installed, put back after the test."""
+    import flwr.supercore.heartbeat
+    import flwr.supernode.fleet_http_connection
+
+    for module in (flwr.supernode.fleet_http_connection, flwr.supercore.heartbeat):
+        assert module.HEARTBEAT_DEFAULT_INTERVAL == 30  # Flower 1.41/1.42
+        monkeypatch.setattr(module, "HEARTBEAT_DEFAULT_INTERVAL", 30)
+
+
+class _OneWait:
+    """A stop event whose first wait is recorded and stops the sender."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def is_set(self) -> bool:
+        return bool(self.waits)
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return True
+
+
+def _sender_wait() -> float:
+    """The wait after a successful heartbeat of Flower's HeartbeatSender."""
+    from flwr.supercore.heartbeat import HeartbeatSender
+
+    sender = HeartbeatSender(lambda: True)
+    sender._stop_event = _OneWait()  # _run sends, then waits on it
+    sender._run()
+    (wait,) = sender._stop_event.waits
+    return wait
+
+
+def test_the_sender_keeps_the_announced_interval(heartbeat_restored):
+    # Flower: (interval - 5 s call timeout) x U(0.7, 0.9); offline after 2 x interval.
+    assert 17.5 <= _sender_wait() <= 22.5
+    supernode.set_heartbeat_interval(10)
+    assert all(3.5 <= _sender_wait() <= 4.5 for _ in range(20))
+
+
+def test_activation_and_heartbeats_announce_the_interval(heartbeat_restored, monkeypatch):
+    from flwr.proto.fleet_pb2 import ActivateNodeResponse, DeactivateNodeResponse
+    from flwr.proto.heartbeat_pb2 import SendNodeHeartbeatResponse
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs
+    from flwr.supernode.fleet_http_connection import http_request_response
+
+    announced: list[tuple[str, float]] = []
+
+    def activate(self, request):
+        announced.append(("activate", request.heartbeat_interval))
+        return ActivateNodeResponse(node_id=7)
+
+    def heartbeat(self, request):
+        announced.append(("heartbeat", request.heartbeat_interval))
+        return SendNodeHeartbeatResponse(success=True)
+
+    monkeypatch.setattr(FleetHttpClient, "ActivateNode", activate)
+    monkeypatch.setattr(FleetHttpClient, "SendNodeHeartbeat", heartbeat)
+    monkeypatch.setattr(FleetHttpClient, "DeactivateNode", lambda *_: DeactivateNodeResponse())
+    supernode.set_heartbeat_interval(12.5)
+    with http_request_response(
+        "127.0.0.1:9", insecure=True, authentication_keys=generate_key_pairs()
+    ) as connection:
+        assert connection[0] == 7
+        deadline = time.monotonic() + 10
+        while len(announced) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert announced == [("activate", 12.5), ("heartbeat", 12.5)]
+
+
+def test_heartbeat_interval_refused_unless_flower_reads_it_there(heartbeat_restored, monkeypatch):
+    import flwr.supercore.heartbeat
+
+    monkeypatch.delattr(flwr.supercore.heartbeat, "HEARTBEAT_DEFAULT_INTERVAL")
+    with pytest.raises(SystemExit, match=r"flwr\.supercore\.heartbeat has no HEARTBEAT"):
+        supernode.set_heartbeat_interval(10)
+    import flwr.supernode.fleet_http_connection as connection
+
+    assert connection.HEARTBEAT_DEFAULT_INTERVAL == 30  # nothing changed
+
+
+def test_main_sets_the_heartbeat_interval_only_when_asked(heartbeat_restored, monkeypatch):
+    import flwr.supercore.heartbeat
+    import flwr.supernode.fleet_http_connection as connection
+
+    monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: None)
+    monkeypatch.setattr(loop, "time", loop.time)
+    monkeypatch.setattr(FleetHttpClient, "ActivateNode", FleetHttpClient.ActivateNode)
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    supernode.main(["--insecure"])
+    assert connection.HEARTBEAT_DEFAULT_INTERVAL == 30
+    supernode.main(["--insecure", "--heartbeat-interval", "10"])
+    assert connection.HEARTBEAT_DEFAULT_INTERVAL == 10
+    assert flwr.supercore.heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10

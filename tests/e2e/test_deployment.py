@@ -21,9 +21,12 @@ real SuperNodes with TLS and node authentication; its first round has all three
 SuperNodes; in round 2 (the last), once SuperNode 2 has shared its SecAgg+ keys, its
 executor is frozen and then it is SIGKILLed with it (a dropout after key sharing: the
 round's sum must be the two survivors'), and the run must finish on the two
-survivors (the SuperLink keeps a killed node "online" until 2 x 30 s heartbeat
-intervals pass, so meanwhile each exchange with it waits ``round-timeout``). SIGTERM
-must then stop each surviving executor with its processes.
+survivors. The warm SuperNodes announce a 10 s heartbeat (``--heartbeat-interval``):
+the SuperLink lists a killed node offline within 2 x 10 s, which lets the crashed one
+rejoin and ends round 2's wait for the dead one (its message is answered with an
+error) well before ``round-timeout``; meanwhile a SuperNode with the unregistered key
+and two without TLS start and are refused. SIGTERM must then stop each surviving
+executor with its processes.
 
 Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
 found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
@@ -66,7 +69,9 @@ CRASHED = 0  # the warm SuperNode SIGKILLed right after it joined, restarted at 
 ROUNDS = 2  # round 1 on all three, round 2 the dropout after key sharing
 ROUND_TIMEOUT = 45  # s: each message is a fork of a warm executor, but on a machine
 # loaded 10-fold (load average 20 on 2 cores) round 1's collect stage, all three
-# training at once, took 30 s. A dead node costs an exchange this long.
+# training at once, took 30 s. A dead node costs an exchange until it is offline.
+HEARTBEAT = 10  # s: the warm block's --heartbeat-interval: offline 2 x this after the
+# last heartbeat (Flower's 30 s: 60 s)
 SECAGG_STAGES = 4  # messages per SecAgg+ round: setup, share keys, collect, unmask
 WARM_DONE = re.compile(r"Warm executor: task \d+ done")
 KEYS_SHARED = "SecAgg+ round 2: keys shared among 3 of 3 clients"
@@ -155,6 +160,9 @@ class Deployment:
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "PYTHONUNBUFFERED": "1",  # complete logs even from processes we kill
+            # `python -m deploy.supernode` and the like run this checkout's code, also
+            # where the environment's editable install is another checkout's
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(APP_DIR), env.get("PYTHONPATH")])),
         }
 
     # -- processes ---------------------------------------------------------------------
@@ -247,6 +255,20 @@ class Deployment:
         psutil.wait_procs(victims, timeout=10)
 
     # -- state on the SuperLink --------------------------------------------------------
+    def wait_online(self, timeout: float) -> dict[int, str]:
+        """Wait until each SuperNode's log names its node id (Flower logs it once
+        activated), then until ``flwr supernode list`` lists all of them online: one
+        CLI call (about 1.5 s of CPU) once they should be, not one a second."""
+        deadline = time.monotonic() + timeout
+        for k, node in self.node_ids.items():
+            while f"SuperNode ID: {node}" not in (log := self.log(f"supernode-{k}")):
+                assert time.monotonic() < deadline, f"supernode-{k} not activated:\n{log}"
+                time.sleep(0.2)
+        while set((nodes := self.nodes()).values()) != {"online"} or len(nodes) < NUM_NODES:
+            assert time.monotonic() < deadline, f"SuperNodes not online: {nodes}"
+            time.sleep(0.5)
+        return nodes
+
     def nodes(self) -> dict[int, str]:
         """``flwr supernode list lab``: node id -> status."""
         out = self.flwr("supernode", "list", "lab", "--format", "json").stdout
@@ -317,10 +339,7 @@ def deployment():
         assert len(registered) == NUM_NODES, registered  # keys 0..2, in order
         dep.node_ids = {k: int(node) for k, node in enumerate(registered)}
         dep.run_doc("supernodes-on-one-host")
-        deadline = time.monotonic() + 90
-        while set((nodes := dep.nodes()).values()) != {"online"} or len(nodes) < NUM_NODES:
-            assert time.monotonic() < deadline, f"SuperNodes not online: {nodes}"
-            time.sleep(1)
+        dep.wait_online(timeout=90)
         yield dep
     finally:
         left = dep.stop()
@@ -328,26 +347,60 @@ def deployment():
     assert not left, f"processes left running: {left}"
 
 
-def test_unregistered_key_is_refused(deployment):
-    proc = deployment.start_supernode(
+def _start_refused(deployment: Deployment) -> None:
+    """Start the SuperNodes the SuperLink must refuse, at once (their start-ups and
+    retries overlap), and write the plaintext ``lab-plaintext`` connection."""
+    deployment.start_supernode(
         "unregistered",
         "--root-certificates", str(deployment.ca.public),
         "--auth-supernode-private-key", str(deployment.keys[3].private),
         "--node-config", f"partition-id=0 num-partitions={NUM_NODES}",
     )  # fmt: skip
-    returncode = deployment.wait_exit("unregistered", timeout=60)
+    # A SuperNode without TLS: the TLS port drops the plaintext HTTP request.
+    deployment.start_supernode("plaintext", "--insecure", "--max-retries", "2")
+    # A SuperNode key without TLS is refused before it dials (auth requires TLS).
+    deployment.start_supernode(
+        "plaintext-auth", "--insecure", "--auth-supernode-private-key",
+        str(deployment.keys[0].private),
+    )  # fmt: skip
+    # Meanwhile (and before any `flwr` call reads the connections file again) the
+    # plaintext connection for the flwr CLI.
+    subprocess.run(
+        [sys.executable, "-m", "lab.connections", "lab-plaintext",
+         "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
+        cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
+    )  # fmt: skip
+
+
+@dataclass
+class Refused:
+    returncodes: dict[str, int]  # refused SuperNode -> its exit status
+    nodes: dict[int, str]  # `flwr supernode list` once all of them exited
+
+
+@pytest.fixture(scope="module")
+def refused(deployment, killed_run) -> Refused:
+    """The refused SuperNodes (started during the run, :func:`killed_run`) once all
+    three exited, and the SuperLink's nodes then: one CLI call serves both tests."""
+    names = ("unregistered", "plaintext", "plaintext-auth")
+    returncodes = {name: deployment.wait_exit(name, timeout=60) for name in names}
+    return Refused(returncodes, deployment.nodes())
+
+
+def test_unregistered_key_is_refused(refused, deployment):
+    proc = deployment.processes["unregistered"]
+    returncode = refused.returncodes["unregistered"]
     log = deployment.log("unregistered")
     # Flower 1.41: ActivateNode answers HTTP 412 with ApiError 2004, the SuperNode exits.
     assert returncode == 1 and proc.returncode == 1, log
     assert "Exit Code: 305" in log and "[code: 2004] Failed to activate SuperNode." in log, log
     assert "No SuperNode found with the given public key" in deployment.log("superlink")
-    assert set(deployment.nodes()) == set(deployment.node_ids.values())
+    assert set(refused.nodes) == set(deployment.node_ids.values())
 
 
-def test_plaintext_connection_to_the_tls_superlink_fails(deployment):
+def test_plaintext_connection_to_the_tls_superlink_fails(refused, deployment):
     # A SuperNode without TLS: the TLS port drops the plaintext HTTP request.
-    deployment.start_supernode("plaintext", "--insecure", "--max-retries", "2")
-    returncode = deployment.wait_exit("plaintext", timeout=60)
+    returncode = refused.returncodes["plaintext"]
     log = deployment.log("plaintext")
     assert returncode == 1, log
     assert "Exit Code: 305" in log, log
@@ -355,22 +408,13 @@ def test_plaintext_connection_to_the_tls_superlink_fails(deployment):
     dropped = ("Server disconnected without sending a response", "Connection reset by peer")
     assert any(reason in log for reason in dropped), log
     # A SuperNode key without TLS is refused before it dials (auth requires TLS).
-    deployment.start_supernode(
-        "plaintext-auth", "--insecure", "--auth-supernode-private-key",
-        str(deployment.keys[0].private),
-    )  # fmt: skip
-    assert deployment.wait_exit("plaintext-auth", timeout=60) == 1
+    assert refused.returncodes["plaintext-auth"] == 1
     assert "Exit Code: 303" in deployment.log("plaintext-auth")
     # The flwr CLI through a plaintext connection.
-    subprocess.run(
-        [sys.executable, "-m", "lab.connections", "lab-plaintext",
-         "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
-        cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
-    )  # fmt: skip
     result = deployment.flwr("supernode", "list", "lab-plaintext", check=False)
     assert result.returncode == 1
     assert "Connection to the SuperLink is unavailable" in result.stdout + result.stderr
-    assert set(deployment.nodes()) == set(deployment.node_ids.values())  # no one joined
+    assert set(refused.nodes) == set(deployment.node_ids.values())  # no one joined
 
 
 def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
@@ -405,7 +449,7 @@ def warm_nodes(deployment) -> WarmNodes:
     --isolation process`` (Flower's SuperNode with a 0.5 s wait after an empty pull and
     activation retries on 2004) with one executor each. Right after SuperNode
     ``CRASHED`` joined it and its executor are SIGKILLed (a machine that dies: the
-    SuperLink keeps its node ``online`` for 2 x 30 s) and restarted at once with the
+    SuperLink keeps its node ``online`` for 2 x 10 s) and restarted at once with the
     same commands: the SuperNode is refused while its node is still online, retries,
     and rejoins under the same id (that wait overlaps the executors' imports). After it
     the guide's first SuperNodes are gone."""
@@ -418,9 +462,9 @@ def warm_nodes(deployment) -> WarmNodes:
     superexecs = [c for p in guide for c in p.children(recursive=True)]
     for proc in guide:
         proc.terminate()
-    # An upper bound: a SuperExec still importing when its SuperNode stops (a loaded
-    # machine) notices the stop only once its parent monitor runs.
-    _, alive = psutil.wait_procs([*guide, *superexecs], timeout=60)
+    # A SuperNode deactivates its node as it exits, and frees its Runtime API port for
+    # the warm block; its SuperExec's exit is checked once the warm nodes are up.
+    _, alive = psutil.wait_procs(guide, timeout=60)
     assert not alive, alive
     deadline = time.monotonic() + 30
     while "online" in (nodes := deployment.nodes()).values():
@@ -457,10 +501,7 @@ def warm_nodes(deployment) -> WarmNodes:
         assert time.monotonic() < deadline, deployment.log(f"supernode-{CRASHED}")
         time.sleep(0.5)
     rejoined_after = time.monotonic() - killed_at
-    deadline = time.monotonic() + 90
-    while set((nodes := deployment.nodes()).values()) != {"online"}:
-        assert time.monotonic() < deadline, f"{nodes}\n{deployment.log('superexec-0')}"
-        time.sleep(0.5)
+    deployment.wait_online(timeout=90)
     # The run starts once every executor has imported what it preloads: on CI, with the
     # other core running other tests, that took longer than 'round-timeout', the partition
     # queries that waited for it timed out, and the run stopped before round 1.
@@ -468,6 +509,10 @@ def warm_nodes(deployment) -> WarmNodes:
     while not all("Warm executor ready" in log for log in _logs(deployment, "superexec")):
         assert time.monotonic() < deadline, _logs(deployment, "superexec")
         time.sleep(0.5)
+    # An upper bound: a SuperExec still importing when its SuperNode stopped (a loaded
+    # machine) notices the stop only once its parent monitor runs.
+    _, alive = psutil.wait_procs(superexecs, timeout=max(1, started + 60 - time.monotonic()))
+    assert not alive, f"the guide's SuperExecs outlived their SuperNodes: {alive}"
     return WarmNodes(crashed, rejoined_after, time.monotonic() - started)
 
 
@@ -481,6 +526,7 @@ class Run:
     participation: pd.DataFrame
     killed_after: int  # the last round checkpointed when the SuperNode was killed
     offline_after_s: float | None  # kill -> the SuperLink lists the node offline
+    nodes: dict[int, str]  # `flwr supernode list` then: node id -> status
     git: tuple[str, str]  # git status before and after
     executor_logs: list[str]  # after the run, before the survivors' executors stopped
     supernode_logs: list[str]
@@ -540,6 +586,17 @@ def killed_run(deployment, warm_nodes) -> Run:
     killed_at = time.monotonic()
     deployment.orphans += victims
     psutil.wait_procs(victims, timeout=10)
+    # Once the survivors answered round 2's collect stage, the run only waits for the
+    # dead node to be listed offline: the SuperNodes the SuperLink must refuse start
+    # then (a refusal must not disturb a run), using that idle time.
+    survivors = [k for k in range(NUM_NODES) if k != KILLED]
+    collected = 1 + SECAGG_STAGES + 3  # query.partition, round 1, round 2 to collect
+    while flwr.poll() is None and any(
+        len(WARM_DONE.findall(deployment.log(f"superexec-{k}"))) < collected for k in survivors
+    ):
+        assert time.monotonic() < deadline, "round 2 not collected\n" + deployment.log("flwr-run")
+        time.sleep(0.2)
+    _start_refused(deployment)
     try:
         deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
     except AssertionError as err:
@@ -550,7 +607,6 @@ def killed_run(deployment, warm_nodes) -> Run:
     assert run_id and run_dir, output
     # The survivors' executors: each message was a fork, each replied (the executor logs
     # it when it reaps the fork, within 0.1 s of its exit); then SIGTERM stops each.
-    survivors = [k for k in range(NUM_NODES) if k != KILLED]
     executors = [_guide_process(deployment, f"superexec-{k}") for k in survivors]
     assert all(executors), "an executor exited during the run"
     descendants = [c for e in executors for c in e.children(recursive=True)]  # the pollers
@@ -572,7 +628,7 @@ def killed_run(deployment, warm_nodes) -> Run:
     # Look at least once, however long the run took after the kill.
     look_until = max(killed_at + 90, time.monotonic() + 5)
     while offline_after is None and time.monotonic() < look_until:
-        if deployment.nodes()[deployment.node_ids[KILLED]] == "offline":
+        if (nodes := deployment.nodes())[deployment.node_ids[KILLED]] == "offline":
             offline_after = time.monotonic() - killed_at
         else:
             time.sleep(2)
@@ -586,6 +642,7 @@ def killed_run(deployment, warm_nodes) -> Run:
         participation=pd.read_csv(path / "participation.csv"),
         killed_after=done,
         offline_after_s=offline_after,
+        nodes=nodes,
         git=(before, after),
         executor_logs=executor_logs,
         supernode_logs=_logs(deployment, "supernode"),
@@ -618,8 +675,11 @@ def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment
     assert run.killed_after == 1  # killed before round 2 was recorded
     for server_round in range(2, ROUNDS + 1):
         rows = run.participation[run.participation["round"] == server_round]
-        # Still "online" for up to 2 x 30 s, the dead node is sampled but never replies.
+        # Still "online" for up to 2 x 10 s, the dead node is sampled but never replies.
         assert not rows[rows["node-id"] == dead]["replied"].any(), rows.to_string()
+        # Once it was offline, the SuperLink answered its message with an error.
+        errors = rows[rows["node-id"] == dead]["error"]
+        assert len(errors) == 1 and errors.str.contains("Node Unavailable").all(), rows.to_string()
         replied = set(rows[rows["replied"]]["node-id"])
         assert replied == survivors, rows.to_string()
     # Round 2: it died after sharing its keys; the survivors' sum was unmasked (its
@@ -630,8 +690,11 @@ def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment
     central = run.metrics[run.metrics["scope"] == "central-eval"].set_index("round")
     assert central.loc[ROUNDS, "eval-loss"] < central.loc[0, "eval-loss"], central
     assert run.status == "finished:completed"
-    # The SuperLink marks it offline after 2 missed 30 s heartbeat intervals (measured
-    # here from the kill to the first look after the run, so only an upper bound).
+    # The SuperLink marks it offline after 2 missed 10 s heartbeat intervals (measured
+    # here from the kill to the first look after the run, so only an upper bound), and
+    # then answers its collect message with an error: the stage ends before the timeout.
+    stages = re.search(r"SecAgg\+ round 2: .* collect_masked_vectors ([\d.]+)", run.output)
+    assert stages and float(stages.group(1)) < ROUND_TIMEOUT, run.output
     assert run.offline_after_s is not None, "killed SuperNode never listed offline"
     print(f"killed SuperNode listed offline {run.offline_after_s:.0f} s after SIGKILL")
     print("\n".join(line for line in run.output.splitlines() if "round " in line))
@@ -646,12 +709,11 @@ def test_a_supernode_restarted_right_after_a_crash_rejoins(warm_nodes, killed_ru
     assert "refused to activate this node (2004)" in restarted, restarted
     assert "activation still refused" not in restarted, restarted
     assert f"SuperNode ID: {warm_nodes.crashed}" in restarted, restarted
-    # Offline at most 2 x 30 s after its last heartbeat, then one retry interval (5 s),
-    # with 10 s for the restarted SuperNode to log its id on a busy machine.
-    assert warm_nodes.rejoined_after_s < node_launcher.DEFAULT_ACTIVATION_WAIT, (
-        warm_nodes.rejoined_after_s
-    )
-    assert set(deployment.node_ids.values()) == set(deployment.nodes())
+    # Offline at most 2 x 10 s after its last heartbeat, then one retry interval (5 s),
+    # with 20 s for the restarted SuperNode to log its id on a busy machine.
+    retry = node_launcher.DEFAULT_ACTIVATION_RETRY_INTERVAL
+    assert warm_nodes.rejoined_after_s < 2 * HEARTBEAT + retry + 20, warm_nodes.rejoined_after_s
+    assert set(deployment.node_ids.values()) == set(killed_run.nodes)
     assert killed_run.status == "finished:completed", killed_run.output
     participation = killed_run.participation
     for server_round in range(1, ROUNDS + 1):
@@ -667,6 +729,7 @@ def test_a_run_completes_on_the_warm_executor(warm_nodes, killed_run, deployment
     assert all("deploy.supernode: pulling again 0.50 s" in log for log in run.supernode_logs), (
         run.supernode_logs
     )
+    assert all(f"heartbeat every {HEARTBEAT} s" in log for log in run.supernode_logs)
     assert run.status == "finished:completed", run.output
     train = run.metrics[run.metrics["scope"] == "train"]
     assert list(train["round"]) == list(range(1, ROUNDS + 1)), run.metrics
