@@ -38,6 +38,22 @@ def model_seeds(seed: int, k: int) -> list[int]:
     return [int(s) for s in states]
 
 
+def cluster_message(
+    node: int, k: int, model: ArrayRecord, config: ConfigRecord, server_round: int, train: bool
+) -> Message:
+    """A train or evaluate message for cluster ``k`` with its own copy of ``model``."""
+    extra = {keys.SERVER_ROUND: server_round, keys.CLUSTER_ID: k}
+    content = RecordDict(
+        {keys.ARRAYS: copy_record(model), keys.CONFIG: ConfigRecord({**config, **extra})}
+    )
+    return Message(
+        content=content,
+        dst_node_id=node,
+        message_type=MessageType.TRAIN if train else MessageType.EVALUATE,
+        group_id=str(server_round),
+    )
+
+
 class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
     """K global models; clients are assigned to one, and each model becomes the mean of
     a k-means cluster of the uploads, or of the uploads of the clients assigned to it.
@@ -183,7 +199,7 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
         counts = np.bincount([c[0] for c in choices.values()], minlength=self.k)
         log(INFO, "configure_train: %d nodes, per model %s", len(nodes), counts.tolist())
         return [
-            self._message(node, k, self.models[k], config, server_round, True)
+            cluster_message(node, k, self.models[k], config, server_round, True)
             for node, (k, _, _) in choices.items()
         ]
 
@@ -276,7 +292,7 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
         messages = []
         for node in nodes:
             k = self.book.clusters.get(node, largest) if self.models else 0
-            messages.append(self._message(node, k, models[k], config, server_round, False))
+            messages.append(cluster_message(node, k, models[k], config, server_round, False))
         return messages
 
     def evaluation_metrics(self, server_round: int, replies: list[Message]) -> MetricRecord | None:
@@ -303,22 +319,6 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
     def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
         nodes = self._connected(grid, minimum)
         return seeded_sample(nodes, fraction, minimum, self.rng, self.partitions)
-
-    @staticmethod
-    def _message(
-        node: int, k: int, model: ArrayRecord, config: ConfigRecord, server_round: int, train: bool
-    ) -> Message:
-        """A train or evaluate message with its own copy of ``model`` and config."""
-        extra = {keys.SERVER_ROUND: server_round, keys.CLUSTER_ID: k}
-        content = RecordDict(
-            {keys.ARRAYS: copy_record(model), keys.CONFIG: ConfigRecord({**config, **extra})}
-        )
-        return Message(
-            content=content,
-            dst_node_id=node,
-            message_type=MessageType.TRAIN if train else MessageType.EVALUATE,
-            group_id=str(server_round),
-        )
 
     def _valid_uploads(
         self, replies: Iterable[Message], pending: dict[int, tuple[int, str, float]]
