@@ -38,6 +38,8 @@ DRIVER = textwrap.dedent(
     from deploy import superexec
 
     out, parent, preload = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    if "torch" not in preload:  # a zygote without torch, as where it is not installed
+        sys.modules["torch"] = None  # (its import is ~3 s of CPU a driver)
     sys.path.insert(0, str(out / "app"))
 
     def run_task(task):

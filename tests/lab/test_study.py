@@ -40,6 +40,7 @@ def write_preset(path: Path, text: str) -> Path:
     return path
 
 
+@pytest.mark.xdist_group("umap")  # UMAP compiles once per worker: see test_lunar_lander_plots
 def test_analysing_existing_runs_writes_every_file(tmp_path, capsys):
     fedavg = make_run(tmp_path, "fedavg", FEDAVG_CLIENTS)
     single = make_run(tmp_path, "local", SINGLE_CLIENTS)
@@ -243,6 +244,11 @@ def test_main_runs_presets_then_analyses_them(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "LocalSimulation", FakeLauncher())
     presets = [preset("fl", 9, strategy="fedavg"), preset("single", 9, strategy="local")]
     monkeypatch.setattr(study, "load_presets", lambda paths: presets)
+    # The t-SNE and UMAP files are the analysis's (the test above writes them); here
+    # only that each run made is handed to them: UMAP's numba compile is ~20 s of CPU
+    # in every process that fits one.
+    embedded = []
+    monkeypatch.setattr(study, "_embeddings", lambda *args: embedded.append(args))
     out = tmp_path / "study"
 
     study.main(["fl.toml", "single.toml", "--out", str(out)])
@@ -252,3 +258,6 @@ def test_main_runs_presets_then_analyses_them(tmp_path, monkeypatch):
     assert Path(experiments["single"]["run_dir"]).parent == out / "runs"
     for file in STUDY_FILES:
         assert (out / file).is_file()
+    assert [(name, Path(run), where) for name, run, where, _ in embedded] == [
+        (name, Path(experiments[name]["run_dir"]), out) for name in ("fl", "single")
+    ]

@@ -121,11 +121,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_both_modes_agree():
+def test_cli_both_modes_agree(capsys):
+    # In this process: `python -m privacy.budget` itself runs in test_cli_bad_flags_exit_2.
     setting = ["--sample-size", "20", "--population", "500", "--rounds", "100"]
-    given = _cli("--noise-multiplier", "1.5", *setting)
-    assert given.returncode == 0, given.stderr
-    forward = json.loads(given.stdout)
+    assert main(["--noise-multiplier", "1.5", *setting]) == 0
+    forward = json.loads(capsys.readouterr().out)
     assert forward["noise_multiplier"] == 1.5 and forward["delta"] == 1e-5
     assert (forward["accountant"], forward["sampling"], forward["rounds"]) == (
         "rdp",
@@ -142,9 +142,8 @@ def test_cli_both_modes_agree():
         sampling="poisson",
         accountant="rdp",
     )
-    back = _cli("--target-epsilon", repr(forward["epsilon"]), *setting)
-    assert back.returncode == 0, back.stderr
-    inverse = json.loads(back.stdout)
+    assert main(["--target-epsilon", repr(forward["epsilon"]), *setting]) == 0
+    inverse = json.loads(capsys.readouterr().out)
     assert inverse["noise_multiplier"] == pytest.approx(1.5, abs=1e-4)
     assert inverse["epsilon"] == pytest.approx(forward["epsilon"], abs=1e-3)
     assert inverse["epsilon"] <= forward["epsilon"]

@@ -204,7 +204,11 @@ def test_comparison_plots_draw_every_experiment_and_planet(runs):
     assert [t.get_text() for t in side.legends[0].get_texts()] == ["fedavg", "single"]
 
 
-@pytest.mark.parametrize("method", ["tsne", "umap"])
+# UMAP's numba compile (~20 s of CPU) is paid once per process: the tests that fit a
+# UMAP share one xdist worker (group "umap", tests/lab/test_study.py too).
+@pytest.mark.parametrize(
+    "method", ["tsne", pytest.param("umap", marks=pytest.mark.xdist_group("umap"))]
+)
 def test_weight_embedding_marks_planets_and_colours_time(runs, method):
     snapshots, weights = load_snapshots(runs["single"] / "clients")
     few = snapshots.index[:3]  # 3 snapshots suffice: perplexity / neighbours adapt
