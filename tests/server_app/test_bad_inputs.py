@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from flwr.supercore.task_identity import TaskIdentity
 
 from config.options import ConfigError
 from server_app.failures import RunFailed
@@ -95,6 +96,9 @@ def test_an_unwritable_output_dir_is_named(tmp_path, where):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> tuple[dict, Path]:
     """A finished one-round run, made once: each test damages a copy of it."""
+    # What Flower's runtime sets for a ServerApp (tests/conftest.py sets it per test; a
+    # module-scoped fixture runs before that).
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     root = tmp_path_factory.mktemp("finished")
     config = run_config(**{"output-dir": str(root), "num-server-rounds": 1})
     run_server(config, InProcessGrid(config, NODES))
