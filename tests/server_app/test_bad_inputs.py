@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from flwr.supercore.task_identity import TaskIdentity
 
 from config.options import ConfigError
 from server_app.failures import RunFailed
 from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]
+# One worker makes the module's shared run once (a module-scoped fixture per worker
+# otherwise).
+pytestmark = pytest.mark.xdist_group("bad-inputs")
 
 
 def _only_run(root: Path) -> Path:
@@ -88,15 +93,28 @@ def test_an_unwritable_output_dir_is_named(tmp_path, where):
     assert grid.sent == []
 
 
-def _finished_run(tmp_path: Path) -> tuple[dict, Path]:
-    config = run_config(**{"output-dir": str(tmp_path), "num-server-rounds": 1})
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[dict, Path]:
+    """A finished one-round run, made once: each test damages a copy of it."""
+    # What Flower's runtime sets for a ServerApp (tests/conftest.py sets it per test; a
+    # module-scoped fixture runs before that).
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    root = tmp_path_factory.mktemp("finished")
+    config = run_config(**{"output-dir": str(root), "num-server-rounds": 1})
     run_server(config, InProcessGrid(config, NODES))
-    return config, _only_run(tmp_path)
+    return config, _only_run(root)
+
+
+def _finished_run(finished: tuple[dict, Path], tmp_path: Path) -> tuple[dict, Path]:
+    """A copy of the finished run in ``tmp_path``, and its config."""
+    config, path = finished
+    copy = Path(shutil.copytree(path, tmp_path / path.name, symlinks=True))
+    return {**config, "output-dir": str(tmp_path)}, copy
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "not-a-checkpoint"])
-def test_a_damaged_checkpoint_names_resume_from_and_the_file(tmp_path, damage):
-    config, path = _finished_run(tmp_path)
+def test_a_damaged_checkpoint_names_resume_from_and_the_file(finished, tmp_path, damage):
+    config, path = _finished_run(finished, tmp_path)
     file = path / "checkpoint" / "server.pt"
     data = file.read_bytes()
     if damage == "truncated":
@@ -124,8 +142,8 @@ def test_a_damaged_checkpoint_names_resume_from_and_the_file(tmp_path, damage):
     assert _outcome(path)["status"] == "completed"  # the finished run's record is untouched
 
 
-def test_a_damaged_config_json_names_resume_from_and_the_file(tmp_path):
-    config, path = _finished_run(tmp_path)
+def test_a_damaged_config_json_names_resume_from_and_the_file(finished, tmp_path):
+    config, path = _finished_run(finished, tmp_path)
     (path / "config.json").write_text('{"run-config": {"task": "dig')
     resumed = {**config, "resume-from": str(path)}
     with pytest.raises(ConfigError, match=r"'resume-from' = .*config.json cannot be read"):
@@ -133,11 +151,15 @@ def test_a_damaged_config_json_names_resume_from_and_the_file(tmp_path):
 
 
 def _last_round_lost(tmp_path: Path, **overrides) -> Path:
-    # Every node receives its round-3 train message and dies: round 3 aggregates nothing.
-    config = run_config(**{"output-dir": str(tmp_path), "round-timeout": 1.0, **overrides})
+    # Every node receives its round-2 train message and dies: round 2, the last,
+    # aggregates nothing (round 1 did, so the run is not one that never learnt).
+    config = run_config(
+        **{"output-dir": str(tmp_path), "round-timeout": 1.0, "num-server-rounds": 2},
+        **overrides,
+    )
     grid = InProcessGrid(config, NODES)
     for node in NODES:
-        grid.dies_in_round[node] = 3
+        grid.dies_in_round[node] = 2
     run_server(config, grid)
     return _only_run(tmp_path)
 
@@ -145,9 +167,9 @@ def _last_round_lost(tmp_path: Path, **overrides) -> Path:
 def test_outcome_says_when_the_last_round_trained_nothing(tmp_path):
     path = _last_round_lost(tmp_path)
     outcome = _outcome(path)
-    assert outcome["status"] == "completed" and outcome["last-round"] == 3
+    assert outcome["status"] == "completed" and outcome["last-round"] == 2
     assert outcome["empty-last-round"] == (
-        "round 3 aggregated no client's update: 4 of 4 clients: no reply"
+        "round 2 aggregated no client's update: 4 of 4 clients: no reply"
     )
 
 
@@ -160,11 +182,10 @@ def test_under_dp_the_empty_last_round_is_only_in_the_curators_record(tmp_path):
     # published outcome says nothing of it; the participation record in curator/ does.
     assert "empty-last-round" not in outcome
     rows = list(csv.DictReader((path / "curator" / "participation.csv").open()))
-    last = [row for row in rows if row["round"] == "3"]
+    last = [row for row in rows if row["round"] == "2"]
     assert len(last) == 4 and all(row["error"] == "no reply" for row in last)
 
 
-def test_a_last_round_that_trained_says_nothing_more(tmp_path):
-    config = run_config(**{"output-dir": str(tmp_path), "num-server-rounds": 1})
-    run_server(config, InProcessGrid(config, NODES))
-    assert "empty-last-round" not in _outcome(_only_run(tmp_path))
+def test_a_last_round_that_trained_says_nothing_more(finished):
+    _, path = finished
+    assert "empty-last-round" not in _outcome(path)

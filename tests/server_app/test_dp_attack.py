@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from flwr.supercore.task_identity import TaskIdentity
 
 from privacy.mechanisms import clip_by_l2_norm, make_generator
 from protocol import keys
@@ -29,6 +30,9 @@ from tests.inprocess import InProcessGrid, run_config, run_server
 
 NODES = [11, 22, 33, 44]
 Z, CLIP = 1.0, 1.0
+# One worker makes the module's shared runs once (a module-scoped fixture per worker
+# otherwise).
+pytestmark = pytest.mark.xdist_group("dp-attack")
 
 
 class RecordingGrid(InProcessGrid):
@@ -72,6 +76,16 @@ def _run(tmp_path: Path, failing=(), **overrides) -> tuple[Path, RecordingGrid]:
     return path, grid
 
 
+@pytest.fixture(scope="module")
+def secret_runs(tmp_path_factory) -> list[tuple[Path, RecordingGrid]]:
+    """Two one-round DP-FedAvg runs with one seed and the default secret noise, made once:
+    the attack's target and the run it is compared with."""
+    # What Flower's runtime sets for a ServerApp (tests/conftest.py sets it per test; a
+    # module-scoped fixture runs before that).
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    return [_run(tmp_path_factory.mktemp(f"secret-{run}")) for run in (1, 2)]
+
+
 def _flat(state: dict) -> np.ndarray:
     return np.concatenate([v.numpy().astype(np.float64).ravel() for v in state.values()])
 
@@ -108,9 +122,13 @@ def _initial() -> np.ndarray:
 
 @pytest.mark.parametrize("reproducible", [True, False])
 def test_a_client_that_knows_the_seed_recovers_the_mean_only_under_reproducible_noise(
-    reproducible, tmp_path
+    reproducible, tmp_path, request
 ):
-    path, grid = _run(tmp_path, **{"dp.reproducible-noise": reproducible})
+    if reproducible:
+        path, grid = _run(tmp_path, **{"dp.reproducible-noise": True})
+    else:  # the default: secret noise
+        path, grid = request.getfixturevalue("secret_runs")[0]
+        assert not grid.run_config["dp.reproducible-noise"]
     released = _flat(torch.load(path / "model.pt", weights_only=True))
     initial = _initial()
     sampled, noise = _attack(path, m=2)
@@ -132,12 +150,13 @@ def test_a_client_that_knows_the_seed_recovers_the_mean_only_under_reproducible_
         assert not any("caveat" in e for e in ledger["threat-models"])
 
 
-def test_two_dp_runs_with_one_seed_differ_and_two_plain_runs_do_not(tmp_path):
+def test_two_dp_runs_with_one_seed_differ_and_two_plain_runs_do_not(secret_runs, tmp_path):
     models = {}
-    for privacy in ("dp-fedavg-fixed", "none"):
-        for run in (1, 2):
-            path, _ = _run(tmp_path / f"{privacy}-{run}", privacy=privacy)
-            models[privacy, run] = _flat(torch.load(path / "model.pt", weights_only=True))
+    for run, (path, _) in enumerate(secret_runs, start=1):
+        models["dp-fedavg-fixed", run] = _flat(torch.load(path / "model.pt", weights_only=True))
+    for run in (1, 2):
+        path, _ = _run(tmp_path / f"none-{run}", privacy="none")
+        models["none", run] = _flat(torch.load(path / "model.pt", weights_only=True))
     assert not np.allclose(models["dp-fedavg-fixed", 1], models["dp-fedavg-fixed", 2])
     np.testing.assert_array_equal(models["none", 1], models["none", 2])
 

@@ -28,7 +28,7 @@ DEAD, DIES_IN = 33, 2
 DP = {
     "dp.sampling": "fixed",
     "dp.num-sampled-clients": 3,
-    "dp.noise-multiplier": 0.3,
+    "dp.noise-multiplier": 1.0,
     "dp.clip-norm": 0.5,
     "seed": 3,
     "dp.reproducible-noise": True,

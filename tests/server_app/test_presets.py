@@ -16,6 +16,9 @@ from protocol import presets
 from server_app import config, environment, setup
 from tests.inprocess import pyproject_defaults, run_like_flwr
 
+# One worker makes the preset run once (a module-scoped fixture per worker otherwise).
+pytestmark = pytest.mark.xdist_group("presets")
+
 PRESET = "digits-dp-eps8"
 # A short run of the preset on 4 in-process SuperNodes: 2 rounds, 3 clients expected
 # per round (the preset's 10 need 10 nodes).
