@@ -81,7 +81,7 @@ def wait_for_nodes(
         deadline = time.monotonic() + timeout
         while len(nodes) < needed and time.monotonic() < deadline:
             log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), needed)
-            time.sleep(poll)
+            time.sleep(max(0.0, min(poll, deadline - time.monotonic())))  # not past it
             nodes = sorted(grid.get_node_ids())
         if len(nodes) < needed:
             _SHORT[partitions] = frozenset(nodes)

@@ -97,3 +97,10 @@ def test_the_round_still_warns_and_stops_below_its_sample(clock, caplog):
             grid, partitions, min_available=4, min_sample=2, timeout=TIMEOUT, discover=False
         )
     assert clock.now == TIMEOUT  # no node joined: that stop did not wait either
+
+
+def test_a_wait_shorter_than_the_poll_interval_ends_at_its_timeout(clock):
+    # A round-timeout of 0.3 s waits 0.3 s, not a whole 1 s poll interval.
+    started = clock.now
+    wait_for_nodes(Grid([1, 2, 3]), 4, PartitionMap(), timeout=0.3, discover=False)
+    assert clock.now - started == pytest.approx(0.3)
