@@ -83,3 +83,12 @@ def task_identity():
     pretend to be task 1 of run 1 on node 0."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Each test starts at this process's one torch thread (set above), whatever an
+    earlier test on the worker left: a run's floats depend on the thread count."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield

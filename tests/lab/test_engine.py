@@ -60,7 +60,8 @@ def _harness(root: Path, options: dict) -> Path:
     config = run_config(**options, **{"output-dir": str(root)})
     # The ServerApp's main limits BLAS to one thread (a multi-threaded SVD differs in its
     # last bits: subspace-dp's eigengap); the harness calls its body, so limit it here.
-    with threadpool_limits(limits=1, user_api="blas"):
+    # The engine runs the clients and the server at the federation's torch threads (1).
+    with threadpool_limits(limits=1, user_api="blas"), engine._torch_threads(1):
         run_server(config, InProcessGrid(config, [11, 22, 33, 44]))
     return _only_dir(root)
 
