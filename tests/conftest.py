@@ -39,7 +39,8 @@ E2E_GROUPS = {
 # What the fast default (`pytest -m "not e2e and not slow"`) leaves to CI: whole-app
 # runs made many times over (resume, the privacy mechanisms' runs, reproducibility),
 # PPO training and the study tools' analyses of real runs, the process-forking tests
-# of the warm executor. A node id prefix each; the e2e tests are apart (marker e2e).
+# of the warm executor, the sweeps over processes and Ray tasks. A node id prefix
+# each; the e2e tests are apart (marker e2e).
 SLOW = (
     "tests/server_app/test_resume.py::test_resumed_run_equals_uninterrupted_run",
     "tests/server_app/test_privacy_runs.py",
@@ -48,6 +49,7 @@ SLOW = (
     "tests/server_app/test_dp_attack.py",
     "tests/client_app/test_task_state.py",
     "tests/lab/test_study.py::test_analysing_existing_runs_writes_every_file",
+    "tests/lab/test_sweep.py::test_a_sweep_runs_",
     "tests/lab/test_comparison.py::test_analysing_existing_runs_writes_every_file",
     "tests/lab/test_lunar_one_planet.py",
     "tests/lab/test_lunar_outcomes.py",
