@@ -12,8 +12,7 @@ lab.run --engine inprocess`` in its own process.
         --pfl-python .pfl-venv/bin/python
     python bench/correlated.py --cost   # the mechanism's cost per round at 1e7 weights
     python bench/correlated.py --error  # the mechanisms alone: z and prefix-sum error
-    python bench/correlated.py replica --bands 1 5 20 --seeds 10  # without the engine
-    python bench/correlated.py theory   # the noise in the replica's models
+    python bench/correlated.py replica --bands 1 5 20  # no engine (`theory`: its noise)
 """
 
 from __future__ import annotations
