@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))  # tests.inprocess, bench.peer_digits
 
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from bench.peer_digits import WORKLOAD, preset  # noqa: E402
+from bench.peer_digits import WORKLOAD, preset, toml_value  # noqa: E402
 from privacy import audit  # noqa: E402
 from privacy.mechanisms import gaussian_noise_like, make_generator  # noqa: E402
 from strategies.registry import _SERVER_STREAM  # noqa: E402
@@ -193,12 +193,6 @@ def cost(seeds: list[int], root: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return f"'{value}'" if isinstance(value, str) else repr(value)
-
-
 def cost_flwr(seeds: list[int], out: Path) -> pd.DataFrame:
     """The same pair as :func:`cost` through ``flwr run . local-simulation`` (Ray: every
     canary message starts or reuses a ClientApp in a Ray worker, as a real client's)."""
@@ -218,7 +212,7 @@ def cost_flwr(seeds: list[int], out: Path) -> pd.DataFrame:
                     "output-dir": str(out / "flwr-runs"),
                 }
                 result = sim.run(
-                    " ".join(f"{key}={_toml(v)}" for key, v in config.items()),
+                    " ".join(f"{key}={toml_value(v)}" for key, v in config.items()),
                     federation_config=f"num-supernodes={nodes}",
                 )
                 if result.returncode != 0 or result.run_dir is None:
