@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from config.renamed import renamed_message
+
 Scalar = bool | int | float | str
 
 
@@ -129,9 +131,13 @@ def check_unknown_keys(
     removed: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ConfigError naming every key of ``run_config`` that no option declares
-    (``removed``: keys that existed once, with what to use instead)."""
+    (``removed``: keys that existed once, with what to use instead); a renamed key
+    (:mod:`config.renamed`) alone, naming its new key."""
     known = {opt.key for opt in options}
     unknown = sorted(set(run_config) - known)
+    message = renamed_message(unknown)
+    if message:
+        raise ConfigError(message)
     if unknown:
         hints = []
         for key in unknown:

@@ -89,10 +89,10 @@ class PPOConfig(Settings):
     vec_env: str = setting(
         "dummy", "Vectorisation: `dummy` (one process) or `subproc`.", choices=tuple(VEC_ENVS)
     )
-    learning_rate: float = setting(3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True)
-    learning_rate_moon: float = _planet_rate("moon")
-    learning_rate_earth: float = _planet_rate("earth")
-    learning_rate_mars: float = _planet_rate("mars")
+    lr: float = setting(3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True)
+    lr_moon: float = _planet_rate("moon")
+    lr_earth: float = _planet_rate("earth")
+    lr_mars: float = _planet_rate("mars")
     n_steps: int = setting(2048, "Steps per environment copy per PPO rollout.", low=1)
     batch_size: int = setting(64, "PPO minibatch size.", low=1, low_open=True)
     n_epochs: int = setting(10, "PPO passes over each rollout.", low=1)
@@ -198,9 +198,9 @@ class PPOConfig(Settings):
         """SB3's ``learning_rate`` in ``server_round``: ``ppo.learning-rate``, or under
         ``linear`` the schedule ``linear_over_rounds`` for that round."""
         if self.lr_schedule == "constant":
-            return self.learning_rate
+            return self.lr
         return partial(
-            linear_over_rounds, initial=self.learning_rate,
+            linear_over_rounds, initial=self.lr,
             server_round=server_round, num_rounds=self.num_rounds,
         )  # fmt: skip
 

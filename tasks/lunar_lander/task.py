@@ -123,7 +123,7 @@ class LunarLanderTask(Task):
         }
         # ... and their learning rate (ppo.learning-rate-<planet>, 0: the default)
         self.planet_rates = {
-            planet: getattr(cfg, f"learning_rate_{planet}") or cfg.learning_rate
+            planet: getattr(cfg, f"lr_{planet}") or cfg.lr
             for planet in PLANETS
         }
         self.observe_gravity = cfg.observe_gravity

@@ -72,7 +72,7 @@ from tasks.vision.models import (
     head_parameter_names,
     train_head_only,
 )
-from tasks.vision.settings import NUM_EDGES, VISION_OPTIONS, VisionConfig
+from tasks.vision.settings import NUM_EDGES, VISION_OPTIONS, SubspaceTaskSettings, VisionConfig
 from tasks.vision.steps import tally_split, train_epoch
 
 EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
@@ -152,12 +152,11 @@ class ImageClassificationTask(Task):
             declared,
             num_edges=int(NUM_EDGES.read(run_config)),
             groups=MappingProxyType(self._resolve_groups(declared.grouping)),
-            model_name=(
-                self.DEFAULT_MODEL if declared.model_name == "auto" else declared.model_name
-            ),
+            model=self.DEFAULT_MODEL if declared.model == "auto" else declared.model,
             device=resolve_device(declared.device, "train.device"),
             seed=int(seed),
         )
+        self.subspace = SubspaceTaskSettings.from_options(self.options)
         self._check_classes_per_client()
         self._check_group_keep()
         self._check_digits_only()
@@ -220,7 +219,7 @@ class ImageClassificationTask(Task):
         """A fresh model (``model.name``) for this dataset, weights drawn from ``seed``."""
         spec = self.SPEC
         return build_model(
-            self.config.model_name, spec.in_channels, spec.num_classes, spec.image_size, seed
+            self.config.model, spec.in_channels, spec.num_classes, spec.image_size, seed
         )
 
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
@@ -268,11 +267,11 @@ class ImageClassificationTask(Task):
 
     @property
     def head_only(self) -> bool:
-        return self.config.head_only
+        return self.subspace.head_only
 
     @property
     def warm_start_epochs(self) -> int:
-        return self.config.warm_start_epochs
+        return self.subspace.warm_start
 
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a
@@ -284,7 +283,7 @@ class ImageClassificationTask(Task):
     def load_central_test(self) -> CentralTestSet:
         """The server's held-out test set; with ``subspace.warm-start`` > 0 only its part
         that is not public (the rest of ``load_public``)."""
-        if self.config.warm_start_epochs == 0:
+        if self.subspace.warm_start == 0:
             return self._load_held_out()
         return CentralTestSet(self._split_held_out()[1])
 
@@ -297,7 +296,7 @@ class ImageClassificationTask(Task):
         ConfigError
             If ``subspace.warm-start`` is 0 (there is no public split then).
         """
-        if self.config.warm_start_epochs == 0:
+        if self.subspace.warm_start == 0:
             raise ConfigError(
                 "'subspace.warm-start' = 0: there is no public split without a warm start; "
                 "valid range for one: [1, inf)"
@@ -319,12 +318,12 @@ class ImageClassificationTask(Task):
     def _split_held_out(self) -> tuple[TensorSplit, TensorSplit]:
         """(public, central test) parts of the held-out set, split once per task."""
         if self._public_and_test is None:
-            cfg, held_out = self.config, self._load_held_out().test
+            fraction, held_out = self.subspace.public_fraction, self._load_held_out().test
             try:
-                self._public_and_test = split_public(held_out, cfg.public_fraction, cfg.seed)
+                self._public_and_test = split_public(held_out, fraction, self.config.seed)
             except ValueError as err:
                 raise ConfigError(
-                    f"'subspace.public-fraction' = {cfg.public_fraction} cannot split the "
+                    f"'subspace.public-fraction' = {fraction} cannot split the "
                     f"{len(held_out)} held-out examples of {self.name} by class ({err}); "
                     "valid range: (0, 1), leaving each class an example on both sides"
                 ) from err
@@ -370,7 +369,7 @@ class ImageClassificationTask(Task):
             with ``model`` untouched, when ``subspace.warm-start`` is 0.
         """
         cfg, device = self.config, self.device
-        if cfg.warm_start_epochs == 0:
+        if self.subspace.warm_start == 0:
             return {}
         seed = local_seed(cfg.seed, 0, 0)
         loader = make_loader(self.load_public(), cfg.batch_size, shuffle=True, seed=seed)
@@ -381,7 +380,7 @@ class ImageClassificationTask(Task):
         loss, accuracy = 0.0, 0.0
         try:
             with self._seeded(seed):
-                for _ in range(cfg.warm_start_epochs):
+                for _ in range(self.subspace.warm_start):
                     loss, accuracy = train_epoch(model, loader, optimizer, device, [], 0.0)
         finally:
             model.to("cpu")
@@ -403,7 +402,7 @@ class ImageClassificationTask(Task):
         except RuntimeError as err:
             if cfg.deterministic and "deterministic" in str(err):
                 raise ConfigError(
-                    f"'train.deterministic' = true, but model.name = {cfg.model_name!r} "
+                    f"'train.deterministic' = true, but model.name = {cfg.model!r} "
                     f"uses an operation without a deterministic implementation on "
                     f"{device.type} ({err}); set 'train.deterministic' = false or pick "
                     "another 'model.name'"
@@ -412,7 +411,9 @@ class ImageClassificationTask(Task):
 
     def _head_only(self, model: nn.Module) -> AbstractContextManager[None]:
         """``train_head_only`` if ``subspace.head-only``."""
-        return train_head_only(model, self.head_keys()) if self.config.head_only else nullcontext()
+        return (
+            train_head_only(model, self.head_keys()) if self.subspace.head_only else nullcontext()
+        )
 
     def train(
         self, model: nn.Module, partition: ClientPartition, local: LocalTraining
@@ -519,7 +520,7 @@ class ImageClassificationTask(Task):
         return train_private(
             model, optimizer, loader, local, epochs=self.config.local_epochs,
             global_params=global_params, run_epochs=run_epochs,
-            model_name=self.config.model_name,
+            model_name=self.config.model,
         )  # fmt: skip
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:

@@ -182,14 +182,14 @@ def test_invalid_subspace_option_raises_config_error_naming_key(key, value):
 
 def test_defaults_and_parsed_subspace_config():
     # Execute
-    default = DigitsTask({}).config
+    default = DigitsTask({}).subspace
     parsed = DigitsTask(
         {"subspace.head-only": True, "subspace.warm-start": 3, "subspace.public-fraction": 0.25}
-    ).config
+    ).subspace
 
     # Assert
     def fields(cfg):
-        return cfg.head_only, cfg.warm_start_epochs, cfg.public_fraction
+        return cfg.head_only, cfg.warm_start, cfg.public_fraction
 
     assert fields(default) == (False, 0, 0.5)
     assert fields(parsed) == (True, 3, 0.25)

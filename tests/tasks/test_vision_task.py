@@ -113,10 +113,10 @@ def test_defaults_and_parsed_config():
 
     # Assert
     assert task.config.partitioner == "iid"
-    assert task.config.model_name == "lenet"
+    assert task.config.model == "lenet"
     assert task.config.seed == 42
     assert task.config.device == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert cifar.config.model_name == "cnn"
+    assert cifar.config.model == "cnn"
     assert (task.config.lr_decay, task.config.lr_decay_epochs) == (1.0, 1)
     assert task.config.deterministic is False
     assert (task.config.num_edges, task.config.edge_iid) == (1, True)

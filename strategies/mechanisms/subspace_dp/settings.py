@@ -13,8 +13,9 @@ from strategies.mechanisms.subspace_dp.geometry import ALLOCATIONS
 
 @dataclass(frozen=True)
 class SubspaceSettings(Settings):
-    """Geometry-aligned subspace DP's run-config keys (``subspace.*``; the task's
-    ``subspace.warm-start`` and ``subspace.head-only`` are the task's own)."""
+    """Geometry-aligned subspace DP's run-config keys (``subspace.*``; the task's side,
+    ``subspace.head-only``, ``subspace.warm-start`` and ``subspace.public-fraction``, is
+    ``tasks.vision.settings.SubspaceTaskSettings``: a task imports no strategy)."""
 
     PREFIX: ClassVar[str] = "subspace"
     rank: int = setting(
