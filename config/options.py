@@ -150,7 +150,7 @@ def check_unknown_keys(
 
 
 def to_field_names(values: Mapping[str, Scalar], prefix: str = "") -> dict[str, Scalar]:
-    """Map ``{"data.batch-size": 32}`` to ``{"batch_size": 32}`` for a dataclass."""
+    """Map ``{"vision.batch-size": 32}`` to ``{"batch_size": 32}`` for a dataclass."""
     out = {}
     for key, value in values.items():
         name = key[len(prefix) :] if prefix and key.startswith(prefix) else key

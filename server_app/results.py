@@ -494,7 +494,7 @@ def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
             f"{rejected['reason']}. Its committed round {state['round']} did not pass the "
             f"divergence guard; its last good round is 'last-round' = "
             f"{rejected['last-round']} (checkpoint/global.pt). Resuming would continue from "
-            "the diverged model: start a new run (e.g. with a smaller 'train.lr')"
+            "the diverged model: start a new run (e.g. with a smaller 'vision.lr')"
         )
     return state
 

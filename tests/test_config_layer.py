@@ -86,7 +86,9 @@ def test_an_option_built_from_a_field_keeps_the_one_line_errors():
 
 
 def test_the_vision_keys_are_the_fields_of_vision_config_read_typed():
-    assert [o.key for o in VISION_OPTIONS][:2] == ["data.partitioner", "data.alpha"]
-    cfg = DigitsTask({"train.lr": 0.125, "data.batch-size": 16.0, "model.name": "auto"}).config
+    assert [o.key for o in VISION_OPTIONS][:2] == ["vision.partitioner", "vision.alpha"]
+    cfg = DigitsTask(
+        {"vision.lr": 0.125, "vision.batch-size": 16.0, "vision.model": "auto"}
+    ).config
     assert (cfg.lr, cfg.batch_size, cfg.model, cfg.grouping) == (0.125, 16, "lenet", "auto")
     assert type(cfg.batch_size) is int and dict(cfg.groups) == {}

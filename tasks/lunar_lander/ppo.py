@@ -60,11 +60,11 @@ def _planet_steps(planet: str) -> Any:
 
 
 def _planet_rate(planet: str) -> Any:
-    """``ppo.learning-rate-<planet>``: that planet's clients' learning rate."""
+    """``ppo.lr-<planet>``: that planet's clients' learning rate."""
     return setting(
         0.0,
         f"PPO's Adam learning rate on each {planet} client (its base and derived "
-        "ones); 0: ppo.learning-rate. ppo.lr-schedule decays it alike.",
+        "ones); 0: ppo.lr. ppo.lr-schedule decays it alike.",
         low=0.0,
     )
 
@@ -167,7 +167,7 @@ class PPOConfig(Settings):
     )
     lr_schedule: str = setting(
         "constant",
-        "`constant`, or `linear`: the learning rate decays from ppo.learning-rate at "
+        "`constant`, or `linear`: the learning rate decays from ppo.lr at "
         "round 1 to 0 at the end of round num-server-rounds, following the server's "
         "round (every client sampled in a round trains with the same rates).",
         choices=LR_SCHEDULES,
@@ -195,7 +195,7 @@ class PPOConfig(Settings):
         return self.n_steps * self.n_envs
 
     def learning_rate_at(self, server_round: int) -> float | Callable[[float], float]:
-        """SB3's ``learning_rate`` in ``server_round``: ``ppo.learning-rate``, or under
+        """SB3's ``learning_rate`` in ``server_round``: ``ppo.lr``, or under
         ``linear`` the schedule ``linear_over_rounds`` for that round."""
         if self.lr_schedule == "constant":
             return self.lr

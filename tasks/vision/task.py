@@ -6,8 +6,8 @@ the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
 ``privacy.dpsgd``.
 
 As in frontloaded-dp-hfl (after HierFL), the learning rate can decay
-exponentially with the client's cumulative local epochs (``train.lr-decay`` every
-``train.lr-decay-epochs``; ``decayed_lr``), and ``train.deterministic`` runs local
+exponentially with the client's cumulative local epochs (``vision.lr-decay`` every
+``vision.lr-decay-epochs``; ``decayed_lr``), and ``vision.deterministic`` runs local
 training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
 section; ``deterministic_torch``).
 
@@ -136,13 +136,13 @@ class ImageClassificationTask(Task):
     ``CentralTestSet``; ``evaluate`` accepts either.
     """
 
-    EPOCHS_KEY: ClassVar[str | None] = "train.local-epochs"
+    EPOCHS_KEY: ClassVar[str | None] = "vision.local-epochs"
     HIERARCHICAL: ClassVar[bool] = True
     OPTIONS: ClassVar[tuple[Option, ...]] = VISION_OPTIONS
     SPEC: ClassVar[DatasetSpec]
     DEFAULT_MODEL: ClassVar[str] = "lenet"
-    GROUPINGS: ClassVar[tuple[str, ...]] = ("auto", "none", "low-high")  # data.groups
-    DEFAULT_GROUPING: ClassVar[str] = "none"  # what data.groups = auto means
+    GROUPINGS: ClassVar[tuple[str, ...]] = ("auto", "none", "low-high")  # vision.grouping
+    DEFAULT_GROUPING: ClassVar[str] = "none"  # what vision.grouping = auto means
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
@@ -153,7 +153,7 @@ class ImageClassificationTask(Task):
             num_edges=int(NUM_EDGES.read(run_config)),
             groups=MappingProxyType(self._resolve_groups(declared.grouping)),
             model=self.DEFAULT_MODEL if declared.model == "auto" else declared.model,
-            device=resolve_device(declared.device, "train.device"),
+            device=resolve_device(declared.device, "vision.device"),
             seed=int(seed),
         )
         self.subspace = SubspaceTaskSettings.from_options(self.options)
@@ -168,11 +168,11 @@ class ImageClassificationTask(Task):
         """The peer workload's options exist for the offline digits alone."""
         cfg = self.config
         for key, used in (
-            ("data.partitioner", cfg.partitioner == "array-split"),
-            ("data.normalize", not cfg.normalize),
+            ("vision.partitioner", cfg.partitioner == "array-split"),
+            ("vision.normalize", not cfg.normalize),
         ):
             if used and self.SPEC.hf_id is not None:
-                value = "'array-split'" if key == "data.partitioner" else "false"
+                value = "'array-split'" if key == "vision.partitioner" else "false"
                 raise ConfigError(
                     f"{key!r} = {value} is the shared peer workload's (digits); valid tasks: "
                     "'digits'"
@@ -182,15 +182,15 @@ class ImageClassificationTask(Task):
         cfg, num_classes = self.config, self.SPEC.num_classes
         if cfg.partitioner == "pathological" and cfg.classes_per_client > num_classes:
             raise ConfigError(
-                f"'data.classes-per-client' = {cfg.classes_per_client} exceeds the "
+                f"'vision.classes-per-client' = {cfg.classes_per_client} exceeds the "
                 f"{num_classes} classes of {self.name}; valid range: [1, {num_classes}]"
             )
 
     def _resolve_groups(self, grouping: str) -> dict[str, tuple[int, ...]]:
-        """The label groups ``data.groups`` names for this dataset (``auto`` resolved)."""
+        """The label groups ``vision.grouping`` names for this dataset (``auto`` resolved)."""
         if grouping not in self.GROUPINGS:
             raise ConfigError(
-                f"'data.groups' = {grouping!r} is not valid for {self.name}; valid values: "
+                f"'vision.grouping' = {grouping!r} is not valid for {self.name}; valid values: "
                 + ", ".join(repr(g) for g in self.GROUPINGS)
             )
         grouping = self.DEFAULT_GROUPING if grouping == "auto" else grouping
@@ -200,9 +200,9 @@ class ImageClassificationTask(Task):
         cfg = self.config
         if cfg.group_keep < 1.0 and not cfg.groups:
             raise ConfigError(
-                f"'data.group-keep' = {cfg.group_keep} thins the last label group, but "
-                f"{self.name} has none ('data.groups' resolves to 'none'); set "
-                "'data.group-keep' = 1 or 'data.groups' to one of "
+                f"'vision.group-keep' = {cfg.group_keep} thins the last label group, but "
+                f"{self.name} has none ('vision.grouping' resolves to 'none'); set "
+                "'vision.group-keep' = 1 or 'vision.grouping' to one of "
                 + ", ".join(repr(g) for g in self.GROUPINGS if g not in ("auto", "none"))
             )
 
@@ -216,7 +216,7 @@ class ImageClassificationTask(Task):
         return torch.device(self.config.device)
 
     def build_model(self, seed: int) -> nn.Module:
-        """A fresh model (``model.name``) for this dataset, weights drawn from ``seed``."""
+        """A fresh model (``vision.model``) for this dataset, weights drawn from ``seed``."""
         spec = self.SPEC
         return build_model(
             self.config.model, spec.in_channels, spec.num_classes, spec.image_size, seed
@@ -225,7 +225,7 @@ class ImageClassificationTask(Task):
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
         """Client ``partition_id`` of ``num_partitions``: local train and test splits.
 
-        With ``data.group-keep`` < 1 the train split keeps only that fraction of the
+        With ``vision.group-keep`` < 1 the train split keeps only that fraction of the
         last label group's examples (``thin_labels``, seeded
         by the run seed and ``partition_id``); the local test split is untouched.
         """
@@ -275,7 +275,7 @@ class ImageClassificationTask(Task):
 
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a
-        freshly built ``model.name`` (``head_parameter_names``)."""
+        freshly built ``vision.model`` (``head_parameter_names``)."""
         if self._head_keys is None:
             self._head_keys = head_parameter_names(self.build_model(self.config.seed))
         return self._head_keys
@@ -357,8 +357,8 @@ class ImageClassificationTask(Task):
     def warm_start(self, model: nn.Module) -> dict[str, float]:
         """``subspace.warm-start`` epochs of SGD on ``load_public``, in place.
 
-        Central training of the whole model before round 1 with ``train.lr`` (no decay),
-        ``train.momentum``, ``train.weight-decay`` and ``data.batch-size``; shuffling
+        Central training of the whole model before round 1 with ``vision.lr`` (no decay),
+        ``vision.momentum``, ``vision.weight-decay`` and ``vision.batch-size``; shuffling
         and dropout draw from a seed derived from the run seed (round 0, in which no
         client trains), the global RNG is restored. The model is back on the CPU.
 
@@ -389,7 +389,7 @@ class ImageClassificationTask(Task):
     @contextmanager
     def _seeded(self, seed: int) -> Iterator[None]:
         """Training context: the global RNG forked and seeded with ``seed``, and
-        ``train.deterministic``; a missing deterministic kernel becomes a ConfigError."""
+        ``vision.deterministic``; a missing deterministic kernel becomes a ConfigError."""
         cfg, device = self.config, self.device
         rng_devices = [device] if device.type == "cuda" else []
         try:
@@ -402,10 +402,10 @@ class ImageClassificationTask(Task):
         except RuntimeError as err:
             if cfg.deterministic and "deterministic" in str(err):
                 raise ConfigError(
-                    f"'train.deterministic' = true, but model.name = {cfg.model!r} "
+                    f"'vision.deterministic' = true, but vision.model = {cfg.model!r} "
                     f"uses an operation without a deterministic implementation on "
-                    f"{device.type} ({err}); set 'train.deterministic' = false or pick "
-                    "another 'model.name'"
+                    f"{device.type} ({err}); set 'vision.deterministic' = false or pick "
+                    "another 'vision.model'"
                 ) from err
             raise
 
@@ -418,7 +418,7 @@ class ImageClassificationTask(Task):
     def train(
         self, model: nn.Module, partition: ClientPartition, local: LocalTraining
     ) -> dict[str, float]:
-        """``train.local-epochs`` epochs of SGD on the partition's train split, in place.
+        """``vision.local-epochs`` epochs of SGD on the partition's train split, in place.
 
         The parameters received are the proximal anchor; shuffling, Poisson sampling,
         DP-SGD noise and dropout draw from ``local.seed`` (the global RNG is restored
@@ -472,7 +472,7 @@ class ImageClassificationTask(Task):
         proximal_mu: float,
         state: dict[str, Any],
     ) -> tuple[float, float]:
-        """``train.local-epochs`` passes at the decayed LR; loss and accuracy of the last.
+        """``vision.local-epochs`` passes at the decayed LR; loss and accuracy of the last.
 
         Counts the epochs in ``state[EPOCHS_DONE_KEY]`` (the client's cumulative epochs)
         under a decaying schedule.
@@ -525,7 +525,7 @@ class ImageClassificationTask(Task):
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
         """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any
-        (``privacy.dpsgd.calibrated_settings`` over ``train.local-epochs``)."""
+        (``privacy.dpsgd.calibrated_settings`` over ``vision.local-epochs``)."""
         return calibrated_settings(local, sample_rate=sample_rate, epochs=self.config.local_epochs)
 
     def evaluate(
@@ -533,7 +533,7 @@ class ImageClassificationTask(Task):
     ) -> dict[str, float]:
         """Loss and accuracy on a partition's local test split or the central test set.
 
-        With label groups (``data.groups``) also each group's ``eval-accuracy-<g>`` and
+        With label groups (``vision.grouping``) also each group's ``eval-accuracy-<g>`` and
         ``num-examples-<g>`` and the ``fairness-gap``
         (``group_metrics``), from the same forward pass. All
         metrics are 0.0 on an empty split.

@@ -71,7 +71,7 @@ class SubspaceSettings(Settings):
         "Subspace-DP: how the trace budget is split over U's directions: `uniform` "
         "(B/k), `water-filling` (Theorem 5, from the public split's gradient "
         "energies) or `fairness` (Theorem 9: minimise the largest group distortion; "
-        "needs `data.groups`).",
+        "needs `vision.grouping`).",
         choices=ALLOCATIONS,
     )
     quantize_bits: int = setting(
