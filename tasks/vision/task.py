@@ -130,8 +130,8 @@ def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> Te
 class ImageClassificationTask(Task):
     """Image classification on one dataset (``SPEC``), partitioned among clients.
 
-    Options are the flat keys of ``VISION_OPTIONS`` (``data.*``, ``model.*``,
-    ``train.*``) plus the top-level ``seed``. ``load_partition`` returns a
+    Options are the flat keys of ``VISION_OPTIONS`` (``vision.*`` and the task's
+    ``subspace.*``) plus the top-level ``seed``. ``load_partition`` returns a
     ``ClientPartition``, ``load_central_test`` a
     ``CentralTestSet``; ``evaluate`` accepts either.
     """
