@@ -252,7 +252,7 @@ def test_incompatible_model_raises_value_error_naming_model(task, partition):
     )
 
     # Execute / Assert
-    with pytest.raises(ValueError, match=r"model\.name = 'lenet'.*BatchNorm"):
+    with pytest.raises(ValueError, match=r"vision\.model = 'lenet'.*BatchNorm"):
         task.train(batchnorm_net, partition, LocalTraining(1, seed=0, dp_sgd=DP, state={}))
     assert _opacus_leftovers(batchnorm_net) == []
 

@@ -82,7 +82,7 @@ def test_groups_of_the_tasks_and_auto():
 def test_digits_letters_is_only_for_emnist(task_cls):
     with pytest.raises(
         ConfigError,
-        match=r"'data\.groups' = 'digits-letters' is not valid for \w+; "
+        match=r"'vision\.grouping' = 'digits-letters' is not valid for \w+; "
         r"valid values: 'auto', 'none', 'low-high'$",
     ):
         task_cls({"vision.grouping": "digits-letters"})
@@ -90,11 +90,11 @@ def test_digits_letters_is_only_for_emnist(task_cls):
 
 @pytest.mark.parametrize(
     ("config", "match"),
-    [({"vision.grouping": "odd-even"}, r"'data\.groups' = 'odd-even' is not valid"),
-     ({"vision.group-keep": 0.5}, r"'data\.group-keep' = 0\.5 .*digits has none.*'low-high'"),
-     ({"vision.group-keep": 0.0}, r"'data\.group-keep' = 0\.0 is out of range; .*\(0, 1\]"),
-     ({"vision.group-keep": 1.5}, r"'data\.group-keep' = 1\.5 is out of range"),
-     ({"vision.grouping": "low-high", "vision.group-keep": -0.1}, r"'data\.group-keep'")],
+    [({"vision.grouping": "odd-even"}, r"'vision\.grouping' = 'odd-even' is not valid"),
+     ({"vision.group-keep": 0.5}, r"'vision\.group-keep' = 0\.5 .*digits has none.*'low-high'"),
+     ({"vision.group-keep": 0.0}, r"'vision\.group-keep' = 0\.0 is out of range; .*\(0, 1\]"),
+     ({"vision.group-keep": 1.5}, r"'vision\.group-keep' = 1\.5 is out of range"),
+     ({"vision.grouping": "low-high", "vision.group-keep": -0.1}, r"'vision\.group-keep'")],
 )  # fmt: skip
 def test_invalid_group_options_raise_config_error(config, match):
     with pytest.raises(ConfigError, match=match):
@@ -106,7 +106,7 @@ def test_group_keep_needs_groups_on_emnist_too():
     assert EMNISTTask({"vision.group-keep": 0.5}).config.group_keep == 0.5
 
     # Assert
-    with pytest.raises(ConfigError, match=r"'data\.group-keep'.*'digits-letters', 'low-high'"):
+    with pytest.raises(ConfigError, match=r"'vision\.group-keep'.*'digits-letters', 'low-high'"):
         EMNISTTask({"vision.grouping": "none", "vision.group-keep": 0.5})
 
 

@@ -276,18 +276,18 @@ def test_missing_deterministic_kernel_becomes_config_error(monkeypatch):
     task = DigitsTask({**DIGITS_CONFIG, "vision.deterministic": True})
 
     # Execute / Assert
-    with pytest.raises(ConfigError, match=r"train\.deterministic.*model\.name"):
+    with pytest.raises(ConfigError, match=r"vision\.deterministic.*vision\.model"):
         task.train(task.build_model(0), task.load_partition(0, 5), LocalTraining(1, seed=0))
 
 
 def test_more_classes_per_client_than_classes_raises():
-    with pytest.raises(ConfigError, match=r"data\.classes-per-client"):
+    with pytest.raises(ConfigError, match=r"vision\.classes-per-client"):
         DigitsTask({"vision.partitioner": "pathological", "vision.classes-per-client": 11})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_raises_config_error():
-    with pytest.raises(ConfigError, match=r"train\.device"):
+    with pytest.raises(ConfigError, match=r"vision\.device"):
         DigitsTask({"vision.device": "cuda"})
 
 
