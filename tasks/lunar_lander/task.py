@@ -206,7 +206,7 @@ class LunarLanderTask(Task):
         config = dataclasses.replace(
             self.config,
             local_steps=self.planet_steps[partition.planet],
-            learning_rate=self.planet_rates[partition.planet],
+            lr=self.planet_rates[partition.planet],
         )
         result = train_ppo(
             model, partition, config, seed=local.seed,
