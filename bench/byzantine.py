@@ -41,7 +41,7 @@ ADVERSARIES = (1, 2, 4)
 RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "mean-unbounded")
 WORKLOAD = {
     "task": "digits",
-    "model.name": "mlp",
+    "vision.model": "mlp",
     "num-server-rounds": 20,
     "fraction-train": 1.0,
     "min-train-nodes": NUM_CLIENTS,

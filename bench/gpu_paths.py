@@ -58,7 +58,7 @@ def train_on(task_cls, config: dict, device: str, dp_sgd: DPSGD | None = None, p
 
 def device_key(task_cls) -> str:
     return {FinanceTask: "finance.device", LunarLanderTask: "ppo.device"}.get(
-        task_cls, "train.device"
+        task_cls, "vision.device"
     )
 
 
@@ -66,8 +66,8 @@ def section_agree(gpu: str = "cuda") -> list[dict]:
     """Train loss on the CPU and on ``gpu``, the weights' largest difference, DP-SGD's
     epsilon."""
     cases = [
-        ("digits lenet", DigitsTask, {"train.local-epochs": 2}, None),
-        ("digits lenet DP-SGD", DigitsTask, {"train.local-epochs": 2}, DP),
+        ("digits lenet", DigitsTask, {"vision.local-epochs": 2}, None),
+        ("digits lenet DP-SGD", DigitsTask, {"vision.local-epochs": 2}, DP),
         ("finance mlp", FinanceTask, FINANCE, None),
         ("finance mlp DP-SGD", FinanceTask, {**FINANCE, "finance.norm": "layer"}, DP),
     ]
@@ -123,7 +123,7 @@ def section_epochs(
     partition, warm_up = random_cifar_partition(examples), random_cifar_partition(256)
     rows = []
     for name in models:
-        config = {"model.name": name, "train.local-epochs": 1}
+        config = {"vision.model": name, "vision.local-epochs": 1}
         agg = aggregate_ms(CIFAR10Task(config).build_model(0), repeats)
         for device in [gpu, "cpu"] if name in cpu_models else [gpu]:
             for dp in (None, DP):

@@ -1,7 +1,7 @@
 """The shared peer workload in this app, beside pfl-research's numbers on this machine.
 
 Workload, as the peers run it: scikit-learn digits, X / 16, ``array_split`` partitions
-(``data.partitioner = "array-split"``), the MLP 64-64-10, local SGD lr 0.1, no momentum,
+(``vision.partitioner = "array-split"``), the MLP 64-64-10, local SGD lr 0.1, no momentum,
 batch 16, one epoch; 30 rounds; central test accuracy after round 30. N = 100 with 10
 clients per round and N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, client-level.
 
@@ -48,14 +48,14 @@ PFL = {
 }
 WORKLOAD = {
     "task": "digits",
-    "model.name": "mlp",
-    "data.partitioner": "array-split",
-    "data.normalize": False,
-    "data.test-fraction": 0.0,
-    "data.batch-size": 16,
-    "train.lr": 0.1,
-    "train.momentum": 0.0,
-    "train.local-epochs": 1,
+    "vision.model": "mlp",
+    "vision.partitioner": "array-split",
+    "vision.normalize": False,
+    "vision.test-fraction": 0.0,
+    "vision.batch-size": 16,
+    "vision.lr": 0.1,
+    "vision.momentum": 0.0,
+    "vision.local-epochs": 1,
     "num-server-rounds": 30,
     "fraction-evaluate": 0.0,
     "central-eval": True,

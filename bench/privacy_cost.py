@@ -224,7 +224,7 @@ def pool_size(spec: DatasetSpec) -> int:
     """Examples partitioned among the clients (see the docstring)."""
     if spec is DIGITS:  # scikit-learn's train_test_split rounds the test share up
         total = 1797
-        return total - math.ceil(OPTION_DEFAULTS["data.central-test-fraction"] * total)
+        return total - math.ceil(OPTION_DEFAULTS["vision.central-test-fraction"] * total)
     if spec is CIFAR10:  # its own "test" split is the central test set
         return 50_000
     raise ValueError(f"no pool size for {spec.name}")
@@ -233,22 +233,22 @@ def pool_size(spec: DatasetSpec) -> int:
 def epoch_steps(spec: DatasetSpec) -> tuple[int, int]:
     """(local train examples, SGD steps) of one epoch of the largest iid client."""
     n = math.ceil(pool_size(spec) / DEFAULT_CLIENTS)
-    train = n - round(OPTION_DEFAULTS["data.test-fraction"] * n)
-    return train, math.ceil(train / OPTION_DEFAULTS["data.batch-size"])
+    train = n - round(OPTION_DEFAULTS["vision.test-fraction"] * n)
+    return train, math.ceil(train / OPTION_DEFAULTS["vision.batch-size"])
 
 
 def step_ms(model: torch.nn.Module, spec: DatasetSpec, steps: int) -> float:
     """Median ms of ``steps`` app SGD steps on random inputs, after the warm-up steps."""
-    batch = OPTION_DEFAULTS["data.batch-size"]
+    batch = OPTION_DEFAULTS["vision.batch-size"]
     gen = torch.Generator().manual_seed(0)
     shape = (batch, spec.in_channels, spec.image_size, spec.image_size)
     x = torch.randn(shape, generator=gen)
     y = torch.randint(0, spec.num_classes, (batch,), generator=gen)
     optimizer = torch.optim.SGD(
         model.parameters(),
-        lr=OPTION_DEFAULTS["train.lr"],
-        momentum=OPTION_DEFAULTS["train.momentum"],
-        weight_decay=OPTION_DEFAULTS["train.weight-decay"],
+        lr=OPTION_DEFAULTS["vision.lr"],
+        momentum=OPTION_DEFAULTS["vision.momentum"],
+        weight_decay=OPTION_DEFAULTS["vision.weight-decay"],
     )
     model.train()
     times = []

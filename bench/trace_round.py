@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("server_app", "client_app", "strategies", "protocol", "privacy", "tasks")
 PROJECT = (*SHIPPED, "lab")
 ROUND = (
-    "num-server-rounds=1 fraction-train=1.0 train.local-epochs=1 run.divergence-factor=0.0 "
+    "num-server-rounds=1 fraction-train=1.0 vision.local-epochs=1 run.divergence-factor=0.0 "
     "privacy='dp-fedavg-fixed' dp.noise-multiplier=1.0 dp.clip-norm=1.0 dp.sampling='fixed' "
     "dp.num-sampled-clients=4"
 )

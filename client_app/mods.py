@@ -27,7 +27,7 @@ def preset_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     Flower hands every ClientApp the run-config fused over the app's defaults, with the
     ``preset`` key unresolved; resolved here, first of the chain, exactly as the
     ServerApp does, the task, its data and the client mods read the preset's keys (a
-    preset that sets ``model.name`` or ``data.partitioner`` builds the same model and
+    preset that sets ``vision.model`` or ``vision.partitioner`` builds the same model and
     partitions on both sides)."""
     if ctxt.run_config.get(presets.PRESET_KEY):
         ctxt.run_config = presets.resolve(ctxt.run_config)

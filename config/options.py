@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from config.renamed import renamed_message
+
 Scalar = bool | int | float | str
 
 
@@ -129,9 +131,13 @@ def check_unknown_keys(
     removed: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ConfigError naming every key of ``run_config`` that no option declares
-    (``removed``: keys that existed once, with what to use instead)."""
+    (``removed``: keys that existed once, with what to use instead); a renamed key
+    (:mod:`config.renamed`) alone, naming its new key."""
     known = {opt.key for opt in options}
     unknown = sorted(set(run_config) - known)
+    message = renamed_message(unknown)
+    if message:
+        raise ConfigError(message)
     if unknown:
         hints = []
         for key in unknown:
@@ -144,7 +150,7 @@ def check_unknown_keys(
 
 
 def to_field_names(values: Mapping[str, Scalar], prefix: str = "") -> dict[str, Scalar]:
-    """Map ``{"data.batch-size": 32}`` to ``{"batch_size": 32}`` for a dataclass."""
+    """Map ``{"vision.batch-size": 32}`` to ``{"batch_size": 32}`` for a dataclass."""
     out = {}
     for key, value in values.items():
         name = key[len(prefix) :] if prefix and key.startswith(prefix) else key

@@ -34,13 +34,12 @@ def setting(
     high: float | None = None,
     low_open: bool = False,
     high_open: bool = False,
-    key: str | None = None,
 ) -> Any:
-    """A dataclass field that is one run-config key (see the module docstring); ``key``
-    names it where it is not ``PREFIX.field-name`` (a task's ``data.*`` and ``train.*``)."""
+    """A dataclass field that is one run-config key, always ``PREFIX.field-name`` of
+    its class (see the module docstring): one scheme, no per-field names."""
     spec = {"help": help, "choices": choices, "low": low, "high": high}
     spec |= {"low_open": low_open, "high_open": high_open}
-    return field(default=default, metadata={"option": spec, "key": key})
+    return field(default=default, metadata={"option": spec})
 
 
 S = TypeVar("S", bound="Settings")
@@ -122,8 +121,8 @@ class Settings:
 
     @classmethod
     def field_key(cls, f: Field) -> str:
-        """The run-config key of dataclass field ``f``."""
-        return f.metadata.get("key") or cls.key(f.name)
+        """The run-config key of dataclass field ``f``: ``PREFIX.field-name``."""
+        return cls.key(f.name)
 
     @classmethod
     def specs(cls) -> list[tuple[str, Scalar, dict]]:

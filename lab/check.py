@@ -115,9 +115,13 @@ def _check_keys(overrides: dict, defaults: dict) -> None:
     configuration.") and the preset, from ``pyproject.toml`` alone: no PyTorch import."""
     import difflib
 
+    from config.renamed import renamed_message
     from protocol import presets
 
     unknown = sorted(set(overrides) - set(defaults))
+    renamed = renamed_message(unknown)
+    if renamed:
+        raise CheckError(renamed)
     if unknown:
         hints = []
         for key in unknown:

@@ -97,9 +97,9 @@ class Federation:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{key!r} must be an integer >= 1, got {value!r}")
         if float(given.get("client-resources-num-gpus", 0) or 0) > 0:
-            # Not refused silently: the ClientApp picks its device from train.device.
+            # Not refused silently: the ClientApp picks its device from vision.device.
             logging.getLogger("flwr").warning(
-                "client-resources-num-gpus is ignored in process: train.device decides"
+                "client-resources-num-gpus is ignored in process: vision.device decides"
             )
         return cls(num_supernodes=int(num), num_cpus=int(cpus))
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from config.renamed import current_keys
 from lab.checks import failed_runs
 from privacy.accounting import PrivacyLedger
 from server_app import run_status
@@ -117,8 +118,8 @@ def load_run(path: Path) -> Run:
 
     try:
         metrics = load_metrics(path)
-        config = json.loads((path / "config.json").read_text())["run-config"]
-    except (OSError, ValueError, KeyError) as err:
+        config = current_keys(json.loads((path / "config.json").read_text())["run-config"])
+    except (OSError, ValueError, KeyError, AttributeError) as err:
         raise FiguresError(f"cannot read the run {path}: {err!r}") from None
     for column in [c for c in metrics.columns if c not in NOT_METRICS or c == "round"]:
         metrics[column] = pd.to_numeric(metrics[column], errors="coerce")

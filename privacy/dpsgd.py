@@ -280,7 +280,7 @@ def check_compatible(model: nn.Module, model_name: str) -> None:
         opacus.GradSampleHooks.validate(model, strict=True)  # no trainable layer with buffers
     except (opacus.UnsupportedModuleError, NotImplementedError) as err:
         raise ValueError(
-            f"model.name = {model_name!r} is not compatible with DP-SGD (Opacus): {err}. "
+            f"vision.model = {model_name!r} is not compatible with DP-SGD (Opacus): {err}. "
             "Use a model without BatchNorm, e.g. with GroupNorm instead "
             "(opacus.validators.ModuleValidator.fix replaces it)."
         ) from err

@@ -22,6 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from config.renamed import renamed_message
+
 PRESET_KEY = "preset"
 APP_DIR = Path(__file__).resolve().parents[1]  # the checkout, or the FAB's directory
 EXPERIMENTS_DIR = APP_DIR / "experiments"
@@ -87,6 +89,9 @@ def load_preset(value: str) -> dict[str, Any]:
         raise PresetError(f"'{PRESET_KEY}' = {value!r}: cannot read {path.name}: {err}") from None
     if PRESET_KEY in values:
         raise PresetError(f"'{PRESET_KEY}' = {value!r}: a preset cannot name another preset")
+    renamed = renamed_message(values)
+    if renamed:
+        raise PresetError(f"'{PRESET_KEY}' = {value!r}: {renamed}")
     return values
 
 

@@ -176,7 +176,7 @@ class FailureWatch:
 
 
 def _causes(private: bool) -> str:
-    causes = "a learning rate too large ('train.lr', 'server.lr')"
+    causes = "a learning rate too large ('vision.lr', 'server.lr')"
     if private:
         causes += ", or noise that swamps the updates ('dp.noise-multiplier', 'dp.clip-norm')"
     return f"likely {causes}"

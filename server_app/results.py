@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from config.options import ConfigError
+from config.renamed import current_keys
 from protocol.keys import STATE_DIR
 from server_app.failures import OUTCOME_FILE
 from tasks.base import TRAIN_SECONDS
@@ -454,8 +455,8 @@ def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
             f"(config.json and checkpoint/{SERVER_CHECKPOINT}, written after every round)"
         )
     try:
-        saved = json.loads((path / "config.json").read_text())["run-config"]
-    except (ValueError, KeyError, TypeError) as err:
+        saved = current_keys(json.loads((path / "config.json").read_text())["run-config"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(
             f"{key} = {str(path)!r}: {path / 'config.json'} cannot be read as a run's "
             f"config ({type(err).__name__}: {err})"
@@ -493,7 +494,7 @@ def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
             f"{rejected['reason']}. Its committed round {state['round']} did not pass the "
             f"divergence guard; its last good round is 'last-round' = "
             f"{rejected['last-round']} (checkpoint/global.pt). Resuming would continue from "
-            "the diverged model: start a new run (e.g. with a smaller 'train.lr')"
+            "the diverged model: start a new run (e.g. with a smaller 'vision.lr')"
         )
     return state
 

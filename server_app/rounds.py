@@ -302,7 +302,7 @@ def _train(
             raise RunFailed(
                 f"round {server_round}: the aggregate's array '{bad}' is not finite; "
                 "the global model diverged (likely a learning rate too large, "
-                "'train.lr' or 'server.lr')"
+                "'vision.lr' or 'server.lr')"
             )
     failure = watch.after_train(server_round, clients, first=first)
     result = RoundResult(

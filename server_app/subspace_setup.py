@@ -42,7 +42,7 @@ def check(cfg: RunConfig, task: Task) -> None:
     if len(groups) < 2:
         raise ConfigError(
             "'subspace.allocation' = 'fairness' balances groups of the data: task "
-            f"{cfg.task!r} has {len(groups)} group(s) here; set 'data.groups' (e.g. "
+            f"{cfg.task!r} has {len(groups)} group(s) here; set 'vision.grouping' (e.g. "
             "'low-high', or 'digits-letters' on emnist) or another 'subspace.allocation'"
         )
 

@@ -40,14 +40,14 @@ TINY = {
     "fraction-train": 1.0,
     "min-train-nodes": 2,
     "min-available-nodes": 4,
-    "train.local-epochs": 1,
+    "vision.local-epochs": 1,
     "round-timeout": 5.0,
     # Tests of mechanics use noise that swamps 4 clients' updates (eval loss 1e4-1e5 after
     # a round): no ratio check here; test_failure_policy.py tests the divergence guard.
     "run.divergence-factor": 0.0,
-    # Bitwise comparisons of two runs hold on a CUDA machine too, where train.device =
+    # Bitwise comparisons of two runs hold on a CUDA machine too, where vision.device =
     # auto trains on the GPU (cuDNN's default kernels are not reproducible).
-    "train.deterministic": True,
+    "vision.deterministic": True,
 }
 
 

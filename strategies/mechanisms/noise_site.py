@@ -174,7 +174,7 @@ def report_noise_to_signal(noise_multiplier: float, dim: int, m: int) -> None:
         (
             ": expect the model to learn little. The noise shrinks as sqrt(d)/m: more "
             "clients per round ('dp.num-sampled-clients' with more nodes), a smaller "
-            "model ('model.name' = 'mlp' for digits), or a larger epsilon; on digits, "
+            "model ('vision.model' = 'mlp' for digits), or a larger epsilon; on digits, "
             "preset='digits-dp-eps8' on 100 SuperNodes learns (README)"
             if level == WARNING
             else ""

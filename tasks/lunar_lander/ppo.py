@@ -60,11 +60,11 @@ def _planet_steps(planet: str) -> Any:
 
 
 def _planet_rate(planet: str) -> Any:
-    """``ppo.learning-rate-<planet>``: that planet's clients' learning rate."""
+    """``ppo.lr-<planet>``: that planet's clients' learning rate."""
     return setting(
         0.0,
         f"PPO's Adam learning rate on each {planet} client (its base and derived "
-        "ones); 0: ppo.learning-rate. ppo.lr-schedule decays it alike.",
+        "ones); 0: ppo.lr. ppo.lr-schedule decays it alike.",
         low=0.0,
     )
 
@@ -89,10 +89,10 @@ class PPOConfig(Settings):
     vec_env: str = setting(
         "dummy", "Vectorisation: `dummy` (one process) or `subproc`.", choices=tuple(VEC_ENVS)
     )
-    learning_rate: float = setting(3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True)
-    learning_rate_moon: float = _planet_rate("moon")
-    learning_rate_earth: float = _planet_rate("earth")
-    learning_rate_mars: float = _planet_rate("mars")
+    lr: float = setting(3e-4, "PPO's Adam learning rate.", low=0.0, low_open=True)
+    lr_moon: float = _planet_rate("moon")
+    lr_earth: float = _planet_rate("earth")
+    lr_mars: float = _planet_rate("mars")
     n_steps: int = setting(2048, "Steps per environment copy per PPO rollout.", low=1)
     batch_size: int = setting(64, "PPO minibatch size.", low=1, low_open=True)
     n_epochs: int = setting(10, "PPO passes over each rollout.", low=1)
@@ -167,7 +167,7 @@ class PPOConfig(Settings):
     )
     lr_schedule: str = setting(
         "constant",
-        "`constant`, or `linear`: the learning rate decays from ppo.learning-rate at "
+        "`constant`, or `linear`: the learning rate decays from ppo.lr at "
         "round 1 to 0 at the end of round num-server-rounds, following the server's "
         "round (every client sampled in a round trains with the same rates).",
         choices=LR_SCHEDULES,
@@ -195,12 +195,12 @@ class PPOConfig(Settings):
         return self.n_steps * self.n_envs
 
     def learning_rate_at(self, server_round: int) -> float | Callable[[float], float]:
-        """SB3's ``learning_rate`` in ``server_round``: ``ppo.learning-rate``, or under
+        """SB3's ``learning_rate`` in ``server_round``: ``ppo.lr``, or under
         ``linear`` the schedule ``linear_over_rounds`` for that round."""
         if self.lr_schedule == "constant":
-            return self.learning_rate
+            return self.lr
         return partial(
-            linear_over_rounds, initial=self.learning_rate,
+            linear_over_rounds, initial=self.lr,
             server_round=server_round, num_rounds=self.num_rounds,
         )  # fmt: skip
 

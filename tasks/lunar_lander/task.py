@@ -121,11 +121,8 @@ class LunarLanderTask(Task):
         self.planet_steps = {
             planet: getattr(cfg, f"local_steps_{planet}") or cfg.local_steps for planet in PLANETS
         }
-        # ... and their learning rate (ppo.learning-rate-<planet>, 0: the default)
-        self.planet_rates = {
-            planet: getattr(cfg, f"learning_rate_{planet}") or cfg.learning_rate
-            for planet in PLANETS
-        }
+        # ... and their learning rate (ppo.lr-<planet>, 0: the default)
+        self.planet_rates = {planet: getattr(cfg, f"lr_{planet}") or cfg.lr for planet in PLANETS}
         self.observe_gravity = cfg.observe_gravity
         self.net_width = cfg.net_width
         self.eval_episodes = cfg.eval_episodes
@@ -184,7 +181,7 @@ class LunarLanderTask(Task):
         self, model: torch.nn.Module, partition: ClientEnv, local: LocalTraining
     ) -> dict[str, float]:
         """``ppo.local-steps`` env steps of PPO on the client's environment, in place
-        (``ppo.local-steps-<planet>`` and ``ppo.learning-rate-<planet>`` where they are
+        (``ppo.local-steps-<planet>`` and ``ppo.lr-<planet>`` where they are
         set for the client's planet).
 
         PPO and the environments are fresh every round; the received weights are the
@@ -209,7 +206,7 @@ class LunarLanderTask(Task):
         config = dataclasses.replace(
             self.config,
             local_steps=self.planet_steps[partition.planet],
-            learning_rate=self.planet_rates[partition.planet],
+            lr=self.planet_rates[partition.planet],
         )
         result = train_ppo(
             model, partition, config, seed=local.seed,

@@ -2,7 +2,7 @@
 
 ``digits`` is scikit-learn's 1797 8x8 handwritten digits (Alpaydin & Kaynak, UCI),
 shipped with scikit-learn, so it works offline: a seeded stratified split holds out
-``data.central-test-fraction`` as the central test set and the rest is partitioned.
+``vision.central-test-fraction`` as the central test set and the rest is partitioned.
 With a central warm start, ``split_public`` splits the held-out set once more
 into public warm-start data and the central test set.
 
@@ -55,7 +55,7 @@ class DatasetSpec:
         Column names in the Hugging Face dataset.
     has_test_split : bool
         Whether the dataset has a ``"test"`` split; if not, the central test set is
-        carved out of ``"train"`` with ``data.central-test-fraction``.
+        carved out of ``"train"`` with ``vision.central-test-fraction``.
     num_classes, in_channels, image_size : int
         Output classes, image channels and (square) image side.
     scale : float
@@ -315,7 +315,7 @@ def check_digits_partitioning(
     pool = len(digits_pool(settings, central_test_fraction))
     if settings.partitioner in CONTIGUOUS and num_partitions > pool:
         raise ConfigError(
-            f"'data.partitioner': partitioner {settings.partitioner!r} cannot split {pool} "
+            f"'vision.partitioner': partitioner {settings.partitioner!r} cannot split {pool} "
             f"digits examples into {num_partitions} partitions: {num_partitions - pool} "
             f"clients would hold no data; use at most {pool} SuperNodes"
         )
@@ -404,7 +404,7 @@ def label_groups(grouping: str, num_classes: int) -> dict[str, tuple[int, ...]]:
 
 
 def group_keep_rng(seed: int, partition_id: int) -> np.random.Generator:
-    """The generator that thins client ``partition_id``'s train split (``data.group-keep``)."""
+    """The generator that thins client ``partition_id``'s train split (``vision.group-keep``)."""
     return np.random.default_rng([seed, partition_id, GROUP_KEEP_STREAM])
 
 

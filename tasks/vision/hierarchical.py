@@ -4,7 +4,7 @@ Each edge aggregation asks a client for tau_1 = ``local.local_updates`` local
 iterations: mini-batch SGD steps for the baseline and CP-NP (the loader is cycled,
 reshuffled on every pass), and for CG-NG / CG-NP tau_1 local epochs of one clipped
 step each (``privacy.frontloaded.train_clipped_gradients``, the paper's modes).
-For ``train.lr-decay``, one edge aggregation's local training counts as one epoch.
+For ``vision.lr-decay``, one edge aggregation's local training counts as one epoch.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ class OneClassPartitioner(Partitioner):
     num_edges : int
         Number of edges (``hier.num-edges``).
     edge_iid : bool
-        ``data.edge-iid``.
+        ``vision.edge-iid``.
     seed : int
         Seed of the class order and the per-class splits.
     """

@@ -76,7 +76,7 @@ def one_class_partition(
     num_edges : int
         Number of edges (``hier.num-edges``), contiguous blocks of ids.
     edge_iid : bool
-        ``data.edge-iid``: each edge covers as many classes as it can (true) or as few.
+        ``vision.edge-iid``: each edge covers as many classes as it can (true) or as few.
     rng : numpy.random.Generator
         Source of the class order and of each class's split.
 

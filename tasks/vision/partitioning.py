@@ -57,9 +57,9 @@ class PartitionSettings:
     num_edges : int
         Edges of the hierarchical topology, ``hier.num-edges`` (``one-class`` only).
     edge_iid : bool
-        ``data.edge-iid``: every edge covers all classes (``one-class`` only).
+        ``vision.edge-iid``: every edge covers all classes (``one-class`` only).
     normalize : bool
-        ``data.normalize``: standardise pixels by the dataset's mean and std (digits;
+        ``vision.normalize``: standardise pixels by the dataset's mean and std (digits;
         false: pixels / 16 only, the peer workload's input).
     """
 
@@ -134,7 +134,7 @@ def build_partitioner(
             seed=settings.seed,
         )
     raise ConfigError(
-        f"'data.partitioner' = {mode!r} is not valid; valid values: "
+        f"'vision.partitioner' = {mode!r} is not valid; valid values: "
         + ", ".join(repr(p) for p in PARTITIONERS)
     )
 
@@ -155,12 +155,12 @@ def infeasible_partitioning(
     clients need a class than it has examples; ``one-class`` also when
     ``hier.num-edges`` exceeds the number of partitions (its message names the key).
     """
-    key = {"dirichlet": "data.alpha", "pathological": "data.classes-per-client"}
+    key = {"dirichlet": "vision.alpha", "pathological": "vision.classes-per-client"}
     return ConfigError(
-        f"'{key.get(settings.partitioner, 'data.partitioner')}': partitioner "
+        f"'{key.get(settings.partitioner, 'vision.partitioner')}': partitioner "
         f"{settings.partitioner!r} cannot split {num_examples} examples into "
         f"{num_partitions} partitions ({err}); use fewer partitions or another "
-        "'data.partitioner'"
+        "'vision.partitioner'"
     )
 
 

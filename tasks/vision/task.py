@@ -6,8 +6,8 @@ the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
 ``privacy.dpsgd``.
 
 As in frontloaded-dp-hfl (after HierFL), the learning rate can decay
-exponentially with the client's cumulative local epochs (``train.lr-decay`` every
-``train.lr-decay-epochs``; ``decayed_lr``), and ``train.deterministic`` runs local
+exponentially with the client's cumulative local epochs (``vision.lr-decay`` every
+``vision.lr-decay-epochs``; ``decayed_lr``), and ``vision.deterministic`` runs local
 training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
 section; ``deterministic_torch``).
 
@@ -72,7 +72,7 @@ from tasks.vision.models import (
     head_parameter_names,
     train_head_only,
 )
-from tasks.vision.settings import NUM_EDGES, VISION_OPTIONS, VisionConfig
+from tasks.vision.settings import NUM_EDGES, VISION_OPTIONS, SubspaceTaskSettings, VisionConfig
 from tasks.vision.steps import tally_split, train_epoch
 
 EPOCHS_DONE_KEY = "local-epochs-done"  # in the client's persistent state: the LR schedule
@@ -130,19 +130,19 @@ def evaluation_split(data: ClientPartition | CentralTestSet | TensorSplit) -> Te
 class ImageClassificationTask(Task):
     """Image classification on one dataset (``SPEC``), partitioned among clients.
 
-    Options are the flat keys of ``VISION_OPTIONS`` (``data.*``, ``model.*``,
-    ``train.*``) plus the top-level ``seed``. ``load_partition`` returns a
+    Options are the flat keys of ``VISION_OPTIONS`` (``vision.*`` and the task's
+    ``subspace.*``) plus the top-level ``seed``. ``load_partition`` returns a
     ``ClientPartition``, ``load_central_test`` a
     ``CentralTestSet``; ``evaluate`` accepts either.
     """
 
-    EPOCHS_KEY: ClassVar[str | None] = "train.local-epochs"
+    EPOCHS_KEY: ClassVar[str | None] = "vision.local-epochs"
     HIERARCHICAL: ClassVar[bool] = True
     OPTIONS: ClassVar[tuple[Option, ...]] = VISION_OPTIONS
     SPEC: ClassVar[DatasetSpec]
     DEFAULT_MODEL: ClassVar[str] = "lenet"
-    GROUPINGS: ClassVar[tuple[str, ...]] = ("auto", "none", "low-high")  # data.groups
-    DEFAULT_GROUPING: ClassVar[str] = "none"  # what data.groups = auto means
+    GROUPINGS: ClassVar[tuple[str, ...]] = ("auto", "none", "low-high")  # vision.grouping
+    DEFAULT_GROUPING: ClassVar[str] = "none"  # what vision.grouping = auto means
 
     def __init__(self, run_config: Mapping[str, Any]) -> None:
         super().__init__(run_config)
@@ -152,12 +152,11 @@ class ImageClassificationTask(Task):
             declared,
             num_edges=int(NUM_EDGES.read(run_config)),
             groups=MappingProxyType(self._resolve_groups(declared.grouping)),
-            model_name=(
-                self.DEFAULT_MODEL if declared.model_name == "auto" else declared.model_name
-            ),
-            device=resolve_device(declared.device, "train.device"),
+            model=self.DEFAULT_MODEL if declared.model == "auto" else declared.model,
+            device=resolve_device(declared.device, "vision.device"),
             seed=int(seed),
         )
+        self.subspace = SubspaceTaskSettings.from_options(self.options)
         self._check_classes_per_client()
         self._check_group_keep()
         self._check_digits_only()
@@ -169,11 +168,11 @@ class ImageClassificationTask(Task):
         """The peer workload's options exist for the offline digits alone."""
         cfg = self.config
         for key, used in (
-            ("data.partitioner", cfg.partitioner == "array-split"),
-            ("data.normalize", not cfg.normalize),
+            ("vision.partitioner", cfg.partitioner == "array-split"),
+            ("vision.normalize", not cfg.normalize),
         ):
             if used and self.SPEC.hf_id is not None:
-                value = "'array-split'" if key == "data.partitioner" else "false"
+                value = "'array-split'" if key == "vision.partitioner" else "false"
                 raise ConfigError(
                     f"{key!r} = {value} is the shared peer workload's (digits); valid tasks: "
                     "'digits'"
@@ -183,15 +182,15 @@ class ImageClassificationTask(Task):
         cfg, num_classes = self.config, self.SPEC.num_classes
         if cfg.partitioner == "pathological" and cfg.classes_per_client > num_classes:
             raise ConfigError(
-                f"'data.classes-per-client' = {cfg.classes_per_client} exceeds the "
+                f"'vision.classes-per-client' = {cfg.classes_per_client} exceeds the "
                 f"{num_classes} classes of {self.name}; valid range: [1, {num_classes}]"
             )
 
     def _resolve_groups(self, grouping: str) -> dict[str, tuple[int, ...]]:
-        """The label groups ``data.groups`` names for this dataset (``auto`` resolved)."""
+        """The label groups ``vision.grouping`` names for this dataset (``auto`` resolved)."""
         if grouping not in self.GROUPINGS:
             raise ConfigError(
-                f"'data.groups' = {grouping!r} is not valid for {self.name}; valid values: "
+                f"'vision.grouping' = {grouping!r} is not valid for {self.name}; valid values: "
                 + ", ".join(repr(g) for g in self.GROUPINGS)
             )
         grouping = self.DEFAULT_GROUPING if grouping == "auto" else grouping
@@ -201,9 +200,9 @@ class ImageClassificationTask(Task):
         cfg = self.config
         if cfg.group_keep < 1.0 and not cfg.groups:
             raise ConfigError(
-                f"'data.group-keep' = {cfg.group_keep} thins the last label group, but "
-                f"{self.name} has none ('data.groups' resolves to 'none'); set "
-                "'data.group-keep' = 1 or 'data.groups' to one of "
+                f"'vision.group-keep' = {cfg.group_keep} thins the last label group, but "
+                f"{self.name} has none ('vision.grouping' resolves to 'none'); set "
+                "'vision.group-keep' = 1 or 'vision.grouping' to one of "
                 + ", ".join(repr(g) for g in self.GROUPINGS if g not in ("auto", "none"))
             )
 
@@ -217,16 +216,16 @@ class ImageClassificationTask(Task):
         return torch.device(self.config.device)
 
     def build_model(self, seed: int) -> nn.Module:
-        """A fresh model (``model.name``) for this dataset, weights drawn from ``seed``."""
+        """A fresh model (``vision.model``) for this dataset, weights drawn from ``seed``."""
         spec = self.SPEC
         return build_model(
-            self.config.model_name, spec.in_channels, spec.num_classes, spec.image_size, seed
+            self.config.model, spec.in_channels, spec.num_classes, spec.image_size, seed
         )
 
     def load_partition(self, partition_id: int, num_partitions: int) -> ClientPartition:
         """Client ``partition_id`` of ``num_partitions``: local train and test splits.
 
-        With ``data.group-keep`` < 1 the train split keeps only that fraction of the
+        With ``vision.group-keep`` < 1 the train split keeps only that fraction of the
         last label group's examples (``thin_labels``, seeded
         by the run seed and ``partition_id``); the local test split is untouched.
         """
@@ -268,15 +267,15 @@ class ImageClassificationTask(Task):
 
     @property
     def head_only(self) -> bool:
-        return self.config.head_only
+        return self.subspace.head_only
 
     @property
     def warm_start_epochs(self) -> int:
-        return self.config.warm_start_epochs
+        return self.subspace.warm_start
 
     def head_keys(self) -> tuple[str, ...]:
         """State-dict keys of the head: weight and bias of the last ``nn.Linear`` of a
-        freshly built ``model.name`` (``head_parameter_names``)."""
+        freshly built ``vision.model`` (``head_parameter_names``)."""
         if self._head_keys is None:
             self._head_keys = head_parameter_names(self.build_model(self.config.seed))
         return self._head_keys
@@ -284,7 +283,7 @@ class ImageClassificationTask(Task):
     def load_central_test(self) -> CentralTestSet:
         """The server's held-out test set; with ``subspace.warm-start`` > 0 only its part
         that is not public (the rest of ``load_public``)."""
-        if self.config.warm_start_epochs == 0:
+        if self.subspace.warm_start == 0:
             return self._load_held_out()
         return CentralTestSet(self._split_held_out()[1])
 
@@ -297,7 +296,7 @@ class ImageClassificationTask(Task):
         ConfigError
             If ``subspace.warm-start`` is 0 (there is no public split then).
         """
-        if self.config.warm_start_epochs == 0:
+        if self.subspace.warm_start == 0:
             raise ConfigError(
                 "'subspace.warm-start' = 0: there is no public split without a warm start; "
                 "valid range for one: [1, inf)"
@@ -319,12 +318,12 @@ class ImageClassificationTask(Task):
     def _split_held_out(self) -> tuple[TensorSplit, TensorSplit]:
         """(public, central test) parts of the held-out set, split once per task."""
         if self._public_and_test is None:
-            cfg, held_out = self.config, self._load_held_out().test
+            fraction, held_out = self.subspace.public_fraction, self._load_held_out().test
             try:
-                self._public_and_test = split_public(held_out, cfg.public_fraction, cfg.seed)
+                self._public_and_test = split_public(held_out, fraction, self.config.seed)
             except ValueError as err:
                 raise ConfigError(
-                    f"'subspace.public-fraction' = {cfg.public_fraction} cannot split the "
+                    f"'subspace.public-fraction' = {fraction} cannot split the "
                     f"{len(held_out)} held-out examples of {self.name} by class ({err}); "
                     "valid range: (0, 1), leaving each class an example on both sides"
                 ) from err
@@ -358,8 +357,8 @@ class ImageClassificationTask(Task):
     def warm_start(self, model: nn.Module) -> dict[str, float]:
         """``subspace.warm-start`` epochs of SGD on ``load_public``, in place.
 
-        Central training of the whole model before round 1 with ``train.lr`` (no decay),
-        ``train.momentum``, ``train.weight-decay`` and ``data.batch-size``; shuffling
+        Central training of the whole model before round 1 with ``vision.lr`` (no decay),
+        ``vision.momentum``, ``vision.weight-decay`` and ``vision.batch-size``; shuffling
         and dropout draw from a seed derived from the run seed (round 0, in which no
         client trains), the global RNG is restored. The model is back on the CPU.
 
@@ -370,7 +369,7 @@ class ImageClassificationTask(Task):
             with ``model`` untouched, when ``subspace.warm-start`` is 0.
         """
         cfg, device = self.config, self.device
-        if cfg.warm_start_epochs == 0:
+        if self.subspace.warm_start == 0:
             return {}
         seed = local_seed(cfg.seed, 0, 0)
         loader = make_loader(self.load_public(), cfg.batch_size, shuffle=True, seed=seed)
@@ -381,7 +380,7 @@ class ImageClassificationTask(Task):
         loss, accuracy = 0.0, 0.0
         try:
             with self._seeded(seed):
-                for _ in range(cfg.warm_start_epochs):
+                for _ in range(self.subspace.warm_start):
                     loss, accuracy = train_epoch(model, loader, optimizer, device, [], 0.0)
         finally:
             model.to("cpu")
@@ -390,7 +389,7 @@ class ImageClassificationTask(Task):
     @contextmanager
     def _seeded(self, seed: int) -> Iterator[None]:
         """Training context: the global RNG forked and seeded with ``seed``, and
-        ``train.deterministic``; a missing deterministic kernel becomes a ConfigError."""
+        ``vision.deterministic``; a missing deterministic kernel becomes a ConfigError."""
         cfg, device = self.config, self.device
         rng_devices = [device] if device.type == "cuda" else []
         try:
@@ -403,21 +402,23 @@ class ImageClassificationTask(Task):
         except RuntimeError as err:
             if cfg.deterministic and "deterministic" in str(err):
                 raise ConfigError(
-                    f"'train.deterministic' = true, but model.name = {cfg.model_name!r} "
+                    f"'vision.deterministic' = true, but vision.model = {cfg.model!r} "
                     f"uses an operation without a deterministic implementation on "
-                    f"{device.type} ({err}); set 'train.deterministic' = false or pick "
-                    "another 'model.name'"
+                    f"{device.type} ({err}); set 'vision.deterministic' = false or pick "
+                    "another 'vision.model'"
                 ) from err
             raise
 
     def _head_only(self, model: nn.Module) -> AbstractContextManager[None]:
         """``train_head_only`` if ``subspace.head-only``."""
-        return train_head_only(model, self.head_keys()) if self.config.head_only else nullcontext()
+        return (
+            train_head_only(model, self.head_keys()) if self.subspace.head_only else nullcontext()
+        )
 
     def train(
         self, model: nn.Module, partition: ClientPartition, local: LocalTraining
     ) -> dict[str, float]:
-        """``train.local-epochs`` epochs of SGD on the partition's train split, in place.
+        """``vision.local-epochs`` epochs of SGD on the partition's train split, in place.
 
         The parameters received are the proximal anchor; shuffling, Poisson sampling,
         DP-SGD noise and dropout draw from ``local.seed`` (the global RNG is restored
@@ -471,7 +472,7 @@ class ImageClassificationTask(Task):
         proximal_mu: float,
         state: dict[str, Any],
     ) -> tuple[float, float]:
-        """``train.local-epochs`` passes at the decayed LR; loss and accuracy of the last.
+        """``vision.local-epochs`` passes at the decayed LR; loss and accuracy of the last.
 
         Counts the epochs in ``state[EPOCHS_DONE_KEY]`` (the client's cumulative epochs)
         under a decaying schedule.
@@ -519,12 +520,12 @@ class ImageClassificationTask(Task):
         return train_private(
             model, optimizer, loader, local, epochs=self.config.local_epochs,
             global_params=global_params, run_epochs=run_epochs,
-            model_name=self.config.model_name,
+            model_name=self.config.model,
         )  # fmt: skip
 
     def _calibrated(self, local: LocalTraining, sample_rate: float) -> DPSGD:
         """``local.dp_sgd`` with the noise multiplier for its target epsilon, if any
-        (``privacy.dpsgd.calibrated_settings`` over ``train.local-epochs``)."""
+        (``privacy.dpsgd.calibrated_settings`` over ``vision.local-epochs``)."""
         return calibrated_settings(local, sample_rate=sample_rate, epochs=self.config.local_epochs)
 
     def evaluate(
@@ -532,7 +533,7 @@ class ImageClassificationTask(Task):
     ) -> dict[str, float]:
         """Loss and accuracy on a partition's local test split or the central test set.
 
-        With label groups (``data.groups``) also each group's ``eval-accuracy-<g>`` and
+        With label groups (``vision.grouping``) also each group's ``eval-accuracy-<g>`` and
         ``num-examples-<g>`` and the ``fairness-gap``
         (``group_metrics``), from the same forward pass. All
         metrics are 0.0 on an empty split.

@@ -53,7 +53,7 @@ RUN = {
     "secagg.min-survivors": 3,
     "min-available-nodes": 5,
     "num-server-rounds": 2,
-    "train.lr-decay": 0.9,  # the clients keep an epoch count: client state files
+    "vision.lr-decay": 0.9,  # the clients keep an epoch count: client state files
 }
 SECRET_FIELDS = ("sk1", "sk2", "rd_seed", "rd_seed_share_dict:V", "sk1_share_dict:V", "ss2_dict:V")
 

@@ -30,8 +30,8 @@ from lab.launcher import APP_DIR, LocalSimulation, RunOutcome
 # plots, checkpoint, default output-dir). Deterministic torch: the runs are compared bit
 # for bit, on CUDA too (docs/testing.md).
 DIGITS = (
-    "num-server-rounds=3 fraction-train=0.5 fraction-evaluate=0.5 train.momentum=0.0 "
-    "train.deterministic=true round-timeout=120.0"
+    "num-server-rounds=3 fraction-train=0.5 fraction-evaluate=0.5 vision.momentum=0.0 "
+    "vision.deterministic=true round-timeout=120.0"
 )
 
 

@@ -77,7 +77,7 @@ WARM_DONE = re.compile(r"Warm executor: task \d+ done")
 KEYS_SHARED = "SecAgg+ round 2: keys shared among 3 of 3 clients"
 RUN_CONFIG = (
     f"num-server-rounds={ROUNDS} fraction-train=1.0 fraction-evaluate=0.0 "
-    f"train.local-epochs=1 min-available-nodes=2 min-train-nodes=2 "
+    f"vision.local-epochs=1 min-available-nodes=2 min-train-nodes=2 "
     f"round-timeout={ROUND_TIMEOUT} secagg.enabled=true"
 )
 

@@ -26,7 +26,7 @@ from tests.inprocess import run_like_flwr
 
 pytestmark = pytest.mark.e2e
 
-TINY = "num-server-rounds=3 fraction-train=1.0 train.local-epochs=2"
+TINY = "num-server-rounds=3 fraction-train=1.0 vision.local-epochs=2"
 
 
 @dataclass

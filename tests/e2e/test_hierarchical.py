@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 TINY = (
     "task='digits' strategy='hierarchical' num-server-rounds=2 fraction-evaluate=1.0 "
     "hier.num-edges=2 hier.edge-rounds=2 hier.local-updates=5 hier.client-fraction=0.5 "
-    "dp.clip-norm=2.0 dp.noise-std=0.01 train.lr=0.1"
+    "dp.clip-norm=2.0 dp.noise-std=0.01 vision.lr=0.1"
 )
 MODES = ("none", "cg-ng", "cg-np", "cp-np")
 

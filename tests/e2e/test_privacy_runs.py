@@ -25,11 +25,11 @@ VARIANTS = {
     # released aggregate, the small MLP.
     # With the privacy audit: 4 canary clients beside the 4 real ones (FEDERATION).
     "dp-fedavg-fixed": "dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
-    "server.optimizer='adam' server.lr=0.05 model.name='mlp' audit.canaries=4",
+    "server.optimizer='adam' server.lr=0.05 vision.model='mlp' audit.canaries=4",
     # Distributed DP: SecAgg+ in the Ray simulation, Skellam shares from the clients.
     "dp-fedavg-fixed+secagg": "secagg.enabled=true dp.noise-site='client' "
     "dp.sampling='fixed' dp.num-sampled-clients=3 dp.noise-multiplier=1.0 "
-    "dp.clip-norm=0.5 model.name='mlp'",
+    "dp.clip-norm=0.5 vision.model='mlp'",
 }
 RUNS = {name: f"privacy='{name.split('+')[0]}' {o}" for name, o in VARIANTS.items()}
 # N = 4 real clients + k = 4 canaries; naming the size replaces all of the connection's

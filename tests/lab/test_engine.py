@@ -126,7 +126,7 @@ def test_the_cli_runs_the_run_config_string(tmp_path, capsys):
     code = run_main(
         [
             "--run-config",
-            f"num-server-rounds=1 min-available-nodes=3 train.deterministic=true "
+            f"num-server-rounds=1 min-available-nodes=3 vision.deterministic=true "
             f"output-dir='{tmp_path}'",
             "--federation-config",
             "num-supernodes=3",

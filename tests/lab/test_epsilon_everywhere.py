@@ -21,7 +21,7 @@ from server_app import run_status
 from tests.inprocess import run_like_flwr
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = "num-server-rounds=2 fraction-train=1.0 train.local-epochs=1 run.divergence-factor=0.0"
+TINY = "num-server-rounds=2 fraction-train=1.0 vision.local-epochs=1 run.divergence-factor=0.0"
 DP = "privacy='dp-fedavg-fixed' dp.noise-multiplier=0.5 dp.clip-norm=1.0 dp.sampling='fixed' "
 DP += "dp.num-sampled-clients=4"
 

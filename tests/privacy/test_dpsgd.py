@@ -38,10 +38,10 @@ from tasks.vision import DigitsTask
 
 # Client 0 of 5 holds 230 digits for training: q = 32/230, int(230/32) = 7 steps/epoch.
 # Deterministic kernels: the bitwise comparisons below hold on a CUDA machine too (where
-# `train.device` = auto trains on the GPU; cuDNN's default kernels are not reproducible).
+# `vision.device` = auto trains on the GPU; cuDNN's default kernels are not reproducible).
 DIGITS_CONFIG = {
-    "task": "digits", "seed": 42, "data.batch-size": 32, "train.local-epochs": 1,
-    "train.deterministic": True,
+    "task": "digits", "seed": 42, "vision.batch-size": 32, "vision.local-epochs": 1,
+    "vision.deterministic": True,
 }  # fmt: skip
 NUM_TRAIN, BATCH = 230, 32
 SAMPLE_RATE, STEPS_PER_EPOCH = BATCH / NUM_TRAIN, 7
@@ -130,7 +130,7 @@ def test_calibrated_noise_multiplier_reaches_target_epsilon(task, partition):
         target_epsilon=target, delta=DP.delta, sample_rate=SAMPLE_RATE, epochs=epochs
     )
     planned = epsilon_from_history([[z, SAMPLE_RATE, epochs * STEPS_PER_EPOCH]], DP.delta)
-    trained = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": epochs}).train(
+    trained = DigitsTask({**DIGITS_CONFIG, "vision.local-epochs": epochs}).train(
         task.build_model(seed=0),
         partition,
         LocalTraining(1, seed=0, dp_sgd=DPSGD(z, 1.0, DP.delta), state={}),
@@ -193,7 +193,7 @@ def test_a_client_refuses_a_round_that_would_exceed_its_budget(task, partition):
 
 def test_dp_training_is_secret_by_default_and_reproducible_from_its_dp_seed(task, partition):
     # Prepare: cnn has dropout and GroupNorm.
-    cnn_task = DigitsTask({**DIGITS_CONFIG, "model.name": "cnn"})
+    cnn_task = DigitsTask({**DIGITS_CONFIG, "vision.model": "cnn"})
     models = [cnn_task.build_model(seed=0) for _ in range(5)]
     rng_before = torch.get_rng_state()
 
@@ -252,7 +252,7 @@ def test_incompatible_model_raises_value_error_naming_model(task, partition):
     )
 
     # Execute / Assert
-    with pytest.raises(ValueError, match=r"model\.name = 'lenet'.*BatchNorm"):
+    with pytest.raises(ValueError, match=r"vision\.model = 'lenet'.*BatchNorm"):
         task.train(batchnorm_net, partition, LocalTraining(1, seed=0, dp_sgd=DP, state={}))
     assert _opacus_leftovers(batchnorm_net) == []
 
@@ -340,7 +340,7 @@ def test_target_epsilon_is_met_after_the_planned_rounds():
     from tasks.base import DPSGD, LocalTraining
     from tasks.vision import DigitsTask
 
-    task = DigitsTask({"seed": 1, "train.lr": 0.05})
+    task = DigitsTask({"seed": 1, "vision.lr": 0.05})
     partition = task.load_partition(0, 5)
     model = task.build_model(1)
     dp = DPSGD(

@@ -50,8 +50,8 @@ def test_int_given_for_float_is_converted():
         ("fedprox.mu", -0.1, "'fedprox.mu' = -0.1 is out of range"),
         ("central-eval", "yes", "'central-eval' must be true or false"),
         ("seed", True, "'seed' must be a number"),
-        ("data.partitioner", "nope", "'data.partitioner' = 'nope' is not valid"),
-        ("train.lr", -1.0, "'train.lr' = -1.0 is out of range"),
+        ("vision.partitioner", "nope", "'vision.partitioner' = 'nope' is not valid"),
+        ("vision.lr", -1.0, "'vision.lr' = -1.0 is out of range"),
     ],
 )
 def test_invalid_values_name_key_and_valid_values(key, value, expected):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.inprocess import run_like_flwr
 
-TINY = "num-server-rounds=3 fraction-train=1.0 train.local-epochs=1 central-eval=false"
+TINY = "num-server-rounds=3 fraction-train=1.0 vision.local-epochs=1 central-eval=false"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def test_banded_mf_run_records_schema_sensitivity_and_epsilon(tmp_path, monkeypa
     monkeypatch.setenv(cr.CACHE_ENV, str(tmp_path / "cache"))
     # 4 SuperNodes, 2 a round, b = 2 groups: each client trains in 2 of the 4 rounds.
     result = run_like_flwr(
-        "num-server-rounds=4 train.local-epochs=1 train.momentum=0.0 "
+        "num-server-rounds=4 vision.local-epochs=1 vision.momentum=0.0 "
         "run.divergence-factor=0.0 privacy='banded-mf' dp.num-sampled-clients=2 "
         f"dp.noise-multiplier=1.5 dp.clip-norm=0.5 output-dir='{tmp_path}'"
     )

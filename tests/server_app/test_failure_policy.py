@@ -149,7 +149,7 @@ def test_a_run_shorter_than_the_streak_where_no_client_ever_contributed_fails(
 def test_a_diverging_run_fails_and_keeps_the_last_good_checkpoint(tmp_path):
     # The app's default factor (the in-process harness turns the ratio check off).
     factor = {"run.divergence-factor": 1000.0}
-    path, grid, raised = _run(tmp_path, **{"num-server-rounds": 6, "train.lr": 1e4, **factor})
+    path, grid, raised = _run(tmp_path, **{"num-server-rounds": 6, "vision.lr": 1e4, **factor})
     outcome = _outcome(path)
     assert isinstance(raised, RunFailed) and outcome["status"] == "failed"
     assert "the global model diverged" in outcome["reason"]
@@ -174,8 +174,8 @@ def test_a_diverging_run_fails_and_keeps_the_last_good_checkpoint(tmp_path):
         # client failing each round (86 % of them at N = 10 000).
         (
             1438,
-            {"data.partitioner": "array-split"},
-            "start-up check: 'data.partitioner': partitioner 'array-split' cannot split 1437 "
+            {"vision.partitioner": "array-split"},
+            "start-up check: 'vision.partitioner': partitioner 'array-split' cannot split 1437 "
             "digits examples into 1438 partitions: 1 clients would hold no data",
         ),
         # 2 000 synthetic rows, 20 % central test: 1 600 pool rows for 161 clients are 9

@@ -23,7 +23,9 @@ PRESET = "digits-dp-eps8"
 # A short run of the preset on 4 in-process SuperNodes: 2 rounds, 3 clients expected
 # per round (the preset's 10 need 10 nodes).
 # RDP calibrates z in a fraction of PLD's time.
-OVERRIDES = "num-server-rounds=2 dp.num-sampled-clients=3 train.local-epochs=1 dp.accountant='rdp'"
+OVERRIDES = (
+    "num-server-rounds=2 dp.num-sampled-clients=3 vision.local-epochs=1 dp.accountant='rdp'"
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def test_a_preset_with_overrides_runs_the_presets_privacy_with_the_keys_given(pr
     # The preset's privacy and its other keys ...
     assert saved["privacy"] == preset["privacy"] == "dp-fedavg-adaptive"
     assert saved["dp.target-epsilon"] == 8.0
-    assert saved["model.name"] == "mlp" and saved["server.optimizer"] == "momentum"
+    assert saved["vision.model"] == "mlp" and saved["server.optimizer"] == "momentum"
     # ... with the keys given on the command line in place of the preset's.
     assert preset["num-server-rounds"] == 30 and saved["num-server-rounds"] == 2
     assert preset["dp.num-sampled-clients"] == 10 and saved["dp.num-sampled-clients"] == 3

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.xdist_group("privacy-runs")
 # Mechanics with noise that may swamp 4 clients: no divergence ratio check (it is
 # tested in tests/server_app/test_failure_policy.py).
 TINY = (
-    "num-server-rounds=3 fraction-train=1.0 train.local-epochs=1 train.momentum=0.0 "
+    "num-server-rounds=3 fraction-train=1.0 vision.local-epochs=1 vision.momentum=0.0 "
     "run.divergence-factor=0.0"
 )
 DPSGD_TARGET = 1.0
@@ -41,7 +41,7 @@ RUNS = {
     "subspace-dp": "dp.num-sampled-clients=3 dp.noise-multiplier=1.0 dp.clip-norm=0.5 "
     "subspace.head-only=true subspace.warm-start=2 subspace.rank=2 subspace.sketch-dim=8 "
     "subspace.pmu-every=2 subspace.init='public' subspace.allocation='fairness' "
-    "data.groups='low-high' subspace.quantize-bits=8",
+    "vision.grouping='low-high' subspace.quantize-bits=8",
 }
 
 

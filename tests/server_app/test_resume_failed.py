@@ -27,7 +27,7 @@ NODES = [11, 22, 33, 44]
 NEW_NODES = [55, 66, 77, 88]
 # The app's default factor (the in-process harness turns the ratio check off) and a
 # learning rate that makes digits diverge within a few rounds.
-DIVERGING = {"num-server-rounds": 6, "train.lr": 1e4, "run.divergence-factor": 1000.0}
+DIVERGING = {"num-server-rounds": 6, "vision.lr": 1e4, "run.divergence-factor": 1000.0}
 
 
 class Killed(Exception):

@@ -20,9 +20,9 @@ FAIR = {
 
 def test_fairness_allocation_needs_two_label_groups():
     run_config = {**pyproject_defaults(), **FAIR}
-    with pytest.raises(ConfigError, match=r"'data\.groups'.*'low-high'"):
+    with pytest.raises(ConfigError, match=r"'vision\.grouping'.*'low-high'"):
         subspace_setup.check(config.load(run_config), DigitsTask(run_config))
-    grouped = {**run_config, "data.groups": "low-high"}
+    grouped = {**run_config, "vision.grouping": "low-high"}
     subspace_setup.check(config.load(grouped), DigitsTask(grouped))
 
 

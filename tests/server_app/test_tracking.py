@@ -23,7 +23,7 @@ from tests.inprocess import run_like_flwr
 # One worker makes the module's runs once (a module-scoped fixture per worker otherwise).
 pytestmark = pytest.mark.xdist_group("tracking")
 
-TINY = "num-server-rounds=2 fraction-train=1.0 train.local-epochs=1 run.divergence-factor=0.0"
+TINY = "num-server-rounds=2 fraction-train=1.0 vision.local-epochs=1 run.divergence-factor=0.0"
 DP = "privacy='dp-fedavg-fixed' dp.noise-multiplier=1.0 dp.sampling='fixed' "
 DP += "dp.num-sampled-clients=4"
 

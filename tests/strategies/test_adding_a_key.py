@@ -101,13 +101,13 @@ class _ToySettings(Settings):
     PREFIX: ClassVar[str] = "toy"
     rate: float = setting(0.5, "A rate.", low=0.0, high=1.0)
     mode: str = setting("a", "A mode.", choices=("a", "b"))
-    epochs_given: int = setting(1, "Not keyed by its name.", low=1, key="train.epochs")
+    epochs_given: int = setting(1, "Keyed by its name, like every field.", low=1)
     derived: int = 0  # not a key: neither read from the run-config nor in kwargs
 
 
 def test_a_client_parses_its_keys_from_the_flat_run_config():
     # Flower's run-config: TOML scalars, an int where a float is declared.
-    toy = _ToySettings.from_run_config({"toy.rate": 1, "train.epochs": 3, "other": "x"})
+    toy = _ToySettings.from_run_config({"toy.rate": 1, "toy.epochs-given": 3, "other": "x"})
     assert (toy.rate, type(toy.rate), toy.mode, toy.epochs_given) == (1.0, float, "a", 3)
     assert toy.kwargs() == {"rate": 1.0, "mode": "a", "epochs_given": 3}
     with pytest.raises(

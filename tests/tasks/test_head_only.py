@@ -19,7 +19,7 @@ from tasks.vision.data import digits_central_split
 from tasks.vision.models import MODEL_NAMES, build_model, head_parameter_names, train_head_only
 from tasks.vision.task import WARM_START_ACCURACY, WARM_START_LOSS
 
-DIGITS_CONFIG = {"seed": 42, "data.batch-size": 16, "train.lr": 0.02, "train.local-epochs": 1}
+DIGITS_CONFIG = {"seed": 42, "vision.batch-size": 16, "vision.lr": 0.02, "vision.local-epochs": 1}
 WARM = {**DIGITS_CONFIG, "subspace.warm-start": 10}
 
 
@@ -68,7 +68,7 @@ def test_head_keys_of_lenet_are_its_last_linear_layer():
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_head_keys_name_the_last_linear_of_every_model(name):
     # Prepare
-    task = DigitsTask({"model.name": name})
+    task = DigitsTask({"vision.model": name})
     model = task.build_model(seed=0)
 
     # Execute
@@ -182,14 +182,14 @@ def test_invalid_subspace_option_raises_config_error_naming_key(key, value):
 
 def test_defaults_and_parsed_subspace_config():
     # Execute
-    default = DigitsTask({}).config
+    default = DigitsTask({}).subspace
     parsed = DigitsTask(
         {"subspace.head-only": True, "subspace.warm-start": 3, "subspace.public-fraction": 0.25}
-    ).config
+    ).subspace
 
     # Assert
     def fields(cfg):
-        return cfg.head_only, cfg.warm_start_epochs, cfg.public_fraction
+        return cfg.head_only, cfg.warm_start, cfg.public_fraction
 
     assert fields(default) == (False, 0, 0.5)
     assert fields(parsed) == (True, 3, 0.25)
@@ -222,7 +222,7 @@ def test_warm_start_is_deterministic_and_leaves_global_rng_alone():
     # cnn: dropout; deterministic kernels: on a CUDA machine the warm start runs there.
     # A public split of 36 digits (3 mini-batches an epoch): determinism is the check.
     small = {**WARM, "subspace.warm-start": 2, "subspace.public-fraction": 0.1}
-    task = DigitsTask({**small, "model.name": "cnn", "train.deterministic": True})
+    task = DigitsTask({**small, "vision.model": "cnn", "vision.deterministic": True})
     models = [task.build_model(seed=0) for _ in range(3)]
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -230,9 +230,9 @@ def test_warm_start_is_deterministic_and_leaves_global_rng_alone():
 
     # Execute
     first, again = task.warm_start(models[0]), task.warm_start(models[1])
-    DigitsTask({**small, "model.name": "cnn", "seed": 7, "train.deterministic": True}).warm_start(
-        models[2]
-    )
+    DigitsTask(
+        {**small, "vision.model": "cnn", "seed": 7, "vision.deterministic": True}
+    ).warm_start(models[2])
 
     # Assert
     states = [_state(m) for m in models]
@@ -289,7 +289,7 @@ DP = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
 )  # fmt: skip
 def test_head_only_training_changes_only_the_head(name, local):
     # Prepare
-    task = DigitsTask({**DIGITS_CONFIG, "model.name": name, "subspace.head-only": True})
+    task = DigitsTask({**DIGITS_CONFIG, "vision.model": name, "subspace.head-only": True})
 
     # Execute
     model, before, after = _train_and_compare(task, local, SMALL_PARTITION.get(name, 5))

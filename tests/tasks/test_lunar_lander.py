@@ -488,9 +488,9 @@ def test_a_planets_own_local_steps_apply_to_its_clients_only():
 
 
 def test_a_planets_own_learning_rate_applies_to_its_clients_only():
-    # Prepare: the moon's clients at 6e-4, earth's and mars' at ppo.learning-rate 1e-3
+    # Prepare: the moon's clients at 6e-4, earth's and mars' at ppo.lr 1e-3
     # (TINY's rollout of 128 in batches of 64: two updates a round, so the rate is set)
-    task = LunarLanderTask({**TINY, "ppo.learning-rate": 1e-3, "ppo.learning-rate-moon": 6e-4})
+    task = LunarLanderTask({**TINY, "ppo.lr": 1e-3, "ppo.lr-moon": 6e-4})
     rates = {}
     for client in task.clients:
         model = task.build_model(0)
@@ -510,7 +510,7 @@ def test_a_planets_learning_rate_decays_with_the_schedule():
     # Prepare: 4 rounds, linear decay, 2 rollouts a round: round 2's last update runs
     # at 2/4 of the planet's start (as test_ppo_trains_with_the_scheduled_learning_rate)
     task = LunarLanderTask(TINY | {"num-server-rounds": 4, "ppo.lr-schedule": "linear",
-                                   "ppo.learning-rate-mars": 8e-4})  # fmt: skip
+                                   "ppo.lr-mars": 8e-4})  # fmt: skip
     earth, mars = task.clients[1], task.clients[2]
 
     # Execute
@@ -1074,7 +1074,7 @@ def test_reward_scale_must_be_positive_and_finite(scale):
         ("ppo.local-steps", 0),
         ("ppo.n-envs", 0),
         ("ppo.vec-env", "ray"),
-        ("ppo.learning-rate", 0.0),
+        ("ppo.lr", 0.0),
         ("ppo.batch-size", 1),
         ("ppo.n-epochs", 0),
         ("ppo.gamma", 1.5),

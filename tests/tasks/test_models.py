@@ -147,7 +147,7 @@ def test_every_model_trains_a_dp_sgd_epoch(name):
     # on the model. (torchvision's in-place ReLUs failed here before models.out_of_place.)
     gen = torch.Generator().manual_seed(0)
     split = TensorSplit(torch.randn(16, 1, 8, 8, generator=gen), torch.arange(16) % 10)
-    task = DigitsTask({"model.name": name, "train.local-epochs": 1, "data.batch-size": 8})
+    task = DigitsTask({"vision.model": name, "vision.local-epochs": 1, "vision.batch-size": 8})
     model = task.build_model(0)
     before = _weights(model)
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)

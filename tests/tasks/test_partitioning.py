@@ -192,7 +192,7 @@ def test_more_contiguous_partitions_than_examples_is_refused_naming_the_key(mode
     pool = len(vdata.digits_pool(settings, CENTRAL))
     vdata.check_digits_partitioning(settings, CENTRAL, pool)  # one example each: fine
     assert len(_ids(load_digits_partition(settings, CENTRAL, pool - 1, pool))) == 1
-    message = rf"'data\.partitioner'.*{pool} digits examples into {pool + 1} partitions: 1 "
+    message = rf"'vision\.partitioner'.*{pool} digits examples into {pool + 1} partitions: 1 "
     with pytest.raises(ConfigError, match=message):
         vdata.check_digits_partitioning(settings, CENTRAL, pool + 1)
     with pytest.raises(ConfigError, match=message):
@@ -201,7 +201,7 @@ def test_more_contiguous_partitions_than_examples_is_refused_naming_the_key(mode
 
 def test_infeasible_partitioning_raises_config_error():
     # e^1 / sum(e^1..e^10) of 1437 examples rounds to an empty partition 0.
-    with pytest.raises(ConfigError, match=r"data\.partitioner"):
+    with pytest.raises(ConfigError, match=r"vision\.partitioner"):
         load_digits_partition(PartitionSettings("exponential"), CENTRAL, 0, 10)
 
 

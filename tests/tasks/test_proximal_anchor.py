@@ -9,7 +9,7 @@ from tasks.base import LocalTraining
 from tasks.vision import DigitsTask
 from tasks.vision import task as vision_task
 
-CONFIG = {"seed": 42, "data.batch-size": 16, "train.lr": 0.02, "train.local-epochs": 1}
+CONFIG = {"seed": 42, "vision.batch-size": 16, "vision.lr": 0.02, "vision.local-epochs": 1}
 
 
 def _train(monkeypatch, mu: float) -> tuple[int, list[torch.Tensor]]:

@@ -1,8 +1,8 @@
 """Group fairness metrics of the vision tasks (Subspace-DP-FL: "digits vs. letters").
 
 EMNIST is on the Hugging Face Hub (offline here); the digits task with
-``data.groups = "low-high"`` is the offline stand-in: labels 0-4 ("low") and 5-9
-("high"), and ``data.group-keep`` makes "high" a minority in training.
+``vision.grouping = "low-high"`` is the offline stand-in: labels 0-4 ("low") and 5-9
+("high"), and ``vision.group-keep`` makes "high" a minority in training.
 """
 
 import math
@@ -24,7 +24,7 @@ from tasks.vision.data import (
 )
 
 LOW, HIGH = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)
-LOW_HIGH = {"seed": 42, "data.groups": "low-high", "data.batch-size": 16, "train.lr": 0.02}
+LOW_HIGH = {"seed": 42, "vision.grouping": "low-high", "vision.batch-size": 16, "vision.lr": 0.02}
 GROUP_KEYS = {
     "eval-accuracy-low", "eval-accuracy-high", "num-examples-low", "num-examples-high",
     FAIRNESS_GAP,
@@ -68,9 +68,9 @@ def test_groups_of_the_tasks_and_auto():
     assert digits.groups() == {} and digits.config.groups == {}
     assert list(emnist.groups()) == ["digits", "letters"]
     assert emnist.groups()["letters"] == tuple(range(10, 62))
-    assert EMNISTTask({"data.groups": "none"}).groups() == {}
-    assert DigitsTask({"data.groups": "low-high"}).groups() == {"low": LOW, "high": HIGH}
-    assert MNISTTask({"data.groups": "low-high"}).groups()["high"] == HIGH
+    assert EMNISTTask({"vision.grouping": "none"}).groups() == {}
+    assert DigitsTask({"vision.grouping": "low-high"}).groups() == {"low": LOW, "high": HIGH}
+    assert MNISTTask({"vision.grouping": "low-high"}).groups()["high"] == HIGH
     emnist.groups()["digits"] = ()  # a copy: the config is not touched
     assert emnist.groups()["digits"] == tuple(range(10))
 
@@ -82,19 +82,19 @@ def test_groups_of_the_tasks_and_auto():
 def test_digits_letters_is_only_for_emnist(task_cls):
     with pytest.raises(
         ConfigError,
-        match=r"'data\.groups' = 'digits-letters' is not valid for \w+; "
+        match=r"'vision\.grouping' = 'digits-letters' is not valid for \w+; "
         r"valid values: 'auto', 'none', 'low-high'$",
     ):
-        task_cls({"data.groups": "digits-letters"})
+        task_cls({"vision.grouping": "digits-letters"})
 
 
 @pytest.mark.parametrize(
     ("config", "match"),
-    [({"data.groups": "odd-even"}, r"'data\.groups' = 'odd-even' is not valid"),
-     ({"data.group-keep": 0.5}, r"'data\.group-keep' = 0\.5 .*digits has none.*'low-high'"),
-     ({"data.group-keep": 0.0}, r"'data\.group-keep' = 0\.0 is out of range; .*\(0, 1\]"),
-     ({"data.group-keep": 1.5}, r"'data\.group-keep' = 1\.5 is out of range"),
-     ({"data.groups": "low-high", "data.group-keep": -0.1}, r"'data\.group-keep'")],
+    [({"vision.grouping": "odd-even"}, r"'vision\.grouping' = 'odd-even' is not valid"),
+     ({"vision.group-keep": 0.5}, r"'vision\.group-keep' = 0\.5 .*digits has none.*'low-high'"),
+     ({"vision.group-keep": 0.0}, r"'vision\.group-keep' = 0\.0 is out of range; .*\(0, 1\]"),
+     ({"vision.group-keep": 1.5}, r"'vision\.group-keep' = 1\.5 is out of range"),
+     ({"vision.grouping": "low-high", "vision.group-keep": -0.1}, r"'vision\.group-keep'")],
 )  # fmt: skip
 def test_invalid_group_options_raise_config_error(config, match):
     with pytest.raises(ConfigError, match=match):
@@ -103,11 +103,11 @@ def test_invalid_group_options_raise_config_error(config, match):
 
 def test_group_keep_needs_groups_on_emnist_too():
     # Prepare / Execute: auto gives emnist groups, so thinning is fine there.
-    assert EMNISTTask({"data.group-keep": 0.5}).config.group_keep == 0.5
+    assert EMNISTTask({"vision.group-keep": 0.5}).config.group_keep == 0.5
 
     # Assert
-    with pytest.raises(ConfigError, match=r"'data\.group-keep'.*'digits-letters', 'low-high'"):
-        EMNISTTask({"data.groups": "none", "data.group-keep": 0.5})
+    with pytest.raises(ConfigError, match=r"'vision\.group-keep'.*'digits-letters', 'low-high'"):
+        EMNISTTask({"vision.grouping": "none", "vision.group-keep": 0.5})
 
 
 # --- group metrics ------------------------------------------------------------------
@@ -167,7 +167,7 @@ def _labelled_split(labels: list[int]) -> TensorSplit:
 
 def test_evaluate_reports_exact_group_accuracies_in_one_pass():
     # Prepare: 5 low and 7 high examples, batches of 4 (3 batches).
-    task = DigitsTask({**LOW_HIGH, "data.batch-size": 4})
+    task = DigitsTask({**LOW_HIGH, "vision.batch-size": 4})
     split = _labelled_split([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 5, 6])
     model = LowOnlyOracle()
 
@@ -238,7 +238,7 @@ def test_digits_low_high_end_to_end():
 def test_group_keep_thins_only_the_last_group_of_train_splits():
     # Prepare
     full = DigitsTask(LOW_HIGH)
-    thinned = DigitsTask({**LOW_HIGH, "data.group-keep": 0.2})
+    thinned = DigitsTask({**LOW_HIGH, "vision.group-keep": 0.2})
 
     for pid in range(5):
         # Execute
@@ -257,8 +257,8 @@ def test_group_keep_thins_only_the_last_group_of_train_splits():
 
 def test_group_keep_is_deterministic_per_seed_and_client():
     # Execute
-    first = DigitsTask({**LOW_HIGH, "data.group-keep": 0.2}).load_partition(1, 5)
-    again = DigitsTask({**LOW_HIGH, "data.group-keep": 0.2}).load_partition(1, 5)
+    first = DigitsTask({**LOW_HIGH, "vision.group-keep": 0.2}).load_partition(1, 5)
+    again = DigitsTask({**LOW_HIGH, "vision.group-keep": 0.2}).load_partition(1, 5)
 
     # Assert: same seed, same examples; the generator depends on seed and client.
     assert torch.equal(first.train.ids, again.train.ids)
@@ -302,7 +302,7 @@ def test_thin_labels_edge_cases():
 
 
 def test_training_on_a_thinned_partition_counts_its_examples():
-    task = DigitsTask({**LOW_HIGH, "data.group-keep": 0.2})
+    task = DigitsTask({**LOW_HIGH, "vision.group-keep": 0.2})
     partition = task.load_partition(2, 5)
 
     metrics = task.train(task.build_model(seed=0), partition, LocalTraining(1, seed=3))

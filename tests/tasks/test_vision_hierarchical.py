@@ -12,7 +12,7 @@ from tasks.vision import DigitsTask
 
 @pytest.fixture(scope="module")
 def task():
-    return DigitsTask({"data.batch-size": 8, "train.momentum": 0.0})
+    return DigitsTask({"vision.batch-size": 8, "vision.momentum": 0.0})
 
 
 def _count_steps(monkeypatch) -> list[int]:
@@ -43,7 +43,7 @@ def test_tau_1_minibatch_steps_cycle_the_loader(task, monkeypatch, mode):
 
 
 def test_one_edge_aggregation_counts_one_lr_epoch():
-    task = DigitsTask({"data.batch-size": 8, "train.lr-decay": 0.5})
+    task = DigitsTask({"vision.batch-size": 8, "vision.lr-decay": 0.5})
     local = LocalTraining(server_round=1, seed=0, local_updates=3)
     task.train(task.build_model(0), task.load_partition(0, 20), local)
     assert local.state["local-epochs-done"] == 1

@@ -33,9 +33,9 @@ from tasks.vision.task import EPOCHS_DONE_KEY, decayed_lr, deterministic_torch
 DIGITS_CONFIG = {
     "task": "digits",
     "seed": 42,
-    "data.batch-size": 16,
-    "train.lr": 0.02,
-    "train.local-epochs": 3,
+    "vision.batch-size": 16,
+    "vision.lr": 0.02,
+    "vision.local-epochs": 3,
 }
 
 
@@ -65,13 +65,13 @@ def test_digits_end_to_end():
 
 def test_training_is_reproducible_from_local_seed():
     # Prepare
-    # (deterministic kernels: on a CUDA machine train.device = auto trains on the GPU)
+    # (deterministic kernels: on a CUDA machine vision.device = auto trains on the GPU)
     task = DigitsTask(
         {
             **DIGITS_CONFIG,
-            "model.name": "cnn",
-            "train.local-epochs": 1,
-            "train.deterministic": True,
+            "vision.model": "cnn",
+            "vision.local-epochs": 1,
+            "vision.deterministic": True,
         }
     )
     partition = task.load_partition(1, 5)
@@ -90,7 +90,7 @@ def test_training_is_reproducible_from_local_seed():
 
 def test_proximal_term_keeps_model_closer_to_global():
     # Prepare
-    task = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 2})
+    task = DigitsTask({**DIGITS_CONFIG, "vision.local-epochs": 2})
     partition = task.load_partition(2, 5)
     start = task.build_model(seed=0)
     anchor = torch.cat([p.detach().flatten() for p in start.parameters()])
@@ -109,14 +109,14 @@ def test_proximal_term_keeps_model_closer_to_global():
 def test_defaults_and_parsed_config():
     # Execute
     task = DigitsTask({})
-    cifar = CIFAR10Task({"model.name": "auto"})
+    cifar = CIFAR10Task({"vision.model": "auto"})
 
     # Assert
     assert task.config.partitioner == "iid"
-    assert task.config.model_name == "lenet"
+    assert task.config.model == "lenet"
     assert task.config.seed == 42
     assert task.config.device == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert cifar.config.model_name == "cnn"
+    assert cifar.config.model == "cnn"
     assert (task.config.lr_decay, task.config.lr_decay_epochs) == (1.0, 1)
     assert task.config.deterministic is False
     assert (task.config.num_edges, task.config.edge_iid) == (1, True)
@@ -125,9 +125,9 @@ def test_defaults_and_parsed_config():
 def test_edge_options_reach_partition_settings_of_one_class_only():
     # Execute
     one_class = DigitsTask(
-        {"data.partitioner": "one-class", "hier.num-edges": 3, "data.edge-iid": False}
+        {"vision.partitioner": "one-class", "hier.num-edges": 3, "vision.edge-iid": False}
     )
-    iid = DigitsTask({"hier.num-edges": 3, "data.edge-iid": False})
+    iid = DigitsTask({"hier.num-edges": 3, "vision.edge-iid": False})
 
     # Assert: other modes ignore the edges, so their cache key does not depend on them.
     settings = one_class.config.partition_settings
@@ -139,11 +139,11 @@ def test_edge_options_reach_partition_settings_of_one_class_only():
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("data.partitioner", "nope"), ("train.lr", -1), ("data.alpha", 0.0),
-     ("data.test-fraction", 0.9), ("data.batch-size", 0), ("train.momentum", 1.0),
-     ("model.name", "vgg"), ("data.classes-per-client", 1.5), ("train.lr-decay", 0.0),
-     ("train.lr-decay", 1.5), ("train.lr-decay-epochs", 0), ("data.edge-iid", "yes"),
-     ("train.deterministic", 1), ("hier.num-edges", 0), ("hier.num-edges", 2.5)],
+    [("vision.partitioner", "nope"), ("vision.lr", -1), ("vision.alpha", 0.0),
+     ("vision.test-fraction", 0.9), ("vision.batch-size", 0), ("vision.momentum", 1.0),
+     ("vision.model", "vgg"), ("vision.classes-per-client", 1.5), ("vision.lr-decay", 0.0),
+     ("vision.lr-decay", 1.5), ("vision.lr-decay-epochs", 0), ("vision.edge-iid", "yes"),
+     ("vision.deterministic", 1), ("hier.num-edges", 0), ("hier.num-edges", 2.5)],
 )  # fmt: skip
 def test_invalid_option_raises_config_error_naming_key(key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -182,7 +182,7 @@ def test_lr_decays_over_cumulative_local_epochs_across_rounds(monkeypatch):
     # Prepare: lr 0.1, halved every 2 local epochs, 3 epochs per round.
     calls = _record_epochs(monkeypatch)
     task = DigitsTask(
-        {**DIGITS_CONFIG, "train.lr": 0.1, "train.lr-decay": 0.5, "train.lr-decay-epochs": 2}
+        {**DIGITS_CONFIG, "vision.lr": 0.1, "vision.lr-decay": 0.5, "vision.lr-decay-epochs": 2}
     )
     partition = task.load_partition(0, 5)
     state: dict = {}
@@ -201,7 +201,7 @@ def test_lr_decays_over_cumulative_local_epochs_across_rounds(monkeypatch):
 
 def test_no_decay_keeps_lr_constant(monkeypatch):
     calls = _record_epochs(monkeypatch)
-    task = DigitsTask({**DIGITS_CONFIG, "train.lr": 0.03})
+    task = DigitsTask({**DIGITS_CONFIG, "vision.lr": 0.03})
     state = {EPOCHS_DONE_KEY: 40}
 
     task.train(task.build_model(0), task.load_partition(0, 5), LocalTraining(9, 0, state=state))
@@ -218,8 +218,8 @@ def test_deterministic_flag_applies_during_training_and_restores(monkeypatch):
     calls = _record_epochs(monkeypatch)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
-    task = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 1, "train.deterministic": True})
-    off = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 1})
+    task = DigitsTask({**DIGITS_CONFIG, "vision.local-epochs": 1, "vision.deterministic": True})
+    off = DigitsTask({**DIGITS_CONFIG, "vision.local-epochs": 1})
     partition = task.load_partition(0, 5)
 
     # Execute
@@ -253,7 +253,7 @@ def test_deterministic_context_restores_after_an_error():
 
 def test_deterministic_training_is_real_and_reproducible():
     # Prepare
-    task = DigitsTask({**DIGITS_CONFIG, "train.local-epochs": 1, "train.deterministic": True})
+    task = DigitsTask({**DIGITS_CONFIG, "vision.local-epochs": 1, "vision.deterministic": True})
     partition = task.load_partition(3, 5)
     models = [task.build_model(seed=0) for _ in range(2)]
 
@@ -273,22 +273,22 @@ def test_missing_deterministic_kernel_becomes_config_error(monkeypatch):
         raise RuntimeError("op does not have a deterministic implementation, but you set ...")
 
     monkeypatch.setattr(vtask, "train_epoch", no_kernel)
-    task = DigitsTask({**DIGITS_CONFIG, "train.deterministic": True})
+    task = DigitsTask({**DIGITS_CONFIG, "vision.deterministic": True})
 
     # Execute / Assert
-    with pytest.raises(ConfigError, match=r"train\.deterministic.*model\.name"):
+    with pytest.raises(ConfigError, match=r"vision\.deterministic.*vision\.model"):
         task.train(task.build_model(0), task.load_partition(0, 5), LocalTraining(1, seed=0))
 
 
 def test_more_classes_per_client_than_classes_raises():
-    with pytest.raises(ConfigError, match=r"data\.classes-per-client"):
-        DigitsTask({"data.partitioner": "pathological", "data.classes-per-client": 11})
+    with pytest.raises(ConfigError, match=r"vision\.classes-per-client"):
+        DigitsTask({"vision.partitioner": "pathological", "vision.classes-per-client": 11})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_raises_config_error():
-    with pytest.raises(ConfigError, match=r"train\.device"):
-        DigitsTask({"train.device": "cuda"})
+    with pytest.raises(ConfigError, match=r"vision\.device"):
+        DigitsTask({"vision.device": "cuda"})
 
 
 def test_mnist_fails_fast_offline(monkeypatch, tmp_path):
@@ -353,7 +353,7 @@ def fake_hub(monkeypatch):
 )  # fmt: skip
 def test_hub_tasks_load_through_federated_dataset(fake_hub, task_cls, shape, pool, central):
     # Prepare
-    task = task_cls({"data.partitioner": "dirichlet", "data.alpha": 1.0, "seed": 0})
+    task = task_cls({"vision.partitioner": "dirichlet", "vision.alpha": 1.0, "seed": 0})
 
     # Execute
     parts = [task.load_partition(i, 3) for i in range(3)]
@@ -374,7 +374,7 @@ def test_hub_tasks_load_through_federated_dataset(fake_hub, task_cls, shape, poo
 def test_one_class_on_a_hub_dataset(fake_hub):
     # Prepare: 120 CIFAR-shaped images, 12 per class; 10 clients in 2 edges, edge-non-iid.
     task = CIFAR10Task(
-        {"data.partitioner": "one-class", "hier.num-edges": 2, "data.edge-iid": False}
+        {"vision.partitioner": "one-class", "hier.num-edges": 2, "vision.edge-iid": False}
     )
 
     # Execute
@@ -389,7 +389,7 @@ def test_one_class_on_a_hub_dataset(fake_hub):
 
 
 def test_one_class_with_more_edges_than_clients_raises(fake_hub):
-    task = MNISTTask({"data.partitioner": "one-class", "hier.num-edges": 4})
+    task = MNISTTask({"vision.partitioner": "one-class", "hier.num-edges": 4})
 
     with pytest.raises(ConfigError, match=r"hier\.num-edges.*\[1, 3\]"):
         task.load_partition(0, 3)
@@ -405,7 +405,11 @@ def test_array_split_is_the_peer_workloads_split_whatever_the_seed():
     x = (x / 16.0).astype(np.float32)
     x_train, x_test, _, _ = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     shards = np.array_split(np.random.default_rng(0).permutation(len(x_train)), 100)
-    peer = {"data.partitioner": "array-split", "data.normalize": False, "data.test-fraction": 0.0}
+    peer = {
+        "vision.partitioner": "array-split",
+        "vision.normalize": False,
+        "vision.test-fraction": 0.0,
+    }
     for seed in (0, 7):
         task = DigitsTask({"task": "digits", "seed": seed, **peer})
         for client in (0, 37, 99):
@@ -421,4 +425,4 @@ def test_array_split_is_the_peer_workloads_split_whatever_the_seed():
 
 def test_peer_workload_options_are_digits_only():
     with pytest.raises(ConfigError, match="valid tasks: 'digits'"):
-        MNISTTask({"task": "mnist", "data.normalize": False})
+        MNISTTask({"task": "mnist", "vision.normalize": False})

@@ -13,8 +13,9 @@ from strategies.mechanisms.subspace_dp.geometry import ALLOCATIONS
 
 @dataclass(frozen=True)
 class SubspaceSettings(Settings):
-    """Geometry-aligned subspace DP's run-config keys (``subspace.*``; the task's
-    ``subspace.warm-start`` and ``subspace.head-only`` are the task's own)."""
+    """Geometry-aligned subspace DP's run-config keys (``subspace.*``; the task's side,
+    ``subspace.head-only``, ``subspace.warm-start`` and ``subspace.public-fraction``, is
+    ``tasks.vision.settings.SubspaceTaskSettings``: a task imports no strategy)."""
 
     PREFIX: ClassVar[str] = "subspace"
     rank: int = setting(
@@ -70,7 +71,7 @@ class SubspaceSettings(Settings):
         "Subspace-DP: how the trace budget is split over U's directions: `uniform` "
         "(B/k), `water-filling` (Theorem 5, from the public split's gradient "
         "energies) or `fairness` (Theorem 9: minimise the largest group distortion; "
-        "needs `data.groups`).",
+        "needs `vision.grouping`).",
         choices=ALLOCATIONS,
     )
     quantize_bits: int = setting(

@@ -156,7 +156,7 @@ def test_the_takeover_no_longer_collapses_a_run(tmp_path):
         config = run_config(
             **{
                 "output-dir": str(out),
-                "model.name": "mlp",
+                "vision.model": "mlp",
                 "num-server-rounds": 3,
                 "fraction-train": 1.0,
                 "min-train-nodes": 10,
