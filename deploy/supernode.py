@@ -38,7 +38,8 @@ DEFAULT_REPLY_POLL_INTERVAL = 0.05
 # Flower 1.41/1.42: a node is offline HEARTBEAT_PATIENCE (2) x HEARTBEAT_DEFAULT_INTERVAL
 # (30 s) after its last heartbeat; 15 s more for the SuperLink to notice.
 DEFAULT_ACTIVATION_WAIT = 75.0
-DEFAULT_ACTIVATION_RETRY_INTERVAL = 5.0
+DEFAULT_ACTIVATION_RETRY_INTERVAL = 2.0  # one refused request each: cheap, and a rejoin
+# comes at most this long after the SuperLink lists the crashed node offline
 # The node's heartbeat interval: announced at activation and with each heartbeat
 # (flwr.supernode.fleet_http_connection) and the pace of Flower's sender
 # (flwr.supercore.heartbeat); the SuperLink accepts [10, 1800] s.

@@ -8,25 +8,28 @@ host) run as written, in bash, with ``HOME`` set to the test's folder (so
 (:func:`doc_block`); the guide cannot drift from what works. Certificates and keys come
 from :mod:`lab.deploy` as §1 says; then ``flwr run . lab``.
 
-The guide's SuperNodes come online and are stopped; the guide's block for the warm
-executor (``python -m deploy.superexec``, one per SuperNode started with ``--isolation
-process`` through ``python -m deploy.supernode``; :mod:`deploy.superexec`) starts three
-again. One of them is SIGKILLed with its executor right after it joined and restarted
-at once with the same commands: it is refused (2004) while the SuperLink still lists
-the dead one online and rejoins under its node id. Then one run serves every check of
-a run, each message a fork of an executor (a new ClientApp process per message costs
-about 7 s of imports, too slow for this budget): it aggregates with SecAgg+
-(``secagg.enabled``: four exchanges per round, the server sees only the sum) across
-real SuperNodes with TLS and node authentication; its first round has all three
-SuperNodes; in round 2 (the last), once SuperNode 2 has shared its SecAgg+ keys, its
-executor is frozen and then it is SIGKILLed with it (a dropout after key sharing: the
-round's sum must be the two survivors'), and the run must finish on the two
-survivors. The warm SuperNodes announce a 10 s heartbeat (``--heartbeat-interval``):
-the SuperLink lists a killed node offline within 2 x 10 s, which lets the crashed one
-rejoin and ends round 2's wait for the dead one (its message is answered with an
-error) well before ``round-timeout``; meanwhile a SuperNode with the unregistered key
-and two without TLS start and are refused. SIGTERM must then stop each surviving
-executor with its processes.
+The guide's SuperNodes come online; the guide's block for the warm executor (``python
+-m deploy.superexec``, one per SuperNode started with ``--isolation process`` through
+``python -m deploy.supernode``; :mod:`deploy.superexec`) starts three more beside them
+(their own HOME and ports, as on other machines), which the SuperLink refuses (2004)
+and which retry until the guide's are stopped (they deactivate at once); their
+executors import meanwhile. One of them is SIGKILLed with its executor right after it
+joined and restarted at once with the same commands: it is refused (2004) while the
+SuperLink still lists the dead one online and rejoins under its node id. Then one run
+serves every check of a run, each message a fork of an executor (a new ClientApp
+process per message costs about 7 s of imports, too slow for this budget): it
+aggregates with SecAgg+ (``secagg.enabled``: four exchanges per round, the server sees
+only the sum) across real SuperNodes with TLS and node authentication; its first round
+has all three SuperNodes; in round 2 (the last), once SuperNode 2 has shared its
+SecAgg+ keys, its executor is frozen and then it is SIGKILLed with it (a dropout after
+key sharing: the round's sum must be the two survivors'), and the run must finish on
+the two survivors. The warm SuperNodes announce a 10 s heartbeat
+(``--heartbeat-interval``, Flower's shortest): the SuperLink lists a killed node
+offline within 2 x 10 s, which lets the crashed one rejoin and ends round 2's wait for
+the dead one (its message is answered with an error) well before ``round-timeout``;
+meanwhile a SuperNode with the unregistered key and two without TLS start and are
+refused, and the ``flwr`` CLI fails through a plaintext connection. SIGTERM must then
+stop each surviving executor with its processes.
 
 Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
 found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
@@ -35,6 +38,7 @@ in the fixture's finaliser, which then asserts that none is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -142,13 +146,21 @@ class Deployment:
     port: int = field(default_factory=free_port)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     node_base: int = field(default_factory=lambda: free_ports(NUM_NODES))
+    warm_base: int = 0  # the warm block's ports: its SuperNodes start beside the guide's
     node_ids: dict[int, int] = field(default_factory=dict)  # key index -> node id
     orphans: list[psutil.Process] = field(default_factory=list)  # children of killed ones
 
     def __post_init__(self) -> None:
         self.home, self.certs, self.logs = (self.root / d for d in ("home", "certs", "logs"))
-        for folder in (self.home, self.logs):
+        # The warm block runs with HOME there (as on the SuperNodes' own machine): its
+        # ~/flwr-lab files do not replace the guide's SuperNodes' while those still run.
+        self.warm_home = self.root / "warm"
+        self.warm_lab = self.warm_home / "flwr-lab"
+        for folder in (self.home, self.logs, self.warm_lab):
             folder.mkdir(parents=True, exist_ok=True)
+        taken = {self.port, *range(self.node_base, self.node_base + NUM_NODES)}
+        while not self.warm_base or taken & set(range(self.warm_base, self.warm_base + NUM_NODES)):
+            self.warm_base = free_ports(NUM_NODES)
         self.ca, _, self.keys = deploy.write_all(self.certs, ["127.0.0.1", "localhost"], 4)
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
         self.lab = self.root / "flwr-lab"  # the guide's ~/flwr-lab (HOME is the root)
@@ -180,32 +192,36 @@ class Deployment:
         return proc
 
     def log(self, name: str) -> str:
-        """A process's log: ours (``logs/``) or the guide's (``~/flwr-lab``)."""
-        for folder in (self.logs, self.lab):
+        """A process's log: ours (``logs/``), else the warm block's, else the guide's
+        other blocks' (``~/flwr-lab``)."""
+        for folder in (self.logs, self.warm_lab, self.lab):
             if (folder / f"{name}.log").exists():
                 return (folder / f"{name}.log").read_text(errors="replace")
         return f"(no log of {name})"
 
-    def run_doc(self, name: str) -> str:
+    def run_doc(self, name: str, *, warm: bool = False) -> str:
         """Run the guide's block ``name`` (:func:`doc_block`) in the test's folder, the
-        way a reader pastes it into bash; return its output."""
+        way a reader pastes it into bash (``warm``: with HOME and the SuperNode ports of
+        the warm block); return its output."""
         address = f"127.0.0.1:{self.port}"
         block = doc_block(name, {
             "superlink.lab.example:9093": address,
             "127.0.0.1:9093": address,
             "--port 9093": f"--port {self.port}",
-            "$((9094 + K))": f"$(({self.node_base} + K))",
+            "$((9094 + K))": f"$(({self.warm_base if warm else self.node_base} + K))",
         })  # fmt: skip
+        env = self.env | {"HOME": str(self.warm_home)} if warm else self.env
         result = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", block], cwd=self.root, env=self.env,
+            ["bash", "-euo", "pipefail", "-c", block], cwd=self.root, env=env,
             capture_output=True, text=True, timeout=120, start_new_session=True,
         )  # fmt: skip
         assert result.returncode == 0, f"{name}:\n{block}\n{result.stdout}{result.stderr}"
         return result.stdout + result.stderr
 
-    def pid(self, name: str) -> int:
-        """The PID the guide's block wrote to ``~/flwr-lab/<name>.pid``."""
-        return int((self.lab / f"{name}.pid").read_text())
+    def pid(self, name: str, *, warm: bool = False) -> int:
+        """The PID a guide's block wrote to ``~/flwr-lab/<name>.pid`` (``warm``: the
+        warm block's)."""
+        return int(((self.warm_lab if warm else self.lab) / f"{name}.pid").read_text())
 
     def flwr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """``flwr ARGS`` in the app directory, with our Flower home."""
@@ -245,9 +261,9 @@ class Deployment:
             raise AssertionError(f"{name} still running after {timeout} s") from None
 
     def kill_tree(self, name: str) -> None:
-        """SIGKILL a process the guide started and its descendants, by PID (a machine
-        that dies)."""
-        proc = psutil.Process(self.pid(name))
+        """SIGKILL a process the warm block started and its descendants, by PID (a
+        machine that dies)."""
+        proc = psutil.Process(self.pid(name, warm=True))
         victims = [proc, *proc.children(recursive=True)]
         self.orphans += victims[1:]
         for victim in victims:
@@ -255,29 +271,43 @@ class Deployment:
         psutil.wait_procs(victims, timeout=10)
 
     # -- state on the SuperLink --------------------------------------------------------
-    def wait_online(self, timeout: float) -> dict[int, str]:
-        """Wait until each SuperNode's log names its node id (Flower logs it once
-        activated), then until ``flwr supernode list`` lists all of them online: one
-        CLI call (about 1.5 s of CPU) once they should be, not one a second."""
+    def wait_activated(self, timeout: float) -> None:
+        """Wait until each SuperNode's log names its node id (Flower logs it once the
+        SuperLink activated the node)."""
         deadline = time.monotonic() + timeout
         for k, node in self.node_ids.items():
             while f"SuperNode ID: {node}" not in (log := self.log(f"supernode-{k}")):
                 assert time.monotonic() < deadline, f"supernode-{k} not activated:\n{log}"
                 time.sleep(0.2)
+
+    def wait_listed_online(self, timeout: float) -> dict[int, str]:
+        """Wait until ``flwr supernode list`` lists every SuperNode online: one CLI call
+        (about 1.5 s of CPU) once they should be (:meth:`wait_activated`), not one a
+        second."""
+        deadline = time.monotonic() + timeout
         while set((nodes := self.nodes()).values()) != {"online"} or len(nodes) < NUM_NODES:
             assert time.monotonic() < deadline, f"SuperNodes not online: {nodes}"
             time.sleep(0.5)
         return nodes
 
+    def superlink_log_has(self, lines: Sequence[str], timeout: float) -> None:
+        """Wait until the SuperLink's log has each of ``lines``."""
+        deadline = time.monotonic() + timeout
+        while missing := [line for line in lines if line not in self.log("superlink")]:
+            assert time.monotonic() < deadline, f"SuperLink never logged {missing}"
+            time.sleep(0.1)
+
+    def cli(self, *args: str) -> subprocess.Popen:
+        """``flwr ARGS`` started in the app directory (output in a pipe) to run beside
+        other work; :func:`_output` waits for it."""
+        return subprocess.Popen(
+            [str(BIN / "flwr"), *args], cwd=APP_DIR, env=self.env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+
     def nodes(self) -> dict[int, str]:
         """``flwr supernode list lab``: node id -> status."""
-        out = self.flwr("supernode", "list", "lab", "--format", "json").stdout
-        return {int(n["node-id"]): n["status"] for n in json.loads(out)["nodes"]}
-
-    def run_status(self, run_id: str) -> str:
-        out = self.flwr("list", "lab", "--format", "json").stdout
-        runs = {run["run-id"]: run for run in json.loads(out[out.index("{") :])["runs"]}
-        return str(runs[run_id]["status"])
+        return _nodes_of(self.flwr("supernode", "list", "lab", "--format", "json").stdout)
 
     # -- cleanup -----------------------------------------------------------------------
     def ours(self) -> list[psutil.Process]:
@@ -311,6 +341,28 @@ class Deployment:
         return [_describe(p) for p in self.ours()]
 
 
+def _nodes_of(out: str) -> dict[int, str]:
+    """``flwr supernode list --format json``'s output: node id -> status."""
+    return {int(n["node-id"]): n["status"] for n in json.loads(out)["nodes"]}
+
+
+def _status_of(out: str, run_id: str) -> str:
+    """The status of ``run_id`` in ``flwr list --format json``'s output."""
+    runs = {run["run-id"]: run for run in json.loads(out[out.index("{") :])["runs"]}
+    return str(runs[run_id]["status"])
+
+
+def _output(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """The stdout of a :meth:`Deployment.cli` call, which must succeed."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{proc.args} still running after {timeout} s") from None
+    assert proc.returncode == 0, f"{proc.args}: {out}{err}"
+    return out
+
+
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -327,7 +379,8 @@ def _describe(proc: psutil.Process) -> str:
 
 @pytest.fixture(scope="module")
 def deployment():
-    """SuperLink + 3 authenticated SuperNodes, all online; stopped and checked after.
+    """SuperLink + the guide's 3 authenticated SuperNodes, activated (:func:`warm_nodes`
+    lists them online); everything stopped and checked after.
 
     Its folder is our own (not pytest's ``tmp_path``, which another pytest session of
     the same user may prune while the processes still use it) and removed at the end.
@@ -339,7 +392,7 @@ def deployment():
         assert len(registered) == NUM_NODES, registered  # keys 0..2, in order
         dep.node_ids = {k: int(node) for k, node in enumerate(registered)}
         dep.run_doc("supernodes-on-one-host")
-        dep.wait_online(timeout=90)
+        dep.wait_activated(timeout=90)
         yield dep
     finally:
         left = dep.stop()
@@ -364,27 +417,33 @@ def _start_refused(deployment: Deployment) -> None:
         str(deployment.keys[0].private),
     )  # fmt: skip
     # Meanwhile (and before any `flwr` call reads the connections file again) the
-    # plaintext connection for the flwr CLI.
+    # plaintext connection for the flwr CLI, and the CLI through it.
     subprocess.run(
         [sys.executable, "-m", "lab.connections", "lab-plaintext",
          "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
         cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
     )  # fmt: skip
+    deployment.start(
+        "flwr-plaintext", str(BIN / "flwr"), "supernode", "list", "lab-plaintext", cwd=APP_DIR
+    )
+
+
+REFUSED = ("unregistered", "plaintext", "plaintext-auth", "flwr-plaintext")
 
 
 @dataclass
 class Refused:
-    returncodes: dict[str, int]  # refused SuperNode -> its exit status
+    returncodes: dict[str, int]  # refused SuperNode (or flwr call) -> its exit status
     nodes: dict[int, str]  # `flwr supernode list` once all of them exited
 
 
 @pytest.fixture(scope="module")
 def refused(deployment, killed_run) -> Refused:
-    """The refused SuperNodes (started during the run, :func:`killed_run`) once all
-    three exited, and the SuperLink's nodes then: one CLI call serves both tests."""
-    names = ("unregistered", "plaintext", "plaintext-auth")
-    returncodes = {name: deployment.wait_exit(name, timeout=60) for name in names}
-    return Refused(returncodes, deployment.nodes())
+    """The refused SuperNodes and the plaintext `flwr` call (started during the run,
+    :func:`killed_run`, which waits for their exits), and the SuperLink's nodes then:
+    the run's one node list serves both tests."""
+    returncodes = {name: deployment.wait_exit(name, timeout=60) for name in REFUSED}
+    return Refused(returncodes, killed_run.nodes)
 
 
 def test_unregistered_key_is_refused(refused, deployment):
@@ -411,17 +470,18 @@ def test_plaintext_connection_to_the_tls_superlink_fails(refused, deployment):
     assert refused.returncodes["plaintext-auth"] == 1
     assert "Exit Code: 303" in deployment.log("plaintext-auth")
     # The flwr CLI through a plaintext connection.
-    result = deployment.flwr("supernode", "list", "lab-plaintext", check=False)
-    assert result.returncode == 1
-    assert "Connection to the SuperLink is unavailable" in result.stdout + result.stderr
+    assert refused.returncodes["flwr-plaintext"] == 1
+    assert "Connection to the SuperLink is unavailable" in deployment.log("flwr-plaintext")
     assert set(refused.nodes) == set(deployment.node_ids.values())  # no one joined
 
 
-def _guide_process(deployment: Deployment, name: str) -> psutil.Process | None:
-    """The live process of the guide's ``~/flwr-lab/<name>.pid``, if it is still ours
-    (a killed one's PID may be another process's by now)."""
+def _guide_process(
+    deployment: Deployment, name: str, *, warm: bool = False
+) -> psutil.Process | None:
+    """The live process of a guide block's ``~/flwr-lab/<name>.pid`` (``warm``: the warm
+    block's), if it is still ours (a killed one's PID may be another process's by now)."""
     try:
-        proc = psutil.Process(deployment.pid(name))
+        proc = psutil.Process(deployment.pid(name, warm=warm))
         if _alive(proc) and proc.environ().get("FLWR_HOME") == str(deployment.home):
             return proc
     except (psutil.Error, FileNotFoundError):
@@ -433,87 +493,129 @@ def _logs(deployment: Deployment, name: str) -> list[str]:
     return [deployment.log(f"{name}-{k}") for k in range(NUM_NODES)]
 
 
+def _tree(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` and their live descendants."""
+    found = []
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found += [proc, *proc.children(recursive=True)]
+    return found
+
+
 @dataclass
 class WarmNodes:
     crashed: int  # node id of the SuperNode SIGKILLed right after it joined
     rejoined_after_s: float  # kill -> the restarted SuperNode logs its (same) node id
-    ready_after_s: float  # the guide's SuperNodes stopped -> all warm ones online, ready
+    ready_after_s: float  # the warm block started -> all warm SuperNodes joined, ready
 
 
 @pytest.fixture(scope="module")
 def warm_nodes(deployment) -> WarmNodes:
     """docs/deploy.md's warm executor (``python -m deploy.superexec``), and a crash.
 
-    The guide's SuperNodes are stopped (a stopped SuperNode deactivates: ``offline`` at
-    once) and the guide's block starts the three again as ``python -m deploy.supernode
+    The warm block starts the three SuperNodes again as ``python -m deploy.supernode
     --isolation process`` (Flower's SuperNode with a 0.5 s wait after an empty pull and
-    activation retries on 2004) with one executor each. Right after SuperNode
-    ``CRASHED`` joined it and its executor are SIGKILLed (a machine that dies: the
-    SuperLink keeps its node ``online`` for 2 x 10 s) and restarted at once with the
-    same commands: the SuperNode is refused while its node is still online, retries,
-    and rejoins under the same id (that wait overlaps the executors' imports). After it
-    the guide's first SuperNodes are gone."""
-    started = time.monotonic()
+    activation retries on 2004) with one executor each, beside the guide's (its own
+    HOME and ports, as on another machine): they are refused while the guide's are
+    online and retry. Then ``flwr supernode list`` shows the guide's SuperNodes online,
+    and they are stopped (a stopped SuperNode deactivates: ``offline`` at once, the
+    SuperLink logs it), so the warm ones join. Right after SuperNode ``CRASHED`` joined
+    it and its executor are SIGKILLed (a machine that dies: the SuperLink keeps its node
+    ``online`` for 2 x 10 s) and restarted at once with the same commands: the
+    SuperNode is refused while its node is still online, retries, and rejoins under
+    the same id; the executors import during that wait. After it the guide's
+    SuperNodes and their SuperExecs are gone."""
     crashed = deployment.node_ids[CRASHED]
-    # One SIGTERM each, by PID. They share the block's process group, and a SIGTERM to
-    # the group per SuperNode (lab.launcher.stop_processes) signals each one 3 times:
-    # then they were still listed online 30 s later.
     guide = [p for k in range(NUM_NODES) if (p := _guide_process(deployment, f"supernode-{k}"))]
-    superexecs = [c for p in guide for c in p.children(recursive=True)]
-    for proc in guide:
-        proc.terminate()
-    # A SuperNode deactivates its node as it exits, and frees its Runtime API port for
-    # the warm block; its SuperExec's exit is checked once the warm nodes are up.
-    _, alive = psutil.wait_procs(guide, timeout=60)
-    assert not alive, alive
-    deadline = time.monotonic() + 30
-    while "online" in (nodes := deployment.nodes()).values():
-        assert time.monotonic() < deadline, f"stopped SuperNodes still online: {nodes}"
-        time.sleep(0.5)
-    deployment.run_doc("warm-executors-on-one-host")
-    # CRASHED joins (its node id in its log), and dies at once with its executor.
-    joined = f"SuperNode ID: {crashed}"
-    deadline = time.monotonic() + 90
-    while joined not in deployment.log(f"supernode-{CRASHED}"):
-        assert time.monotonic() < deadline, deployment.log(f"supernode-{CRASHED}")
-        time.sleep(0.2)
-    node = psutil.Process(deployment.pid(f"supernode-{CRASHED}"))
-    executor = psutil.Process(deployment.pid(f"superexec-{CRASHED}"))
-    node_command, executor_command = node.cmdline(), executor.cmdline()
-    executor_env = executor.environ()
-    deployment.kill_tree(f"supernode-{CRASHED}")
-    executor.kill()
-    killed_at = time.monotonic()
-    deployment.orphans.append(executor)
-    psutil.wait_procs([executor], timeout=10)
-    # Restarted at once, as the guide's block started them (its log now in logs/).
-    restarted = deployment.start(f"supernode-{CRASHED}", *node_command)
-    (deployment.lab / f"supernode-{CRASHED}.pid").write_text(f"{restarted.pid}\n")
-    executor_command[executor_command.index("--parent-pid") + 1] = str(restarted.pid)
-    restarted_executor = deployment.start(
-        f"superexec-{CRASHED}", *executor_command, env=executor_env
+    assert len(guide) == NUM_NODES, "a guide SuperNode exited\n" + "\n".join(
+        _logs(deployment, "supernode")
     )
-    (deployment.lab / f"superexec-{CRASHED}.pid").write_text(f"{restarted_executor.pid}\n")
+    superexecs = [c for p in guide for c in p.children(recursive=True)]
+    started = time.monotonic()
+    deployment.run_doc("warm-executors-on-one-host", warm=True)
+    # The executors (PyTorch's imports: seconds of CPU each) pause until the crashed
+    # SuperNode's restart has asked the SuperLink: first SuperNode CRASHED must join, then
+    # its restart must ask within the ~20 s its dead node stays online, and on a loaded
+    # machine they would take the CPU both start on. They import during that wait.
+    executors = [
+        psutil.Process(deployment.pid(f"superexec-{k}", warm=True)) for k in range(NUM_NODES)
+    ]
+    paused = _tree(executors)
+    for proc in paused:
+        proc.suspend()
+    try:
+        # §5: `flwr supernode list lab` then shows the guide's SuperNodes online (the
+        # warm ones, with the same keys, are refused while they are).
+        deployment.wait_listed_online(timeout=60)
+        # One SIGTERM each, by PID. They share the block's process group, and a SIGTERM
+        # to the group per SuperNode (lab.launcher.stop_processes) signals each one 3
+        # times: then they were still listed online 30 s later.
+        for proc in guide:
+            proc.terminate()
+        stopped_at = time.monotonic()
+        deployment.superlink_log_has(
+            [f"Deactivated node_id={node}" for node in deployment.node_ids.values()],
+            timeout=60,
+        )
+        # CRASHED joins (its node id in the warm block's log), and dies at once with its
+        # executor.
+        joined = f"SuperNode ID: {crashed}"
+        deadline = time.monotonic() + 90
+        while joined not in deployment.log(f"supernode-{CRASHED}"):
+            assert time.monotonic() < deadline, deployment.log(f"supernode-{CRASHED}")
+            time.sleep(0.1)
+        node = psutil.Process(deployment.pid(f"supernode-{CRASHED}", warm=True))
+        executor = executors[CRASHED]
+        node_command, executor_command = node.cmdline(), executor.cmdline()
+        node_env, executor_env = node.environ(), executor.environ()
+        deployment.kill_tree(f"supernode-{CRASHED}")
+        executor.kill()
+        killed_at = time.monotonic()
+        deployment.orphans.append(executor)
+        psutil.wait_procs([executor], timeout=10)
+        # Restarted at once, as the warm block started them (their logs now in logs/).
+        restarted = deployment.start(f"supernode-{CRASHED}", *node_command, env=node_env)
+        (deployment.warm_lab / f"supernode-{CRASHED}.pid").write_text(f"{restarted.pid}\n")
+        executor_command[executor_command.index("--parent-pid") + 1] = str(restarted.pid)
+        restarted_executor = deployment.start(
+            f"superexec-{CRASHED}", *executor_command, env=executor_env
+        )
+        (deployment.warm_lab / f"superexec-{CRASHED}.pid").write_text(
+            f"{restarted_executor.pid}\n"
+        )
+        deadline = killed_at + 60
+        asked = ("refused to activate this node (2004)", joined)  # or, too late, joined
+        while not any(s in (log := deployment.log(f"supernode-{CRASHED}")) for s in asked):
+            assert restarted.poll() is None, log
+            assert time.monotonic() < deadline, log
+            time.sleep(0.1)
+    finally:
+        for proc in _tree(paused):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
     # Rejoined: the restarted SuperNode was activated and logs its node id, the same.
     deadline = killed_at + node_launcher.DEFAULT_ACTIVATION_WAIT + 60
     while joined not in deployment.log(f"supernode-{CRASHED}"):
         assert restarted.poll() is None, deployment.log(f"supernode-{CRASHED}")
         assert time.monotonic() < deadline, deployment.log(f"supernode-{CRASHED}")
-        time.sleep(0.5)
+        time.sleep(0.2)
     rejoined_after = time.monotonic() - killed_at
-    deployment.wait_online(timeout=90)
+    deployment.wait_activated(timeout=90)  # every warm SuperNode logs its node id
     # The run starts once every executor has imported what it preloads: on CI, with the
     # other core running other tests, that took longer than 'round-timeout', the partition
     # queries that waited for it timed out, and the run stopped before round 1.
     deadline = time.monotonic() + 180
     while not all("Warm executor ready" in log for log in _logs(deployment, "superexec")):
         assert time.monotonic() < deadline, _logs(deployment, "superexec")
-        time.sleep(0.5)
+        time.sleep(0.2)
+    ready_after = time.monotonic() - started
     # An upper bound: a SuperExec still importing when its SuperNode stopped (a loaded
     # machine) notices the stop only once its parent monitor runs.
-    _, alive = psutil.wait_procs(superexecs, timeout=max(1, started + 60 - time.monotonic()))
-    assert not alive, f"the guide's SuperExecs outlived their SuperNodes: {alive}"
-    return WarmNodes(crashed, rejoined_after, time.monotonic() - started)
+    _, alive = psutil.wait_procs(
+        [*guide, *superexecs], timeout=max(1, stopped_at + 60 - time.monotonic())
+    )
+    assert not alive, f"the guide's SuperNodes or SuperExecs outlived SIGTERM: {alive}"
+    return WarmNodes(crashed, rejoined_after, ready_after)
 
 
 @dataclass
@@ -528,7 +630,7 @@ class Run:
     offline_after_s: float | None  # kill -> the SuperLink lists the node offline
     nodes: dict[int, str]  # `flwr supernode list` then: node id -> status
     git: tuple[str, str]  # git status before and after
-    executor_logs: list[str]  # after the run, before the survivors' executors stopped
+    executor_logs: list[str]  # once the survivors answered the last message, before SIGTERM
     supernode_logs: list[str]
     stopped: bool  # SIGTERM stopped every surviving executor and its processes
 
@@ -545,7 +647,7 @@ def _freeze_after_key_sharing(deployment: Deployment, flwr: subprocess.Popen) ->
     """SIGSTOP SuperNode ``KILLED``'s executor and its processes once it has answered
     round 2's share-keys message: it forks no ClientApp for the collect stage, while its
     SuperNode still forwards the keys it shared."""
-    executor = psutil.Process(deployment.pid(f"superexec-{KILLED}"))
+    executor = psutil.Process(deployment.pid(f"superexec-{KILLED}", warm=True))
     answered = 1 + SECAGG_STAGES + 2  # query.partition, round 1, round 2's setup, keys
     deadline = time.monotonic() + 120 + 4 * ROUND_TIMEOUT
     while len(WARM_DONE.findall(deployment.log(f"superexec-{KILLED}"))) < answered:
@@ -560,7 +662,8 @@ def _freeze_after_key_sharing(deployment: Deployment, flwr: subprocess.Popen) ->
 @pytest.fixture(scope="module")
 def killed_run(deployment, warm_nodes) -> Run:
     """`flwr run . lab` on the warm SuperNodes, 2 SecAgg+ rounds; SuperNode ``KILLED``
-    dies in round 2 after it shared its keys; SIGTERM stops the other executors after."""
+    dies in round 2 after it shared its keys; SIGTERM stops the other executors once
+    they answered the run's last message."""
     out = deployment.root / "runs"
     before = git_status()
     flwr = deployment.start(
@@ -571,14 +674,18 @@ def killed_run(deployment, warm_nodes) -> Run:
     # dead node costs an exchange the round timeout.
     deadline = time.monotonic() + 120 + 4 * ROUND_TIMEOUT
     _freeze_after_key_sharing(deployment, flwr)
-    # Killed in round 2 once every SuperNode has shared its keys (the server says so):
-    # its masked vector never arrives.
-    while KEYS_SHARED not in deployment.log("flwr-run"):
+    # Killed in round 2 once its SuperNode has pushed its share-keys reply to the
+    # SuperLink (Flower logs each reply it sent): its masked vector never arrives, and
+    # the server gets every SuperNode's keys (KEYS_SHARED, asserted on the run's log).
+    # No later than that: the SuperLink lists it offline 2 x 10 s after its last
+    # heartbeat, which ends round 2's collect stage.
+    sent = 1 + SECAGG_STAGES + 2  # query.partition, round 1, round 2's setup and keys
+    while deployment.log(f"supernode-{KILLED}").count("Sent successfully") < sent:
         assert flwr.poll() is None, deployment.log("flwr-run")
         assert time.monotonic() < deadline, "round 2 not reached\n" + deployment.log("flwr-run")
-        time.sleep(0.1)
+        time.sleep(0.05)
     done = _checkpointed_round(out)
-    executor = psutil.Process(deployment.pid(f"superexec-{KILLED}"))
+    executor = psutil.Process(deployment.pid(f"superexec-{KILLED}", warm=True))
     victims = [executor, *executor.children(recursive=True)]
     deployment.kill_tree(f"supernode-{KILLED}")
     for victim in victims:
@@ -597,6 +704,28 @@ def killed_run(deployment, warm_nodes) -> Run:
         assert time.monotonic() < deadline, "round 2 not collected\n" + deployment.log("flwr-run")
         time.sleep(0.2)
     _start_refused(deployment)
+    # The survivors' executors: each message was a fork, each replied (the executor logs
+    # it when it reaps the fork, within 0.1 s of its exit). Once both answered round 2's
+    # unmask message, the last of the run's messages, SIGTERM stops each while the
+    # server finishes the run.
+    executors = [_guide_process(deployment, f"superexec-{k}", warm=True) for k in survivors]
+    assert all(executors), "an executor exited during the run"
+    answered = 1 + SECAGG_STAGES * ROUNDS  # query.partition, 4 messages a round
+    run_ended = None
+    while any(
+        len(WARM_DONE.findall(deployment.log(f"superexec-{k}"))) < answered for k in survivors
+    ):
+        if run_ended is None and flwr.poll() is not None:
+            run_ended = time.monotonic()
+        assert run_ended is None or time.monotonic() < run_ended + 10, _logs(
+            deployment, "superexec"
+        )
+        assert time.monotonic() < deadline, _logs(deployment, "superexec")
+        time.sleep(0.2)
+    executor_logs = _logs(deployment, "superexec")
+    descendants = [c for e in executors for c in e.children(recursive=True)]  # the pollers
+    for survivor in executors:
+        survivor.terminate()
     try:
         deployment.wait_exit("flwr-run", timeout=max(30, deadline - time.monotonic()))
     except AssertionError as err:
@@ -605,38 +734,32 @@ def killed_run(deployment, warm_nodes) -> Run:
     output = deployment.log("flwr-run")
     run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
     assert run_id and run_dir, output
-    # The survivors' executors: each message was a fork, each replied (the executor logs
-    # it when it reaps the fork, within 0.1 s of its exit); then SIGTERM stops each.
-    executors = [_guide_process(deployment, f"superexec-{k}") for k in survivors]
-    assert all(executors), "an executor exited during the run"
-    descendants = [c for e in executors for c in e.children(recursive=True)]  # the pollers
-    wait_until = time.monotonic() + 10
-    while any(
-        len(WARM_DONE.findall(deployment.log(f"superexec-{k}"))) < 1 + SECAGG_STAGES * ROUNDS
-        for k in survivors
-    ):
-        assert time.monotonic() < wait_until, _logs(deployment, "superexec")
-        time.sleep(0.2)
-    executor_logs = _logs(deployment, "superexec")
-    for survivor in executors:
-        survivor.terminate()
+    # The refused SuperNodes and the plaintext flwr call exit within seconds of their
+    # start; then one node list serves their tests and the dead node's status, taken
+    # (with the run's status) while the executors stop.
+    for name in REFUSED:
+        deployment.wait_exit(name, timeout=60)
+    listing = deployment.cli("supernode", "list", "lab", "--format", "json")
+    runs = deployment.cli("list", "lab", "--format", "json")
     _, alive = psutil.wait_procs([*executors, *descendants], timeout=60)  # an upper bound
     stopped = not alive and all(
         "Warm executor stopped after" in deployment.log(f"superexec-{k}") for k in survivors
     )
-    offline_after = None
-    # Look at least once, however long the run took after the kill.
-    look_until = max(killed_at + 90, time.monotonic() + 5)
-    while offline_after is None and time.monotonic() < look_until:
-        if (nodes := deployment.nodes())[deployment.node_ids[KILLED]] == "offline":
-            offline_after = time.monotonic() - killed_at
-        else:
-            time.sleep(2)
+    nodes = _nodes_of(_output(listing))
+    status = _status_of(_output(runs), run_id.group(1))
+    # Round 2's collect stage ended when the SuperLink answered the dead node's message
+    # with an error, so it is offline by now; look again (up to 90 s after the kill) if not.
+    look_until = killed_at + 90
+    while nodes[deployment.node_ids[KILLED]] != "offline" and time.monotonic() < look_until:
+        time.sleep(0.5)
+        nodes = deployment.nodes()
+    offline = nodes[deployment.node_ids[KILLED]] == "offline"
+    offline_after = time.monotonic() - killed_at if offline else None
     path = Path(run_dir.group(1))
     return Run(
         out=out,
         output=output,
-        status=deployment.run_status(run_id.group(1)),
+        status=status,
         path=path,
         metrics=pd.read_csv(path / "metrics.csv"),
         participation=pd.read_csv(path / "participation.csv"),
@@ -682,6 +805,7 @@ def test_killed_supernode_is_dropped_and_the_run_finishes(killed_run, deployment
         assert len(errors) == 1 and errors.str.contains("Node Unavailable").all(), rows.to_string()
         replied = set(rows[rows["replied"]]["node-id"])
         assert replied == survivors, rows.to_string()
+    assert KEYS_SHARED in run.output, run.output  # the server had its keys
     # Round 2: it died after sharing its keys; the survivors' sum was unmasked (its
     # pairwise masks removed with its key's shares), the model after it evaluated.
     assert "SecAgg+ round 2: sum of 2 of 3 clients' vectors unmasked (1 dropped after " in (
@@ -709,7 +833,7 @@ def test_a_supernode_restarted_right_after_a_crash_rejoins(warm_nodes, killed_ru
     assert "refused to activate this node (2004)" in restarted, restarted
     assert "activation still refused" not in restarted, restarted
     assert f"SuperNode ID: {warm_nodes.crashed}" in restarted, restarted
-    # Offline at most 2 x 10 s after its last heartbeat, then one retry interval (5 s),
+    # Offline at most 2 x 10 s after its last heartbeat, then one retry interval (2 s),
     # with 20 s for the restarted SuperNode to log its id on a busy machine.
     retry = node_launcher.DEFAULT_ACTIVATION_RETRY_INTERVAL
     assert warm_nodes.rejoined_after_s < 2 * HEARTBEAT + retry + 20, warm_nodes.rejoined_after_s
