@@ -32,8 +32,8 @@ RUNS = {name: f"privacy='{name.split('+')[0]}' {o}" for name, o in VARIANTS.item
 # Distributed DP: SecAgg+ in the Ray simulation, Skellam shares from the clients; made
 # on the Ray cluster (tests/e2e/conftest.py, SECAGG).
 SECAGG = "dp-fedavg-fixed+secagg"
-# N = 4 real clients + k = 4 canaries; naming the size replaces all of the connection's
-# options, so the CPUs per ClientApp are named too (else Flower's default of 2: one at a time)
+# N = 4 real clients + k = 4 canaries; Flower merges it into the session SuperLink's
+# simulation config (tests/e2e/conftest.py); the engine's run reads the CPUs per ClientApp
 FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8 client-resources-num-cpus=1"}
 
 
