@@ -16,7 +16,6 @@ Design notes: ``docs/notes.md``, ``lab.launcher``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
@@ -171,6 +170,9 @@ class LocalSimulation:
         on instead of a Ray of the simulation's own: the connection is registered with
         ``lab.connections --ray-address`` and ``RAY_ADDRESS`` is set for the local
         SuperLink it starts (Flower cannot carry it otherwise).
+    env : dict, optional
+        Extra environment variables for the local SuperLink, and so for its
+        simulations and their Ray (e.g. Ray's ``RAY_*`` settings).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class LocalSimulation:
         num_supernodes: int = 10,
         flwr_home: Path | None = None,
         ray_address: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self._own_home = flwr_home is None
         self.home = Path(tempfile.mkdtemp(prefix="flwr-home-")) if flwr_home is None else flwr_home
@@ -191,6 +194,7 @@ class LocalSimulation:
             # several of these can run at once (the e2e tests on two workers).
             "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
             "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+            **(env or {}),
         }
         ray_args = []
         if ray_address is not None:  # the connection keeps its name `local-simulation`
@@ -284,22 +288,62 @@ class LocalSimulation:
             return ""
         try:
             runs = {run["run-id"]: run for run in self.list_runs()}
-        except (subprocess.SubprocessError, ValueError, KeyError):  # no status to add
+        except (OSError, ValueError, KeyError, subprocess.SubprocessError):  # no status to add
             return ""
         return str(runs.get(match.group(1), {}).get("status", ""))
 
+    def control_client(self):  # -> flwr.supercore.control.ControlHttpClient
+        """A client of the local SuperLink's Control API, from this process (close it).
+
+        Flower's CLI would probe the SuperLink with a 0.4 s timeout and, on a loaded
+        machine, start a second one; this home's SuperLink is addressed directly."""
+        from flwr.supercore.control import ControlHttpClient
+        from flwr.supercore.interceptors.http.runtime_version import (
+            RuntimeVersionHttpInterceptor,
+        )
+
+        return ControlHttpClient.from_server_address(
+            server_address=f"127.0.0.1:{self.env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}",
+            insecure=True,
+            root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")],
+        )
+
     def list_runs(self) -> list[dict]:
-        """``flwr list local-simulation --format json``: the runs and their status."""
-        out = subprocess.run(
-            [str(BIN / "flwr"), "list", "local-simulation", "--format", "json"],
-            cwd=APP_DIR,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-        return json.loads(out[out.index("{") :])["runs"]
+        """The runs and their status, as ``flwr list local-simulation --format json``
+        gives them (``run-id``, ``status``), asked from this process: a `flwr list`
+        process costs ~1.5 s of CPU on Flower's CLI imports, after every run."""
+        import httpx
+        from flwr.cli.run_utils import format_runs
+        from flwr.common.serde import run_from_proto
+        from flwr.proto.control_pb2 import ListRunsRequest
+
+        client = self.control_client()
+        try:
+            res = client.ListRuns(ListRunsRequest())
+        except httpx.HTTPError as err:  # as `flwr list` failing: no listing
+            raise OSError(f"ListRuns on the local SuperLink failed: {err}") from err
+        finally:
+            client.close()
+        runs = format_runs([run_from_proto(proto) for proto in res.run_dict.values()], res.now)
+        return [{"run-id": str(row.run_id), "status": row.status_text} for row in runs]
+
+    def configure_simulation(self, **fields) -> None:
+        """Merge ``fields`` (``flwr.proto`` ``SimulationConfig``'s, e.g.
+        ``init_args_num_cpus=1``) into the local SuperLink's simulation config, as
+        ``flwr federation simulation-config`` does; runs merge theirs on top."""
+        from flwr.proto.control_pb2 import ConfigureSimulationFederationRequest
+        from flwr.proto.federation_config_pb2 import SimulationConfig
+        from flwr.supercore.constant import NOOP_FEDERATION_ID
+
+        request = ConfigureSimulationFederationRequest(
+            federation_name=NOOP_FEDERATION_ID, config=SimulationConfig(**fields)
+        )
+        client = self.control_client()
+        try:
+            client.ConfigureSimulationFederation(request)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Stop the local SuperLink this home started, and wait until it is gone."""

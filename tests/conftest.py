@@ -26,14 +26,17 @@ settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # Each end-to-end module test_<name> is a work unit of its own (group "e2e-<name>": its
-# module-scoped runs are made once, on one worker), except the three that read the
-# session's digits run through `flwr run` (tests/e2e/conftest.py): flwr run,
-# reproducibility and engine parity share one, so the run is made once. Small units
-# let `--dist loadgroup` spread the long modules over both workers.
+# module-scoped runs are made once, on one worker), except those that read a session's
+# run (tests/e2e/conftest.py), so that the run is made once: flwr run, reproducibility
+# and engine parity read the plain digits run; privacy runs and the Ray cluster the
+# SecAgg+ run on the two-node cluster. Small units let `--dist loadgroup` spread the
+# long modules over both workers.
 E2E_GROUPS = {
     "test_flwr_run": "e2e-digits",
     "test_reproducibility": "e2e-digits",
     "test_engine_parity": "e2e-digits",
+    "test_privacy_runs": "e2e-privacy",
+    "test_ray_cluster": "e2e-privacy",
 }
 
 # What the fast default (`pytest -m "not e2e and not slow"`) leaves to CI: whole-app

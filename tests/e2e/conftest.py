@@ -1,11 +1,12 @@
 """End-to-end harness: `flwr run . local-simulation` exactly as the README says.
 
-The session shares one private Flower home (4 virtual SuperNodes); its local
-SuperLink is stopped by PID at the end, whatever happened. The plain digits run is
-made once per session and read by several modules (:func:`digits_run`): each
-`flwr run` costs Flower's and Ray's start-up, so one run serves every check that
-needs a plain FedAvg run through the runtime. The modules that read it are in one
-xdist group (``tests/conftest.py``), so they share one session.
+The session shares one private Flower home (4 virtual SuperNodes, a Ray of one CPU
+per simulation); its local SuperLink is stopped by PID at the end, whatever happened.
+The plain digits run is made once per session and read by several modules
+(:func:`digits_run`), and so is the SecAgg+ run on a two-node Ray cluster
+(:func:`cluster_run`): each `flwr run` costs Flower's and Ray's start-up, so one run
+serves every check that needs it. The modules that read one are in one xdist group
+(``tests/conftest.py``), so they share one session.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +37,20 @@ DIGITS = (
 )
 
 
+# What every run's Ray may skip: the workers Ray starts ahead for the first driver (the
+# ClientApp actors need the simulation's runtime env, so they never use them) and usage
+# statistics.
+RAY_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 @pytest.fixture(scope="session")
 def flower():
-    with LocalSimulation(num_supernodes=4) as sim:
+    """The session's local SuperLink, 4 virtual SuperNodes. Its simulations get a Ray of
+    one CPU: one ClientApp actor (Flower's pool has one per CPU), so a run starts
+    PyTorch and the app in one Ray worker, not one per core; every run's
+    ``--federation-config`` merges into this."""
+    with LocalSimulation(num_supernodes=4, env=RAY_ENV) as sim:
+        sim.configure_simulation(init_args_num_cpus=1)
         yield sim
 
 
@@ -117,3 +130,51 @@ def digits_engine_run(digits_run, tmp_path_factory) -> Path:
     assert ours.returncode == 0 and ours.run_dir is not None, ours.error
     assert engine.engine_of(ours.run_dir) == "inprocess"
     return ours.run_dir
+
+
+# SecAgg+ with DP-FedAvg (Skellam shares from the clients, 3 of 4 sampled per round, 3
+# rounds) on digits, the small MLP. Made once, on a two-node Ray cluster
+# (:func:`cluster_run`): the suite's SecAgg+ run (tests/e2e/test_privacy_runs.py) and its
+# run on a Ray cluster (tests/e2e/test_ray_cluster.py) are one `flwr run`.
+SECAGG = (
+    "privacy='dp-fedavg-fixed' secagg.enabled=true dp.noise-site='client' "
+    "dp.sampling='fixed' dp.num-sampled-clients=3 dp.noise-multiplier=1.0 "
+    "dp.clip-norm=0.5 vision.model='mlp'"
+)
+SECAGG_ROUNDS = 3
+
+
+@dataclass
+class ClusterRun:
+    run: RunOutcome  # the SecAgg+ run, its ClientApps on the cluster
+    config: str  # the Flower home's config.toml as the run saw it
+    head: str  # the nodes' ids (hex)
+    worker: str
+    calls: dict[str, int]  # node id -> finished `ClientAppActor.run` tasks on it
+
+
+@pytest.fixture(scope="session")
+def cluster_run(tmp_path_factory) -> ClusterRun:
+    """:data:`SECAGG` through `flwr run` with the ClientApps on a two-node Ray cluster
+    (``lab.launcher.LocalSimulation(ray_address=...)``: the connection from
+    ``lab.connections --ray-address`` and ``RAY_ADDRESS`` for the local SuperLink), and
+    Ray's own record of where the ClientApps ran; the cluster is stopped before the
+    tests read it."""
+    from tests.e2e.ray_cluster import clientapp_calls, ray_nodes, two_node_cluster
+    from tests.server_app.test_privacy_runs import TINY
+
+    root = tmp_path_factory.mktemp("cluster-run")
+    with two_node_cluster(RAY_ENV) as cluster:
+        nodes = ray_nodes(cluster.address)
+        head, worker = (nodes[str(node.temp_dir)] for node in cluster.nodes)
+        with LocalSimulation(num_supernodes=4, ray_address=cluster.address) as sim:
+            config = (sim.home / "config.toml").read_text()
+            run = sim.run(f"{TINY} {SECAGG} output-dir='{root}'", timeout=300)
+        # Task events reach the GCS about once a second: wait for both nodes' (≤ 10 s).
+        deadline = time.monotonic() + 10
+        while True:
+            calls = clientapp_calls(cluster.address)
+            if (calls[head] and calls[worker]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    return ClusterRun(run, config, head, worker, dict(calls))

@@ -1,5 +1,6 @@
 """`flwr run` on digits for the privacy mechanisms the Flower runtime takes part in: the
-audit's canary SuperNodes beside the real ones, and SecAgg+ in the Ray simulation.
+audit's canary SuperNodes beside the real ones, and SecAgg+ in the Ray simulation (the
+suite's run on a two-node Ray cluster, ``tests/e2e/conftest.py``'s :func:`cluster_run`).
 epsilon per round in metrics.csv, ledger.json that reloads to the same epsilon, the
 final privacy summary. The audited run is also made by the in-process engine, which must
 give its ledger (``tests/e2e/test_engine_parity.py`` compares the plain run). The other
@@ -26,19 +27,18 @@ VARIANTS = {
     # With the privacy audit: 4 canary clients beside the 4 real ones (FEDERATION).
     "dp-fedavg-fixed": "dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
     "server.optimizer='adam' server.lr=0.05 vision.model='mlp' audit.canaries=4",
-    # Distributed DP: SecAgg+ in the Ray simulation, Skellam shares from the clients.
-    "dp-fedavg-fixed+secagg": "secagg.enabled=true dp.noise-site='client' "
-    "dp.sampling='fixed' dp.num-sampled-clients=3 dp.noise-multiplier=1.0 "
-    "dp.clip-norm=0.5 vision.model='mlp'",
 }
 RUNS = {name: f"privacy='{name.split('+')[0]}' {o}" for name, o in VARIANTS.items()}
-# N = 4 real clients + k = 4 canaries; naming the size replaces all of the connection's
-# options, so the CPUs per ClientApp are named too (else Flower's default of 2: one at a time)
+# Distributed DP: SecAgg+ in the Ray simulation, Skellam shares from the clients; made
+# on the Ray cluster (tests/e2e/conftest.py, SECAGG).
+SECAGG = "dp-fedavg-fixed+secagg"
+# N = 4 real clients + k = 4 canaries; Flower merges it into the session SuperLink's
+# simulation config (tests/e2e/conftest.py); the engine's run reads the CPUs per ClientApp
 FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8 client-resources-num-cpus=1"}
 
 
 @pytest.fixture(scope="module")
-def dp_runs(flower, tmp_path_factory):
+def dp_runs(flower, cluster_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp-runs")
     runs = {}
     for privacy, options in RUNS.items():
@@ -47,6 +47,7 @@ def dp_runs(flower, tmp_path_factory):
             federation_config=FEDERATION.get(privacy, ""),
         )
         runs[privacy] = finished(result)
+    runs[SECAGG] = finished(cluster_run.run)
     return runs
 
 
@@ -64,13 +65,13 @@ def engine_fixed(dp_runs, tmp_path_factory):
     return ours.run_dir
 
 
-@pytest.mark.parametrize("privacy", list(VARIANTS))
+@pytest.mark.parametrize("privacy", [*VARIANTS, SECAGG])
 def test_client_level_epsilon_grows_and_reloads(dp_runs, privacy):
     check_epsilon_grows_and_reloads(*dp_runs[privacy])
 
 
 def test_secure_aggregation_gives_an_epsilon_against_the_server(dp_runs):
-    result, _, ledger_doc = dp_runs["dp-fedavg-fixed+secagg"]
+    result, _, ledger_doc = dp_runs[SECAGG]
     for server_round in (1, 2, 3):
         assert f"SecAgg+ round {server_round}: sum of 3 of 3" in result.output
     models = {m["threat-model"]: m for m in ledger_doc["threat-models"]}

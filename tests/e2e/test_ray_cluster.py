@@ -1,242 +1,35 @@
 """A simulation whose ClientApps run on a Ray cluster of two nodes (docs/index.md, "Run
 the simulation on a Ray cluster").
 
-The cluster is started as a user starts one on two machines, here on one host: `ray
-start --head` with 1 CPU, then `ray start --address 127.0.0.1:PORT` with 1 CPU. Each
-node has a temp dir of its own and free ports of its own, so it meets no other Ray that
-tests start at the same time, nor do they meet it: their `ray.init()` joins an existing
-cluster only through `RAY_ADDRESS` or the `ray_current_cluster` file in Ray's default
-temp dir, which these nodes do not write. The run is `flwr run` through
-`lab.launcher.LocalSimulation(ray_address=...)`: the connection from `lab.connections
---ray-address` and `RAY_ADDRESS` for the local SuperLink.
+The cluster is started as a user starts one on two machines, here on one host
+(``tests/e2e/ray_cluster.py``): `ray start --head` with 1 CPU, then `ray start --address
+127.0.0.1:PORT` with 1 CPU. The run is the suite's SecAgg+ `flwr run`
+(``tests/e2e/conftest.py``, :func:`cluster_run`; its privacy checks are in
+``tests/e2e/test_privacy_runs.py``), through `lab.launcher.LocalSimulation(ray_address=...)`:
+the connection from `lab.connections --ray-address` and `RAY_ADDRESS` for the local
+SuperLink.
 
 It passes only if Ray's own record of the tasks, the GCS's task events, holds a finished
-`ClientAppActor.run` (Flower's ClientApp call) on each of the two nodes. The nodes'
-processes are stopped by PID at the end, never with `ray stop`, which stops every Ray on
-the machine (other tests' simulations included).
+`ClientAppActor.run` (Flower's ClientApp call) on each of the two nodes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import shutil
-import signal
-import subprocess
-import tempfile
-import time
-from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
-
-import psutil
 import pytest
 
-from lab.launcher import BIN, LocalSimulation, free_port
+from tests.e2e.conftest import SECAGG_ROUNDS
 
 pytestmark = pytest.mark.e2e
 
-ROUNDS = 2
-OBJECT_STORE_BYTES = 100 * 1024**2  # Ray's minimum is 75 MiB; digits needs little
 
-
-@dataclass
-class RayNode:
-    temp_dir: Path
-    pgid: int  # `ray start` ran in a session of its own; its daemons stay in its group
-
-
-@dataclass
-class RayCluster:
-    gcs_port: int
-    nodes: list[RayNode]  # head first; a node is listed before its `ray start` ends
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.gcs_port}"
-
-    def processes(self) -> list[psutil.Process]:
-        """Every process of the nodes: those in the process groups of their `ray
-        start`s, those whose command line names a node's temp dir or the GCS port (the
-        GCS, raylets, monitors, the Ray Client server), and all their children (agents,
-        workers, ClientApp actors)."""
-        groups = {node.pgid for node in self.nodes}
-        markers = [str(node.temp_dir) for node in self.nodes]
-        gcs_arg = re.compile(rf"^--(gcs-)?address=\S*:{self.gcs_port}$")
-        found: dict[int, psutil.Process] = {}
-        for proc in psutil.process_iter(["cmdline"]):
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                args = proc.info["cmdline"] or []
-                if (
-                    os.getpgid(proc.pid) in groups
-                    or any(m in arg for arg in args for m in markers)
-                    or any(gcs_arg.match(arg) for arg in args)
-                ):
-                    found[proc.pid] = proc
-                    found.update((c.pid, c) for c in proc.children(recursive=True))
-        found.pop(os.getpid(), None)
-        return [proc for proc in found.values() if not _gone(proc)]
-
-
-def _free_ports(count: int) -> list[int]:
-    ports: set[int] = set()
-    while len(ports) < count:
-        ports.add(free_port())
-    return list(ports)
-
-
-def _ray_start(cluster: RayCluster, args: list[str], temp_dir: Path, env: dict) -> None:
-    """`ray start ARGS` for one node of 1 CPU, with its own temp dir and ports."""
-    node_manager, object_manager, env_agent, agent_http, agent_grpc, metrics = _free_ports(6)
-    cmd = [
-        str(BIN / "ray"),
-        "start",
-        *args,
-        "--num-cpus=1",
-        f"--temp-dir={temp_dir}",
-        f"--object-store-memory={OBJECT_STORE_BYTES}",
-        f"--node-manager-port={node_manager}",
-        f"--object-manager-port={object_manager}",
-        "--min-worker-port=0",  # workers bind ports the OS picks
-        "--max-worker-port=0",
-        f"--runtime-env-agent-port={env_agent}",
-        f"--dashboard-agent-listen-port={agent_http}",
-        f"--dashboard-agent-grpc-port={agent_grpc}",
-        f"--metrics-export-port={metrics}",
-        "--disable-usage-stats",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        start_new_session=True,  # its process group is the node's: proc.pid
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    cluster.nodes.append(RayNode(temp_dir, proc.pid))
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{out}")
-
-
-def _gone(proc: psutil.Process) -> bool:
-    """Exited (a zombie too: the daemons' parent is init, which reaps when it will)."""
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait up to ``timeout`` seconds for ``processes`` to exit; return those that run."""
-    deadline = time.monotonic() + timeout
-    alive = [p for p in processes if not _gone(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in alive if not _gone(p)]
-    return alive
-
-
-def _stop(processes: list[psutil.Process]) -> list[psutil.Process]:
-    """SIGTERM each by PID, SIGKILL what is left after 1 s; return what still runs.
-
-    The GCS, the raylets and the runtime-env agents outlast SIGTERM by seconds (`ray
-    stop` waits 16 s for them); nothing of these nodes needs to be kept.
-    """
-    for proc in processes:
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signal.SIGTERM)
-    alive = _wait_gone(processes, 1)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    return _wait_gone(alive, 5)
-
-
-@pytest.fixture
-def ray_cluster():
-    """A head and a worker node on this host, stopped by PID afterwards."""
-    # Short: Ray's socket paths (temp dir + session + sockets/plasma_store) must fit
-    # the 107 characters of a Unix socket path, which pytest's tmp_path may exceed.
-    root = Path(tempfile.mkdtemp(prefix="ray-e2e-"))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    gcs_port, client_port, dashboard_port = _free_ports(3)
-    cluster = RayCluster(gcs_port, [])
-    head_args = [
-        "--head",
-        f"--port={gcs_port}",
-        "--include-dashboard=false",  # Ray still starts a minimal one: give it a port
-        f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={client_port}",
-    ]
-    try:
-        _ray_start(cluster, head_args, root / "head", env)
-        _ray_start(cluster, [f"--address={cluster.address}"], root / "worker", env)
-        yield cluster
-    finally:
-        _stop(cluster.processes())
-        # again: a worker process a raylet started while it was being stopped
-        left = _stop(cluster.processes())
-        shutil.rmtree(root, ignore_errors=True)
-        assert not left, f"Ray processes left running: {left}"
-
-
-def _ray_nodes(gcs_address: str) -> dict[str, str]:
-    """Temp dir -> node id (hex) of each node the GCS knows."""
-    import grpc
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-
-    with grpc.insecure_channel(gcs_address) as channel:
-        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-        reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=10)
-    return {node.temp_dir: node.node_id.hex() for node in reply.node_info_list}
-
-
-def _clientapp_calls(gcs_address: str) -> Counter[str]:
-    """Node id (hex) -> finished `ClientAppActor.run` tasks on it, from the task events
-    the GCS keeps (what `ray list tasks` shows; read directly, as the state API needs
-    the dashboard, which this install does not have)."""
-    import grpc
-    from ray.core.generated import common_pb2, gcs_service_pb2, gcs_service_pb2_grpc
-
-    finished = common_pb2.TaskStatus.Value("FINISHED")
-    with grpc.insecure_channel(gcs_address) as channel:
-        stub = gcs_service_pb2_grpc.TaskInfoGcsServiceStub(channel)
-        reply = stub.GetTaskEvents(gcs_service_pb2.GetTaskEventsRequest(), timeout=10)
-    return Counter(
-        event.state_updates.node_id.hex()
-        for event in reply.events_by_task
-        if event.task_info.name == "ClientAppActor.run"
-        and finished in event.state_updates.state_ts_ns
-    )
-
-
-def test_clientapps_run_on_both_nodes_of_a_ray_cluster(ray_cluster, tmp_path):
-    nodes = _ray_nodes(ray_cluster.address)
-    head, worker = (nodes[str(node.temp_dir)] for node in ray_cluster.nodes)
-    with LocalSimulation(num_supernodes=4, ray_address=ray_cluster.address) as sim:
-        config = (sim.home / "config.toml").read_text()
-        result = sim.run(
-            f"num-server-rounds={ROUNDS} fraction-train=1.0 output-dir='{tmp_path}'",
-            timeout=180,
-        )
+def test_clientapps_run_on_both_nodes_of_a_ray_cluster(cluster_run):
+    result = cluster_run.run
     assert result.returncode == 0, result.output
     assert result.status == "finished:completed", result.output
-    assert f"Run completed after round {ROUNDS}" in result.output
+    assert f"Run completed after round {SECAGG_ROUNDS}" in result.output
     assert result.run_dir is not None and (result.run_dir / "metrics.csv").exists()
-    assert "init-args" not in config  # ray.init refuses num_cpus when it joins a cluster
+    assert "init-args" not in cluster_run.config  # ray.init refuses num_cpus when it joins
 
-    # Task events reach the GCS about once a second: wait for both nodes' (≤ 10 s).
-    deadline = time.monotonic() + 10
-    while True:
-        calls = _clientapp_calls(ray_cluster.address)
-        if (calls[head] and calls[worker]) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    calls, head, worker = cluster_run.calls, cluster_run.head, cluster_run.worker
     assert set(calls) <= {head, worker}, calls
-    assert calls[head] > 0 and calls[worker] > 0, (calls, head, worker)
+    assert calls.get(head, 0) > 0 and calls.get(worker, 0) > 0, (calls, head, worker)
