@@ -108,23 +108,34 @@ def one(
 
 
 def peer(
-    python: str, epsilon: float, seed: int, rounds: int, out: Path, clients=N, cohort=COHORT
+    python: str,
+    epsilon: float,
+    seed: int,
+    rounds: int,
+    out: Path,
+    clients=N,
+    cohort=COHORT,
+    cooldown: float = 0.0,
+    fair: bool = False,
 ) -> dict:
     """Arm f: pfl-research's banded MF (bench/peers/pfl_banded_mf.py) in its own
     environment; beside pfl's own ε, the ε of what ran: pfl's noise on the sensitivity
-    of its C for k participations >= N // m apart (privacy.correlated.sensitivity)."""
+    of its C for k participations >= N // m apart (privacy.correlated.sensitivity).
+    ``fair``: pfl's noise raised so that what runs is ε (``--noise-for-what-runs``)."""
     import json
 
     from privacy import correlated as cr
 
-    root = out / f"pfl-banded-mf-eps{epsilon:g}-seed{seed}"
+    name = "pfl-banded-mf" + ("-what-runs" if fair else "")
+    root = out / f"{name}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     result, strategy = root / "result.json", root / "strategy.npy"
     cmd = [
         python, str(PEER_SCRIPT), "--clients", str(clients), "--cohort", str(cohort),
         "--rounds", str(rounds), "--epsilon", str(epsilon), "--seed", str(seed),
-        "--out", str(result), "--save-strategy", str(strategy),
+        "--out", str(result), "--save-strategy", str(strategy), "--cooldown", str(cooldown),
     ]  # fmt: skip
+    cmd += ["--noise-for-what-runs"] if fair else []
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
@@ -138,7 +149,7 @@ def peer(
     )
     ran = cr.epsilon(noise_multiplier=got["noise_parameter"], sensitivity=found.value, delta=1e-5)
     return {
-        "arm": "pfl-banded-mf",
+        "arm": name,
         "epsilon": epsilon,
         "seed": seed,
         "ledger epsilon": ran,  # what ran: pfl states `epsilon` for sensitivity sqrt(k)
@@ -148,6 +159,8 @@ def peer(
         "groups": got["min_separation"],
         "pfl sensitivity": found.value,
         "pfl assumed sensitivity": math.sqrt(got["participations"]),
+        "pfl noise scale": got.get("noise_scale", 1.0),
+        "cooldown": cooldown,
     }
 
 
@@ -362,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         "--bands", type=int, default=0, help="arm c's bands (0: b; see the study on b)"
     )
     parser.add_argument("--cooldown", type=float, default=0.0, help="server.cooldown")
+    parser.add_argument(
+        "--pfl-what-runs",
+        action="store_true",
+        help="arm f also with pfl's noise raised so that what runs is the target ε",
+    )
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
@@ -379,8 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                 if arm == "pfl-banded-mf":
                     if not args.pfl_python:
                         parser.error("arm 'pfl-banded-mf' needs --pfl-python PATH")
-                    sizes = (args.rounds, args.out, args.clients, args.cohort)
-                    rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
+                    sizes = (args.rounds, args.out, args.clients, args.cohort, args.cooldown)
+                    if args.pfl_what_runs:  # pfl as it states itself, then as what runs
+                        rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
+                        print(rows[-1], flush=True)
+                    fair = args.pfl_what_runs
+                    rows.append(peer(args.pfl_python, epsilon, seed, *sizes, fair=fair))
                 else:
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.amp_groups)
                     rows.append(
