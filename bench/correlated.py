@@ -17,6 +17,7 @@ lab.run --engine inprocess`` in its own process.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import subprocess
@@ -76,11 +77,10 @@ def one(
     root = out / f"{arm}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     config = {**WORKLOAD, **ARMS[arm], "seed": seed, "num-server-rounds": rounds}
-    if arm == "banded-mf-amp":
-        config["correlated.min-separation"] = (
-            amp_groups
-            or best_amplified_groups(epsilon, rounds=rounds, clients=clients, cohort=cohort)[0]
-        )
+    if arm == "banded-mf-amp" and amp_groups:
+        config["correlated.min-separation"] = amp_groups
+    elif arm == "banded-mf-amp":  # the run's own least-error b (its workload, its groups)
+        config["correlated.choose-separation"] = "least-error"
     if cooldown:  # every arm's server learning rate (post-processing)
         config["server.cooldown"] = cooldown
     if arm == "banded-mf" and bands:  # arm c's bands (0: b, the least prefix-sum error)
@@ -93,6 +93,8 @@ def one(
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
     released = metrics[metrics["scope"] == "train"].sort_values("round")
+    (ledger,) = root.glob("*/ledger.json")
+    calibration = json.loads(ledger.read_text()).get("calibration") or {}
     return {
         "arm": arm,
         "epsilon": epsilon,
@@ -101,8 +103,8 @@ def one(
         "accuracy": float(central["eval-accuracy"].iloc[-1]),
         "warm round s": statistics.median(train["round-seconds"]),
         "process s": round(seconds, 1),
-        "groups": config.get("correlated.min-separation", 0),
-        "bands": config.get("correlated.bands", 0),
+        "groups": calibration.get("min-separation", 0),  # b as the ledger records it
+        "bands": calibration.get("bands", 0),
         "cooldown": cooldown,
     }
 
@@ -122,8 +124,6 @@ def peer(
     environment; beside pfl's own ε, the ε of what ran: pfl's noise on the sensitivity
     of its C for k participations >= N // m apart (privacy.correlated.sensitivity).
     ``fair``: pfl's noise raised so that what runs is ε (``--noise-for-what-runs``)."""
-    import json
-
     from privacy import correlated as cr
 
     name = "pfl-banded-mf" + ("-what-runs" if fair else "")
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pfl-python", default=None, help="arm f: the Python of pfl-research's environment"
     )
     parser.add_argument(
-        "--amp-groups", type=int, default=0, help="arm d's b (0: the least-error b at each ε)"
+        "--amp-groups", type=int, default=0, help="arm d's b (0: the run's least-error b)"
     )
     parser.add_argument(
         "--bands", type=int, default=0, help="arm c's bands (0: b; see the study on b)"
