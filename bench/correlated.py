@@ -18,6 +18,7 @@ lab.run --engine inprocess`` in its own process.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import subprocess
@@ -77,11 +78,10 @@ def one(
     root = out / f"{arm}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     config = {**WORKLOAD, **ARMS[arm], "seed": seed, "num-server-rounds": rounds}
-    if arm == "banded-mf-amp":
-        config["correlated.min-separation"] = (
-            amp_groups
-            or best_amplified_groups(epsilon, rounds=rounds, clients=clients, cohort=cohort)[0]
-        )
+    if arm == "banded-mf-amp" and amp_groups:
+        config["correlated.min-separation"] = amp_groups
+    elif arm == "banded-mf-amp":  # the run's own least-error b (its workload, its groups)
+        config["correlated.choose-separation"] = "least-error"
     if cooldown:  # every arm's server learning rate (post-processing)
         config["server.cooldown"] = cooldown
     if arm == "banded-mf" and bands:  # arm c's bands (0: b, the least prefix-sum error)
@@ -94,6 +94,8 @@ def one(
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
     released = metrics[metrics["scope"] == "train"].sort_values("round")
+    (ledger,) = root.glob("*/ledger.json")
+    calibration = json.loads(ledger.read_text()).get("calibration") or {}
     return {
         "arm": arm,
         "epsilon": epsilon,
@@ -102,30 +104,39 @@ def one(
         "accuracy": float(central["eval-accuracy"].iloc[-1]),
         "warm round s": statistics.median(train["round-seconds"]),
         "process s": round(seconds, 1),
-        "groups": config.get("correlated.min-separation", 0),
-        "bands": config.get("correlated.bands", 0),
+        "groups": calibration.get("min-separation", 0),  # b as the ledger records it
+        "bands": calibration.get("bands", 0),
         "cooldown": cooldown,
     }
 
 
 def peer(
-    python: str, epsilon: float, seed: int, rounds: int, out: Path, clients=N, cohort=COHORT
+    python: str,
+    epsilon: float,
+    seed: int,
+    rounds: int,
+    out: Path,
+    clients=N,
+    cohort=COHORT,
+    cooldown: float = 0.0,
+    fair: bool = False,
 ) -> dict:
     """Arm f: pfl-research's banded MF (bench/peers/pfl_banded_mf.py) in its own
     environment; beside pfl's own ε, the ε of what ran: pfl's noise on the sensitivity
-    of its C for k participations >= N // m apart (privacy.correlated.sensitivity)."""
-    import json
-
+    of its C for k participations >= N // m apart (privacy.correlated.sensitivity).
+    ``fair``: pfl's noise raised so that what runs is ε (``--noise-for-what-runs``)."""
     from privacy import correlated as cr
 
-    root = out / f"pfl-banded-mf-eps{epsilon:g}-seed{seed}"
+    name = "pfl-banded-mf" + ("-what-runs" if fair else "")
+    root = out / f"{name}-eps{epsilon:g}-seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     result, strategy = root / "result.json", root / "strategy.npy"
     cmd = [
         python, str(PEER_SCRIPT), "--clients", str(clients), "--cohort", str(cohort),
         "--rounds", str(rounds), "--epsilon", str(epsilon), "--seed", str(seed),
-        "--out", str(result), "--save-strategy", str(strategy),
+        "--out", str(result), "--save-strategy", str(strategy), "--cooldown", str(cooldown),
     ]  # fmt: skip
+    cmd += ["--noise-for-what-runs"] if fair else []
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
@@ -139,7 +150,7 @@ def peer(
     )
     ran = cr.epsilon(noise_multiplier=got["noise_parameter"], sensitivity=found.value, delta=1e-5)
     return {
-        "arm": "pfl-banded-mf",
+        "arm": name,
         "epsilon": epsilon,
         "seed": seed,
         "ledger epsilon": ran,  # what ran: pfl states `epsilon` for sensitivity sqrt(k)
@@ -149,6 +160,8 @@ def peer(
         "groups": got["min_separation"],
         "pfl sensitivity": found.value,
         "pfl assumed sensitivity": math.sqrt(got["participations"]),
+        "pfl noise scale": got.get("noise_scale", 1.0),
+        "cooldown": cooldown,
     }
 
 
@@ -357,12 +370,17 @@ def main(argv: list[str] | None = None) -> int:
         "--pfl-python", default=None, help="arm f: the Python of pfl-research's environment"
     )
     parser.add_argument(
-        "--amp-groups", type=int, default=0, help="arm d's b (0: the least-error b at each ε)"
+        "--amp-groups", type=int, default=0, help="arm d's b (0: the run's least-error b)"
     )
     parser.add_argument(
         "--bands", type=int, default=0, help="arm c's bands (0: b; see the study on b)"
     )
     parser.add_argument("--cooldown", type=float, default=0.0, help="server.cooldown")
+    parser.add_argument(
+        "--pfl-what-runs",
+        action="store_true",
+        help="arm f also with pfl's noise raised so that what runs is the target ε",
+    )
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
@@ -380,8 +398,12 @@ def main(argv: list[str] | None = None) -> int:
                 if arm == "pfl-banded-mf":
                     if not args.pfl_python:
                         parser.error("arm 'pfl-banded-mf' needs --pfl-python PATH")
-                    sizes = (args.rounds, args.out, args.clients, args.cohort)
-                    rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
+                    sizes = (args.rounds, args.out, args.clients, args.cohort, args.cooldown)
+                    if args.pfl_what_runs:  # pfl as it states itself, then as what runs
+                        rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
+                        print(rows[-1], flush=True)
+                    fair = args.pfl_what_runs
+                    rows.append(peer(args.pfl_python, epsilon, seed, *sizes, fair=fair))
                 else:
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.amp_groups)
                     rows.append(

@@ -630,3 +630,90 @@ def prefix_sum_error(decoder: np.ndarray, *, noise_std: float) -> float:
     noise_std^2 ||B||_F^2 / n."""
     b = np.asarray(decoder, dtype=np.float64)
     return float(noise_std**2 * np.sum(b * b) / b.shape[0])
+
+
+# -- choosing b for the amplified schema -----------------------------------------------------
+@dataclass(frozen=True)
+class SeparationChoice:
+    """The amplified schema's b with the least error, and every candidate's numbers.
+
+    ``sweep`` holds ``(b, q, z, error)`` per candidate b (1 .. B): q = m / (the smallest
+    group of b), z calibrated to the target ε for k = ceil(n / b) Poisson-sampled
+    Gaussians, error the mean squared error of the workload's released models per
+    coordinate in units of C² (``prefix_sum_error`` of A C⁻¹, C at max column norm 1).
+    """
+
+    separation: int
+    sweep: tuple[tuple[int, float, float, float], ...]
+
+
+def amplified_noise_multiplier(
+    *, target_epsilon: float, delta: float, cohort: int, group_size: int, participations: int
+) -> float:
+    """z of k = ``participations`` Poisson-sampled Gaussians at q = cohort / group_size
+    and unit sensitivity (max column norm 1) for (ε, δ): the ledger's calibration of the
+    amplified schema (PLD, add-or-remove-one)."""
+    from privacy.calibration import calibrate_parameter
+    from privacy.events import Release
+
+    def releases(z: float) -> list[Release]:
+        return [
+            Release(
+                server_round=1,
+                kind="model-update",
+                mechanism="gaussian",
+                noise_multiplier=z,
+                sampling="poisson",
+                sample_size=cohort,
+                population=group_size,
+                count=participations,
+            )
+        ]
+
+    return calibrate_parameter(
+        releases,
+        target_epsilon=target_epsilon,
+        target_delta=delta,
+        accountant="pld",
+        neighboring="add-or-remove-one",
+    )
+
+
+def least_error_separation(
+    *,
+    rounds: int,
+    cohort: int,
+    group_sizes: dict[int, int],
+    target_epsilon: float,
+    delta: float,
+    momentum: float = 0.0,
+    bands: int = 0,
+) -> SeparationChoice:
+    """The b among ``group_sizes`` (b -> its smallest group) with the least error at ε.
+
+    Every input is public (n, m, the groups' sizes, ε, δ, the workload), so the choice
+    costs no privacy (Choquette-Choo, McMahan et al. 2023 and jax-privacy's
+    ``optimize_coefs_for_amplifications`` choose the same way). ``bands`` > 0 caps C's
+    bands at min(bands, b); b = 1 is DP-FedAvg with Poisson sampling (C = I).
+    """
+    n, m = _positive_int("rounds", rounds), _positive_int("cohort", cohort)
+    sweep = []
+    for b, size in sorted(group_sizes.items()):
+        if _positive_int("b", b) > n or size < m:
+            continue  # more groups than rounds, or a group smaller than the cohort
+        z = amplified_noise_multiplier(
+            target_epsilon=target_epsilon,
+            delta=delta,
+            cohort=m,
+            group_size=size,
+            participations=math.ceil(n / b),
+        )
+        decoder = optimize_banded(n, min(bands or b, b), momentum=momentum).decoder()
+        sweep.append((b, m / size, z, prefix_sum_error(decoder, noise_std=z)))
+    if not sweep:
+        raise FactorizationError(
+            f"no b has groups of at least the cohort m = {m} within n = {n} rounds "
+            f"(candidates: {sorted(group_sizes)})"
+        )
+    best = min(sweep, key=lambda row: row[3])
+    return SeparationChoice(best[0], tuple(sweep))

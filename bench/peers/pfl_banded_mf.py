@@ -20,6 +20,12 @@ every N // m rounds, the cyclic schema).
 
 Prints and writes one JSON object: final central accuracy, the noise parameter, the
 median round time.
+
+``--cooldown F`` decays pfl's central learning rate linearly to 0 over the last F of the
+rounds (pfl's ``central_learning_rate_scheduler``, a torch ``LambdaLR``; the engine's
+``server.cooldown``). ``--noise-for-what-runs`` raises pfl's noise multiplier by the
+ratio of its C's sensitivity for k participations >= b apart (``privacy.correlated``) to
+the sqrt(k) its accountant assumes, so that what runs is the ε pfl states.
 """
 
 import argparse
@@ -29,6 +35,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 DELTA = 1e-5
 CLIP = 0.5
@@ -45,6 +52,12 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--save-strategy", default=None, help=".npy path for pfl's C")
+    parser.add_argument("--cooldown", type=float, default=0.0, help="central LR cooldown")
+    parser.add_argument(
+        "--noise-for-what-runs",
+        action="store_true",
+        help="scale pfl's noise to its C's sensitivity (the stated ε is what runs)",
+    )
     a = parser.parse_args()
     started = time.perf_counter()
     os.environ.setdefault("PFL_PYTORCH_DEVICE", "cpu")
@@ -100,12 +113,17 @@ def main():
             return {"loss": Weighted(loss.item(), n), "accuracy": Weighted(correct, n)}
 
     net = MLP()
+    central = torch.optim.SGD(net.parameters(), lr=SERVER_LR, momentum=SERVER_MOMENTUM)
+    schedule = None
+    if a.cooldown:  # round t (1-based) at lr * min(1, (n - t + 1) / (F n)), as the engine
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            central, lambda i: min(1.0, (a.rounds - i) / (a.cooldown * a.rounds))
+        )
     model = PyTorchModel(
         model=net,
         local_optimizer_create=torch.optim.SGD,
-        central_optimizer=torch.optim.SGD(
-            net.parameters(), lr=SERVER_LR, momentum=SERVER_MOMENTUM
-        ),
+        central_optimizer=central,
+        central_learning_rate_scheduler=schedule,
     )
     separation = a.clients // a.cohort
     participations = math.ceil(a.rounds / separation)
@@ -137,6 +155,19 @@ def main():
             os.chdir(cwd)
     factorization_s = time.perf_counter() - calibration_started
     c = mechanism.query_matrix
+    pfl_noise = float(accountants[0].cohort_noise_parameter)
+    scale = 1.0
+    if a.noise_for_what_runs:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from privacy.correlated import sensitivity  # numpy only: no Flower, no dp-accounting
+
+        found = sensitivity(c, participations=participations, min_separation=separation)
+        scale = found.value / math.sqrt(participations)
+        # pfl has no public setter: its GaussianMechanism keeps the multiplier here and
+        # add_noise reads it each round.
+        mechanism._relative_noise_stddev = pfl_noise * scale
     backend = SimulatedBackend(
         training_data=train,
         val_data=None,
@@ -188,7 +219,10 @@ def main():
         "participations": participations,
         "bands": int(max(np.count_nonzero(c[:, j]) for j in range(c.shape[1]))),
         "max_column_norm": float(np.linalg.norm(c, axis=0).max()),
-        "noise_parameter": float(accountants[0].cohort_noise_parameter),
+        "noise_parameter": pfl_noise * scale,  # what ran
+        "pfl_noise_parameter": pfl_noise,  # pfl's, for sensitivity sqrt(k)
+        "noise_scale": scale,
+        "cooldown": a.cooldown,
         "accuracy": accuracy,
         "rounds_completed": len(timer.laps),
         "warm_round_s": statistics.median(timer.laps[1:] or timer.laps),

@@ -55,6 +55,8 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         dp-ftrl: a fresh tree every r rounds (0: one tree).
     momentum : float
         The server's heavy-ball momentum: C is optimised for that workload (banded-mf).
+    choose_separation : {"given", "least-error"}
+        least-error: b is the amplified schema's least-error b at ``target_epsilon``.
     """
 
     LOCAL_VIEW = False
@@ -69,6 +71,7 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         bands: int = 0,
         restart_every: int = 0,
         momentum: float = 0.0,
+        choose_separation: str = "given",
         **kwargs,
     ) -> None:
         super().__init__(strategy, noise_site="server", **kwargs)
@@ -83,6 +86,7 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         self.min_separation, self.bands = min_separation, bands
         self.restart_every = restart_every or None
         self.momentum = momentum
+        self.choose_separation = choose_separation
         self.plan: Plan | None = None
         self.stream: correlated.BandedNoise | correlated.TreeNoise | None = None
         self._stream_state: dict | None = None  # loaded before the stream exists
@@ -128,6 +132,8 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
                 rounds=self.planned_rounds, m=self.num_sampled_clients,
                 min_separation=self.min_separation, bands=self.bands,
                 restart_every=self.restart_every, momentum=self.momentum,
+                choose=self.choose_separation, target_epsilon=self.target_epsilon,
+                delta=self.ledger.target_delta,
             )  # fmt: skip
             log(INFO, "%s: %s", self.mechanism, self.plan)
         return super().nodes_for_round(server_round, grid, expected_clients, min_available_nodes)
@@ -235,11 +241,15 @@ class CorrelatedNoiseDP(DPFedAvgFixed):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`: the stream continues where it stopped."""
-        super().load_state_dict(state)
+        """Restore :meth:`state_dict`: the stream continues where it stopped. The plan
+        first: DP-FedAvg's restore declares the calibrated run's releases from it."""
         saved = state["correlated"]
         plan = saved["plan"]
-        self.plan = None if plan is None else Plan(**{**plan, "coefs": tuple(plan["coefs"])})
+        if plan is not None:
+            sweep = tuple(tuple(row) for row in plan.get("sweep", ()))
+            plan = Plan(**{**plan, "coefs": tuple(plan["coefs"]), "sweep": sweep})
+        self.plan = plan
+        super().load_state_dict(state)
         self._charged_rounds = set(saved["charged-rounds"])
         self.stream, self._stream_state = None, saved["stream"]
 
@@ -291,6 +301,7 @@ def _factory(mechanism: str):
             bands=corr.bands,
             restart_every=corr.restart_every,
             momentum=optimizer.momentum if optimizer.optimizer == "momentum" else 0.0,
+            choose_separation=corr.choose_separation,
             clip_norm=float(dp.clip_norm),
             noise_multiplier=float(dp.noise_multiplier) or None,
             target_epsilon=float(dp.target_epsilon) or None,

@@ -20,6 +20,7 @@ import numpy as np
 from config.settings import Choice, Settings, SettingsError, setting
 from privacy import correlated
 from privacy.accounting import Release
+from privacy.events import AccountingError
 from strategies.errors import StopTraining
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
 from strategies.runtime.nodes import poisson_sample
@@ -28,6 +29,7 @@ from strategies.secure.secagg_plus import SecAggSettings
 
 MECHANISMS = ("banded-mf", "dp-ftrl")
 SCHEMAS = ("cyclic", "amplified")
+SEPARATION_CHOICES = ("given", "least-error")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,13 @@ class CorrelatedSettings(Settings):
         "dp-ftrl: a fresh tree every r rounds (0: one tree over the run).",
         low=0,
     )
+    choose_separation: str = setting(
+        "given",
+        "How b is set: `given` (correlated.min-separation) or `least-error` (amplified "
+        "banded-mf: the b in 1..N // m with the least error of the released models at "
+        "dp.target-epsilon, from public quantities only; recorded in the ledger).",
+        choices=SEPARATION_CHOICES,
+    )
 
     @staticmethod
     def check(choice: Choice) -> None:
@@ -89,12 +98,32 @@ class CorrelatedSettings(Settings):
                 f"'dp.noise-multiplier' (> 0) and 'dp.target-epsilon' (> 0), got "
                 f"{given:g} and {target:g}"
             )
+        if corr.choose_separation == "least-error":
+            _check_least_error(choice.privacy, corr, target)
         bands, separation = corr.bands, corr.min_separation
         if bands and separation and bands > separation:
             raise SettingsError(
                 f"'correlated.bands' = {bands} exceeds 'correlated.min-separation' = "
                 f"{separation}: valid values 1..{separation} (or 0: the separation)"
             )
+
+
+def _check_least_error(privacy: str, corr: CorrelatedSettings, target: float) -> None:
+    """What ``correlated.choose-separation = 'least-error'`` needs."""
+    key = "'correlated.choose-separation' = 'least-error'"
+    if privacy != "banded-mf" or corr.schema != "amplified":
+        raise SettingsError(
+            f"{key} chooses the amplified schema's b: it needs 'privacy' = 'banded-mf' and "
+            f"'correlated.schema' = 'amplified' (got {privacy!r}, {corr.schema!r}); "
+            "valid values otherwise: 'given'"
+        )
+    if not target:
+        raise SettingsError(f"{key} weighs the error at 'dp.target-epsilon': set it (> 0)")
+    if corr.min_separation:
+        raise SettingsError(
+            f"{key} chooses b itself: 'correlated.min-separation' must be 0, got "
+            f"{corr.min_separation}"
+        )
 
 
 def group_of(partitions: PartitionMap, node: int, separation: int, mechanism: str) -> int:
@@ -121,6 +150,8 @@ class Plan:
     bands: int = 0  # banded MF
     coefs: tuple[float, ...] = ()
     workload: str = "prefix-sum"
+    choice: str = "given"  # how b was set (correlated.choose-separation)
+    sweep: tuple[tuple[int, float, float, float], ...] = ()  # least-error: (b, q, z, error)
 
     def cohort(
         self,
@@ -177,6 +208,9 @@ class Plan:
             "bands": self.bands,
             "workload": self.workload,
             "expected-clients": m,
+            "separation-choice": self.choice,
+            # least-error: every candidate b's (b, q, z, mean sq. error / C^2)
+            "separation-sweep": [list(row) for row in self.sweep],
         }
 
     def _whole_run(self, mechanism: str, z: float, server_round: int) -> Release:
@@ -208,7 +242,8 @@ class Plan:
             population=self.group_size,
             count=count,
             note=(
-                f"banded-mf, schema amplified: b = {self.separation} groups, Poisson "
+                f"banded-mf, schema amplified: b = {self.separation} groups "
+                f"({'the least-error b' if self.choice == 'least-error' else 'given'}), Poisson "
                 f"sampling within the round's group (q = {m}/{self.group_size}); a "
                 "client's rounds are one per block of b, whose columns share no row "
                 f"(bands {self.bands} <= b); max column norm {self.sensitivity:.6g}; "
@@ -229,11 +264,22 @@ def make_plan(
     bands: int = 0,
     restart_every: int | None = None,
     momentum: float = 0.0,
+    choose: str = "given",
+    target_epsilon: float | None = None,
+    delta: float = 1e-5,
 ) -> Plan:
     """The plan for the connected ``nodes``, or StopTraining with the one-line reason
-    the federation cannot provide the schema."""
+    the federation cannot provide the schema. ``choose`` "least-error" (amplified banded
+    MF): b is the least-error one at ``target_epsilon`` (:func:`choose_separation`)."""
     population = len(nodes)
-    b = min_separation or population // m
+    sweep: tuple = ()
+    if choose == "least-error":
+        b, sweep = choose_separation(
+            nodes, partitions, rounds=rounds, m=m, bands=bands, momentum=momentum,
+            target_epsilon=target_epsilon, delta=delta, mechanism=mechanism,
+        )  # fmt: skip
+    else:
+        b = min_separation or population // m
     if b < 1 or population < m * b:
         raise StopTraining(
             f"'correlated.schema' = {schema!r} needs {m} clients in each of "
@@ -258,6 +304,8 @@ def make_plan(
         )
         return Plan(schema, b, k, sens, "tree-bound", smallest)
     bands = min(bands or b, rounds)
+    if choose == "least-error":  # correlated.bands caps the chosen b's bands
+        bands = min(bands, b)
     if bands > b:
         raise StopTraining(
             f"'correlated.bands' = {bands} exceeds the separation b = {b}: valid values 1..{b}"
@@ -270,5 +318,43 @@ def make_plan(
         found = correlated.sensitivity(strategy, participations=k, min_separation=b)
         sens, method = found.value, found.method
     return Plan(
-        schema, b, k, sens, method, smallest, bands, factorization.coefs, factorization.workload
-    )
+        schema, b, k, sens, method, smallest, bands, factorization.coefs,
+        factorization.workload, choose, sweep,
+    )  # fmt: skip
+
+
+def choose_separation(
+    nodes: list[int],
+    partitions: PartitionMap,
+    *,
+    rounds: int,
+    m: int,
+    bands: int,
+    momentum: float,
+    target_epsilon: float | None,
+    delta: float,
+    mechanism: str,
+) -> tuple[int, tuple[tuple[int, float, float, float], ...]]:
+    """The amplified schema's least-error b among 1..N // m for the connected ``nodes``
+    (each b's smallest group by partition id mod b), and the sweep; StopTraining in one
+    line when no b is valid. Public inputs only: it costs no privacy."""
+    key = "'correlated.choose-separation' = 'least-error'"
+    if not target_epsilon:
+        raise StopTraining(f"{key} needs 'dp.target-epsilon' (> 0)")
+    sizes = {}
+    for b in range(1, len(nodes) // m + 1):
+        counts = [0] * b
+        for node in nodes:
+            counts[group_of(partitions, node, b, mechanism)] += 1
+        sizes[b] = min(counts)
+    try:
+        chosen = correlated.least_error_separation(
+            rounds=rounds, cohort=m, group_sizes=sizes, target_epsilon=target_epsilon,
+            delta=delta, momentum=momentum, bands=bands,
+        )  # fmt: skip
+    except (correlated.FactorizationError, AccountingError) as err:
+        raise StopTraining(
+            f"{key}: no valid b for {len(nodes)} connected clients, "
+            f"'dp.num-sampled-clients' = {m}, {rounds} rounds: {err}"
+        ) from None
+    return chosen.separation, chosen.sweep

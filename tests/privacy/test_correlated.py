@@ -385,3 +385,51 @@ def test_tree_restart_sensitivity_against_enumeration():
     assert cr.brute_force_sensitivity(strategy, participations=3, min_separation=4) == (
         pytest.approx(3.0)
     )
+
+
+# -- choosing b for the amplified schema ------------------------------------------------------
+def _direct_amplified(row, *, n: int, delta: float):
+    """(ε at a sweep row's z, its mean sq. error) recomputed from matrices and
+    dp-accounting."""
+    b, q, z, _ = row
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), math.ceil(n / b)
+    )
+    got = (
+        dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, 1e-4)
+        .compose(event)
+        .get_epsilon(delta)
+    )
+    c = cr.optimize_banded(n, b).strategy()
+    assert np.linalg.norm(c, axis=0).max() == pytest.approx(1.0, abs=1e-12)
+    decoder = solve_triangular(c.T, cr.prefix_sum_workload(n).T, lower=False).T  # A C^-1
+    return got, z**2 * np.sum(decoder**2) / n
+
+
+def test_least_error_separation_is_the_argmin_of_a_direct_computation():
+    # n = 6 rounds, m = 2 of N = 12: b = 1 (q = 1/6), 2 (q = 1/3), 6 (q = 1, unamplified)
+    n, m, delta = 6, 2, 1e-5
+    for eps, sizes, best in ((4.0, {1: 12, 2: 6, 6: 2}, 6), (0.5, {1: 12, 6: 2}, 1)):
+        choice = cr.least_error_separation(
+            rounds=n, cohort=m, group_sizes=sizes, target_epsilon=eps, delta=delta
+        )
+        assert [row[0] for row in choice.sweep] == list(sizes)
+        assert [row[1] for row in choice.sweep] == pytest.approx([m / g for g in sizes.values()])
+        errors = {}
+        for row in choice.sweep:
+            got, errors[row[0]] = _direct_amplified(row, n=n, delta=delta)
+            assert got <= eps * (1 + 1e-9) and got == pytest.approx(eps, rel=2e-3)
+            assert row[3] == pytest.approx(errors[row[0]], rel=1e-9)
+        assert choice.separation == min(errors, key=errors.get) == best
+
+
+def test_least_error_separation_skips_invalid_b_and_refuses_when_none_is_left():
+    # b = 3's smallest group (1) is below m = 2 and b = 9 exceeds n = 6: only b = 2 left
+    choice = cr.least_error_separation(
+        rounds=6, cohort=2, group_sizes={2: 4, 3: 1, 9: 2}, target_epsilon=2.0, delta=1e-5
+    )
+    assert choice.separation == 2 and [row[0] for row in choice.sweep] == [2]
+    with pytest.raises(cr.FactorizationError, match=r"^no b has groups of at least the cohort"):
+        cr.least_error_separation(
+            rounds=6, cohort=2, group_sizes={3: 1, 9: 2}, target_epsilon=2.0, delta=1e-5
+        )

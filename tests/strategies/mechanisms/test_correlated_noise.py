@@ -19,7 +19,9 @@ from privacy import correlated as cr
 from privacy.accounting import PrivacyLedger
 from strategies import StopTraining
 from strategies.mechanisms.correlated_noise import CorrelatedNoiseDP, CorrelatedSettings
+from strategies.mechanisms.correlated_schema import make_plan
 from strategies.runtime.checkpoint import decode, encode
+from strategies.runtime.partitions import PartitionMap
 from tests.fakes import FakeGrid, record, reply_from
 
 GLOBAL = {"w": [0.0, 0.0], "b": [1.0]}
@@ -170,6 +172,52 @@ def test_amplified_cohorts_come_from_the_rounds_group_only():
         assert all((node - 1) % 4 == (t - 1) % 4 for node in cohort)
 
 
+def test_least_error_b_is_chosen_from_the_connected_groups_and_recorded():
+    # N = 12, m = 4: b in 1..3 (groups of 12, 6, 4 by partition id mod b), n = 6
+    strategy = _strategy(
+        schema="amplified", m=4, target=3.0, rounds=6, choose_separation="least-error"
+    )
+    _round(strategy, 1)
+    expected = cr.least_error_separation(
+        rounds=6, cohort=4, group_sizes={1: 12, 2: 6, 3: 4}, target_epsilon=3.0, delta=1e-5
+    )
+    plan = strategy.plan
+    assert (plan.choice, plan.separation, plan.sweep) == (
+        "least-error",
+        expected.separation,
+        expected.sweep,
+    )
+    assert plan.group_size == 12 // plan.separation and plan.bands == plan.separation
+    record_ = strategy.calibration
+    assert record_["separation-choice"] == "least-error"
+    assert record_["min-separation"] == plan.separation
+    assert record_["separation-sweep"] == [list(row) for row in expected.sweep]
+    chosen = next(row for row in plan.sweep if row[0] == plan.separation)
+    # the run's own calibration (the ledger's PLD) gives the z the sweep weighed
+    assert strategy.noise_multiplier == pytest.approx(chosen[2], rel=1e-6)
+    assert "the least-error b" in strategy.ledger.state_dict()["releases"][0]["note"]
+    resumed = _strategy(
+        schema="amplified", m=4, target=3.0, rounds=6, choose_separation="least-error"
+    )
+    resumed.load_state_dict(decode(encode(strategy.state_dict())))
+    assert resumed.plan == plan  # the choice survives a resume, not made again
+
+
+def test_least_error_with_no_valid_b_is_refused_in_one_line():
+    partitions = PartitionMap()
+    for node in NODES:
+        partitions.record(node, node - 1)
+    with pytest.raises(
+        StopTraining,
+        match=r"^'correlated.choose-separation' = 'least-error': no valid b for 12 connected "
+        r"clients, 'dp.num-sampled-clients' = 13, 6 rounds: no b has groups",
+    ):
+        make_plan(
+            "banded-mf", "amplified", NODES, partitions, rounds=6, m=13,
+            choose="least-error", target_epsilon=3.0,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("mechanism", "schema", "target"), [("banded-mf", "cyclic", 4.0), ("dp-ftrl", "cyclic", 4.0)]
 )
@@ -260,9 +308,18 @@ def _choice(privacy="banded-mf", strategy="fedavg", **options):
         "correlated.schema": "cyclic",
         "correlated.bands": 0,
         "correlated.min-separation": 0,
+        "correlated.choose-separation": "given",
         "secagg.enabled": False,
     }
     return Choice(strategy, privacy, "digits", 10, {**base, **options})
+
+
+_AMP = {
+    "correlated.schema": "amplified",
+    "correlated.choose-separation": "least-error",
+    "dp.noise-multiplier": 0.0,
+    "dp.target-epsilon": 2.0,
+}
 
 
 @pytest.mark.parametrize(
@@ -273,12 +330,25 @@ def _choice(privacy="banded-mf", strategy="fedavg", **options):
         (_choice(strategy="smart-fedprox"), "selects clients by their data"),
         (_choice(**{"dp.noise-multiplier": 0.0}), "exactly one of"),
         (_choice(**{"correlated.bands": 5, "correlated.min-separation": 4}), "valid values 1..4"),
+        (
+            _choice(**{"correlated.choose-separation": "least-error"}),
+            r"^'correlated.choose-separation' = 'least-error' chooses the amplified schema's b",
+        ),
+        (
+            _choice(**{**_AMP, "dp.noise-multiplier": 1.0, "dp.target-epsilon": 0.0}),
+            r"weighs the error at 'dp.target-epsilon': set it",
+        ),
+        (
+            _choice(**{**_AMP, "correlated.min-separation": 4}),
+            r"'correlated.min-separation' must be 0, got 4$",
+        ),
     ],
 )
 def test_settings_refuse_what_cannot_be_run(choice, message):
     with pytest.raises(SettingsError, match=message):
         CorrelatedSettings.check(choice)
     CorrelatedSettings.check(_choice())  # the default is accepted
+    CorrelatedSettings.check(_choice(**_AMP))  # least-error with a target: accepted
 
 
 def test_registry_builds_it_with_the_momentum_workload():
