@@ -1,39 +1,17 @@
 """A deployed federation on loopback: TLS SuperLink, SuperNode authentication, `flwr run`.
 
-What docs/deploy.md describes, as real processes, from the guide's own commands: the
-blocks marked ``<!-- test_deployment: NAME ... -->`` there (start the SuperLink;
-register the ``lab`` connection and three of four keys; start three SuperNodes on one
-host) run as written, in bash, with ``HOME`` set to the test's folder (so
-``~/flwr-lab`` is the test's) and only the address and ports replaced by free ones
-(:func:`doc_block`); the guide cannot drift from what works. Certificates and keys come
-from :mod:`lab.deploy` as §1 says; then ``flwr run . lab``.
+The guide's blocks marked ``<!-- test_deployment: NAME ... -->`` in docs/deploy.md run
+as written (bash, ``HOME`` the test's folder, only addresses and ports replaced:
+:func:`doc_block`), so the guide cannot drift from what works. Then, on the warm
+executor (``python -m deploy.superexec`` beside ``python -m deploy.supernode``): a
+crashed SuperNode restarted at once is refused (2004) and rejoins; one SecAgg+ run
+across the three real SuperNodes loses one after key sharing in round 2 and finishes
+on the two survivors; the unregistered key, plaintext SuperNodes and a plaintext CLI
+are refused; SIGTERM stops each executor with its processes. The phases and their
+waits: docs/deploy.md, "What the integration test checks".
 
-The guide's SuperNodes come online; the guide's block for the warm executor (``python
--m deploy.superexec``, one per SuperNode started with ``--isolation process`` through
-``python -m deploy.supernode``; :mod:`deploy.superexec`) starts three more beside them
-(their own HOME and ports, as on other machines), which the SuperLink refuses (2004)
-and which retry until the guide's are stopped (they deactivate at once); their
-executors import meanwhile. One of them is SIGKILLed with its executor right after it
-joined and restarted at once with the same commands: it is refused (2004) while the
-SuperLink still lists the dead one online and rejoins under its node id. Then one run
-serves every check of a run, each message a fork of an executor (a new ClientApp
-process per message costs about 7 s of imports, too slow for this budget): it
-aggregates with SecAgg+ (``secagg.enabled``: four exchanges per round, the server sees
-only the sum) across real SuperNodes with TLS and node authentication; its first round
-has all three SuperNodes; in round 2 (the last), once SuperNode 2 has shared its
-SecAgg+ keys, its executor is frozen and then it is SIGKILLed with it (a dropout after
-key sharing: the round's sum must be the two survivors'), and the run must finish on
-the two survivors. The warm SuperNodes announce a 10 s heartbeat
-(``--heartbeat-interval``, Flower's shortest): the SuperLink lists a killed node
-offline within 2 x 10 s, which lets the crashed one rejoin and ends round 2's wait for
-the dead one (its message is answered with an error) well before ``round-timeout``;
-meanwhile a SuperNode with the unregistered key and two without TLS start and are
-refused, and the ``flwr`` CLI fails through a plaintext connection. SIGTERM must then
-stop each surviving executor with its processes.
-
-Every process this module starts (and any child: SuperExec, ServerApp, ClientApp,
-found with psutil and by our ``FLWR_HOME`` in their environment) is stopped by PID
-in the fixture's finaliser, which then asserts that none is left.
+Every process this module starts (and any child, found with psutil and by our
+``FLWR_HOME``) is stopped by PID in the fixture's finaliser, which asserts none is left.
 """
 
 from __future__ import annotations
