@@ -295,20 +295,8 @@ def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
 
 
 def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
-    sub = s.part(SubspaceSettings)
     return SubspaceDP(
-        base,
-        rank=sub.rank,
-        tau=sub.tau,
-        trace_budget=sub.trace_budget,
-        sketch_dim=sub.sketch_dim,
-        pmu_every=sub.pmu_every,
-        lambda_ptr=sub.lambda_ptr,
-        pmu_reserve=sub.pmu_budget_reserve,
-        allocation=sub.allocation,
-        quantize_bits=sub.quantize_bits,
-        seed=s.seed,
-        **_dp_fedavg_kwargs(s),
+        base, **s.part(SubspaceSettings).kwargs(), seed=s.seed, **_dp_fedavg_kwargs(s)
     )
 
 

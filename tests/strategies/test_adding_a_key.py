@@ -1,10 +1,11 @@
 """Adding a key is one edit plus regeneration (docs/extending.md, "Add a run-config key").
 
-A strategy's factory builds it from its settings object (``Settings.kwargs``): every
-field of the settings dataclass reaches the constructor argument of the same name, so
-a new field needs no registry edit; the option list, the ``pyproject.toml`` defaults
-and the reference are derived from the declaration. A key the ClientApp reads is
-parsed from its flat run-config with ``Settings.from_run_config``.
+A strategy's factory, and a privacy wrapper's, builds it from its settings object
+(``Settings.kwargs``): every field of the settings dataclass reaches the constructor
+argument of the same name, so a new field needs no registry edit; the option list,
+the ``pyproject.toml`` defaults and the reference are derived from the declaration.
+A key the ClientApp reads is parsed from its flat run-config with
+``Settings.from_run_config``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import pytest
+from flwr.serverapp.strategy import FedAvg
 
 from config.app import SEED
 from config.options import ConfigError, Option
@@ -22,6 +24,7 @@ from strategies import registry
 from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
+from strategies.mechanisms.subspace_dp import SubspaceDP, SubspaceSettings
 from tests.inprocess import pyproject_defaults
 
 
@@ -94,6 +97,56 @@ def test_a_new_field_is_a_key_with_a_default_a_reference_row_and_a_value(monkeyp
     assert isinstance(built, _ClusteredWithFoo) and built.foo == 7
     with pytest.raises(ConfigError, match=r"'cluster.foo' = -1 is out of range"):
         config.load({**run, "cluster.foo": -1})
+
+
+@pytest.mark.parametrize(
+    ("privacy", "part", "cls"), [("subspace-dp", SubspaceSettings, "SubspaceDP")]
+)
+def test_every_field_of_a_mechanisms_settings_reaches_its_wrapper(privacy, part, cls, monkeypatch):
+    changed = {opt.key: _other_value(opt) for opt in part.options()}
+    settings = config.load(pyproject_defaults()).strategy_settings()
+    settings = replace(settings, options={**settings.options, **changed})
+    monkeypatch.setattr(registry, cls, lambda base, **kwargs: kwargs)  # the arguments it gets
+    given = registry.PRIVACY[privacy](FedAvg(), settings)
+    expected = {f.name: changed[part.field_key(f)] for f in fields(part)}
+    assert {name: given[name] for name in expected} == expected
+    assert len(expected) == len(part.options()) >= 5
+
+
+@dataclass(frozen=True)
+class _SubspaceWithFoo(SubspaceSettings):
+    """SubspaceSettings after the one edit: a new field."""
+
+    foo: float = setting(0.5, "A new key.", low=0.0, high=1.0)
+
+
+class _SubspaceDPWithFoo(SubspaceDP):
+    """The wrapper taking the new field by name."""
+
+    def __init__(self, strategy, *, foo: float, **kwargs) -> None:
+        super().__init__(strategy, **kwargs)
+        self.foo = foo
+
+
+def test_a_new_subspace_field_is_a_key_with_a_default_a_reference_row_and_a_value(monkeypatch):
+    # Stand-ins for editing SubspaceSettings and SubspaceDP in place; the registry, the
+    # run-config layer and the generators are not touched.
+    monkeypatch.setattr(registry, "SubspaceSettings", _SubspaceWithFoo)
+    monkeypatch.setattr(registry, "SubspaceDP", _SubspaceDPWithFoo)
+    parts = tuple(_SubspaceWithFoo if p is SubspaceSettings else p for p in config.PARTS)
+    monkeypatch.setattr(config, "PARTS", parts)
+
+    assert '"subspace.foo" = 0.5' in config.pyproject_defaults().splitlines()
+    assert "| `subspace.foo` | `0.5` | [0, 1] | A new key. |" in config.markdown_table()
+    run = {**pyproject_defaults(), "privacy": "subspace-dp", "dp.noise-multiplier": 1.0}
+    built = registry.build("subspace-dp", config.load(run).strategy_settings())
+    assert isinstance(built, _SubspaceDPWithFoo) and built.foo == 0.5
+    built = registry.build(
+        "subspace-dp", config.load({**run, "subspace.foo": 0.25}).strategy_settings()
+    )
+    assert built.foo == 0.25 and built.rank == 32 and built.pmu_budget_reserve == 0.15
+    with pytest.raises(ConfigError, match=r"'subspace.foo' = 2.0 is out of range"):
+        config.load({**run, "subspace.foo": 2})
 
 
 @dataclass(frozen=True)
