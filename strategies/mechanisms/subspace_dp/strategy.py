@@ -52,11 +52,8 @@ class SubspaceDP(DPFedAvgFixed):
         r in [0, 1): the zCDP budget's share spent on PMU (0: no PMU, P = τI).
     seed : int
         Run seed: the public sketch matrices derive from it.
-    init : str
-        The metric before the first adopted PMU: "isotropic" (P = τI) or "public" (the
-        app sets ``initial_basis`` from public data before round 1).
-    initial_basis : numpy.ndarray, optional
-        A d×k orthonormal U from public data (no privacy cost); None: P = τI until PMU.
+    init, initial_basis : str, numpy.ndarray, optional
+        "public": the app sets U (d×k, public data, free) before round 1; else P = τI until PMU.
     allocation, quantize_bits
         How B is split over U ("uniform", "water-filling", "fairness"); 0, or b >= 2
         bits per whitened coordinate (both: the module's design notes).
