@@ -37,7 +37,8 @@ NOISE_PARAMETER = {
 
 @dataclass(frozen=True)
 class DPSettings(Settings):
-    """The privacy mechanisms' run-config keys (``dp.*``)."""
+    """The privacy mechanisms' shared run-config keys (``dp.*``; adaptive clipping's own
+    are ``AdaptiveClipSettings``, same prefix, beside its wrapper)."""
 
     PREFIX: ClassVar[str] = "dp"
     clip_norm: float = setting(
@@ -106,25 +107,6 @@ class DPSettings(Settings):
         "Under a privacy mechanism, clients also report their training metrics and "
         "run federated evaluation (no epsilon covers either; written under curator/)."
         " False: clients send only what the mechanism needs.",
-    )
-    target_quantile: float = setting(
-        0.5,
-        "Adaptive clipping: quantile of update norms that C tracks.",
-        low=0.0,
-        high=1.0,
-        low_open=True,
-        high_open=True,
-    )
-    clip_lr: float = setting(
-        0.2,
-        "Adaptive clipping: geometric learning rate of C.",
-        low=0.0,
-        low_open=True,
-    )
-    clip_count_stddev: float = setting(
-        0.0,
-        "Adaptive clipping: noise sigma_b of the clipped count (0: max(m/20, z)).",
-        low=0.0,
     )
     sensitivity: float = setting(
         15.0,

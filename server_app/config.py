@@ -38,6 +38,7 @@ from strategies.algorithms.smart_fedprox.private import DivergenceSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
 from strategies.mechanisms.base import ADAPTIVE_INITIAL_CLIP, DEFAULT_CLIP, DPSettings
 from strategies.mechanisms.correlated_noise import CorrelatedSettings
+from strategies.mechanisms.dp_fedavg_adaptive import AdaptiveClipSettings, count_stddev
 from strategies.mechanisms.subspace_dp import SubspaceSettings
 from strategies.runtime.aggregation import AggregationSettings
 from strategies.secure.secagg_plus import SecAggSettings
@@ -106,6 +107,7 @@ PARTS: tuple[type[Settings], ...] = (
     HierSettings,
     ServerOptimizerSettings,
     DPSettings,
+    AdaptiveClipSettings,
     CorrelatedSettings,
     SubspaceSettings,
     SecAggSettings,
@@ -348,8 +350,8 @@ def _check_ledger(cfg: RunConfig) -> None:
         raise ConfigError(f"'dp.accountant' = {dp.accountant!r}: {err}") from None
     z = dp.noise_multiplier
     if cfg.privacy == "dp-fedavg-adaptive" and z:
-        sigma_b = registry.count_stddev(settings)
-        assert sigma_b is not None  # z is set
+        given = cfg.part(AdaptiveClipSettings).clip_count_stddev
+        sigma_b = count_stddev(given, dp.num_sampled_clients, z)
         if sigma_b <= z / 2:
             raise ConfigError(
                 f"'dp.clip-count-stddev' = {sigma_b:g} must exceed 'dp.noise-multiplier'/2 "

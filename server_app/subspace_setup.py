@@ -53,14 +53,13 @@ def prepare(cfg: RunConfig, task: Task, model: torch.nn.Module, strategy, releas
     strategy = next((layer for layer in layers(strategy) if isinstance(layer, SubspaceDP)), None)
     if strategy is None:
         return
-    sub = cfg.part(SubspaceSettings)
-    wants_basis = sub.init == "public"
+    wants_basis = strategy.init == "public"
     if not wants_basis and strategy.allocation == "uniform":
         return
     public = cast(PublicData, task)
     gradients = public.public_gradients(model, released)
     if wants_basis:
-        strategy.initial_basis = top_subspace(gradients, sub.rank)
+        strategy.initial_basis = top_subspace(gradients, strategy.rank)
         log(
             INFO,
             "Subspace-DP: initial metric from %d public per-example gradients (no privacy cost)",

@@ -34,7 +34,7 @@ from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY, CorrelatedSettings
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed, dp_fedavg_mod
-from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
+from strategies.mechanisms.dp_fedavg_adaptive import AdaptiveClipSettings, DPFedAvgAdaptive
 from strategies.mechanisms.dpsgd_clients import DPSGDClients
 from strategies.mechanisms.frontloaded_clients import FrontLoadedDPClients, front_loaded_mod
 from strategies.mechanisms.laplace import LaplaceDP, laplace_mod
@@ -227,16 +227,6 @@ def _wrapper_kwargs(s: StrategySettings) -> dict[str, bool]:
     return {"client_metrics": dp.client_metrics, "noise_from_seed": dp.reproducible_noise}
 
 
-def count_stddev(s: StrategySettings) -> float | None:
-    """σ_b of adaptive clipping: ``dp.clip-count-stddev``; when 0, max(m/20, z), and
-    None while z is still to be calibrated (the wrapper then sets it with z)."""
-    dp = s.part(DPSettings)
-    z = dp.noise_multiplier
-    if dp.clip_count_stddev:
-        return dp.clip_count_stddev
-    return max(dp.num_sampled_clients / 20, z) if z else None
-
-
 def _dp_fedavg_kwargs(s: StrategySettings) -> dict[str, Any]:
     """What DP-FedAvg and subspace-dp take from the ``dp.*`` options (a noise parameter
     or target of 0 is None: calibrated from ``dp.target-epsilon`` once the nodes are
@@ -285,30 +275,13 @@ def _dp_fedavg(base: Strategy, s: StrategySettings, adaptive: bool) -> Strategy:
     clustered = s.strategy == "clustered"
     if not adaptive:
         return (ClusteredDPFedAvgFixed if clustered else DPFedAvgFixed)(base, **kwargs)
-    return (ClusteredDPFedAvgAdaptive if clustered else DPFedAvgAdaptive)(
-        base,
-        target_quantile=dp.target_quantile,
-        clip_lr=dp.clip_lr,
-        count_stddev=count_stddev(s),
-        **kwargs,
-    )
+    adaptive_cls = ClusteredDPFedAvgAdaptive if clustered else DPFedAvgAdaptive
+    return adaptive_cls(base, **s.part(AdaptiveClipSettings).kwargs(), **kwargs)
 
 
 def _subspace_dp(base: Strategy, s: StrategySettings) -> Strategy:
-    sub = s.part(SubspaceSettings)
     return SubspaceDP(
-        base,
-        rank=sub.rank,
-        tau=sub.tau,
-        trace_budget=sub.trace_budget,
-        sketch_dim=sub.sketch_dim,
-        pmu_every=sub.pmu_every,
-        lambda_ptr=sub.lambda_ptr,
-        pmu_reserve=sub.pmu_budget_reserve,
-        allocation=sub.allocation,
-        quantize_bits=sub.quantize_bits,
-        seed=s.seed,
-        **_dp_fedavg_kwargs(s),
+        base, **s.part(SubspaceSettings).kwargs(), seed=s.seed, **_dp_fedavg_kwargs(s)
     )
 
 
@@ -424,6 +397,7 @@ STRATEGY_SETTINGS: dict[str, tuple[type[Settings], ...]] = {
 }
 PRIVACY_SETTINGS: dict[str, tuple[type[Settings], ...]] = {
     "subspace-dp": (SubspaceSettings,),
+    "dp-fedavg-adaptive": (AdaptiveClipSettings,),
     # The front-loaded modes are client modes of hierarchical FL.
     **{mode: (HierSettings,) for mode in FRONT_LOADED_MODES},
     **{mechanism: (CorrelatedSettings,) for mechanism in CORRELATED_PRIVACY},

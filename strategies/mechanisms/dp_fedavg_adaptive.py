@@ -12,16 +12,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import Strategy
 
+from config.settings import Settings, setting
 from privacy.accounting import Release
 from protocol import keys
 from protocol.records import InvalidReply, as_float
 from strategies.errors import StopTraining
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
+
+
+@dataclass(frozen=True)
+class AdaptiveClipSettings(Settings):
+    """Adaptive clipping's own run-config keys (``dp.*``, beside the shared
+    :class:`privacy.settings.DPSettings`): the constructor arguments of
+    :class:`DPFedAvgAdaptive` by name."""
+
+    PREFIX: ClassVar[str] = "dp"
+    target_quantile: float = setting(
+        0.5,
+        "Adaptive clipping: quantile of update norms that C tracks.",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+    )
+    clip_lr: float = setting(
+        0.2,
+        "Adaptive clipping: geometric learning rate of C.",
+        low=0.0,
+        low_open=True,
+    )
+    clip_count_stddev: float = setting(
+        0.0,
+        "Adaptive clipping: noise sigma_b of the clipped count (0: max(m/20, z)).",
+        low=0.0,
+    )
+
+
+def count_stddev(clip_count_stddev: float, num_sampled_clients: int, z: float) -> float:
+    """σ_b: ``dp.clip-count-stddev``, or when 0 max(m/20, z) (Andrew et al.'s m/20, at
+    least z)."""
+    return clip_count_stddev or max(num_sampled_clients / 20, z)
 
 
 class DPFedAvgAdaptive(DPFedAvgFixed):
@@ -48,7 +84,7 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
         *,
         target_quantile: float,
         clip_lr: float,
-        count_stddev: float | None,
+        clip_count_stddev: float | None,
         **kwargs,
     ) -> None:
         super().__init__(strategy, **kwargs)
@@ -56,7 +92,7 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
             raise ValueError("target_quantile must be in (0, 1), clip_lr > 0")
         self.target_quantile = target_quantile
         self.clip_lr = clip_lr
-        self.count_stddev = count_stddev
+        self.count_stddev = clip_count_stddev or None  # σ_b; 0 or None: set with z
         if self.noise_multiplier is not None:
             try:
                 self.after_calibration()
@@ -79,7 +115,7 @@ class DPFedAvgAdaptive(DPFedAvgFixed):
         assert self.noise_multiplier is not None
         z = self.noise_multiplier
         if self.count_stddev is None:
-            self.count_stddev = max(self.num_sampled_clients / 20, z)
+            self.count_stddev = count_stddev(0.0, self.num_sampled_clients, z)
         if self.count_stddev <= z / 2:
             raise StopTraining(
                 f"'dp.clip-count-stddev' = {self.count_stddev:g} must exceed z/2 = {z / 2:g} "

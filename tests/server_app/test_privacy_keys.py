@@ -34,3 +34,15 @@ def test_the_modulus_range_and_its_help_agree():
             SecAggSettings(modulus_range=bad)
     with pytest.raises(ConfigError, match=r"secagg\.modulus-range"):
         config.load(run_config(**{"secagg.enabled": True, "secagg.modulus-range": 2**63}))
+
+
+def test_a_count_noise_that_leaves_the_updates_no_share_is_refused_at_load():
+    # z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2 needs sigma_b > z/2 (adaptive clipping).
+    base = {"privacy": "dp-fedavg-adaptive", "dp.noise-multiplier": 1.0}
+    with pytest.raises(
+        ConfigError,
+        match=r"'dp.clip-count-stddev' = 0.5 must exceed 'dp.noise-multiplier'/2 = 0.5",
+    ):
+        config.load(run_config(**base, **{"dp.clip-count-stddev": 0.5}))
+    config.load(run_config(**base, **{"dp.clip-count-stddev": 0.51}))
+    config.load(run_config(**base, **{"dp.clip-count-stddev": 0.0}))  # max(m/20, z) = 1 > 0.5

@@ -1,10 +1,11 @@
 """Adding a key is one edit plus regeneration (docs/extending.md, "Add a run-config key").
 
-A strategy's factory builds it from its settings object (``Settings.kwargs``): every
-field of the settings dataclass reaches the constructor argument of the same name, so
-a new field needs no registry edit; the option list, the ``pyproject.toml`` defaults
-and the reference are derived from the declaration. A key the ClientApp reads is
-parsed from its flat run-config with ``Settings.from_run_config``.
+A strategy's factory, and a privacy wrapper's, builds it from its settings object
+(``Settings.kwargs``): every field of the settings dataclass reaches the constructor
+argument of the same name, so a new field needs no registry edit; the option list,
+the ``pyproject.toml`` defaults and the reference are derived from the declaration.
+A key the ClientApp reads is parsed from its flat run-config with
+``Settings.from_run_config``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import pytest
+from flwr.serverapp.strategy import FedAvg
 
 from config.app import SEED
 from config.options import ConfigError, Option
@@ -22,6 +24,8 @@ from strategies import registry
 from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
+from strategies.mechanisms.dp_fedavg_adaptive import AdaptiveClipSettings, DPFedAvgAdaptive
+from strategies.mechanisms.subspace_dp import SubspaceDP, SubspaceSettings
 from tests.inprocess import pyproject_defaults
 
 
@@ -94,6 +98,79 @@ def test_a_new_field_is_a_key_with_a_default_a_reference_row_and_a_value(monkeyp
     assert isinstance(built, _ClusteredWithFoo) and built.foo == 7
     with pytest.raises(ConfigError, match=r"'cluster.foo' = -1 is out of range"):
         config.load({**run, "cluster.foo": -1})
+
+
+# Each wrapper built from its own settings object (clustered: the clustered variant).
+WRAPPERS = [
+    ("fedavg", "subspace-dp", SubspaceSettings, "SubspaceDP"),
+    ("fedavg", "dp-fedavg-adaptive", AdaptiveClipSettings, "DPFedAvgAdaptive"),
+    ("clustered", "dp-fedavg-adaptive", AdaptiveClipSettings, "ClusteredDPFedAvgAdaptive"),
+]
+
+
+@pytest.mark.parametrize(("strategy", "privacy", "part", "cls"), WRAPPERS)
+def test_every_field_of_a_mechanisms_settings_reaches_its_wrapper(
+    strategy, privacy, part, cls, monkeypatch
+):
+    changed = {opt.key: _other_value(opt) for opt in part.options()}
+    settings = config.load(pyproject_defaults()).strategy_settings()
+    settings = replace(settings, strategy=strategy, options={**settings.options, **changed})
+    monkeypatch.setattr(registry, cls, lambda base, **kwargs: kwargs)  # the arguments it gets
+    given = registry.PRIVACY[privacy](FedAvg(), settings)
+    expected = {f.name: changed[part.field_key(f)] for f in fields(part)}
+    assert {name: given[name] for name in expected} == expected
+    assert len(expected) == len(part.options()) >= 3
+
+
+def _with_foo(part: type[Settings]) -> type[Settings]:
+    """``part`` after the one edit: a new field ``foo``."""
+    foo = setting(0.5, "A new key.", low=0.0, high=1.0)
+    body = {"__annotations__": {"foo": float}, "foo": foo}
+    return dataclass(frozen=True)(type(f"{part.__name__}WithFoo", (part,), body))
+
+
+def _taking_foo(wrapper: type) -> type:
+    """``wrapper`` taking the new field by name."""
+
+    class TakingFoo(wrapper):
+        def __init__(self, strategy, *, foo: float, **kwargs) -> None:
+            super().__init__(strategy, **kwargs)
+            self.foo = foo
+
+    return TakingFoo
+
+
+@pytest.mark.parametrize(
+    ("privacy", "part", "wrapper"),
+    [
+        ("subspace-dp", SubspaceSettings, SubspaceDP),
+        ("dp-fedavg-adaptive", AdaptiveClipSettings, DPFedAvgAdaptive),
+    ],
+)
+def test_a_new_mechanism_field_is_a_key_with_a_default_a_reference_row_and_a_value(
+    privacy, part, wrapper, monkeypatch
+):
+    # Stand-ins for editing the settings class and the wrapper in place; the registry,
+    # the run-config layer and the generators are not touched.
+    new_part, new_wrapper = _with_foo(part), _taking_foo(wrapper)
+    monkeypatch.setattr(registry, part.__name__, new_part)
+    monkeypatch.setattr(registry, wrapper.__name__, new_wrapper)
+    monkeypatch.setattr(config, "PARTS", tuple(new_part if p is part else p for p in config.PARTS))
+    key = f"{part.PREFIX}.foo"
+
+    assert f'"{key}" = 0.5' in config.pyproject_defaults().splitlines()
+    assert f"| `{key}` | `0.5` | [0, 1] | A new key. |" in config.markdown_table()
+    run = {**pyproject_defaults(), "privacy": privacy, "dp.noise-multiplier": 1.0}
+    built = registry.build(privacy, config.load(run).strategy_settings())
+    assert isinstance(built, new_wrapper) and built.foo == 0.5
+    built = registry.build(privacy, config.load({**run, key: 0.25}).strategy_settings())
+    assert built.foo == 0.25
+    if privacy == "subspace-dp":
+        assert (built.rank, built.pmu_budget_reserve, built.init) == (32, 0.15, "isotropic")
+    else:  # σ_b = max(m/20, z) for dp.clip-count-stddev = 0
+        assert (built.target_quantile, built.clip_lr, built.count_stddev) == (0.5, 0.2, 1.0)
+    with pytest.raises(ConfigError, match=rf"'{key}' = 2.0 is out of range"):
+        config.load({**run, key: 2})
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,14 @@ from strategies.algorithms.smart_fedprox.private import DivergenceSettings
 from strategies.algorithms.smart_fedprox.strategy import SmartSettings
 from strategies.mechanisms.base import DPSettings
 from strategies.mechanisms.correlated_noise import CorrelatedSettings
+from strategies.mechanisms.dp_fedavg_adaptive import AdaptiveClipSettings
 from strategies.mechanisms.subspace_dp import SubspaceSettings
 from strategies.secure.secagg_plus import SecAggSettings
 
 OPTIONAL = {
     ClusterSettings, SmartSettings, HierSettings, SubspaceSettings, CorrelatedSettings,
     SecAggSettings, ServerOptimizerSettings, AuditSettings, DivergenceSettings,
+    AdaptiveClipSettings,
 }  # fmt: skip
 
 
@@ -39,6 +41,7 @@ def test_the_chosen_strategy_mechanism_and_switched_on_parts_are_checked():
     checked = _checked(strategy="clustered", **{"secagg.enabled": True})
     assert checked & OPTIONAL == {ClusterSettings, SecAggSettings}
     assert _checked(privacy="cg-ng", strategy="hierarchical") & OPTIONAL == {HierSettings}
+    assert _checked(privacy="dp-fedavg-adaptive") & OPTIONAL == {AdaptiveClipSettings}
     smart = {SmartSettings, DivergenceSettings}  # the divergence release is SmartFedProx's
     assert _checked(strategy="smart-fedprox", privacy="dp-fedavg-fixed") & OPTIONAL == smart
     assert _checked(**{"server.lr": 0.5}) & OPTIONAL == {ServerOptimizerSettings}

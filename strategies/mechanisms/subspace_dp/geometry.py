@@ -21,6 +21,7 @@ from privacy.subspace import (
 from strategies.errors import StopTraining
 
 ALLOCATIONS = ("uniform", "water-filling", "fairness")
+INITS = ("isotropic", "public")  # the metric before the first adopted PMU
 POOLED = "all"  # the key of the pooled public samples in SubspaceDP.public_samples
 _SKETCH_STREAM = 0x5C  # the public JL matrix of each PMU round
 # Largest PMU sketch (d x s float64) the server builds: 4 GiB.

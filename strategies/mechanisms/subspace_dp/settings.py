@@ -8,7 +8,7 @@ from typing import ClassVar
 from config.settings import Choice, Settings, SettingsError, setting
 from strategies.mechanisms.base import DPSettings
 from strategies.mechanisms.subspace_dp.budget import noise_split
-from strategies.mechanisms.subspace_dp.geometry import ALLOCATIONS
+from strategies.mechanisms.subspace_dp.geometry import ALLOCATIONS, INITS
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class SubspaceSettings(Settings):
         "Subspace-DP: the metric before the first adopted PMU: `isotropic` (P = tau I) "
         "or `public` (top-k subspace of per-example gradients on the public warm-start "
         "split; no privacy cost).",
-        choices=("isotropic", "public"),
+        choices=INITS,
     )
     pmu_budget_reserve: float = setting(
         0.15,

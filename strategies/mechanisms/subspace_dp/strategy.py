@@ -48,12 +48,12 @@ class SubspaceDP(DPFedAvgFixed):
     sketch_dim, pmu_every, lambda_ptr : int, int, float
         s > k, the JL sketch dimension; rounds between PMU releases; the PTR gate's
         threshold factor.
-    pmu_reserve : float
+    pmu_budget_reserve : float
         r in [0, 1): the zCDP budget's share spent on PMU (0: no PMU, P = τI).
     seed : int
         Run seed: the public sketch matrices derive from it.
-    initial_basis : numpy.ndarray, optional
-        A d×k orthonormal U from public data (no privacy cost); None: P = τI until PMU.
+    init, initial_basis : str, numpy.ndarray, optional
+        "public": the app sets U (d×k, public data, free) before round 1; else P = τI until PMU.
     allocation, quantize_bits
         How B is split over U ("uniform", "water-filling", "fairness"); 0, or b >= 2
         bits per whitened coordinate (both: the module's design notes).
@@ -84,8 +84,9 @@ class SubspaceDP(DPFedAvgFixed):
         sketch_dim: int,
         pmu_every: int,
         lambda_ptr: float,
-        pmu_reserve: float,
+        pmu_budget_reserve: float,
         seed: int,
+        init: str = "isotropic",
         initial_basis: np.ndarray | None = None,
         allocation: str = "uniform",
         quantize_bits: int = 0,
@@ -98,8 +99,10 @@ class SubspaceDP(DPFedAvgFixed):
             raise ValueError(f"allocation must be one of {allowed}, got {allocation!r}")
         self.rank, self.tau, self.trace_budget = rank, tau, trace_budget
         self.sketch_dim, self.pmu_every, self.lambda_ptr = sketch_dim, pmu_every, lambda_ptr
-        self.pmu_reserve, self.seed = pmu_reserve, seed
-        self.initial_basis = initial_basis
+        if init not in geometry.INITS:
+            raise ValueError(f"init must be one of {geometry.INITS}, got {init!r}")
+        self.pmu_budget_reserve, self.seed = pmu_budget_reserve, seed
+        self.init, self.initial_basis = init, initial_basis
         self.allocation = allocation
         # Group name -> public samples (n x d, e.g. per-example gradients); POOLED holds
         # all of them. Set by the app before round 1 when allocation is not uniform.
@@ -129,7 +132,7 @@ class SubspaceDP(DPFedAvgFixed):
         """(z_train, z_pmu, z_noise) of the budget z (:func:`budget.noise_split`)."""
         return noise_split(
             noise_multiplier,
-            reserve=self.pmu_reserve,
+            reserve=self.pmu_budget_reserve,
             rounds=self.planned_rounds,
             every=self.pmu_every,
             clip_norm=self.clip_norm,
@@ -147,7 +150,7 @@ class SubspaceDP(DPFedAvgFixed):
 
     def is_pmu_round(self, server_round: int) -> bool:
         """PMU runs in rounds 1, 1 + every, ... when a budget share is reserved for it."""
-        return self.pmu_reserve > 0 and (server_round - 1) % self.pmu_every == 0
+        return self.pmu_budget_reserve > 0 and (server_round - 1) % self.pmu_every == 0
 
     def update_noise_multiplier(self) -> float:
         """The Gaussian noise multiplier of the update: z_train = z/√(1 − r), or its top-up
@@ -320,7 +323,7 @@ class SubspaceDP(DPFedAvgFixed):
             self.trace_budget,
             self.sketch_dim,
             self.pmu_every,
-            self.pmu_reserve,
+            self.pmu_budget_reserve,
             self.z_pmu,
             self.lambda_ptr,
             self.z_train,

@@ -134,7 +134,7 @@ def test_the_round_is_charged_as_dp_fedavgs_one_model(sampling):
 
 def test_adaptive_clipping_moves_one_clip_norm_for_all_clusters():
     strategy = _wrapper(
-        ClusteredDPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.5, count_stddev=1e-9
+        ClusteredDPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.5, clip_count_stddev=1e-9
     )
     messages = strategy.configure_train(1, record(MODELS[0]), ConfigRecord({}), FakeGrid(NODES))
     replies = []

@@ -206,7 +206,7 @@ def test_adaptive_clip_update_by_hand():
         seed=5,
         target_quantile=gamma,
         clip_lr=eta,
-        count_stddev=sigma_b,
+        clip_count_stddev=sigma_b,
     )
     messages = _configure(strategy)
     assert all(m.content[keys.CONFIG][keys.DP_ADAPTIVE] for m in messages)
@@ -225,18 +225,18 @@ def test_adaptive_clip_update_by_hand():
 
 def test_adaptive_noise_split_and_validation():
     strategy = _wrapper(
-        DPFedAvgAdaptive, z=1.0, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0
+        DPFedAvgAdaptive, z=1.0, target_quantile=0.5, clip_lr=0.2, clip_count_stddev=1.0
     )
     assert strategy.update_noise_multiplier() == pytest.approx((1 - 0.25) ** -0.5)
     (release,) = strategy.release(1, 5)
     assert release.noise_multiplier == pytest.approx(0.5)  # z (not z_delta), over 2C
     with pytest.raises(ValueError, match="must exceed z/2"):
-        _wrapper(DPFedAvgAdaptive, z=2.0, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+        _wrapper(DPFedAvgAdaptive, z=2.0, target_quantile=0.5, clip_lr=0.2, clip_count_stddev=1.0)
 
 
 def test_adaptive_counts_a_reply_without_a_valid_bit_as_a_zero_update():
     strategy = _wrapper(
-        DPFedAvgAdaptive, z=1e-3, target_quantile=0.5, clip_lr=0.2, count_stddev=1e-3
+        DPFedAvgAdaptive, z=1e-3, target_quantile=0.5, clip_lr=0.2, clip_count_stddev=1e-3
     )
     messages = _configure(strategy)
     replies = _replies(messages, [([0.3, 0], [0])] * 3)
@@ -284,7 +284,7 @@ def test_federated_evaluation_only_with_client_metrics():
 def test_clients_are_asked_for_only_what_the_mechanism_needs():
     (message, *_) = _configure(_wrapper())
     assert message.content[keys.CONFIG][keys.REPORT_METRICS] == []
-    adaptive = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+    adaptive = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, clip_count_stddev=1.0)
     (message, *_) = _configure(adaptive)
     assert message.content[keys.CONFIG][keys.REPORT_METRICS] == [keys.DP_NORM_BIT]
     (message, *_) = _configure(_wrapper(client_metrics=True))
@@ -292,7 +292,7 @@ def test_clients_are_asked_for_only_what_the_mechanism_needs():
 
 
 def test_released_metrics_are_those_computed_from_released_quantities():
-    adaptive = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, count_stddev=1.0)
+    adaptive = _wrapper(DPFedAvgAdaptive, target_quantile=0.5, clip_lr=0.2, clip_count_stddev=1.0)
     released = ["dp-epsilon", "dp-clip-norm", "dp-noisy-unclipped-fraction", "dp-noise-from-seed"]
     assert all(adaptive.releases_metric(k) for k in released)
     for key in ("train-loss", "dpfedavg-norm-bit", keys.DP_FAILED_CLIENTS, "num-examples"):

@@ -143,7 +143,7 @@ def test_adaptive_calibration_sets_the_count_noise_and_budget_stops_the_run():
         ledger=ledger,
         target_quantile=0.5,
         clip_lr=0.2,
-        count_stddev=None,
+        clip_count_stddev=None,
     )
     rounds = 0
     with pytest.raises(StopTraining, match=re.escape("would exceed 'dp.max-epsilon'")):
@@ -167,7 +167,7 @@ def test_adaptive_count_is_centred_under_poisson():
         ledger=_poisson_ledger("rdp"),
         target_quantile=0.5,
         clip_lr=1e-9,
-        count_stddev=1e-6,
+        clip_count_stddev=1e-6,
     )
     messages = _configure(strategy)
     _, metrics = strategy.aggregate_train(1, _replies(messages, extra={keys.DP_NORM_BIT: 1.0}))

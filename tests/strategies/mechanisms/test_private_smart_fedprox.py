@@ -161,7 +161,7 @@ def _gaussian_epsilon(mu: float, delta: float) -> float:
 def test_every_round_charges_the_update_and_the_divergence_once(cls):
     z, z_d, rounds = 2.0, 3.0, 5
     kw = (
-        {"target_quantile": 0.5, "clip_lr": 0.2, "count_stddev": 4.0}
+        {"target_quantile": 0.5, "clip_lr": 0.2, "clip_count_stddev": 4.0}
         if cls is DPFedAvgAdaptive
         else {}
     )

@@ -34,7 +34,7 @@ def _wrapper(*, m=3, z=1e-9, clip=1.0, tau=4.0, reserve=0.0, rank=2, every=2, ro
         sketch_dim=kw.pop("sketch_dim", 8),
         pmu_every=every,
         lambda_ptr=1.0,
-        pmu_reserve=reserve,
+        pmu_budget_reserve=reserve,
         planned_rounds=rounds,
         seed=0,
         ledger=kw.pop("ledger", None) or _ledger(),

@@ -143,7 +143,7 @@ def _dp(kind, m):
     if kind == "subspace-dp":
         return test_subspace_dp._wrapper(m=m, z=0.5, clip=1.0, tau=1.0)
     cls = DPFedAvgAdaptive if kind == "adaptive" else DPFedAvgFixed
-    extra = {"target_quantile": 0.5, "clip_lr": 0.2, "count_stddev": 1.0}
+    extra = {"target_quantile": 0.5, "clip_lr": 0.2, "clip_count_stddev": 1.0}
     return test_dp_fedavg._wrapper(
         cls, m=m, z=0.5, site="client" if kind == "client" else "server",
         **(extra if kind == "adaptive" else {}),
