@@ -204,7 +204,7 @@ def test_comparison_plots_draw_every_experiment_and_planet(runs):
     assert [t.get_text() for t in side.legends[0].get_texts()] == ["fedavg", "single"]
 
 
-# UMAP's numba compile (~20 s of CPU) is paid once per process: the tests that fit a
+# UMAP's numba compile (~7 s of CPU) is paid once per process: the tests that fit a
 # UMAP share one xdist worker (group "umap", tests/lab/test_study.py too).
 @pytest.mark.parametrize(
     "method", ["tsne", pytest.param("umap", marks=pytest.mark.xdist_group("umap"))]
