@@ -5,8 +5,10 @@ import os
 
 # One OpenMP/BLAS thread per test process, set before numpy, torch or sklearn load
 # their thread pools: on 2 cores shared by 2 workers, a second thread only spin-waits
-# (a 16-point t-SNE: 7 s of CPU with two OpenMP threads, 0.1 s with one).
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+# (a 16-point t-SNE: 7 s of CPU with two OpenMP threads, 0.1 s with one). Numba too:
+# UMAP's parallel functions start a pool of one thread per core, and a t-SNE after it
+# in the process then spins for 6 s.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import pytest  # noqa: E402

@@ -195,6 +195,21 @@ def comparison_side_by_side(
     return fig
 
 
+UMAP_EXACT_KNN = 4096  # below this many points UMAP takes exact neighbours, not NN-descent
+
+
+def _umap_exact_knn(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The neighbours UMAP computes itself below ``UMAP_EXACT_KNN`` points (its
+    euclidean over all pairs, a stable sort of each row), in NumPy: the same graph
+    without compiling UMAP's parallel numba sort (see docs/notes.md)."""
+    from sklearn.metrics import pairwise_distances
+    from umap.distances import euclidean
+
+    distances = pairwise_distances(weights, metric=euclidean)
+    indices = np.argsort(distances, axis=1, kind="stable")[:, :k].astype(np.int32)
+    return indices, np.take_along_axis(distances, indices, axis=1)
+
+
 def _embed(weights: np.ndarray, method: str, seed: int) -> np.ndarray:
     n = len(weights)
     if method == "tsne":
@@ -209,10 +224,12 @@ def _embed(weights: np.ndarray, method: str, seed: int) -> np.ndarray:
             import umap
 
             # n_neighbors < n_samples; spectral init needs more points than 2 + 1.
+            k = min(15, n - 1)
             reducer = umap.UMAP(
-                n_neighbors=min(15, n - 1),
+                n_neighbors=k,
                 init="spectral" if n >= 10 else "pca",
                 random_state=seed,
+                precomputed_knn=_umap_exact_knn(weights, k) if n < UMAP_EXACT_KNN else None,
             )
             return reducer.fit_transform(weights)
     raise ValueError(f"method {method!r} is not one of 'tsne', 'umap'")

@@ -245,7 +245,7 @@ def test_main_runs_presets_then_analyses_them(tmp_path, monkeypatch):
     presets = [preset("fl", 9, strategy="fedavg"), preset("single", 9, strategy="local")]
     monkeypatch.setattr(study, "load_presets", lambda paths: presets)
     # The t-SNE and UMAP files are the analysis's (the test above writes them); here
-    # only that each run made is handed to them: UMAP's numba compile is ~20 s of CPU
+    # only that each run made is handed to them: UMAP's numba compile is ~7 s of CPU
     # in every process that fits one.
     embedded = []
     monkeypatch.setattr(study, "_embeddings", lambda *args: embedded.append(args))

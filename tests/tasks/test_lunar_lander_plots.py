@@ -204,7 +204,7 @@ def test_comparison_plots_draw_every_experiment_and_planet(runs):
     assert [t.get_text() for t in side.legends[0].get_texts()] == ["fedavg", "single"]
 
 
-# UMAP's numba compile (~20 s of CPU) is paid once per process: the tests that fit a
+# UMAP's numba compile (~7 s of CPU) is paid once per process: the tests that fit a
 # UMAP share one xdist worker (group "umap", tests/lab/test_study.py too).
 @pytest.mark.parametrize(
     "method", ["tsne", pytest.param("umap", marks=pytest.mark.xdist_group("umap"))]
@@ -221,6 +221,26 @@ def test_weight_embedding_marks_planets_and_colours_time(runs, method):
         offsets = np.vstack([c.get_offsets() for c in ax.collections])
         assert offsets.shape == (len(frame), 2) and np.isfinite(offsets).all()
         assert "env steps" in colorbar.get_ylabel()
+
+
+def test_umap_is_handed_the_exact_neighbours_it_would_compute_itself():
+    from sklearn.metrics import pairwise_distances
+    from umap.distances import euclidean
+    from umap.utils import fast_knn_indices
+
+    weights = np.random.default_rng(3).normal(size=(20, 6)).astype(np.float32)
+    weights[10:13] = weights[2]  # repeated snapshots: ties at distance 0
+
+    indices, distances = plots._umap_exact_knn(weights, 15)
+
+    all_pairs = pairwise_distances(weights, metric=euclidean)
+    expected = fast_knn_indices.py_func(all_pairs, 15)  # UMAP's own sort, not compiled
+    np.testing.assert_array_equal(indices, expected)
+    assert indices.dtype == expected.dtype == np.int32
+    np.testing.assert_array_equal(distances, np.take_along_axis(all_pairs, expected, axis=1))
+    for row in (2, 10, 12):  # itself and its copies first, ties broken by index
+        assert list(indices[row, :4]) == [2, 10, 11, 12]
+        assert distances[row, :4].tolist() == [0.0] * 4
 
 
 def test_weight_embedding_refuses_too_few_snapshots(runs):

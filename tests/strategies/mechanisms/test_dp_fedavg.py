@@ -21,6 +21,9 @@ from strategies.mechanisms.dp_fedavg_adaptive import DPFedAvgAdaptive
 from tests.fakes import FakeGrid, error_from, record, reply_from
 
 GLOBAL = {"w": [0.0, 0.0], "b": [1.0]}
+# The noise tests read many coordinates a round rather than many rounds: a round's
+# ledger charge costs ~10 ms, a coordinate's draw nothing.
+WIDE = {"w": [0.0] * 100, "b": [1.0]}
 
 
 def _ledger(**kw) -> PrivacyLedger:
@@ -41,17 +44,17 @@ def _wrapper(cls=DPFedAvgFixed, *, m=3, z=1.0, clip=1.0, site="server", seed=0, 
     )
 
 
-def _configure(strategy, nodes=range(1, 6), server_round=1):
+def _configure(strategy, nodes=range(1, 6), server_round=1, model=GLOBAL):
     return list(
-        strategy.configure_train(server_round, record(GLOBAL), ConfigRecord(), FakeGrid(nodes))
+        strategy.configure_train(server_round, record(model), ConfigRecord(), FakeGrid(nodes))
     )
 
 
-def _replies(messages, deltas, extra=None):
-    """Replies whose arrays are GLOBAL + delta, one per configured message."""
+def _replies(messages, deltas, extra=None, model=GLOBAL):
+    """Replies whose arrays are ``model`` + delta, one per configured message."""
     out = []
     for message, (dw, db) in zip(messages, deltas, strict=True):
-        arrays = {"w": np.add(GLOBAL["w"], dw), "b": np.add(GLOBAL["b"], db)}
+        arrays = {"w": np.add(model["w"], dw), "b": np.add(model["b"], db)}
         out.append(
             reply_from(
                 message.metadata.dst_node_id,
@@ -97,12 +100,13 @@ def test_unweighted_mean_of_clipped_updates_by_hand():
 def test_server_noise_has_std_zC_over_m_on_the_mean():
     z, clip, m = 0.8, 0.5, 4
     strategy = _wrapper(z=z, clip=clip, m=m, seed=11)
-    samples = []
-    for rnd in range(1, 1501):
-        messages = _configure(strategy, server_round=rnd)
-        arrays, _ = strategy.aggregate_train(rnd, _replies(messages, [([0, 0], [0])] * m))
-        samples.extend(arrays["w"].numpy())
-    assert np.std(samples) == pytest.approx(z * clip / m, rel=0.03)
+    rounds = []
+    for rnd in range(1, 16):  # 15 rounds x 100 coordinates
+        messages = _configure(strategy, server_round=rnd, model=WIDE)
+        replies = _replies(messages, [(0.0, 0.0)] * m, model=WIDE)
+        rounds.append(strategy.aggregate_train(rnd, replies)[0]["w"].numpy())
+    assert np.std(rounds) == pytest.approx(z * clip / m, rel=0.03)
+    assert not np.allclose(rounds[0], rounds[1])  # a fresh draw each round
 
 
 FAILURES = ["error", "missing", "nan", "wrong-shape", "no-arrays", "unasked"]
@@ -156,13 +160,13 @@ def test_client_side_noise_of_failed_clients_is_drawn_by_the_server():
     # noise-free fakes, so only the server's draws are seen: std zC sqrt(2/m) / m).
     z, clip, m = 1.0, 1.0, 4
     strategy = _wrapper(z=z, clip=clip, m=m, site="client", seed=2)
-    samples = []
-    for rnd in range(1, 801):
-        messages = _configure(strategy, nodes=range(1, 5), server_round=rnd)
-        replies = _replies(messages, [([0, 0], [0])] * m)[2:]
-        arrays, _ = strategy.aggregate_train(rnd, replies)
-        samples.extend(arrays["w"].numpy())
-    assert np.std(samples) == pytest.approx(z * clip * math.sqrt(2 / m) / m, rel=0.04)
+    rounds = []
+    for rnd in range(1, 17):  # 16 rounds x 100 coordinates
+        messages = _configure(strategy, nodes=range(1, 5), server_round=rnd, model=WIDE)
+        replies = _replies(messages, [(0.0, 0.0)] * m, model=WIDE)[2:]
+        rounds.append(strategy.aggregate_train(rnd, replies)[0]["w"].numpy())
+    assert np.std(rounds) == pytest.approx(z * clip * math.sqrt(2 / m) / m, rel=0.04)
+    assert not np.allclose(rounds[0], rounds[1])  # a fresh draw each round
 
 
 def test_budget_refusal_before_sending():
