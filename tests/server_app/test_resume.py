@@ -1,30 +1,16 @@
 """Checkpoint and ``resume-from``: a run killed at any moment and resumed ends exactly
 where the uninterrupted run ends, and a charged round is never released twice.
 
-A round is committed (``checkpoint/server.pt``) right after its aggregate, before its
-model leaves the server. Each case runs the ServerApp against the real ClientApp in
-this process (:mod:`tests.inprocess`) uninterrupted, once per case, and that run copies
-its directory at two moments of round 2: the directory a run killed there leaves. The
-two moments are the two sides of the commit: *before* it (round 2 trained, its
-aggregate not committed: the resumed run evaluates round 1 again and re-runs round 2),
-and *after* it (round 2 committed and evaluated, none of its results written: the
-resumed run evaluates round 2 again and goes on). A run is deterministic here (same
-seed, same node ids), so the copy is what a separate run killed at that moment leaves,
-as a hard kill leaves it (no ``outcome.json``); for FedAvg and DP-FedAvg the run is
-also killed for real (the ServerApp raises there) and its directory checked against the
-copy. Each copy is resumed with new node ids, as a new Flower run gets. The resumed run
-must leave the same final model bit for bit, the same ledger (no double charge, no lost
-round), the same metrics with no gap or duplicate round, and the same per-client
-tables. DP runs use ``dp.reproducible-noise`` here, so that the two runs draw the same
-noise.
-
-What a client sent in the round that may have been under way when the server stopped
-(the server cannot tell whether the next round had started) is charged on resume: one
-more upload for every client against the server (client-side noise, Laplace), one more
-training per client for DP-SGD's re-derived epsilon, tau_2 edge aggregations without
-amplification for CP-NP, and one more secure sum for every client under distributed DP
-(SecAgg+: the server may have unmasked it). Those cases end with a larger (sound) epsilon than the
-uninterrupted run, from the first round after the commit on; everything else is equal.
+Each case runs the ServerApp against the real ClientApp in this process
+(:mod:`tests.inprocess`) once, uninterrupted, copying its directory at the two sides
+of round 2's commit (``checkpoint/server.pt``): before it (the resumed run re-runs
+round 2) and after it (round 2 committed, none of its results written). For FedAvg and
+DP-FedAvg the run is also killed for real and its directory checked against the copy.
+Each copy is resumed with new node ids and must leave the same model bit for bit, the
+same ledger (no double charge, no lost round), metrics with no gap or duplicate round,
+and the same per-client tables (DP runs use ``dp.reproducible-noise``). What may have
+been sent in the round under way is charged on resume, so those cases end with a
+larger, sound epsilon: docs/results.md, "Checkpoints and resume".
 """
 
 from __future__ import annotations
