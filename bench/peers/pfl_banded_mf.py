@@ -2,30 +2,20 @@
 """Peer arm (f) of bench/correlated.py: pfl-research 0.6's banded matrix factorization
 mechanism on the correlated-noise benchmark's workload, run in pfl's own environment.
 
-Workload (as bench/correlated.py's arms, see bench/peers/README.md): digits, X / 16,
-``train_test_split(test_size=0.2, random_state=0, stratify=y)``, the training set split
-IID into N clients (``np.array_split(np.random.default_rng(0).permutation(n), N)``),
-MLP 64 -> 64 -> 10, local SGD lr 0.1, batch 16, 1 epoch; the server applies the mean
-client delta with SGD lr 1.0, momentum 0.5; fixed clip 0.5; delta 1e-5.
-
-pfl's own pieces, used as pfl documents them: ``BandedMatrixFactorizationMechanism``
-(min_separation b = N // m; its C is optimised by pfl's ``FTRLMatrixFactorizer`` and has
-b - 1 bands), ``PLDPrivacyAccountant`` over k = ceil(n / b) compositions with sampling
-probability 1 (no amplification), wrapped in ``CentrallyAppliedPrivacyMechanism``, and
-pfl's ``minimize_reuse`` user sampler (client ids in order: every client at most once
-every N // m rounds, the cyclic schema).
+Workload as bench/correlated.py's arms (bench/peers/README.md): digits MLP 64-64-10, IID
+clients, local SGD lr 0.1, server SGD lr 1.0 with momentum 0.5, clip 0.5, delta 1e-5.
+pfl's pieces as pfl documents them: ``BandedMatrixFactorizationMechanism`` (b = N // m,
+its ``FTRLMatrixFactorizer``), ``PLDPrivacyAccountant`` over k = ceil(n / b)
+compositions without amplification, ``minimize_reuse`` cohorts (the cyclic schema).
 
     .pfl-venv/bin/python bench/peers/pfl_banded_mf.py --clients 1000 --cohort 50 \
         --rounds 300 --epsilon 2 --seed 0 --out /tmp/pfl.json
 
-Prints and writes one JSON object: final central accuracy, the noise parameter, the
-median round time.
-
-``--cooldown F`` decays pfl's central learning rate linearly to 0 over the last F of the
-rounds (pfl's ``central_learning_rate_scheduler``, a torch ``LambdaLR``; the engine's
-``server.cooldown``). ``--noise-for-what-runs`` raises pfl's noise multiplier by the
-ratio of its C's sensitivity for k participations >= b apart (``privacy.correlated``) to
-the sqrt(k) its accountant assumes, so that what runs is the ε pfl states.
+``--cooldown F`` decays pfl's central learning rate linearly to 0 over the last F of
+the rounds (the engine's ``server.cooldown``); ``--noise-for-what-runs`` raises pfl's
+noise multiplier by its C's sensitivity over the sqrt(k) its accountant assumes, so that
+what runs is the ε pfl states. Prints and writes one JSON object (accuracy, noise, the
+median round time).
 """
 
 import argparse
