@@ -37,7 +37,7 @@ from timing import (  # bench/timing.py (scripts here run with bench/ on sys.pat
     median_ms,
 )
 
-from privacy.accounting import PrivacyLedger, Release, l2_sensitivity_factor
+from privacy.accounting import SPARSE_CHECKPOINTS, PrivacyLedger, Release, l2_sensitivity_factor
 from privacy.mechanisms import (
     GaussianMechanism,
     clip_by_l2_norm,
@@ -370,7 +370,7 @@ def time_window(
     ledger = PrivacyLedger(
         accountant=accountant, target_delta=DELTA, max_epsilon=MAX_EPSILON, sampling=sampling
     )
-    ledger.epsilon_checkpoints = True  # as the app's (strategies.registry.make_ledger)
+    ledger.checkpoints = SPARSE_CHECKPOINTS  # as the app's (strategies.registry.make_ledger)
     row: dict[str, object] = {"accountant": accountant, "sampling": sampling, "event": event}
     row["rounds"] = f"{first}-{last}"
     try:
