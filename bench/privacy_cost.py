@@ -401,6 +401,7 @@ def window_stats(times: list[tuple[float, float, float]], limit: float) -> dict[
         "accounting ms": statistics.median(a for a, _, _ in times),
         "record ms": statistics.median(r for _, r, _ in times),
         "total ms": total,
+        "mean ms": statistics.fmean(totals),  # amortised: checkpoint rounds included
         "max ms": max(totals),
         "epsilon": times[-1][2],
         "note": "" if total <= GOAL_LEDGER_MS else f"> {GOAL_LEDGER_MS:g} ms goal",
