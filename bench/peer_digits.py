@@ -9,6 +9,8 @@ clients per round and N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, clien
     python bench/peer_digits.py pfl --python PFL_PYTHON --out DIR   # pfl-research's
     python bench/peer_digits.py engine                         # in-process engine time
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON   # both, back to back
+    python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --dp adaptive \
+        --sizes 1000 --rounds 1000                             # whole processes, long DP run
 
 Design notes (the split, pfl's settings): ``docs/notes.md``, ``bench.peer_digits``.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -259,8 +262,32 @@ PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "pfl_digits.py"
 CELLS = [(100, None), (100, 8.0), (100, 2.0), (1000, None), (1000, 8.0), (1000, 2.0)]
 
 
-def pfl_run_one(python: str, script: Path, n: int, epsilon: float | None, seed: int) -> dict:
-    """One child run of the peer's script; its JSON result."""
+def timed_run(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, float, float]:
+    """``subprocess.run(cmd)``: the process, its wall seconds and its CPU seconds (user +
+    sys of the whole process and its children, as /usr/bin/time counts them)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, wall, cpu
+
+
+# pfl's script fixes its rounds (NUM_ROUNDS = 30); for other counts it is loaded as a
+# module, NUM_ROUNDS set, and its own main() run: the script itself is unchanged.
+PFL_ROUNDS = (
+    "import importlib.util as u, sys; s = u.spec_from_file_location('pfl_digits', sys.argv[1]); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m.NUM_ROUNDS = int(sys.argv[2]); "
+    "sys.argv = [sys.argv[1], *sys.argv[3:]]; m.main()"
+)
+
+
+def pfl_run_one(
+    python: str, script: Path, n: int, epsilon: float | None, seed: int, rounds: int = 30
+) -> dict:
+    """One child run of the peer's script; its JSON result, with its whole process's
+    ``process_wall_s`` and ``process_cpu_s``."""
     args = ["--num-clients", str(n), "--seed", str(seed)]
     if epsilon is None:
         args += ["--dp", "none"]
@@ -270,17 +297,17 @@ def pfl_run_one(python: str, script: Path, n: int, epsilon: float | None, seed: 
             args += ["--indicator-std", "3.0"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        done = subprocess.run(
-            [python, str(script), "--child", "--out", str(out), *args],
-            capture_output=True,
-            text=True,
-        )
+        launch = [python, str(script)] if rounds == 30 else [python, "-c", PFL_ROUNDS, str(script)]
+        launch += [] if rounds == 30 else [str(rounds)]
+        done, wall, cpu = timed_run([*launch, "--child", "--out", str(out), *args])
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"pfl run {args} failed:\n{done.stdout}\n{done.stderr}")
         result = json.loads(out.read_text())
     if result["status"] != "ok":
         raise RuntimeError(f"pfl run {args}: {result['status']}")
-    return result
+    if result["rounds_completed"] != rounds:
+        raise RuntimeError(f"pfl run {args}: {result['rounds_completed']} rounds, not {rounds}")
+    return result | {"process_wall_s": wall, "process_cpu_s": cpu}
 
 
 def pfl_summarise(runs: pd.DataFrame) -> str:
@@ -378,15 +405,14 @@ def engine_run_config(num_clients: int, private: bool, rounds: int, out: Path) -
 
 def run_engine(run_config: str, num_clients: int, root: Path):
     """``python -m lab.run --engine inprocess`` in its own process, its one run written
-    under ``root``: (seconds, metrics.csv, the timing table: the curator's under DP)."""
+    under ``root``: (wall s, CPU s, metrics.csv, the timing table: the curator's under
+    DP)."""
     before = set(root.iterdir())
     cmd = [
         sys.executable, "-m", "lab.run", "--engine", "inprocess",
         "--run-config", run_config, "--federation-config", f"num-supernodes={num_clients}",
     ]  # fmt: skip
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - started
+    proc, seconds, cpu = timed_run(cmd, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
     (run_dir,) = set(root.iterdir()) - before
@@ -394,13 +420,13 @@ def run_engine(run_config: str, num_clients: int, root: Path):
     timing = metrics
     if (run_dir / "curator" / "metrics.csv").exists():  # under DP timing is the curator's
         timing = pd.read_csv(run_dir / "curator" / "metrics.csv")
-    return seconds, metrics, timing
+    return seconds, cpu, metrics, timing
 
 
 def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
     root = out / f"n{num_clients}-{'dp' if private else 'plain'}"
     root.mkdir(parents=True, exist_ok=True)
-    seconds, metrics, timing = run_engine(
+    seconds, cpu, metrics, timing = run_engine(
         engine_run_config(num_clients, private, rounds, root), num_clients, root
     )
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
@@ -412,6 +438,7 @@ def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
         "per round": COHORT[num_clients],
         "DP": "eps 8 adaptive" if private else "none",
         "process s": round(seconds, 1),
+        "process CPU s": round(cpu, 1),
         "warm round s": round(statistics.median(train["round-seconds"]), 4),
         "round with eval s": round(statistics.median(gaps), 4) if len(gaps) else None,
         "accuracy": round(float(central["eval-accuracy"].iloc[-1]), 4),
@@ -443,9 +470,11 @@ def engine_main(argv: list[str] | None = None) -> int:
 
 # --- engine-vs-pfl: both on the same load -------------------------------------------
 # Each cell runs the engine and then pfl-research's own script back to back, so both see
-# the same load. Warm round: the engine's median ``round-seconds`` over rounds 2-30,
-# pfl's median round lap; process: wall seconds of the whole child process. ``flwr run``
-# is not in this run (its Ray start-up alone takes minutes on a shared machine).
+# the same load. Warm round: the engine's median ``round-seconds`` over rounds 2-R,
+# pfl's median round lap. Process: the whole child process (imports, data, calibration
+# under DP, the run), in wall seconds and in CPU seconds (user + sys, children included);
+# on a shared machine the CPU ratio is the honest one. ``flwr run`` is not in this run
+# (its Ray start-up alone takes minutes on a shared machine).
 
 
 def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
@@ -453,7 +482,8 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="peer_digits.py engine-vs-pfl",
         description="The in-process engine against pfl-research on the peer workload, "
-        "side by side in one run: warm round and whole process, per (N, DP).",
+        "side by side in one run: warm round and whole process (wall and CPU seconds), per "
+        "(N, DP), over --rounds rounds (the DP runs calibrate epsilon 8 to them).",
     )
     parser.add_argument("--python", required=True, help="pfl-research's interpreter")
     parser.add_argument("--script", type=Path, default=PEER_SCRIPT)
@@ -462,23 +492,30 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("/tmp/engine-vs-pfl"))
     args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error(
+            f"--rounds must be at least 2 (the warm round is rounds 2-R), got {args.rounds}"
+        )
     lines = [
-        "| N | per round | DP | engine warm round s | pfl warm round s | ratio "
-        "| engine process s | pfl process s | engine acc | pfl acc |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| N | per round | DP | rounds | engine warm round s | pfl warm round s | ratio "
+        "| engine process s (CPU s) | pfl process s (CPU s) | process ratio wall (CPU) "
+        "| engine acc | pfl acc |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for n in args.sizes:
         for dp in args.dp:
             ours = engine_one(n, dp == "adaptive", args.rounds, args.out)
-            started = time.perf_counter()
-            theirs = pfl_run_one(args.python, args.script, n, 8.0 if dp == "adaptive" else None, 0)
-            theirs_s = time.perf_counter() - started
+            epsilon = 8.0 if dp == "adaptive" else None
+            theirs = pfl_run_one(args.python, args.script, n, epsilon, 0, args.rounds)
             ratio = ours["warm round s"] / theirs["median_round_seconds"]
+            wall, cpu = theirs["process_wall_s"], theirs["process_cpu_s"]
             lines.append(
-                f"| {n} | {COHORT[n]} | {dp} | {ours['warm round s']:.4f} "
+                f"| {n} | {COHORT[n]} | {dp} | {args.rounds} | {ours['warm round s']:.4f} "
                 f"| {theirs['median_round_seconds']:.4f} | {ratio:.1f} "
-                f"| {ours['process s']:.1f} | {theirs_s:.1f} | {ours['accuracy']:.3f} "
-                f"| {theirs['test_accuracy']:.3f} |"
+                f"| {ours['process s']:.1f} ({ours['process CPU s']:.1f}) "
+                f"| {wall:.1f} ({cpu:.1f}) "
+                f"| {ours['process s'] / wall:.2f} ({ours['process CPU s'] / cpu:.2f}) "
+                f"| {ours['accuracy']:.3f} | {theirs['test_accuracy']:.3f} |"
             )
             print(lines[-1], flush=True)
     print("\n".join(lines))

@@ -20,7 +20,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from privacy import ledger_state
@@ -51,13 +51,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCOUNTANTS",
+    "FINE_CHECKPOINTS",
     "MECHANISMS",
     "NEIGHBORING_RELATIONS",
     "PLD_DISCRETIZATION",
     "RDP_ORDERS",
     "SAMPLINGS",
+    "SPARSE_CHECKPOINTS",
     "AccountingError",
     "BudgetExceededError",
+    "Checkpoints",
     "LocalGuarantee",
     "PrivacyLedger",
     "Release",
@@ -137,18 +140,34 @@ def _make_config(
     )
 
 
-# Counts up to this are composed as they are; above it, rounded up to 7 significant
-# bits (at most 1/64 more releases): one PLD composition per checkpoint.
-_EXACT_COUNTS = 128
-_CHECKPOINT_BITS = 7
+@dataclass(frozen=True)
+class Checkpoints:
+    """Where a PLD ledger composes: each count up to ``exact`` as it is, every larger
+    count rounded up to ``bits`` significant bits (at most 2^(1-bits) more releases)."""
+
+    exact: int
+    bits: int
+
+    def round_up(self, count: int) -> int:
+        """``count`` rounded up to this schedule's next checkpoint."""
+        if count <= self.exact:
+            return count
+        step = 1 << max(0, count.bit_length() - self.bits)
+        return -(-count // step) * step
+
+
+# FINE: exact up to 128, then 7 significant bits (at most 1/64 more releases).
+# SPARSE (the app's run ledger): 2 significant bits from the first count (1, 2, 3, 4, 6,
+# 8, 12, 16, 24, ...: at most 1/2 more releases), two compositions per doubling of the
+# count; the run's planned count is a checkpoint too (``PrivacyLedger.plan``).
+# Rationale and measurements: docs/privacy.md, "The ledger's cost per round".
+FINE_CHECKPOINTS = Checkpoints(exact=128, bits=7)
+SPARSE_CHECKPOINTS = Checkpoints(exact=0, bits=2)
 
 
 def checkpoint_count(count: int) -> int:
-    """``count`` rounded up to ``_CHECKPOINT_BITS`` significant bits (exact up to 128)."""
-    if count <= _EXACT_COUNTS:
-        return count
-    step = 1 << (count.bit_length() - _CHECKPOINT_BITS)
-    return -(-count // step) * step
+    """``count`` rounded up to 7 significant bits (exact up to 128): ``FINE_CHECKPOINTS``."""
+    return FINE_CHECKPOINTS.round_up(count)
 
 
 def _basic_epsilon(groups: dict) -> float | None:
@@ -231,10 +250,20 @@ class PrivacyLedger:
         # What is done with released outputs that costs no privacy (e.g. a server
         # optimizer): stated in the summary (set by the app's wrappers).
         self.post_processing: list[str] = []
-        # PLD only: report the ε of each event's count rounded up to a checkpoint
-        # (``checkpoint_count``), a sound upper bound composed once per checkpoint, not
-        # every round (set by the app for the run's ledger; docs/notes.md).
-        self.epsilon_checkpoints = False
+        # PLD only: report the ε of each event's count rounded up to a checkpoint of this
+        # schedule, a sound upper bound composed once per checkpoint, not every round
+        # (set by the app for the run's ledger: SPARSE_CHECKPOINTS; docs/privacy.md).
+        self.checkpoints: Checkpoints | None = None
+
+    @property
+    def epsilon_checkpoints(self) -> bool:
+        """Whether ε is reported at checkpoint counts; setting True selects
+        ``FINE_CHECKPOINTS`` (exact up to 128, then 7 significant bits)."""
+        return self.checkpoints is not None
+
+    @epsilon_checkpoints.setter
+    def epsilon_checkpoints(self, value: bool) -> None:
+        self.checkpoints = FINE_CHECKPOINTS if value else None
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -308,10 +337,10 @@ class PrivacyLedger:
         return epsilons[delta]
 
     def _accountant_epsilon(self, groups: dict, delta: float) -> float:
-        """The accountant's ε of ``groups``; with ``epsilon_checkpoints`` (PLD), that of
+        """The accountant's ε of ``groups``; with ``checkpoints`` (PLD), that of
         each count rounded up to a checkpoint, unless that exceeds ``max_epsilon`` at the
         target δ (the budget is then decided, and ε reported, without rounding)."""
-        if self.epsilon_checkpoints and self.accountant == "pld":
+        if self.checkpoints is not None and self.accountant == "pld":
             rounded = {event: self._checkpoint(event, count) for event, count in groups.items()}
             if rounded != groups and (
                 self.max_epsilon is None
@@ -321,8 +350,10 @@ class PrivacyLedger:
         return self._memo_epsilon(groups, delta)
 
     def _checkpoint(self, event, count: int) -> int:
-        """``checkpoint_count(count)``, never past a planned count it does not exceed."""
-        rounded = checkpoint_count(count)
+        """``count`` rounded up to a checkpoint, never past a planned count it does not
+        exceed."""
+        assert self.checkpoints is not None
+        rounded = self.checkpoints.round_up(count)
         planned = self._planned.get(event)
         return min(rounded, planned) if planned is not None and count <= planned else rounded
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import OrderedDict
 
 import numpy as np
 from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_mechanism
@@ -120,6 +121,26 @@ def _log_mgf(index: np.ndarray, probs: np.ndarray, ends: tuple[int, int], order:
         return math.log(float(np.sum(probs * np.exp(exponents, out=exponents)))) + shift
 
 
+# The log moment-generating functions depend on the PMF and the order, not on the count:
+# a ledger composes the same release's PMF at every checkpoint, so they are kept per PMF
+# (its bytes are the key: exact, never a stale entry) and each order's value is the same
+# float as computing it afresh. 8 PMFs of ~110 000 values: ~7 MB of keys.
+_MGF_CACHE: OrderedDict[bytes, dict[float, tuple[float, float | None]]] = OrderedDict()
+_MGF_CACHE_SIZE = 8
+
+
+def _cached_log_mgfs(probs: np.ndarray) -> dict[float, tuple[float, float | None]]:
+    """The cache's entry for ``probs``: order -> (NumPy value, SciPy's value or None)."""
+    key = probs.tobytes()
+    entry = _MGF_CACHE.pop(key, None)
+    if entry is None:
+        entry = {}
+        while len(_MGF_CACHE) >= _MGF_CACHE_SIZE:
+            _MGF_CACHE.popitem(last=False)
+    _MGF_CACHE[key] = entry
+    return entry
+
+
 def self_convolve_bounds(input_list, num_times, tail_mass_truncation=0, orders=None):
     """``common.compute_self_convolve_bounds`` with the same arguments and result."""
     probs = np.asarray(input_list, dtype=float)
@@ -128,6 +149,8 @@ def self_convolve_bounds(input_list, num_times, tail_mass_truncation=0, orders=N
         return _DP_ACCOUNTING_BOUNDS(input_list, num_times, tail_mass_truncation, orders)
     n = len(probs)
     upper_bound, lower_bound = (n - 1) * num_times, 0
+    # Only dp-accounting's default orders are cached (what self_convolve passes).
+    cache = _cached_log_mgfs(probs) if orders is None else {}
     if orders is None:  # dp-accounting's default orders
         orders = np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / n
     index = np.arange(n, dtype=float)
@@ -135,12 +158,16 @@ def self_convolve_bounds(input_list, num_times, tail_mass_truncation=0, orders=N
     ends = (int(nonzero[0]), int(nonzero[-1]))
     log_tail = math.log(2 / tail_mass_truncation)
     for order in orders:
-        value = _log_mgf(index, probs, ends, order)
+        order = float(order)
+        value, exact = cache.get(order) or (_log_mgf(index, probs, ends, order), None)
+        cache[order] = (value, exact)
         bound = (num_times * value + log_tail) / order
         slack = (_LOG_MGF_ERROR + 1e-15 * abs(value)) * num_times / abs(order) + 1e-9
         if not math.isfinite(bound) or abs(bound - round(bound)) <= slack:
-            value = special.logsumexp(np.arange(n) * order, b=input_list)
-            bound = (num_times * value + log_tail) / order
+            if exact is None:
+                exact = float(special.logsumexp(np.arange(n) * order, b=input_list))
+                cache[order] = (value, exact)
+            bound = (num_times * exact + log_tail) / order
         if not math.isfinite(bound):
             continue
         if order > 0:

@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 from config.options import Scalar
 from config.settings import Settings, Typed, setting
-from privacy.accounting import PrivacyLedger
+from privacy.accounting import SPARSE_CHECKPOINTS, PrivacyLedger
 from privacy.mechanisms import FRONT_LOADED_MODES
 from strategies.algorithms.clustered import ClusteredFedAvg, ClusterSettings
 from strategies.algorithms.hierarchical_fedavg import HierarchicalFedAvg, HierSettings
@@ -217,7 +217,7 @@ def make_ledger(
         mechanisms=mechanisms,
     )
     ledger.noise_from_seed = dp.reproducible_noise
-    ledger.epsilon_checkpoints = True  # PLD: ε at checkpoint counts (privacy.accounting)
+    ledger.checkpoints = SPARSE_CHECKPOINTS  # PLD: ε at checkpoint counts (privacy.accounting)
     return ledger
 
 

@@ -4,6 +4,7 @@ CPU standing in for the GPU."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -51,6 +52,14 @@ def test_privacy_cost_rows_measure_the_app(bench_modules):
     model = privacy_cost.measure_model("lenet", clients=3, repeats=1)
     assert update["d"] == 985 and update["aggregate m=3 ms"] > 0
     assert model["d"] == 21_386 and model["aggregate m=3 ms"] > 0
+
+
+def test_planned_ledger_rows_end_at_the_planned_epsilon(bench_modules):
+    privacy_cost, _ = bench_modules
+    rows = privacy_cost.section_planned(argparse.Namespace(rounds=5, clients=10))
+    assert [row["composed"] for row in rows] == ["every round", "app's checkpoints"]
+    # 5 rounds are the plan: both ledgers end at its exact epsilon
+    assert all(row["last epsilon"] == row["planned epsilon"] > 0 for row in rows)
 
 
 def test_gpu_paths_agree_exactly_when_both_devices_are_the_cpu(bench_modules):

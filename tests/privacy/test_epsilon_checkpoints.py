@@ -15,7 +15,14 @@ import pytest
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 
 from privacy import composition
-from privacy.accounting import PrivacyLedger, Release, checkpoint_count
+from privacy.accounting import (
+    FINE_CHECKPOINTS,
+    SPARSE_CHECKPOINTS,
+    Checkpoints,
+    PrivacyLedger,
+    Release,
+    checkpoint_count,
+)
 
 NR = dp_accounting.NeighboringRelation
 GRID = 1e-3
@@ -148,3 +155,62 @@ def test_a_planned_count_caps_its_checkpoint():
     assert ledger.epsilon() == _reference((EVENT, 1001))  # the planned run's exact ε
     ledger.charge(_release())
     assert ledger.epsilon() == _reference((EVENT, 1008))  # past the plan: checkpoints
+
+
+# -- the run's schedule: SPARSE_CHECKPOINTS (2 significant bits from the first count) --
+
+
+def _sparse(**kw) -> PrivacyLedger:
+    ledger = _ledger(**kw)
+    ledger.checkpoints = SPARSE_CHECKPOINTS
+    return ledger
+
+
+def test_sparse_checkpoints_hand_computed():
+    cases = {1: 1, 2: 2, 3: 3, 4: 4, 5: 6, 6: 6, 7: 8, 9: 12, 13: 16, 17: 24, 25: 32}
+    cases |= {30: 32, 97: 128, 129: 192, 193: 256, 1000: 1024, 1025: 1536}
+    assert {count: SPARSE_CHECKPOINTS.round_up(count) for count in cases} == cases
+    for count in range(1, 5000):
+        rounded = SPARSE_CHECKPOINTS.round_up(count)
+        assert count <= rounded <= 1.5 * count
+        assert SPARSE_CHECKPOINTS.round_up(rounded) == rounded
+    # Two checkpoints per doubling: 10 distinct values for counts 1..30 with 30 planned.
+    assert len({min(SPARSE_CHECKPOINTS.round_up(c), 30) for c in range(1, 31)}) == 10
+    assert Checkpoints(exact=128, bits=7) == FINE_CHECKPOINTS
+
+
+def test_sparse_planned_run_never_below_dp_accounting_exact_at_the_end(monkeypatch):
+    # A calibrated 30-round run: its budget is the planned run's ε.
+    planned = _reference((EVENT, 30))
+    ledger = _sparse(max_epsilon=planned)
+    ledger.plan(_release(count=30))
+    calls = []
+    original = composition.compose_groups
+    monkeypatch.setattr(
+        composition, "compose_groups", lambda *a, **k: calls.append(a) or original(*a, **k)
+    )
+    epsilons = []
+    for server_round in range(1, 31):
+        assert not ledger.would_exceed(_release(server_round))
+        ledger.charge(_release(server_round))
+        epsilons.append(ledger.epsilon())
+    for count, epsilon in enumerate(epsilons, start=1):
+        assert epsilon >= _reference((EVENT, count))  # never below dp-accounting's
+        assert epsilon == _reference((EVENT, min(SPARSE_CHECKPOINTS.round_up(count), 30)))
+    assert epsilons[-1] == planned  # the calibrated run's last round: exact
+    assert epsilons == sorted(epsilons)
+    assert len(calls) == 10  # counts 1, 2, 3, 4, 6, 8, 12, 16, 24, 30
+    assert ledger.would_exceed(_release(31))
+
+
+def test_sparse_budget_between_exact_and_rounded_is_decided_exactly():
+    exact, rounded = _reference((EVENT, 9)), _reference((EVENT, 12))
+    ledger = _sparse(max_epsilon=(exact + rounded) / 2)
+    ledger.charge(_release(count=8))
+    assert ledger.epsilon() == _reference((EVENT, 8))
+    assert not ledger.would_exceed(_release(9))  # 9 releases are within the budget
+    ledger.charge(_release(9))
+    assert ledger.epsilon() == exact <= ledger.max_epsilon
+    plain = _sparse()  # no budget: the rounded ε, an upper bound
+    plain.charge(_release(count=9))
+    assert plain.epsilon() == rounded > exact

@@ -79,3 +79,19 @@ def test_self_composition_bounds_edge_cases_follow_dp_accounting():
     from dp_accounting.pld import common
 
     assert common.compute_self_convolve_bounds is fast_pld.self_convolve_bounds
+
+
+def test_bounds_cached_per_pmf_stay_dp_accountings_and_follow_a_changed_pmf():
+    from privacy import fast_pld
+
+    probs = from_subsampled_gaussian(0.7293342243400441, 0.1, 1e-3)._pmf_remove._probs.copy()
+    fast_pld._MGF_CACHE.clear()
+    for count in (1, 2, 3, 4, 6, 8, 12, 16, 24, 30, 1000):  # a ledger's checkpoints
+        want = fast_pld._DP_ACCOUNTING_BOUNDS(probs, count, 1e-15)
+        assert fast_pld.self_convolve_bounds(probs, count, 1e-15) == want
+    assert len(fast_pld._MGF_CACHE) == 1
+    changed = probs.copy()
+    changed[len(changed) // 2] *= 0.5  # other bytes: another entry, not a stale one
+    want = fast_pld._DP_ACCOUNTING_BOUNDS(changed, 30, 1e-15)
+    assert fast_pld.self_convolve_bounds(changed, 30, 1e-15) == want
+    assert len(fast_pld._MGF_CACHE) == 2

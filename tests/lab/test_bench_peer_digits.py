@@ -1,0 +1,42 @@
+"""``bench/peer_digits.py``'s whole-process measurement: the CPU seconds of a child
+process, and pfl's script run over other rounds without being edited."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def peer_digits():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import peer_digits
+
+        yield peer_digits
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_timed_run_counts_the_childs_cpu_seconds(peer_digits):
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    proc, wall, cpu = peer_digits.timed_run([sys.executable, "-c", burn])
+    assert proc.returncode == 0
+    assert cpu >= 0.3  # the child's own 0.3 s, plus its start-up
+    assert wall > 0
+
+
+def test_pfl_rounds_launcher_sets_the_scripts_rounds_and_runs_its_main(peer_digits, tmp_path):
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "import sys\nNUM_ROUNDS = 30\n\ndef main():\n    print(NUM_ROUNDS, sys.argv[1:])\n\n"
+        "if __name__ == '__main__':\n    main()\n"
+    )
+    launch = [sys.executable, "-c", peer_digits.PFL_ROUNDS, str(script), "1000", "--child"]
+    done = subprocess.run(launch, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "1000 ['--child']"
