@@ -208,3 +208,21 @@ def test_each_clientapp_call_gets_its_threads_and_they_are_restored():
     assert seen == [2, 2] and torch.get_num_threads() == before
     # Each message got an id, and its reply names it, as Flower's grid does.
     assert [r.metadata.reply_to_message_id for r in replies] == ["inprocess-1", "inprocess-2"]
+
+
+# --- the ClientApp's per-client costs cut for the engine: each must change no bit --------
+
+
+def test_settings_are_parsed_once_per_run_config_and_follow_a_change():
+    from client_app import node
+    from privacy.settings import DPSettings
+
+    config = engine.fused_run_config({"dp.clip-norm": 0.5})
+    first = node.settings(DPSettings, config)
+    assert first == DPSettings.from_run_config(config) and first.clip_norm == 0.5
+    assert node.settings(DPSettings, config) is first  # cached
+    config["dp.clip-norm"] = 2.0  # the same object changed: parsed again
+    assert node.settings(DPSettings, config).clip_norm == 2.0
+    config["dp.clip-norm"] = -1.0
+    with pytest.raises(ValueError, match=r"dp\.clip-norm"):
+        node.settings(DPSettings, config)
