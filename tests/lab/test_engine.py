@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -211,6 +212,45 @@ def test_each_clientapp_call_gets_its_threads_and_they_are_restored():
 
 
 # --- the ClientApp's per-client costs cut for the engine: each must change no bit --------
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+        np.arange(5, dtype=np.int64),
+        np.array(2.5),  # a 0-d array (a scalar buffer)
+        np.zeros((0, 3), dtype=np.float16),
+        np.array([True, False]),
+        np.arange(6, dtype=">f8").reshape(2, 3),  # big-endian
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),  # not C-contiguous: Flower's
+        np.arange(10.0)[::2],  # a strided view: Flower's
+    ],
+)
+def test_reply_arrays_are_flowers_bytes(array):
+    from flwr.app import Array
+
+    from client_app import node
+
+    ours, flowers = node.to_array(array), Array.from_numpy_ndarray(array)
+    assert ours.data == flowers.data
+    assert (ours.dtype, tuple(ours.shape), ours.stype) == (
+        flowers.dtype,
+        tuple(flowers.shape),
+        flowers.stype,
+    )
+    assert node.to_array(array).data == flowers.data  # the header cached: the same again
+
+
+def test_reply_record_is_flowers_state_dict_record():
+    from flwr.app import ArrayRecord
+
+    from client_app import node
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    ours, flowers = node.array_record(model.state_dict()), ArrayRecord(model.state_dict())
+    assert list(ours) == list(flowers) == list(model.state_dict())
+    assert [ours[k].data for k in ours] == [flowers[k].data for k in flowers]
 
 
 def test_settings_are_parsed_once_per_run_config_and_follow_a_change():
