@@ -266,3 +266,22 @@ def test_settings_are_parsed_once_per_run_config_and_follow_a_change():
     config["dp.clip-norm"] = -1.0
     with pytest.raises(ValueError, match=r"dp\.clip-norm"):
         node.settings(DPSettings, config)
+
+
+@pytest.mark.parametrize(("n", "batch_size"), [(1, 16), (2, 16), (16, 16), (37, 16), (5, 2)])
+def test_shuffled_batches_are_the_dataloaders(n, batch_size):
+    from tasks.vision.data import ShuffledBatches, TensorSplit, make_loader
+
+    images = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(n))
+    split = TensorSplit(images, torch.arange(n) % 10)
+    loader = make_loader(split, batch_size, shuffle=True, seed=7 + n)
+    ours = ShuffledBatches(split, batch_size, seed=7 + n)
+    assert len(ours) == len(loader)
+    for _ in range(3):  # epochs: the generators advance alike
+        theirs = list(loader)
+        mine = list(ours)
+        assert len(mine) == len(theirs)
+        for (a, b), (c, d) in zip(mine, theirs, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d)
+            assert (a.dtype, b.dtype, a.shape, b.shape) == (c.dtype, d.dtype, c.shape, d.shape)
+    assert torch.equal(ours.generator.get_state(), loader.generator.get_state())
