@@ -6,14 +6,17 @@ reused across messages (only the weights change per message).
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Context,
@@ -21,6 +24,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.common.constant import SType
 
 import tasks
 from client_app import canary
@@ -30,7 +34,24 @@ from protocol import keys
 from protocol.records import to_numpy
 from tasks.base import SEED, LocalTraining, Task
 
+S = TypeVar("S")
 _DP_STREAM = 0xD5  # dp.reproducible-noise: the DP seed's stream beside the local seed
+
+
+_last_frozen: tuple[Mapping[str, Any], dict[str, Any], tuple] | None = None
+
+
+def frozen(run_config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """``run_config``'s sorted items: the key of the per-process caches. The last one
+    is remembered (one run-config object serves every message of a run): reused while
+    the same object still equals the copy taken with it."""
+    global _last_frozen
+    last = _last_frozen
+    if last is not None and last[0] is run_config and last[1] == run_config:
+        return last[2]
+    key = tuple(sorted(run_config.items()))
+    _last_frozen = (run_config, dict(run_config), key)
+    return key
 
 
 @lru_cache(maxsize=4)
@@ -39,7 +60,18 @@ def _task(frozen_run_config: tuple[tuple[str, Any], ...]) -> Task:
 
 
 def task_of(context: Context) -> Task:
-    return _task(tuple(sorted(context.run_config.items())))
+    return _task(frozen(context.run_config))
+
+
+@lru_cache(maxsize=16)
+def _settings(part: type, frozen_run_config: tuple[tuple[str, Any], ...]) -> Any:
+    return part.from_run_config(dict(frozen_run_config))
+
+
+def settings(part: type[S], run_config: Mapping[str, Any]) -> S:
+    """``part.from_run_config(run_config)``, parsed once per run-config (settings are
+    frozen dataclasses; a bad key still raises, on every call)."""
+    return _settings(part, frozen(run_config))
 
 
 @lru_cache(maxsize=4)
@@ -74,7 +106,7 @@ def setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
     task = task_of(context)
     pid, num = node_partition(context.node_config)
     partition = task.partition_from_node_config(context.node_config)
-    if partition is None and AuditSettings.from_run_config(run_config).canaries:
+    if partition is None and settings(AuditSettings, run_config).canaries:
         partition = canary.partition(task, run_config, pid, num)
     elif partition is None:  # no audit: every node is a real client
         partition = task.load_partition(pid, num)
@@ -88,17 +120,46 @@ def state_dict(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     return {key: torch.from_numpy(to_numpy(arrays[key])) for key in arrays}
 
 
+@lru_cache(maxsize=256)
+def _npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
+    # The header np.save writes for a C-order array of this dtype and shape.
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(shape, dtype=np.dtype(descr)), allow_pickle=False)
+    data = buffer.getvalue()
+    return data[: len(data) - math.prod(shape) * np.dtype(descr).itemsize]
+
+
+def to_array(ndarray: np.ndarray) -> Array:
+    """``Array.from_numpy_ndarray(ndarray)``, the same bytes, with the ``.npy`` header of
+    each (dtype, shape) written once per process (hand-written: ``np.save`` re-renders
+    the header per call, most of the cost of encoding a small array). Arrays that are not
+    C-contiguous, or hold objects, go to Flower's own encoder."""
+    if ndarray.dtype.hasobject or not ndarray.flags.c_contiguous:
+        return Array.from_numpy_ndarray(ndarray)
+    shape = tuple(ndarray.shape)
+    data = _npy_header(ndarray.dtype.str, shape) + ndarray.tobytes()
+    return Array(dtype=str(ndarray.dtype), shape=shape, stype=SType.NUMPY, data=data)
+
+
+def array_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """``ArrayRecord(state_dict)`` of torch tensors, each encoded by :func:`to_array`."""
+    record = ArrayRecord()
+    for key, tensor in tensors.items():
+        record[key] = to_array(tensor.detach().cpu().numpy())
+    return record
+
+
 def reply(msg: Message, metrics: dict[str, float], model: torch.nn.Module | None) -> Message:
     content = RecordDict({keys.METRICS: MetricRecord(metrics)})
     if model is not None:
-        content[keys.ARRAYS] = ArrayRecord(model.state_dict())
+        content[keys.ARRAYS] = array_record(model.state_dict())
     return Message(content=content, reply_to=msg)
 
 
 def dp_seed(reproducible_seed: int, run_config) -> int:
     """The seed of this training's DP randomness: OS entropy, never sent anywhere;
     ``reproducible_seed`` (from the run seed) only under ``dp.reproducible-noise``."""
-    if DPSettings.from_run_config(run_config).reproducible_noise:
+    if settings(DPSettings, run_config).reproducible_noise:
         return int(np.random.SeedSequence([reproducible_seed, _DP_STREAM]).generate_state(1)[0])
     return secret_seed()
 

@@ -108,7 +108,7 @@ def _fedbn(config: ConfigRecord, context: Context) -> bool:
 
 
 def _canary(config: ConfigRecord, context: Context) -> bool:
-    if not AuditSettings.from_run_config(context.run_config).canaries:
+    if not node.settings(AuditSettings, context.run_config).canaries:
         return False  # no audit: no node is a canary
     pid, num = node.node_partition(context.node_config)
     return canary_index(context.run_config, pid, num) is not None

@@ -174,6 +174,36 @@ def make_loader(
     )
 
 
+class ShuffledBatches:
+    """The batches ``make_loader(split, batch_size, shuffle=True, seed=seed)`` yields,
+    the same tensors from the same draws of its generator, epoch after epoch.
+
+    Hand-written for the one-process engine's many tiny clients: the DataLoader's
+    per-batch fetch and collate (one index at a time, then ``torch.stack``) cost more
+    than a step on one or two examples. Each pass draws what the DataLoader's draws:
+    its iterator's base seed, the sampler's permutation, then (as the exhausted
+    sampler does) a second permutation it does not use.
+    """
+
+    def __init__(self, split: TensorSplit, batch_size: int, seed: int) -> None:
+        if len(split) == 0 or batch_size < 1:
+            raise ValueError("ShuffledBatches needs examples and batch_size >= 1")
+        self.split, self.batch_size = split, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return -(-len(self.split) // self.batch_size)
+
+    def __iter__(self):
+        n, generator = len(self.split), self.generator
+        torch.empty((), dtype=torch.int64).random_(generator=generator)  # the base seed
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, self.batch_size):
+            index = order[start : start + self.batch_size]
+            yield self.split.images[index], self.split.labels[index]
+        torch.randperm(n, generator=generator)  # the exhausted sampler's last draw
+
+
 def split_public(
     held_out: TensorSplit, public_fraction: float, seed: int
 ) -> tuple[TensorSplit, TensorSplit]:

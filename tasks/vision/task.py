@@ -54,6 +54,7 @@ from tasks.vision.data import (
     CentralTestSet,
     ClientPartition,
     DatasetSpec,
+    ShuffledBatches,
     TensorSplit,
     check_digits_partitioning,
     group_keep_rng,
@@ -431,13 +432,18 @@ class ImageClassificationTask(Task):
         is back on the CPU on return.
         """
         cfg = self.config
-        loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
+        loader: DataLoader | ShuffledBatches
+        if local.dp_sgd is None and local.local_updates is None and len(partition.train):
+            # Plain epochs: the DataLoader's batches without its per-batch machinery.
+            loader = ShuffledBatches(partition.train, cfg.batch_size, local.seed)
+        else:
+            loader = make_loader(partition.train, cfg.batch_size, shuffle=True, seed=local.seed)
         with on_device(model, self.device), self._seeded(local.seed), self._head_only(model):
             metrics = self._train_epochs(model, loader, local)
         return {NUM_EXAMPLES: len(partition.train), **metrics}
 
     def _train_epochs(
-        self, model: nn.Module, loader: DataLoader, local: LocalTraining
+        self, model: nn.Module, loader: Any, local: LocalTraining
     ) -> dict[str, float]:
         """Run the local epochs, with DP-SGD if ``local.dp_sgd``; return the metrics."""
         cfg = self.config
@@ -466,7 +472,7 @@ class ImageClassificationTask(Task):
     def _run_epochs(
         self,
         model: nn.Module,
-        loader: DataLoader,
+        loader: Any,
         optimizer: torch.optim.Optimizer,
         global_params: list[torch.Tensor],
         proximal_mu: float,

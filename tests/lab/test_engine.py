@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -208,3 +209,79 @@ def test_each_clientapp_call_gets_its_threads_and_they_are_restored():
     assert seen == [2, 2] and torch.get_num_threads() == before
     # Each message got an id, and its reply names it, as Flower's grid does.
     assert [r.metadata.reply_to_message_id for r in replies] == ["inprocess-1", "inprocess-2"]
+
+
+# --- the ClientApp's per-client costs cut for the engine: each must change no bit --------
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+        np.arange(5, dtype=np.int64),
+        np.array(2.5),  # a 0-d array (a scalar buffer)
+        np.zeros((0, 3), dtype=np.float16),
+        np.array([True, False]),
+        np.arange(6, dtype=">f8").reshape(2, 3),  # big-endian
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),  # not C-contiguous: Flower's
+        np.arange(10.0)[::2],  # a strided view: Flower's
+    ],
+)
+def test_reply_arrays_are_flowers_bytes(array):
+    from flwr.app import Array
+
+    from client_app import node
+
+    ours, flowers = node.to_array(array), Array.from_numpy_ndarray(array)
+    assert ours.data == flowers.data
+    assert (ours.dtype, tuple(ours.shape), ours.stype) == (
+        flowers.dtype,
+        tuple(flowers.shape),
+        flowers.stype,
+    )
+    assert node.to_array(array).data == flowers.data  # the header cached: the same again
+
+
+def test_reply_record_is_flowers_state_dict_record():
+    from flwr.app import ArrayRecord
+
+    from client_app import node
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    ours, flowers = node.array_record(model.state_dict()), ArrayRecord(model.state_dict())
+    assert list(ours) == list(flowers) == list(model.state_dict())
+    assert [ours[k].data for k in ours] == [flowers[k].data for k in flowers]
+
+
+def test_settings_are_parsed_once_per_run_config_and_follow_a_change():
+    from client_app import node
+    from privacy.settings import DPSettings
+
+    config = engine.fused_run_config({"dp.clip-norm": 0.5})
+    first = node.settings(DPSettings, config)
+    assert first == DPSettings.from_run_config(config) and first.clip_norm == 0.5
+    assert node.settings(DPSettings, config) is first  # cached
+    config["dp.clip-norm"] = 2.0  # the same object changed: parsed again
+    assert node.settings(DPSettings, config).clip_norm == 2.0
+    config["dp.clip-norm"] = -1.0
+    with pytest.raises(ValueError, match=r"dp\.clip-norm"):
+        node.settings(DPSettings, config)
+
+
+@pytest.mark.parametrize(("n", "batch_size"), [(1, 16), (2, 16), (16, 16), (37, 16), (5, 2)])
+def test_shuffled_batches_are_the_dataloaders(n, batch_size):
+    from tasks.vision.data import ShuffledBatches, TensorSplit, make_loader
+
+    images = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(n))
+    split = TensorSplit(images, torch.arange(n) % 10)
+    loader = make_loader(split, batch_size, shuffle=True, seed=7 + n)
+    ours = ShuffledBatches(split, batch_size, seed=7 + n)
+    assert len(ours) == len(loader)
+    for _ in range(3):  # epochs: the generators advance alike
+        theirs = list(loader)
+        mine = list(ours)
+        assert len(mine) == len(theirs)
+        for (a, b), (c, d) in zip(mine, theirs, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d)
+            assert (a.dtype, b.dtype, a.shape, b.shape) == (c.dtype, d.dtype, c.shape, d.shape)
+    assert torch.equal(ours.generator.get_state(), loader.generator.get_state())
