@@ -125,28 +125,39 @@ def parse_options(run_config: Mapping[str, Any], options: Iterable[Option]) -> d
     }
 
 
+def unknown_keys_message(
+    run_config_keys: Iterable[str],
+    known: Iterable[str],
+    removed: Mapping[str, str] | None = None,
+) -> str | None:
+    """One line naming every key of ``run_config_keys`` not in ``known`` (a renamed key,
+    :mod:`config.renamed`, alone with its new name; ``removed``: keys that existed once,
+    with what to use instead; else the closest known keys), or None if all are known."""
+    known = set(known)
+    unknown = sorted(set(run_config_keys) - known)
+    message = renamed_message(unknown)
+    if message or not unknown:
+        return message
+    hints = []
+    for key in unknown:
+        if removed and key in removed:
+            hints.append(f"'{key}' (removed: {removed[key]})")
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=3)
+        hints.append(f"'{key}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return "unknown run-config key(s): " + "; ".join(hints)
+
+
 def check_unknown_keys(
     run_config: Mapping[str, Any],
     options: Iterable[Option],
     removed: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ConfigError naming every key of ``run_config`` that no option declares
-    (``removed``: keys that existed once, with what to use instead); a renamed key
-    (:mod:`config.renamed`) alone, naming its new key."""
-    known = {opt.key for opt in options}
-    unknown = sorted(set(run_config) - known)
-    message = renamed_message(unknown)
+    (:func:`unknown_keys_message`)."""
+    message = unknown_keys_message(run_config, (opt.key for opt in options), removed)
     if message:
         raise ConfigError(message)
-    if unknown:
-        hints = []
-        for key in unknown:
-            if removed and key in removed:
-                hints.append(f"'{key}' (removed: {removed[key]})")
-                continue
-            close = difflib.get_close_matches(key, known, n=3)
-            hints.append(f"'{key}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        raise ConfigError("unknown run-config key(s): " + "; ".join(hints))
 
 
 def to_field_names(values: Mapping[str, Scalar], prefix: str = "") -> dict[str, Scalar]:

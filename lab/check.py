@@ -113,21 +113,12 @@ def federation_keys() -> frozenset[str]:
 def _check_keys(overrides: dict, defaults: dict) -> None:
     """Unknown keys (which Flower's SuperLink refuses with only "[code: 15] Invalid run
     configuration.") and the preset, from ``pyproject.toml`` alone: no PyTorch import."""
-    import difflib
-
-    from config.renamed import renamed_message
+    from config.options import unknown_keys_message
     from protocol import presets
 
-    unknown = sorted(set(overrides) - set(defaults))
-    renamed = renamed_message(unknown)
-    if renamed:
-        raise CheckError(renamed)
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, list(defaults), n=3)
-            hints.append(f"'{key}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        raise CheckError("unknown run-config key(s): " + "; ".join(hints))
+    message = unknown_keys_message(overrides, defaults)
+    if message:
+        raise CheckError(message)
     try:
         fused = {**defaults, **overrides}
         presets.refuse_ambiguous(fused, set(overrides), defaults)
