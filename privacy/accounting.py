@@ -165,11 +165,6 @@ FINE_CHECKPOINTS = Checkpoints(exact=128, bits=7)
 SPARSE_CHECKPOINTS = Checkpoints(exact=0, bits=2)
 
 
-def checkpoint_count(count: int) -> int:
-    """``count`` rounded up to 7 significant bits (exact up to 128): ``FINE_CHECKPOINTS``."""
-    return FINE_CHECKPOINTS.round_up(count)
-
-
 def _basic_epsilon(groups: dict) -> float | None:
     """Σ count·ε of Laplace events (basic composition; a sampled release is at most as
     private as unsampled), or None when any other event is present."""
@@ -254,16 +249,6 @@ class PrivacyLedger:
         # schedule, a sound upper bound composed once per checkpoint, not every round
         # (set by the app for the run's ledger: SPARSE_CHECKPOINTS; docs/privacy.md).
         self.checkpoints: Checkpoints | None = None
-
-    @property
-    def epsilon_checkpoints(self) -> bool:
-        """Whether ε is reported at checkpoint counts; setting True selects
-        ``FINE_CHECKPOINTS`` (exact up to 128, then 7 significant bits)."""
-        return self.checkpoints is not None
-
-    @epsilon_checkpoints.setter
-    def epsilon_checkpoints(self, value: bool) -> None:
-        self.checkpoints = FINE_CHECKPOINTS if value else None
 
     # -- configuration ------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""PLD ε at checkpoint counts (PrivacyLedger.epsilon_checkpoints, checkpoint_count).
+"""PLD ε at checkpoint counts (PrivacyLedger.checkpoints: FINE_ and SPARSE_CHECKPOINTS).
 
 The reported ε is dp-accounting's PLDAccountant ε of each event's count rounded up to a
 checkpoint: the composition of more releases than ran, never below the exact ε of what
@@ -21,7 +21,6 @@ from privacy.accounting import (
     Checkpoints,
     PrivacyLedger,
     Release,
-    checkpoint_count,
 )
 
 NR = dp_accounting.NeighboringRelation
@@ -36,11 +35,11 @@ def _release(server_round: int = 1, count: int = 1, z: float = 1.0) -> Release:
     )  # fmt: skip
 
 
-def _ledger(checkpoints: bool = True, **kw) -> PrivacyLedger:
+def _ledger(checkpoints: Checkpoints | None = FINE_CHECKPOINTS, **kw) -> PrivacyLedger:
     ledger = PrivacyLedger(
         accountant="pld", target_delta=1e-5, sampling="poisson", pld_discretization=GRID, **kw
     )
-    ledger.epsilon_checkpoints = checkpoints
+    ledger.checkpoints = checkpoints
     return ledger
 
 
@@ -57,11 +56,11 @@ def test_checkpoint_counts_hand_computed():
     # 4 below 512, 8 below 1024.
     cases = {1: 1, 64: 64, 128: 128, 129: 130, 255: 256, 256: 256, 257: 260, 1000: 1000}
     cases |= {1001: 1008, 1009: 1016, 2047: 2048, 5000: 5056}
-    assert {count: checkpoint_count(count) for count in cases} == cases
+    assert {count: FINE_CHECKPOINTS.round_up(count) for count in cases} == cases
     for count in range(1, 5000):
-        rounded = checkpoint_count(count)
+        rounded = FINE_CHECKPOINTS.round_up(count)
         assert count <= rounded <= count * (1 + 1 / 64)
-        assert checkpoint_count(rounded) == rounded
+        assert FINE_CHECKPOINTS.round_up(rounded) == rounded
 
 
 @pytest.mark.parametrize("count", [129, 301])
@@ -69,15 +68,16 @@ def test_epsilon_is_dp_accountings_at_the_checkpoint_and_bounds_the_exact_one(co
     ledger = _ledger()
     ledger.charge(_release(count=count))
     exact = _reference((EVENT, count))
-    assert ledger.epsilon() == _reference((EVENT, checkpoint_count(count)))
+    assert ledger.epsilon() == _reference((EVENT, FINE_CHECKPOINTS.round_up(count)))
     assert ledger.accountant_epsilon() == ledger.epsilon()
-    assert exact < ledger.epsilon() <= _reference((EVENT, checkpoint_count(count) + 1))
-    assert ledger.epsilon(1e-7) == _reference((EVENT, checkpoint_count(count)), delta=1e-7)
+    assert exact < ledger.epsilon() <= _reference((EVENT, FINE_CHECKPOINTS.round_up(count) + 1))
+    rounded = FINE_CHECKPOINTS.round_up(count)
+    assert ledger.epsilon(1e-7) == _reference((EVENT, rounded), delta=1e-7)
     assert ledger.summary()["epsilon"] == ledger.epsilon()
 
 
 def test_off_by_default_and_exact_up_to_128():
-    plain = _ledger(checkpoints=False)
+    plain = _ledger(checkpoints=None)
     plain.charge(_release(count=129))
     assert plain.epsilon() == _reference((EVENT, 129))
     small = _ledger()
