@@ -12,11 +12,11 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, console, run_status, setup, tracking
+from server_app import console, run_status, setup, tracking
 from server_app.audit import AuditSettings, RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
-from server_app.recorder import RoundRecorder, restore
+from server_app.recorder import RoundRecorder, certify, restore
 from server_app.rounds import run_rounds
 from strategies import StopTraining
 from strategies.mechanisms import threat_models
@@ -90,7 +90,7 @@ def _run(grid: Grid, context: Context) -> None:
     # A failed run's last model is no release to audit.
     audited = None if failed or auditor is None else auditor.final(run_dir, final)
     if ledger is not None:
-        certify.finish(run_dir, ledger, cfg, strategy, audited)
+        certify(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
     log(INFO, "Rerun: %s", rerun)
     write_outcome(run_dir, outcome, watch)
