@@ -40,8 +40,7 @@ from strategies.runtime.checkpoint import (
     set_global_rng_state,
     strategy_state,
 )
-from strategies.runtime.nodes import wait_for_nodes
-from strategies.runtime.partitions import partition_map
+from strategies.runtime.partitions import partition_map, wait_for_nodes
 
 LOCAL_VIEW_FILE = f"{CURATOR_DIR}/local-view.json"  # each client's ε against the server
 

@@ -48,8 +48,7 @@ from strategies.algorithms.clustered import ClusteredFedAvg, model_seeds
 from strategies.algorithms.hierarchical_fedavg import HierSettings
 from strategies.mechanisms.base import NOISE_PARAMETER, DPSettings
 from strategies.runtime.capabilities import Accounted, innermost, provides
-from strategies.runtime.nodes import fedavg_sample_size
-from strategies.runtime.partitions import partition_map
+from strategies.runtime.partitions import fedavg_sample_size, partition_map
 from strategies.secure.secagg_plus import SecAggSettings
 from tasks.base import Task
 

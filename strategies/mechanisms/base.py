@@ -37,7 +37,7 @@ from protocol import keys
 from protocol.records import arrays_of
 from strategies.base import TrainingWrapper
 from strategies.errors import StopTraining
-from strategies.runtime.nodes import wait_for_nodes
+from strategies.runtime.partitions import wait_for_nodes
 
 
 class PrivacyWrapper(TrainingWrapper):

@@ -46,7 +46,7 @@ from strategies.mechanisms.noise_site import noise_site as noise_site_of
 from strategies.mechanisms.upload_view import UploadView
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import dp_cohort, grid_view
+from strategies.runtime.partitions import dp_cohort, grid_view
 
 __all__ = ["DPFedAvgFixed", "DivergenceRelease", "dp_fedavg_mod", "privatise_update"]
 

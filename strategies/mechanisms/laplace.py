@@ -34,7 +34,7 @@ from strategies.mechanisms.calibrated import CalibratedNoise
 from strategies.mechanisms.client import client_mod
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import grid_view, poisson_sample
+from strategies.runtime.partitions import grid_view, poisson_sample
 
 
 class LaplaceDP(CalibratedNoise, PrivacyWrapper):
