@@ -12,12 +12,12 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import console, run_status, setup, tracking
+from server_app import run_status, setup, tracking
 from server_app.audit import AuditSettings, RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
 from server_app.recorder import RoundRecorder, certify, restore
-from server_app.rounds import run_rounds
+from server_app.rounds import ConsoleSettings, quiet_flower_rounds, run_rounds
 from strategies import StopTraining
 from strategies.mechanisms import threat_models
 from strategies.runtime.capabilities import NoGlobalModel, innermost, ledger_of, provides
@@ -38,7 +38,7 @@ def main(grid: Grid, context: Context) -> None:
 def _run(grid: Grid, context: Context) -> None:
     run = setup.load(context.run_config, setup.explicit_keys(grid))
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
-    console.quiet_flower_rounds(cfg.part(console.ConsoleSettings).flower_rounds)
+    quiet_flower_rounds(cfg.part(ConsoleSettings).flower_rounds)
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
