@@ -32,9 +32,8 @@ from protocol.replies import check_reply
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease, release_divergence
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted, StopTraining
-from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays
+from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays, client_mod
 from strategies.mechanisms.calibrated import CalibratedNoise
-from strategies.mechanisms.client import client_mod
 from strategies.mechanisms.head_only import HeadOnlyArrays
 from strategies.mechanisms.noise_site import (
     SecureNoiseSite,
