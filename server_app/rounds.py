@@ -6,13 +6,8 @@ It drives a Flower ``Strategy`` through the same four calls as ``Strategy.start`
 aggregated train/eval metrics, which the run directory records and checkpoints
 every round.
 
-The progress line replaces Flower's own per-round chatter: its strategies log, every
-round, ``configure_train: Sampled 5 nodes (out of 5)`` and ``aggregate_train: Received
-5 results and 0 failures`` (and the same for evaluation), which repeat the progress line
-or contradict it (Flower's count is of its own sampling, which the app's strategies
-replace). :func:`quiet_flower_rounds` demotes them to DEBUG on Flower's logger;
-``log.flower-rounds = true`` keeps them. Replies with errors are still logged (Flower's
-``Received error in reply`` lines).
+The progress line replaces Flower's per-round lines (:func:`quiet_flower_rounds`, the
+comment above it says why).
 
 Design notes: ``docs/notes.md``, ``server_app.rounds``.
 """
@@ -221,6 +216,12 @@ def _clock(seconds: float) -> str:
 
 
 # -- Flower's per-round chatter, which the progress line replaces -------------------
+# Flower's strategies log, every round, ``configure_train: Sampled 5 nodes (out of 5)``
+# and ``aggregate_train: Received 5 results and 0 failures`` (and the same for
+# evaluation), which repeat the progress line or contradict it (Flower's count is of its
+# own sampling, which the app's strategies replace). quiet_flower_rounds demotes them to
+# DEBUG on Flower's logger; ``log.flower-rounds = true`` keeps them. Replies with errors
+# are still logged (Flower's ``Received error in reply`` lines).
 CHATTER = re.compile(
     r"^(configure_(train|evaluate): Sampled \d+ nodes|aggregate_(train|evaluate): Received \d+)"
 )

@@ -8,26 +8,10 @@ moved by noised counts, gates on noised sketches); every other key of its train 
 (aggregated client reports, raw diagnostics such as clipping fractions) is curator-only.
 
 Clients send only what the mechanism and the wrapped strategy need (``report-metrics``
-in the train config, applied by each mechanism's client mod) unless the run sets
+in the train config, applied by :func:`client_mod`) unless the run sets
 ``dp.client-metrics = true``. Federated evaluation (each client's accuracy on its own
 test split) is a release no mechanism covers: under DP it runs only when the user asks
 for per-client metrics, and its results then go to ``curator/``.
-
-The client half every mechanism shares is a Flower mod around the training.
-
-:func:`client_mod` makes a mechanism's mod from its own step, ``privatise`` (clip and
-noise the update Δ = trained − received, as the server's train config says). The mod
-also keeps only the metric keys the server may see (``report-metrics``, train and query
-replies; ``num-examples``, when not among them, is sent as 1).
-
-Noise comes from a generator seeded from the OS's entropy for every message: it never
-leaves the client, and nobody can recompute it from the run seed (only under
-``dp.reproducible-noise`` does it derive from the seed, the round and the partition).
-
-Failures: with server-side noise a failed precondition (non-finite update, missing
-arrays) becomes an error reply, which the server counts as a zero update. When the
-client noises its own upload, whether its training failed can depend on its data, so
-it sends the noised zero update instead and logs the failure only locally.
 """
 
 from __future__ import annotations
@@ -240,6 +224,19 @@ def dp_generator(s) -> np.random.Generator:
 
 
 # -- the client half: a Flower mod around the training ------------------------------
+# client_mod makes a mechanism's mod from its own step, ``privatise`` (clip and noise the
+# update Δ = trained − received, as the server's train config says). The mod also keeps
+# only the metric keys the server may see (``report-metrics``, train and query replies;
+# ``num-examples``, when not among them, is sent as 1).
+#
+# Noise comes from a generator seeded from the OS's entropy for every message: it never
+# leaves the client, and nobody can recompute it from the run seed (only under
+# ``dp.reproducible-noise`` does it derive from the seed, the round and the partition).
+#
+# Failures: with server-side noise a failed precondition (non-finite update, missing
+# arrays) becomes an error reply, which the server counts as a zero update. When the
+# client noises its own upload, whether its training failed can depend on its data, so
+# it sends the noised zero update instead and logs the failure only locally.
 # (config, delta, metrics, generator) -> the released delta; it may set metrics.
 Privatise = Callable[[ConfigRecord, list[np.ndarray], MetricRecord, np.random.Generator], list]
 # (config, reference arrays, generator) -> the noised delta a failed client sends.
