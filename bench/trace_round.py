@@ -1,11 +1,13 @@
 """What one private round executes: project files, functions and import circles.
 
-Runs one in-process ``dp-fedavg-fixed`` digits round (``tests.inprocess.run_like_flwr``,
+Runs one in-process ``dp-fedavg-fixed`` digits run (``tests.inprocess.run_like_flwr``,
 4 virtual SuperNodes) under ``sys.setprofile`` and prints how many of the project's files
 and functions it called, by package, the longest classes of strategies/, then the import
 circles among the shipped packages (every ``import`` of ours in their sources,
-module-level, ``TYPE_CHECKING`` and in-function alike). Reproduce from the repository
-root::
+module-level, ``TYPE_CHECKING`` and in-function alike). Two traces: a whole 1-round run
+(start-up, the round, the end of the run), and the steady round, round 2 of a 2-round
+run, from the ServerApp's ``configure_train`` to the end of its evaluation. Reproduce
+from the repository root::
 
     .venv/bin/python bench/trace_round.py
     .venv/bin/python bench/trace_round.py --list   # the files, too
@@ -26,35 +28,71 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("server_app", "client_app", "strategies", "protocol", "privacy", "tasks")
 PROJECT = (*SHIPPED, "lab")
 ROUND = (
-    "num-server-rounds=1 fraction-train=1.0 vision.local-epochs=1 run.divergence-factor=0.0 "
+    "fraction-train=1.0 vision.local-epochs=1 run.divergence-factor=0.0 "
     "privacy='dp-fedavg-fixed' dp.noise-multiplier=1.0 dp.clip-norm=1.0 dp.sampling='fixed' "
     "dp.num-sampled-clients=4"
 )
 
 
-def trace_round(output_dir: str) -> dict[str, set[str]]:
-    """{project file: the functions of it called} in one round (imports done before)."""
+STEADY = 2  # the round traced in steady mode: the first with nothing left to start
+
+
+def _opens_round(frame, server_round: int) -> bool:
+    """``frame`` is the ServerApp's ``configure_train`` of ``server_round`` (called by the
+    round loop itself, not a wrapper's call of the strategy it wraps)."""
+    caller = frame.f_back
+    return (
+        frame.f_code.co_name == "configure_train"
+        and caller is not None
+        and caller.f_code.co_name == "run_rounds"
+        and frame.f_locals.get("server_round") == server_round
+    )
+
+
+def _closes_round(frame, server_round: int) -> bool:
+    """``frame`` is the round loop's evaluation of ``server_round`` (``_evaluate``)."""
+    result = frame.f_locals.get("result")
+    return (
+        frame.f_code.co_name == "_evaluate"
+        and frame.f_code.co_filename.endswith("server_app/rounds.py")
+        and getattr(result, "server_round", None) == server_round
+    )
+
+
+def trace_round(output_dir: str, *, steady: bool = False) -> dict[str, set[str]]:
+    """{project file: the functions of it called} in a whole 1-round run, or (``steady``)
+    in round 2 of a 2-round run only (imports done before are not counted either way)."""
     sys.path.insert(0, str(REPO))
     from tests.inprocess import run_like_flwr
 
     roots = tuple(str(REPO / package) + "/" for package in PROJECT)
     called: dict[str, set[str]] = {}
+    window = {"open": not steady, "closed": False}
 
     def profile(frame, event, _arg):
-        if event == "call":
-            code = frame.f_code
-            # Functions and methods only: not module bodies, lambdas or comprehensions.
-            if code.co_filename.startswith(roots) and not code.co_name.startswith("<"):
-                name = f"{code.co_qualname}:{code.co_firstlineno}"
-                called.setdefault(code.co_filename, set()).add(name)
+        if event == "return" and window["open"] and steady and _closes_round(frame, STEADY):
+            window["open"], window["closed"] = False, True
+        if event != "call":
+            return
+        if steady and not window["open"] and _opens_round(frame, STEADY):
+            window["open"] = True
+        code = frame.f_code
+        # Functions and methods only: not module bodies, lambdas or comprehensions.
+        mine = code.co_filename.startswith(roots) and not code.co_name.startswith("<")
+        if window["open"] and mine:
+            name = f"{code.co_qualname}:{code.co_firstlineno}"
+            called.setdefault(code.co_filename, set()).add(name)
 
+    rounds = STEADY if steady else 1
     sys.setprofile(profile)
     try:
-        outcome = run_like_flwr(f"{ROUND} output-dir='{output_dir}'")
+        outcome = run_like_flwr(f"num-server-rounds={rounds} {ROUND} output-dir='{output_dir}'")
     finally:
         sys.setprofile(None)
     if outcome.returncode:
         raise SystemExit(outcome.output)
+    if steady and not window["closed"]:
+        raise SystemExit(f"round {STEADY} was never opened and closed: nothing traced")
     return called
 
 
@@ -110,20 +148,28 @@ def largest_classes(package: str = "strategies", top: int = 3) -> list[tuple[int
     return sorted(sizes, reverse=True)[:top]
 
 
+def report(title: str, called: dict[str, set[str]], *, listed: bool) -> None:
+    """Files and functions of ``called``, by package (and each file where ``listed``)."""
+    by_package = Counter(Path(f).relative_to(REPO).parts[0] for f in called)
+    print(f"{title}: files executed: {len(called)}")
+    print(f"{title}: functions executed: {sum(len(v) for v in called.values())}")
+    for package, count in sorted(by_package.items()):
+        print(f"  {package}/: {count} files")
+    if listed:
+        for path in sorted(called):
+            print(f"    {Path(path).relative_to(REPO)}: {len(called[path])} functions")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print each file traced")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as output_dir:
-        called = trace_round(output_dir)
-    by_package = Counter(Path(f).relative_to(REPO).parts[0] for f in called)
-    print(f"files executed: {len(called)}")
-    print(f"functions executed: {sum(len(v) for v in called.values())}")
-    for package, count in sorted(by_package.items()):
-        print(f"  {package}/: {count} files")
-    if args.list:
-        for path in sorted(called):
-            print(f"    {Path(path).relative_to(REPO)}: {len(called[path])} functions")
+        whole = trace_round(output_dir)
+    with tempfile.TemporaryDirectory() as output_dir:
+        steady = trace_round(output_dir, steady=True)
+    report("whole 1-round run", whole, listed=args.list)
+    report(f"steady round (round {STEADY} of {STEADY})", steady, listed=args.list)
     for lines, where in largest_classes():
         print(f"class of {lines} lines: {where}")
     found = circles(import_graph())

@@ -177,7 +177,7 @@ def check(
     _check_values(fused)
     import strategies
     import tasks
-    from server_app import config, setup, startup
+    from server_app import config, setup
     from server_app.audit import AuditSettings
     from strategies import StopTraining
 
@@ -190,7 +190,7 @@ def check(
     size, source = num_supernodes(federation_config, connection)
     where = f"{size} SuperNodes ({source})" if size is not None else f"size unknown: {source}"
     if size is not None:
-        need = startup.needs(cfg, strategy)
+        need = setup.needs(cfg, strategy)
         short = {k: v for k, v in need.items() if v > size}
         if short:
             keys = ", ".join(f"'{k}' = {v}" for k, v in short.items())
@@ -200,7 +200,7 @@ def check(
                 f'{max(short.values())} client-resources-num-cpus=1" or lower the key'
             )
         try:
-            startup._check_size(size, cfg.part(AuditSettings).canaries, cfg.task, task)
+            setup._check_size(size, cfg.part(AuditSettings).canaries, cfg.task, task)
         except StopTraining as err:
             raise CheckError(str(err)) from None
     return f"OK: {setup.privacy_line(cfg)}; federation: {where}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -24,9 +25,7 @@ from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_me
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from privacy.events import neighboring_name, neighboring_relation, new_accountant
-from privacy.fast_pld import delta_curve, from_subsampled_gaussian
 from privacy.skellam import skellam_rdp
-from privacy.skellam_accounting import SkellamDpEvent
 
 Groups = tuple[tuple[dp_accounting.DpEvent, int], ...]
 
@@ -46,7 +45,10 @@ def event_rdp_curve(
     count, inner = 1, event
     if isinstance(event, dp_event.SelfComposedDpEvent):
         count, inner = event.count, event.event
-    if isinstance(inner, SkellamDpEvent):
+    # A Skellam event exists only once its module is imported: a run without the Skellam
+    # mechanism never imports it (nor its dp-accounting subclasses) to ask.
+    skellam = sys.modules.get("privacy.skellam_accounting")
+    if skellam is not None and isinstance(inner, skellam.SkellamDpEvent):
         curve = count * skellam_rdp(
             orders, inner.l2_sensitivity, inner.l1_sensitivity, inner.variance
         )
@@ -133,7 +135,10 @@ def event_pld(
     inner = event.event
     if isinstance(inner, dp_event.GaussianDpEvent):
         if relation in _SUBSAMPLED_RELATIONS and 0 < event.sampling_probability < 1:
-            # Bit for bit from_gaussian_mechanism's PLD, ~10x faster (privacy.fast_pld).
+            # Bit for bit from_gaussian_mechanism's PLD, ~10x faster (privacy.fast_pld,
+            # imported where used: a run with no Poisson-sampled PLD never needs it).
+            from privacy.fast_pld import from_subsampled_gaussian
+
             return from_subsampled_gaussian(
                 inner.noise_multiplier, event.sampling_probability, discretization
             )
@@ -242,6 +247,8 @@ class PldComposition:
         the PLD's exact δ within ~1e-12 of ``get_delta``, in one pass."""
         if not self.private:
             return np.ones(len(epsilons))
+        from privacy.fast_pld import delta_curve  # on use (event_pld)
+
         pld = self.pld
         deltas = delta_curve(pld._pmf_remove, epsilons)
         if not pld._symmetric:

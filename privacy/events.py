@@ -298,10 +298,17 @@ def new_accountant(
     *,
     rdp_orders: tuple[float, ...] = RDP_ORDERS,
     pld_discretization: float = PLD_DISCRETIZATION,
+    skellam: bool = True,
 ) -> dp_accounting.PrivacyAccountant:
-    """A fresh dp-accounting accountant ("rdp" or "pld") for ``neighboring``."""
+    """A fresh dp-accounting accountant ("rdp" or "pld") for ``neighboring``; the RDP
+    one also composes Skellam events unless ``skellam`` is false (dp-accounting's own,
+    identical on every other event)."""
     _check_choice("accountant", accountant, ACCOUNTANTS)
     relation = neighboring_relation(neighboring)
+    if accountant == "rdp" and not skellam:
+        from dp_accounting.rdp import rdp_privacy_accountant
+
+        return rdp_privacy_accountant.RdpAccountant(rdp_orders, relation)
     if accountant == "rdp":
         # Imported here: privacy.skellam_accounting imports this module.
         from privacy.skellam_accounting import SkellamRdpAccountant
@@ -339,7 +346,8 @@ def check_supported(accountant: str, neighboring: str, sampling: str, mechanism:
         noise_multiplier=1.0 if mechanism == "gaussian" else None,
         laplace_epsilon=1.0 if mechanism == "laplace" else None,
     )
-    if new_accountant(accountant, neighboring).supports(to_dp_event(probe, neighboring)):
+    probing = new_accountant(accountant, neighboring, skellam=False)  # not a Skellam probe
+    if probing.supports(to_dp_event(probe, neighboring)):
         return
     hint = _HINTS.get((accountant, sampling)) or _HINTS.get((accountant, sampling, mechanism))
     raise AccountingError(

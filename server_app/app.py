@@ -12,13 +12,12 @@ from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from protocol import keys
-from server_app import certify, console, environment, run_status, setup, tracking
+from server_app import run_status, setup, tracking
 from server_app.audit import AuditSettings, RunAudit
 from server_app.evaluation import central_eval
 from server_app.failures import FailureWatch, Outcome, RunFailed, write_outcome
-from server_app.recorder import RoundRecorder, restore
-from server_app.rounds import run_rounds
-from server_app.startup import check_federation
+from server_app.recorder import RoundRecorder, certify, restore
+from server_app.rounds import ConsoleSettings, quiet_flower_rounds, run_rounds
 from strategies import StopTraining
 from strategies.mechanisms import threat_models
 from strategies.runtime.capabilities import NoGlobalModel, innermost, ledger_of, provides
@@ -39,12 +38,12 @@ def main(grid: Grid, context: Context) -> None:
 def _run(grid: Grid, context: Context) -> None:
     run = setup.load(context.run_config, setup.explicit_keys(grid))
     cfg, task, strategy, run_dir = run.cfg, run.task, run.strategy, run.run_dir
-    console.quiet_flower_rounds(cfg.part(console.ConsoleSettings).flower_rounds)
+    quiet_flower_rounds(cfg.part(ConsoleSettings).flower_rounds)
     model = setup.initial_model(run)
     ledger = ledger_of(strategy)  # privacy wrappers own the run's ledger
     watch = FailureWatch.for_run(cfg.options, private=ledger is not None)
     _check_federation(grid, run)
-    rerun = environment.record(run_dir, cfg, grid)
+    rerun = setup.record_environment(run_dir, cfg, grid)
     initial = ArrayRecord(model.state_dict())
     resumed = restore(run.saved, strategy, grid, cfg, watch) if run.saved is not None else None
     central = None
@@ -91,7 +90,7 @@ def _run(grid: Grid, context: Context) -> None:
     # A failed run's last model is no release to audit.
     audited = None if failed or auditor is None else auditor.final(run_dir, final)
     if ledger is not None:
-        certify.finish(run_dir, ledger, cfg, strategy, audited)
+        certify(run_dir, ledger, cfg, strategy, audited)
     log(INFO, "Results: %s", run_dir.path)
     log(INFO, "Rerun: %s", rerun)
     write_outcome(run_dir, outcome, watch)
@@ -104,7 +103,7 @@ def _run(grid: Grid, context: Context) -> None:
 def _check_federation(grid: Grid, run: setup.Setup) -> None:
     """The start-up checks against the connected nodes; a failure ends the run."""
     try:
-        check_federation(grid, run.cfg, run.task, run.strategy)
+        setup.check_federation(grid, run.cfg, run.task, run.strategy)
     except StopTraining as err:
         last = int(run.saved["round"]) if run.saved else 0
         outcome = Outcome("failed", f"start-up check: {err}", last)

@@ -27,8 +27,8 @@ from config.settings import Choice, Settings, Typed, listed
 from privacy.accounting import AccountingError
 from protocol import presets
 from server_app.audit import AuditSettings
-from server_app.console import ConsoleSettings
 from server_app.failures import FailurePolicy
+from server_app.rounds import ConsoleSettings
 from server_app.tracking import TrackingSettings
 from strategies import registry
 from strategies.algorithms.clustered import ClusterSettings

@@ -6,22 +6,28 @@ It drives a Flower ``Strategy`` through the same four calls as ``Strategy.start`
 aggregated train/eval metrics, which the run directory records and checkpoints
 every round.
 
+The progress line replaces Flower's per-round lines (:func:`quiet_flower_rounds`, the
+comment above it says why).
+
 Design notes: ``docs/notes.md``, ``server_app.rounds``.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.common.logger import log
+from flwr.common.logger import FLOWER_LOGGER, log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from config.settings import Settings, setting
 from protocol import keys
 from protocol.records import InvalidReply, as_float, non_finite_array
 from protocol.replies import check_reply, oversized_reason, reply_limit, unusable_reason
@@ -207,6 +213,51 @@ def _clock(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+# -- Flower's per-round chatter, which the progress line replaces -------------------
+# Flower's strategies log, every round, ``configure_train: Sampled 5 nodes (out of 5)``
+# and ``aggregate_train: Received 5 results and 0 failures`` (and the same for
+# evaluation), which repeat the progress line or contradict it (Flower's count is of its
+# own sampling, which the app's strategies replace). quiet_flower_rounds demotes them to
+# DEBUG on Flower's logger; ``log.flower-rounds = true`` keeps them. Replies with errors
+# are still logged (Flower's ``Received error in reply`` lines).
+CHATTER = re.compile(
+    r"^(configure_(train|evaluate): Sampled \d+ nodes|aggregate_(train|evaluate): Received \d+)"
+)
+
+
+@dataclass(frozen=True)
+class ConsoleSettings(Settings):
+    """The console keys (``log.*``)."""
+
+    PREFIX: ClassVar[str] = "log"
+    flower_rounds: bool = setting(
+        False,
+        "Show Flower's per-round lines (sampled nodes, received results) at INFO; "
+        "false: at DEBUG (the app's progress line says the same).",
+    )
+
+
+class RoundChatter(logging.Filter):
+    """Turns Flower's per-round INFO lines into DEBUG records (dropped unless the
+    logger shows DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not CHATTER.match(record.getMessage()):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return FLOWER_LOGGER.isEnabledFor(logging.DEBUG)
+
+
+_FILTER = RoundChatter()
+
+
+def quiet_flower_rounds(show: bool) -> None:
+    """Demote Flower's per-round lines (``show`` false) or show them (true)."""
+    FLOWER_LOGGER.removeFilter(_FILTER)
+    if not show:
+        FLOWER_LOGGER.addFilter(_FILTER)
 
 
 def _exchange(

@@ -29,8 +29,8 @@ from strategies.mechanisms.base import (  # noqa: F401 (_SERVER_STREAM: the test
     DATA_DEPENDENT_SELECTION,
     DPSettings,
     dp_generator,
+    report_metrics_mod,
 )
-from strategies.mechanisms.client import report_metrics_mod
 from strategies.mechanisms.clustered_dp import ClusteredDPFedAvgAdaptive, ClusteredDPFedAvgFixed
 from strategies.mechanisms.correlated_noise import CORRELATED_PRIVACY, CorrelatedSettings
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed, dp_fedavg_mod

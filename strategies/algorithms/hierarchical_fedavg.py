@@ -37,8 +37,12 @@ from strategies.mechanisms.base import DPSettings
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
 from strategies.runtime.messaging import send_and_receive, size_screen
-from strategies.runtime.nodes import nodes_for_round, sample_uniform, wait_for_nodes
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import (
+    PartitionMap,
+    nodes_for_round,
+    sample_uniform,
+    wait_for_nodes,
+)
 
 _STREAM = 0x4E  # edge and client sampling
 _EVAL_STREAM = 0x4F  # federated evaluation sampling (independent of training's)

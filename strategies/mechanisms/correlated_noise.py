@@ -30,7 +30,7 @@ from strategies.mechanisms.correlated_schema import (
     make_plan,
 )
 from strategies.mechanisms.dp_fedavg import DPFedAvgFixed
-from strategies.runtime.nodes import grid_view, wait_for_nodes
+from strategies.runtime.partitions import grid_view, wait_for_nodes
 
 __all__ = ["CORRELATED_PRIVACY", "CorrelatedNoiseDP", "CorrelatedSettings", "Plan"]
 

@@ -23,8 +23,7 @@ from privacy.accounting import Release
 from privacy.events import AccountingError
 from strategies.errors import StopTraining
 from strategies.mechanisms.base import DATA_DEPENDENT_SELECTION, DPSettings
-from strategies.runtime.nodes import poisson_sample
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import PartitionMap, poisson_sample
 from strategies.secure.secagg_plus import SecAggSettings
 
 MECHANISMS = ("banded-mf", "dp-ftrl")

@@ -32,9 +32,8 @@ from protocol.replies import check_reply
 from strategies.algorithms.smart_fedprox.private import DivergenceRelease, release_divergence
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted, StopTraining
-from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays
+from strategies.mechanisms.base import PrivacyWrapper, ReleasedArrays, client_mod
 from strategies.mechanisms.calibrated import CalibratedNoise
-from strategies.mechanisms.client import client_mod
 from strategies.mechanisms.head_only import HeadOnlyArrays
 from strategies.mechanisms.noise_site import (
     SecureNoiseSite,
@@ -46,7 +45,7 @@ from strategies.mechanisms.noise_site import noise_site as noise_site_of
 from strategies.mechanisms.upload_view import UploadView
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import dp_cohort, grid_view
+from strategies.runtime.partitions import dp_cohort, grid_view
 
 __all__ = ["DPFedAvgFixed", "DivergenceRelease", "dp_fedavg_mod", "privatise_update"]
 

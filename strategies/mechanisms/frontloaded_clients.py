@@ -19,8 +19,7 @@ from privacy.mechanisms import FRONT_LOADED_MODES
 from protocol import keys
 from protocol.records import as_float
 from strategies.errors import BudgetExhausted
-from strategies.mechanisms.base import PrivacyWrapper
-from strategies.mechanisms.client import client_mod
+from strategies.mechanisms.base import PrivacyWrapper, client_mod
 from strategies.mechanisms.dpsgd_clients import record_local_epsilons
 from strategies.runtime.checkpoint import ledger_state, load_ledger
 

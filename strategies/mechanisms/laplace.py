@@ -29,12 +29,11 @@ from protocol.records import InvalidReply, arrays_of, as_float, to_record
 from protocol.replies import check_reply
 from strategies.base import add_to_config
 from strategies.errors import BudgetExhausted
-from strategies.mechanisms.base import PrivacyWrapper
+from strategies.mechanisms.base import PrivacyWrapper, client_mod
 from strategies.mechanisms.calibrated import CalibratedNoise
-from strategies.mechanisms.client import client_mod
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.checkpoint import ledger_state, load_ledger
-from strategies.runtime.nodes import grid_view, poisson_sample
+from strategies.runtime.partitions import grid_view, poisson_sample
 
 
 class LaplaceDP(CalibratedNoise, PrivacyWrapper):

@@ -15,8 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from protocol import keys
-from strategies.runtime.nodes import seeded_sample
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import PartitionMap, seeded_sample
 
 
 class PartitionOrderedEvaluation:

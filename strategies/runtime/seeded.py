@@ -33,8 +33,7 @@ from strategies.runtime.aggregation import (
     weight_of,
     weighted_metrics,
 )
-from strategies.runtime.nodes import grid_view, nodes_for_round, seeded_sample
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import PartitionMap, grid_view, nodes_for_round, seeded_sample
 
 _STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
 

@@ -9,7 +9,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 
 from client_app.mods import privacy_mod
 from protocol import keys
-from strategies.mechanisms.client import report_metrics_mod
+from strategies.mechanisms.base import report_metrics_mod
 from strategies.mechanisms.dp_fedavg import dp_fedavg_mod
 from strategies.mechanisms.laplace import laplace_mod
 from tests.fakes import instruction, record

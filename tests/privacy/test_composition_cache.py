@@ -195,3 +195,45 @@ def test_rdp_equals_rdp_accountant(neighboring, events):
 
 def test_rdp_curve_cache_holds_4096_events():
     assert event_rdp_curve.cache_info().maxsize == 4096
+
+
+# -- what a Gaussian ledger imports -------------------------------------------------
+_GAUSSIAN_LEDGER = """
+import sys
+from privacy.accounting import PrivacyLedger, Release
+from privacy.events import check_supported
+for accountant, neighboring, sampling in (
+    ("rdp", "replace-one", "without-replacement"), ("pld", "add-or-remove-one", "none")
+):
+    check_supported(accountant, neighboring, sampling, "gaussian")
+    ledger = PrivacyLedger(accountant=accountant, target_delta=1e-5, max_epsilon=1e6,
+                           sampling=sampling)
+    ledger.charge(Release(server_round=1, kind="model-update", mechanism="gaussian",
+                          noise_multiplier=1.0, sampling=sampling,
+                          sample_size=4, population=4))
+    assert ledger.epsilon() > 0
+print(sorted(m for m in ("privacy.skellam_accounting", "privacy.fast_pld") if m in sys.modules))
+"""
+
+
+def test_a_gaussian_ledger_without_poisson_imports_no_skellam_or_fast_pld_code():
+    # A fresh interpreter: this process has imported both modules already.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _GAUSSIAN_LEDGER], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_probe_accountant_is_dp_accountings_own_and_supports_alike():
+    from privacy.events import new_accountant
+    from privacy.skellam_accounting import SkellamRdpAccountant
+
+    plain = new_accountant("rdp", "replace-one", skellam=False)
+    assert type(plain) is RdpAccountant
+    assert isinstance(new_accountant("rdp", "replace-one"), SkellamRdpAccountant)
+    event = WOR(100, 10, G(1.0))
+    assert plain.supports(event) and new_accountant("rdp", "replace-one").supports(event)
+    assert not plain.supports(Poisson(0.1, G(1.0)))  # replace-one: no Poisson

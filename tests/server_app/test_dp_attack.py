@@ -24,7 +24,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from privacy.mechanisms import clip_by_l2_norm, make_generator
 from protocol import keys
 from strategies.registry import _SERVER_STREAM
-from strategies.runtime.nodes import sample_uniform
+from strategies.runtime.partitions import sample_uniform
 from tasks.vision import DigitsTask
 from tests.inprocess import InProcessGrid, run_config, run_server
 

@@ -1,4 +1,4 @@
-"""Runs that cannot learn stop loudly (``server_app/failures.py``, ``startup.py``):
+"""Runs that cannot learn stop loudly (``server_app/failures.py``, ``setup.py``):
 ``outcome.json`` says ``completed``, ``stopped`` or ``failed`` with the reason, and a
 failed run keeps its last good checkpoint.
 

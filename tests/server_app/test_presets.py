@@ -13,7 +13,7 @@ from flwr.common.config import parse_config_args
 
 from config.options import ConfigError
 from protocol import presets
-from server_app import config, environment, setup
+from server_app import config, setup
 from tests.inprocess import pyproject_defaults, run_like_flwr
 
 # One worker makes the preset run once (a module-scoped fixture per worker otherwise).
@@ -77,12 +77,12 @@ def test_a_non_private_run_says_not_private_first_and_last(tmp_path):
 def test_the_run_directory_reruns_the_same_resolved_config(preset_run):
     run_dir = preset_run.run_dir
     saved = json.loads((run_dir / "config.json").read_text())["run-config"]
-    env = json.loads((run_dir / environment.ENVIRONMENT_FILE).read_text())
+    env = json.loads((run_dir / setup.ENVIRONMENT_FILE).read_text())
     assert env["federation"]["num-nodes"] == 4
     assert set(env["versions"]) >= {"python", "flwr", "torch", "opacus", "dp-accounting"}
     assert env["app"]["dirty"] in (True, False, "unknown")
     command = env["rerun"]
-    assert (run_dir / environment.RERUN_FILE).read_text().splitlines()[-1] == command
+    assert (run_dir / setup.RERUN_FILE).read_text().splitlines()[-1] == command
     # What Flower does with the command: parse --run-config, fuse over the defaults.
     argv = shlex.split(command)
     assert argv[:3] == ["flwr", "run", "."]

@@ -23,8 +23,7 @@ from strategies.algorithms.clustered.settings import check_rules, describe_rules
 from strategies.algorithms.clustered.state import ClusterState
 from strategies.runtime.aggregation import weighted_metrics
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
-from strategies.runtime.nodes import nodes_for_round, seeded_sample
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import PartitionMap, nodes_for_round, seeded_sample
 
 _STREAM = 0xC1  # the strategy's generator: sampling and random assignment
 _INIT_STREAM = 0xC3  # init="distinct": the weight seeds of models 1..K-1

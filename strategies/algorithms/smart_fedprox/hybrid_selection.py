@@ -10,8 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from strategies.runtime.nodes import sample_uniform
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import PartitionMap, sample_uniform
 
 GROUPS = ("high", "middle", "low")
 

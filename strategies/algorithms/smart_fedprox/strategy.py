@@ -36,8 +36,12 @@ from strategies.algorithms.smart_fedprox.hybrid_selection import (
     smoothed_divergence,
 )
 from strategies.runtime.evaluation import PartitionOrderedEvaluation
-from strategies.runtime.nodes import fedavg_sample_size, nodes_for_round, sample_uniform
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime.partitions import (
+    PartitionMap,
+    fedavg_sample_size,
+    nodes_for_round,
+    sample_uniform,
+)
 
 _STREAM = 0x5F  # the strategy's one generator: sampling, exploration coin, ties, fills
 

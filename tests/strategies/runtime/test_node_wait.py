@@ -10,9 +10,8 @@ import logging
 import pytest
 
 from strategies.errors import StopTraining
-from strategies.runtime import nodes as nodes_module
-from strategies.runtime.nodes import nodes_for_round, wait_for_nodes
-from strategies.runtime.partitions import PartitionMap
+from strategies.runtime import partitions as nodes_module
+from strategies.runtime.partitions import PartitionMap, nodes_for_round, wait_for_nodes
 
 TIMEOUT = 30.0
 

@@ -9,8 +9,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from protocol import keys
 from strategies.errors import DuplicatePartitionError, StopTraining
-from strategies.runtime.nodes import sample_uniform, wait_for_nodes
-from strategies.runtime.partitions import QUERY_TYPE, PartitionMap
+from strategies.runtime.partitions import QUERY_TYPE, PartitionMap, sample_uniform, wait_for_nodes
 from strategies.runtime.seeded import SeededSampling
 from tests.fakes import FakeGrid, record, reply_from
 
