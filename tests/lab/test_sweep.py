@@ -1,5 +1,5 @@
-"""``python -m lab.sweep``: the grid, runs in worker processes, resume, a failed run
-reported, the summary's confidence intervals (hand-computed)."""
+"""``python -m lab.sweep``: the grid, runs as Ray tasks and in worker processes, resume, a
+failed run reported, the summary's confidence intervals (hand-computed)."""
 
 from __future__ import annotations
 
@@ -48,18 +48,48 @@ def test_summary_has_the_t_interval_over_seeds_and_epsilon():
     assert (summary.loc["b", "runs"], summary.loc["b", "completed"]) == (3, 2)
 
 
-def test_a_sweep_runs_concurrently_resumes_and_reports_a_failure(tmp_path, capsys, monkeypatch):
+@pytest.mark.slow
+def test_a_sweep_runs_as_ray_tasks_then_resumes_in_processes_and_reports_a_failure(
+    tmp_path, capsys, monkeypatch
+):
+    # One sweep directory for both backends: Ray tasks make the two runs, worker
+    # processes then resume them and make the point that fails (each backend's first run
+    # imports the whole app in a fresh process: the two runs are made once, not twice).
+    import ray
+
     # The spawned workers import torch afresh: one thread each, as this process runs
     # (tests/conftest.py), not one per core on 2 cores already busy with the other tests.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    common = ["--out", str(tmp_path), "--base", BASE, "--federation-config", "num-supernodes=3"]
+
+    # Ray tasks, on a fresh local instance: never a Ray cluster another test started here.
+    ray.init(address="local", num_cpus=1, runtime_env=sweep.ray_runtime_env(), log_to_driver=False)
+    try:
+        on_ray = [*common, "--grid", "privacy='none','dp-fedavg-fixed'", "--backend", "ray"]
+        assert sweep.main(on_ray) == 0
+        out = capsys.readouterr().out
+        assert "[sweep] 2 runs: 0 already completed, 2 to run" in out
+        assert "done 2/2 | running 0 | failed 0" in out
+        runs = pd.read_csv(tmp_path / "runs.csv").set_index("privacy")
+        assert (runs["status"] == "completed").all()
+        assert runs.loc["'none'", "epsilon"] == math.inf
+        assert 0 < runs.loc["'dp-fedavg-fixed'", "epsilon"] < math.inf
+        assert sweep.main(on_ray) == 0  # resumed: nothing is run again
+        assert "2 already completed, 0 to run" in capsys.readouterr().out
+    finally:
+        ray.shutdown()
+    assert not ray.is_initialized()
+
+    # Worker processes: the grid grows by a point whose run fails; the Ray runs resume.
+    for written in ("runs.csv", "summary.md", "privacy-utility.png"):
+        (tmp_path / written).unlink()
     args = [
-        "--out", str(tmp_path), "--base", BASE,
-        "--grid", "privacy='none','dp-fedavg-fixed','no-such-mechanism'",
-        "--federation-config", "num-supernodes=3", "--workers", "2",
+        *common, "--grid", "privacy='none','dp-fedavg-fixed','no-such-mechanism'",
+        "--workers", "2",
     ]  # fmt: skip
     assert sweep.main(args) == 1  # one run failed; the others ran
     out = capsys.readouterr().out
-    assert "[sweep] 3 runs: 0 already completed, 3 to run" in out
+    assert "[sweep] 3 runs: 2 already completed, 1 to run" in out
     assert "failed 1" in out and "ETA" in out
     runs = pd.read_csv(tmp_path / "runs.csv").set_index("privacy")
     assert runs.loc["'none'", "status"] == "completed"
@@ -76,31 +106,6 @@ def test_a_sweep_runs_concurrently_resumes_and_reports_a_failure(tmp_path, capsy
     assert "[sweep] 3 runs: 2 already completed, 1 to run" in out
     again = pd.read_csv(tmp_path / "runs.csv")
     assert again["resumed"].fillna(False).astype(bool).sum() == 2
-
-
-@pytest.mark.slow
-def test_a_sweep_runs_as_ray_tasks_and_resumes(tmp_path, capsys):
-    ray = pytest.importorskip("ray")
-    # a fresh local instance: never a Ray cluster another test started on this machine
-    ray.init(address="local", num_cpus=1, runtime_env=sweep.ray_runtime_env(), log_to_driver=False)
-    try:
-        args = [
-            "--out", str(tmp_path), "--base", BASE, "--grid", "privacy='none','dp-fedavg-fixed'",
-            "--federation-config", "num-supernodes=3", "--backend", "ray",
-        ]  # fmt: skip
-        assert sweep.main(args) == 0
-        out = capsys.readouterr().out
-        assert "[sweep] 2 runs: 0 already completed, 2 to run" in out
-        assert "done 2/2 | running 0 | failed 0" in out
-        runs = pd.read_csv(tmp_path / "runs.csv").set_index("privacy")
-        assert (runs["status"] == "completed").all()
-        assert runs.loc["'none'", "epsilon"] == math.inf
-        assert 0 < runs.loc["'dp-fedavg-fixed'", "epsilon"] < math.inf
-        assert sweep.main(args) == 0  # resumed: nothing is run again
-        assert "2 already completed, 0 to run" in capsys.readouterr().out
-    finally:
-        ray.shutdown()
-    assert not ray.is_initialized()
 
 
 def test_an_unknown_backend_is_refused():

@@ -630,7 +630,7 @@ def test_play_episodes_says_how_each_episode_ended(task):
     # falls softly enough to come to rest (seeds picked by hand: 1 crashes, 2 rests)
     moon = next(c for c in task.clients if c.planet == "moon")
     model = _always(task.build_model(0), 0)
-    seeds = [1, 2, 3, 4]
+    seeds = [1, 2]
 
     # Execute
     episodes = play_episodes(model, moon, seeds)
