@@ -3,7 +3,7 @@
 The session shares one private Flower home (4 virtual SuperNodes, a Ray of one CPU
 per simulation); its local SuperLink is stopped by PID at the end, whatever happened.
 The plain digits run is made once per session and read by several modules
-(:func:`digits_run`), and so is the SecAgg+ run on a two-node Ray cluster
+(:func:`digits_run`), and so are the privacy runs on a two-node Ray cluster
 (:func:`cluster_run`): each `flwr run` costs Flower's and Ray's start-up, so one run
 serves every check that needs it. The modules that read one are in one xdist group
 (``tests/conftest.py``), so they share one session.
@@ -143,23 +143,38 @@ SECAGG = (
 )
 SECAGG_ROUNDS = 3
 
+# The audited DP-FedAvg run (tests/e2e/test_privacy_runs.py), on the same cluster's
+# SuperLink after the SecAgg+ run: a Ray that is already up, where a run of its own
+# would start one. Mechanics, not utility: with 3 of 4 clients, noise that gives a
+# useful epsilon swamps the updates (README, "Privacy"). Here the DP that learns:
+# Poisson sampling (the default), z calibrated to a target epsilon over the run, Adam on
+# the released aggregate, the small MLP; 4 canary clients beside the 4 real ones.
+AUDITED = (
+    "privacy='dp-fedavg-fixed' dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
+    "server.optimizer='adam' server.lr=0.05 vision.model='mlp' audit.canaries=4"
+)
+# N = 4 real clients + k = 4 canaries; Flower merges it into the cluster SuperLink's
+# simulation config; the engine's run reads the CPUs per ClientApp.
+AUDITED_FEDERATION = "num-supernodes=8 client-resources-num-cpus=1"
+
 
 @dataclass
 class ClusterRun:
     run: RunOutcome  # the SecAgg+ run, its ClientApps on the cluster
-    config: str  # the Flower home's config.toml as the run saw it
+    audited: RunOutcome  # the audited DP-FedAvg run, after it on the same cluster
+    config: str  # the Flower home's config.toml as the runs saw it
     head: str  # the nodes' ids (hex)
     worker: str
-    calls: dict[str, int]  # node id -> finished `ClientAppActor.run` tasks on it
+    calls: dict[str, int]  # node id -> the SecAgg+ run's finished `ClientAppActor.run`s
 
 
 @pytest.fixture(scope="session")
 def cluster_run(tmp_path_factory) -> ClusterRun:
-    """:data:`SECAGG` through `flwr run` with the ClientApps on a two-node Ray cluster
-    (``lab.launcher.LocalSimulation(ray_address=...)``: the connection from
-    ``lab.connections --ray-address`` and ``RAY_ADDRESS`` for the local SuperLink), and
-    Ray's own record of where the ClientApps ran; the cluster is stopped before the
-    tests read it."""
+    """:data:`SECAGG` then :data:`AUDITED` through `flwr run` with the ClientApps on a
+    two-node Ray cluster (``lab.launcher.LocalSimulation(ray_address=...)``: the
+    connection from ``lab.connections --ray-address`` and ``RAY_ADDRESS`` for the local
+    SuperLink), and Ray's own record of where the ClientApps ran; the cluster is stopped
+    before the tests read it."""
     from tests.e2e.ray_cluster import clientapp_calls, ray_nodes, two_node_cluster
     from tests.server_app.test_privacy_runs import TINY
 
@@ -170,11 +185,17 @@ def cluster_run(tmp_path_factory) -> ClusterRun:
         with LocalSimulation(num_supernodes=4, ray_address=cluster.address) as sim:
             config = (sim.home / "config.toml").read_text()
             run = sim.run(f"{TINY} {SECAGG} output-dir='{root}'", timeout=300)
-        # Task events reach the GCS about once a second: wait for both nodes' (≤ 10 s).
-        deadline = time.monotonic() + 10
-        while True:
-            calls = clientapp_calls(cluster.address)
-            if (calls[head] and calls[worker]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    return ClusterRun(run, config, head, worker, dict(calls))
+            # The SecAgg+ run's ClientApps, before the next run adds its own. Task
+            # events reach the GCS about once a second: wait for both nodes' (≤ 10 s).
+            deadline = time.monotonic() + 10
+            while True:
+                calls = clientapp_calls(cluster.address)
+                if (calls[head] and calls[worker]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            audited = sim.run(
+                f"{TINY} {AUDITED} output-dir='{root}'",
+                timeout=300,
+                federation_config=AUDITED_FEDERATION,
+            )
+    return ClusterRun(run, audited, config, head, worker, dict(calls))
