@@ -178,10 +178,16 @@ AUDITED = (
 AUDITED_FEDERATION = "num-supernodes=8 client-resources-num-cpus=1"
 
 
+# A run that cannot learn: 5 nodes needed, the federation has 4 (tests/e2e/test_ray_cluster.py).
+CANNOT_LEARN = "min-available-nodes=5"
+
+
 @dataclass
 class ClusterRun:
     run: RunOutcome  # the SecAgg+ run, its ClientApps on the cluster
     audited: RunOutcome  # the audited DP-FedAvg run, after it on the same cluster
+    failed: RunOutcome  # the run of CANNOT_LEARN, last
+    failed_dir: Path  # its output-dir
     config: str  # the Flower home's config.toml as the runs saw it
     head: str  # the nodes' ids (hex)
     worker: str
@@ -190,10 +196,11 @@ class ClusterRun:
 
 @pytest.fixture(scope="session")
 def cluster_run(tmp_path_factory) -> ClusterRun:
-    """:data:`SECAGG` then :data:`AUDITED` through `flwr run` with the ClientApps on a
-    two-node Ray cluster (``lab.launcher.LocalSimulation(ray_address=...)``: the
-    connection from ``lab.connections --ray-address`` and ``RAY_ADDRESS`` for the local
-    SuperLink), and Ray's own record of where the ClientApps ran; the cluster is stopped
+    """:data:`SECAGG`, :data:`AUDITED` and :data:`CANNOT_LEARN` through `flwr run` with
+    the ClientApps on a two-node Ray cluster
+    (``lab.launcher.LocalSimulation(ray_address=...)``: the connection from
+    ``lab.connections --ray-address`` and ``RAY_ADDRESS`` for the local SuperLink), and
+    Ray's own record of where the SecAgg+ run's ClientApps ran; the cluster is stopped
     before the tests read it."""
     from tests.e2e.ray_cluster import clientapp_calls, ray_nodes, two_node_cluster
     from tests.server_app.test_privacy_runs import TINY
@@ -218,5 +225,10 @@ def cluster_run(tmp_path_factory) -> ClusterRun:
                 timeout=300,
                 federation_config=AUDITED_FEDERATION,
             )
+            # Last: a run that fails its start-up check. Flower starts the simulation's
+            # Ray beside the ServerApp whatever it does, and here that is a join.
+            failed_dir = root / "failed"
+            failed_dir.mkdir()
+            failed = sim.run(f"{CANNOT_LEARN} output-dir='{failed_dir}'", timeout=300)
             kill_local_superlink(sim)
-    return ClusterRun(run, audited, config, head, worker, dict(calls))
+    return ClusterRun(run, audited, failed, failed_dir, config, head, worker, dict(calls))
