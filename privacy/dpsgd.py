@@ -14,7 +14,7 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache, partial
+from functools import cache, lru_cache, partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -178,10 +178,28 @@ def epsilon_from_history(
     float
         Epsilon (0.0 for an empty history).
     """
-    accountant = opacus_names().RDPAccountant()
-    accountant.history = history_from_state(history)
-    alphas = None if orders is None else list(orders)
-    return float(accountant.get_epsilon(delta=delta, alphas=alphas))
+    names = opacus_names()  # before any Opacus import here: it undoes Opacus' log handler
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    entries = history_from_state(history)
+    if not entries:
+        return 0.0
+    alphas = tuple(names.RDPAccountant.DEFAULT_ALPHAS if orders is None else orders)
+    # Opacus' RDPAccountant.get_privacy_spent, the per-step RDP of each (z, q) computed
+    # once per process: each round asks again with more steps, the same numbers.
+    rdp = sum([_rdp_per_step(z, q, alphas) * steps for z, q, steps in entries])
+    epsilon, _ = get_privacy_spent(orders=list(alphas), rdp=rdp, delta=delta)
+    return float(epsilon)
+
+
+@lru_cache(maxsize=64)
+def _rdp_per_step(z: float, q: float, orders: tuple[float, ...]) -> np.ndarray:
+    """RDP at ``orders`` of one sampled Gaussian step (Opacus' ``compute_rdp``)."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    rdp = np.asarray(compute_rdp(q=q, noise_multiplier=z, steps=1, orders=list(orders)))
+    rdp.setflags(write=False)
+    return rdp
 
 
 def calibrate_noise_multiplier(

@@ -28,15 +28,17 @@ settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # Each end-to-end module test_<name> is a work unit of its own (group "e2e-<name>": its
-# module-scoped runs are made once, on one worker), except those that read a session's
-# run (tests/e2e/conftest.py), so that the run is made once: flwr run, reproducibility
-# and engine parity read the plain digits run; privacy runs and the Ray cluster the
-# SecAgg+ run on the two-node cluster. Small units let `--dist loadgroup` spread the
-# long modules over both workers.
+# module-scoped runs are made once, on one worker), except those that share a session's
+# fixture (tests/e2e/conftest.py), so that it is made once: flwr run, reproducibility
+# and engine parity read the plain digits run, and they and the PPO runs make their
+# `flwr run`s on the session's local SuperLink (one start-up, ~9 s of CPU); privacy
+# runs and the Ray cluster read the runs on the two-node cluster. Small units let
+# `--dist loadgroup` spread the long modules over both workers.
 E2E_GROUPS = {
-    "test_flwr_run": "e2e-digits",
-    "test_reproducibility": "e2e-digits",
-    "test_engine_parity": "e2e-digits",
+    "test_flwr_run": "e2e-superlink",
+    "test_reproducibility": "e2e-superlink",
+    "test_engine_parity": "e2e-superlink",
+    "test_lunar_lander": "e2e-superlink",
     "test_privacy_runs": "e2e-privacy",
     "test_ray_cluster": "e2e-privacy",
 }

@@ -3,7 +3,7 @@
 The session shares one private Flower home (4 virtual SuperNodes, a Ray of one CPU
 per simulation); its local SuperLink is stopped by PID at the end, whatever happened.
 The plain digits run is made once per session and read by several modules
-(:func:`digits_run`), and so is the SecAgg+ run on a two-node Ray cluster
+(:func:`digits_run`), and so are the privacy runs on a two-node Ray cluster
 (:func:`cluster_run`): each `flwr run` costs Flower's and Ray's start-up, so one run
 serves every check that needs it. The modules that read one are in one xdist group
 (``tests/conftest.py``), so they share one session.
@@ -11,6 +11,7 @@ serves every check that needs it. The modules that read one are in one xdist gro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import subprocess
@@ -18,10 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lab import engine
-from lab.launcher import APP_DIR, LocalSimulation, RunOutcome
+from lab.launcher import APP_DIR, LocalSimulation, RunOutcome, superlink_processes
 
 # FedAvg on digits, 3 rounds, half the clients trained and evaluated each round, no
 # client momentum, seed 7, the default output-dir (the app directory's runs/, moved out
@@ -52,6 +54,24 @@ def flower():
     with LocalSimulation(num_supernodes=4, env=RAY_ENV) as sim:
         sim.configure_simulation(init_args_num_cpus=1)
         yield sim
+        kill_local_superlink(sim)
+
+
+def kill_local_superlink(sim: LocalSimulation) -> None:
+    """SIGKILL ``sim``'s local SuperLink and its children (its SuperExec), by PID, and
+    wait until they are gone; ``sim`` then finds nothing to stop. Its graceful stop
+    (SIGTERM, then SIGKILL after 10 s) took 6 s in the last CI run's teardown and
+    15.6 s on a loaded 2-core machine; the state it would save is thrown away."""
+    from tests.e2e.ray_cluster import wait_gone
+
+    victims: list[psutil.Process] = []
+    for proc in superlink_processes(sim.home):
+        with contextlib.suppress(psutil.Error):
+            victims += [proc, *proc.children(recursive=True)]
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    wait_gone(victims, 10)  # a zombie counts as gone: its parent may reap it later
 
 
 def git_status() -> str:
@@ -143,23 +163,45 @@ SECAGG = (
 )
 SECAGG_ROUNDS = 3
 
+# The audited DP-FedAvg run (tests/e2e/test_privacy_runs.py), on the same cluster's
+# SuperLink after the SecAgg+ run: a Ray that is already up, where a run of its own
+# would start one. Mechanics, not utility: with 3 of 4 clients, noise that gives a
+# useful epsilon swamps the updates (README, "Privacy"). Here the DP that learns:
+# Poisson sampling (the default), z calibrated to a target epsilon over the run, Adam on
+# the released aggregate, the small MLP; 4 canary clients beside the 4 real ones.
+AUDITED = (
+    "privacy='dp-fedavg-fixed' dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
+    "server.optimizer='adam' server.lr=0.05 vision.model='mlp' audit.canaries=4"
+)
+# N = 4 real clients + k = 4 canaries; Flower merges it into the cluster SuperLink's
+# simulation config; the engine's run reads the CPUs per ClientApp.
+AUDITED_FEDERATION = "num-supernodes=8 client-resources-num-cpus=1"
+
+
+# A run that cannot learn: 5 nodes needed, the federation has 4 (tests/e2e/test_ray_cluster.py).
+CANNOT_LEARN = "min-available-nodes=5"
+
 
 @dataclass
 class ClusterRun:
     run: RunOutcome  # the SecAgg+ run, its ClientApps on the cluster
-    config: str  # the Flower home's config.toml as the run saw it
+    audited: RunOutcome  # the audited DP-FedAvg run, after it on the same cluster
+    failed: RunOutcome  # the run of CANNOT_LEARN, last
+    failed_dir: Path  # its output-dir
+    config: str  # the Flower home's config.toml as the runs saw it
     head: str  # the nodes' ids (hex)
     worker: str
-    calls: dict[str, int]  # node id -> finished `ClientAppActor.run` tasks on it
+    calls: dict[str, int]  # node id -> the SecAgg+ run's finished `ClientAppActor.run`s
 
 
 @pytest.fixture(scope="session")
 def cluster_run(tmp_path_factory) -> ClusterRun:
-    """:data:`SECAGG` through `flwr run` with the ClientApps on a two-node Ray cluster
+    """:data:`SECAGG`, :data:`AUDITED` and :data:`CANNOT_LEARN` through `flwr run` with
+    the ClientApps on a two-node Ray cluster
     (``lab.launcher.LocalSimulation(ray_address=...)``: the connection from
     ``lab.connections --ray-address`` and ``RAY_ADDRESS`` for the local SuperLink), and
-    Ray's own record of where the ClientApps ran; the cluster is stopped before the
-    tests read it."""
+    Ray's own record of where the SecAgg+ run's ClientApps ran; the cluster is stopped
+    before the tests read it."""
     from tests.e2e.ray_cluster import clientapp_calls, ray_nodes, two_node_cluster
     from tests.server_app.test_privacy_runs import TINY
 
@@ -170,11 +212,23 @@ def cluster_run(tmp_path_factory) -> ClusterRun:
         with LocalSimulation(num_supernodes=4, ray_address=cluster.address) as sim:
             config = (sim.home / "config.toml").read_text()
             run = sim.run(f"{TINY} {SECAGG} output-dir='{root}'", timeout=300)
-        # Task events reach the GCS about once a second: wait for both nodes' (≤ 10 s).
-        deadline = time.monotonic() + 10
-        while True:
-            calls = clientapp_calls(cluster.address)
-            if (calls[head] and calls[worker]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    return ClusterRun(run, config, head, worker, dict(calls))
+            # The SecAgg+ run's ClientApps, before the next run adds its own. Task
+            # events reach the GCS about once a second: wait for both nodes' (≤ 10 s).
+            deadline = time.monotonic() + 10
+            while True:
+                calls = clientapp_calls(cluster.address)
+                if (calls[head] and calls[worker]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            audited = sim.run(
+                f"{TINY} {AUDITED} output-dir='{root}'",
+                timeout=300,
+                federation_config=AUDITED_FEDERATION,
+            )
+            # Last: a run that fails its start-up check. Flower starts the simulation's
+            # Ray beside the ServerApp whatever it does, and here that is a join.
+            failed_dir = root / "failed"
+            failed_dir.mkdir()
+            failed = sim.run(f"{CANNOT_LEARN} output-dir='{failed_dir}'", timeout=300)
+            kill_local_superlink(sim)
+    return ClusterRun(run, audited, failed, failed_dir, config, head, worker, dict(calls))

@@ -123,7 +123,7 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def _wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait up to ``timeout`` seconds for ``processes`` to exit; return those that run."""
     deadline = time.monotonic() + timeout
     alive = [p for p in processes if not _gone(p)]
@@ -142,11 +142,11 @@ def _stop(processes: list[psutil.Process]) -> list[psutil.Process]:
     for proc in processes:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-    alive = _wait_gone(processes, 1)
+    alive = wait_gone(processes, 1)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    return _wait_gone(alive, 5)
+    return wait_gone(alive, 5)
 
 
 @contextlib.contextmanager

@@ -3,10 +3,11 @@
 One tiny run per strategy (4 SuperNodes, 3 rounds): FedAvg is the session's plain
 digits run through `flwr run` (tests/e2e/conftest.py), FedProx and local training the
 same runs made in process; the tests read the run directories the ServerApp wrote, and
-the analysis notebook is executed on them. Two more `flwr run`s test what the runtime
-does with a bad run: a key the SuperLink refuses, and a run that fails its first
-start-up check (Flower's status, the exit code); a config the app refuses and a
-federation the task cannot fill are the same kind of run made in process.
+the analysis notebook is executed on them. One more `flwr run` tests what the runtime
+does with a key the SuperLink refuses; a run that fails its first start-up check
+through the runtime (Flower's status, the exit code) is made on the Ray cluster's
+SuperLink (tests/e2e/test_ray_cluster.py); a config the app refuses and a federation
+the task cannot fill are the same kind of run made in process.
 """
 
 from __future__ import annotations
@@ -146,35 +147,17 @@ def test_an_unknown_key_is_refused_by_the_superlink_and_named(flower):
 
 def test_invalid_config_fails_before_training(tmp_path):
     # The app's own check, made in process; Flower's status and exit code of a failed
-    # run through the runtime: test_a_run_that_cannot_learn_fails_loudly.
+    # run through the runtime: tests/e2e/test_ray_cluster.py.
     result = run_like_flwr(f"strategy='fedsgd' output-dir='{tmp_path}'")
     assert "'strategy' = 'fedsgd' is not valid; valid values: 'fedavg'" in result.output
     assert result.run_dir is None and not any(tmp_path.iterdir())  # nothing was trained
     assert result.returncode == 1 and result.status.endswith("failed")
 
 
-def test_a_run_that_cannot_learn_fails_loudly(flower, tmp_path):
-    # 5 nodes needed, the federation has 4: a start-up check stops the run before round 1
-    # (and before any ClientApp is asked anything); outcome.json, Flower's status and the
-    # launcher agree.
-    result = flower.run(f"min-available-nodes=5 output-dir='{tmp_path}'")
-    assert result.returncode == 1 and result.status == "finished:failed", result.output
-    (run_dir,) = list(tmp_path.iterdir())
-    outcome = json.loads((run_dir / "outcome.json").read_text())
-    assert outcome["status"] == "failed" and outcome["last-round"] == 0
-    assert "'min-available-nodes' = 5 needs at least 5 nodes" in outcome["reason"]
-    assert "the simulation has 4" in outcome["reason"]
-    assert "Run failed after round 0: start-up check" in result.output
-    assert (
-        not (run_dir / "metrics.csv").exists()
-        or "train" not in (run_dir / "metrics.csv").read_text()
-    )
-
-
 def test_a_federation_the_task_cannot_fill_fails_before_training(tmp_path):
     # lunar-lander defines 3 clients here, the federation has 4: the start-up check on
     # the partitions the nodes report stops the run before round 1. Made in process (the
-    # runtime's failed status and exit code: test_a_run_that_cannot_learn_fails_loudly).
+    # runtime's failed status and exit code: tests/e2e/test_ray_cluster.py).
     result = run_like_flwr(f"task='lunar-lander' ppo.derived-per-base=0 output-dir='{tmp_path}'")
     assert result.returncode == 1 and result.status == "finished:failed", result.output
     (run_dir,) = list(tmp_path.iterdir())

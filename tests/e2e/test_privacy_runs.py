@@ -1,11 +1,11 @@
 """`flwr run` on digits for the privacy mechanisms the Flower runtime takes part in: the
-audit's canary SuperNodes beside the real ones, and SecAgg+ in the Ray simulation (the
-suite's run on a two-node Ray cluster, ``tests/e2e/conftest.py``'s :func:`cluster_run`).
-epsilon per round in metrics.csv, ledger.json that reloads to the same epsilon, the
-final privacy summary. The audited run is also made by the in-process engine, which must
-give its ledger (``tests/e2e/test_engine_parity.py`` compares the plain run). The other
-mechanisms' runs, with the same checks, are made in process:
-``tests/server_app/test_privacy_runs.py``."""
+audit's canary SuperNodes beside the real ones, and SecAgg+ in the Ray simulation. Both
+runs are made on the suite's two-node Ray cluster (``tests/e2e/conftest.py``'s
+:func:`cluster_run`, one Ray start-up for both). epsilon per round in metrics.csv,
+ledger.json that reloads to the same epsilon, the final privacy summary. The audited run
+is also made by the in-process engine, which must give its ledger
+(``tests/e2e/test_engine_parity.py`` compares the plain run). The other mechanisms'
+runs, with the same checks, are made in process: ``tests/server_app/test_privacy_runs.py``."""
 
 from __future__ import annotations
 
@@ -15,40 +15,21 @@ import numpy as np
 import pytest
 
 from lab import engine
+from tests.e2e.conftest import AUDITED, AUDITED_FEDERATION
 from tests.server_app.test_privacy_runs import TINY, check_epsilon_grows_and_reloads, finished
 
 pytestmark = pytest.mark.e2e
 
-VARIANTS = {
-    # Mechanics, not utility: with 3 of 4 clients, noise that gives a useful epsilon
-    # swamps the updates (README, "Privacy"). Here the DP that learns: Poisson sampling
-    # (the default), z calibrated to a target epsilon over the run, Adam on the
-    # released aggregate, the small MLP.
-    # With the privacy audit: 4 canary clients beside the 4 real ones (FEDERATION).
-    "dp-fedavg-fixed": "dp.target-epsilon=8.0 dp.num-sampled-clients=3 "
-    "server.optimizer='adam' server.lr=0.05 vision.model='mlp' audit.canaries=4",
-}
-RUNS = {name: f"privacy='{name.split('+')[0]}' {o}" for name, o in VARIANTS.items()}
-# Distributed DP: SecAgg+ in the Ray simulation, Skellam shares from the clients; made
-# on the Ray cluster (tests/e2e/conftest.py, SECAGG).
+# The audited DP-FedAvg run (tests/e2e/conftest.py, AUDITED: z calibrated to epsilon 8,
+# Poisson sampling, Adam, 4 canaries beside the 4 real clients) and the distributed DP
+# run (SECAGG: SecAgg+ in the Ray simulation, Skellam shares from the clients).
+FIXED = "dp-fedavg-fixed"
 SECAGG = "dp-fedavg-fixed+secagg"
-# N = 4 real clients + k = 4 canaries; Flower merges it into the session SuperLink's
-# simulation config (tests/e2e/conftest.py); the engine's run reads the CPUs per ClientApp
-FEDERATION = {"dp-fedavg-fixed": "num-supernodes=8 client-resources-num-cpus=1"}
 
 
 @pytest.fixture(scope="module")
-def dp_runs(flower, cluster_run, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dp-runs")
-    runs = {}
-    for privacy, options in RUNS.items():
-        result = flower.run(
-            f"{TINY} {options} output-dir='{root}'",
-            federation_config=FEDERATION.get(privacy, ""),
-        )
-        runs[privacy] = finished(result)
-    runs[SECAGG] = finished(cluster_run.run)
-    return runs
+def dp_runs(cluster_run):
+    return {FIXED: finished(cluster_run.audited), SECAGG: finished(cluster_run.run)}
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +38,15 @@ def engine_fixed(dp_runs, tmp_path_factory):
     torch thread each as Ray gives each ClientApp): its run directory."""
     root = tmp_path_factory.mktemp("dp-engine")
     ours = engine.run(
-        f"{TINY} {RUNS['dp-fedavg-fixed']} output-dir='{root}'",
-        engine.Federation.parse(FEDERATION["dp-fedavg-fixed"]),
+        f"{TINY} {AUDITED} output-dir='{root}'",
+        engine.Federation.parse(AUDITED_FEDERATION),
     )
     assert ours.returncode == 0 and ours.run_dir is not None, ours.error
     assert engine.engine_of(ours.run_dir) == "inprocess"
     return ours.run_dir
 
 
-@pytest.mark.parametrize("privacy", [*VARIANTS, SECAGG])
+@pytest.mark.parametrize("privacy", [FIXED, SECAGG])
 def test_client_level_epsilon_grows_and_reloads(dp_runs, privacy):
     check_epsilon_grows_and_reloads(*dp_runs[privacy])
 
@@ -81,7 +62,7 @@ def test_secure_aggregation_gives_an_epsilon_against_the_server(dp_runs):
 
 
 def test_target_epsilon_is_met_with_poisson_sampling_and_adam(dp_runs):
-    result, metrics, ledger_doc = dp_runs["dp-fedavg-fixed"]
+    result, metrics, ledger_doc = dp_runs[FIXED]
     calibration = ledger_doc["calibration"]
     assert calibration["parameter"] == "dp.noise-multiplier" and calibration["value"] > 0
     assert f"noise multiplier z = {calibration['value']:.4f} meets epsilon 8" in result.output
@@ -99,7 +80,7 @@ def test_the_audit_runs_beside_the_ledger(dp_runs):
     """Canary clients of a real federation: audit.json, the plot, the summary line and
     the ledger's record. 4 canaries can bound epsilon by 0 at most, and at the run seed
     (42) 3 are inserted and 1 held out: too few for an estimate, which audit.json says."""
-    result, _, ledger_doc = dp_runs["dp-fedavg-fixed"]
+    result, _, ledger_doc = dp_runs[FIXED]
     audit = json.loads((result.run_dir / "audit.json").read_text())
     assert audit["canaries"] == 4 and audit["dimension"] > 0
     assert len(audit["cosines_inserted"]) + len(audit["cosines_held_out"]) == 4
@@ -120,7 +101,7 @@ def test_the_audit_runs_beside_the_ledger(dp_runs):
 def test_the_engine_gives_the_flwr_runs_ledger(dp_runs, engine_fixed):
     """Secret noise, so not the model: the releases (each an event: mechanism, noise,
     sampling, round, in charge order), the noise calibrated to the target, epsilon."""
-    result, _, expected = dp_runs["dp-fedavg-fixed"]
+    result, _, expected = dp_runs[FIXED]
     assert engine.engine_of(result.run_dir) == "flwr"
     got = json.loads((engine_fixed / "ledger.json").read_text())
     assert got["state"] == expected["state"]
