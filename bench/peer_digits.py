@@ -11,6 +11,7 @@ clients per round and N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, clien
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON   # both, back to back
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --dp adaptive \
         --sizes 1000 --rounds 1000                             # whole processes, long DP run
+    python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --clock cpu  # CPU laps
 
 Design notes (the split, pfl's settings): ``docs/notes.md``, ``bench.peer_digits``.
 """
