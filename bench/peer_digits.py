@@ -11,6 +11,7 @@ clients per round and N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, clien
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON   # both, back to back
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --dp adaptive \
         --sizes 1000 --rounds 1000                             # whole processes, long DP run
+    python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --clock cpu  # CPU laps
 
 Design notes (the split, pfl's settings): ``docs/notes.md``, ``bench.peer_digits``.
 """
@@ -275,19 +276,40 @@ def timed_run(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, fl
 
 
 # pfl's script fixes its rounds (NUM_ROUNDS = 30); for other counts it is loaded as a
-# module, NUM_ROUNDS set, and its own main() run: the script itself is unchanged.
+# module, NUM_ROUNDS set, and its own main() run: the script itself is unchanged. With
+# the CPU clock its lap timer (time.perf_counter) reads the process's CPU seconds
+# (time.process_time) instead; pfl and the engine each train on one torch thread.
 PFL_ROUNDS = (
-    "import importlib.util as u, sys; s = u.spec_from_file_location('pfl_digits', sys.argv[1]); "
+    "import importlib.util as u, sys, time, types; "
+    "s = u.spec_from_file_location('pfl_digits', sys.argv[1]); "
     "m = u.module_from_spec(s); s.loader.exec_module(m); m.NUM_ROUNDS = int(sys.argv[2]); "
-    "sys.argv = [sys.argv[1], *sys.argv[3:]]; m.main()"
+    "cpu = sys.argv[3] == 'cpu'; "
+    "m.time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) "
+    "if not k.startswith('_')}) if cpu else time; "
+    "cpu and setattr(m.time, 'perf_counter', time.process_time); "
+    "sys.argv = [sys.argv[1], *sys.argv[4:]]; m.main()"
+)
+# The engine's round clocks (``round-seconds``, ``elapsed-s``) read the process's CPU
+# seconds under the CPU clock: only those two modules' ``time`` is replaced.
+ENGINE_CPU_CLOCK = (
+    "import sys, time, types; import server_app.rounds as r, server_app.results as s; "
+    "c = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) "
+    "if not k.startswith('_')}); c.monotonic = time.process_time; r.time = s.time = c; "
+    "from lab.run import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
 def pfl_run_one(
-    python: str, script: Path, n: int, epsilon: float | None, seed: int, rounds: int = 30
+    python: str,
+    script: Path,
+    n: int,
+    epsilon: float | None,
+    seed: int,
+    rounds: int = 30,
+    clock: str = "wall",
 ) -> dict:
     """One child run of the peer's script; its JSON result, with its whole process's
-    ``process_wall_s`` and ``process_cpu_s``."""
+    ``process_wall_s`` and ``process_cpu_s`` (``clock`` = "cpu": its laps in CPU s)."""
     args = ["--num-clients", str(n), "--seed", str(seed)]
     if epsilon is None:
         args += ["--dp", "none"]
@@ -297,8 +319,9 @@ def pfl_run_one(
             args += ["--indicator-std", "3.0"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        launch = [python, str(script)] if rounds == 30 else [python, "-c", PFL_ROUNDS, str(script)]
-        launch += [] if rounds == 30 else [str(rounds)]
+        launch = [python, str(script)]
+        if rounds != 30 or clock != "wall":
+            launch = [python, "-c", PFL_ROUNDS, str(script), str(rounds), clock]
         done, wall, cpu = timed_run([*launch, "--child", "--out", str(out), *args])
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"pfl run {args} failed:\n{done.stdout}\n{done.stderr}")
@@ -403,13 +426,15 @@ def engine_run_config(num_clients: int, private: bool, rounds: int, out: Path) -
     return " ".join(f"{k}={toml_value(v)}" for k, v in config.items())
 
 
-def run_engine(run_config: str, num_clients: int, root: Path):
+def run_engine(run_config: str, num_clients: int, root: Path, clock: str = "wall"):
     """``python -m lab.run --engine inprocess`` in its own process, its one run written
     under ``root``: (wall s, CPU s, metrics.csv, the timing table: the curator's under
-    DP)."""
+    DP). ``clock`` = "cpu": the run's round clocks read CPU seconds
+    (:data:`ENGINE_CPU_CLOCK`)."""
     before = set(root.iterdir())
+    launch = ["-m", "lab.run"] if clock == "wall" else ["-c", ENGINE_CPU_CLOCK]
     cmd = [
-        sys.executable, "-m", "lab.run", "--engine", "inprocess",
+        sys.executable, *launch, "--engine", "inprocess",
         "--run-config", run_config, "--federation-config", f"num-supernodes={num_clients}",
     ]  # fmt: skip
     proc, seconds, cpu = timed_run(cmd, cwd=REPO)
@@ -423,11 +448,13 @@ def run_engine(run_config: str, num_clients: int, root: Path):
     return seconds, cpu, metrics, timing
 
 
-def engine_one(num_clients: int, private: bool, rounds: int, out: Path) -> dict:
+def engine_one(
+    num_clients: int, private: bool, rounds: int, out: Path, clock: str = "wall"
+) -> dict:
     root = out / f"n{num_clients}-{'dp' if private else 'plain'}"
     root.mkdir(parents=True, exist_ok=True)
     seconds, cpu, metrics, timing = run_engine(
-        engine_run_config(num_clients, private, rounds, root), num_clients, root
+        engine_run_config(num_clients, private, rounds, root), num_clients, root, clock
     )
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
@@ -471,7 +498,13 @@ def engine_main(argv: list[str] | None = None) -> int:
 # --- engine-vs-pfl: both on the same load -------------------------------------------
 # Each cell runs the engine and then pfl-research's own script back to back, so both see
 # the same load. Warm round: the engine's median ``round-seconds`` over rounds 2-R,
-# pfl's median round lap. Process: the whole child process (imports, data, calibration
+# pfl's median round lap. The two differ in what they hold: ``round-seconds`` is sending
+# the round's messages to its aggregate (the clients' training, the server's checks, clip
+# and noise, the ledger's charge), without the central evaluation and the per-round
+# writes (metrics.csv, TensorBoard, checkpoints) that follow; pfl's lap is one whole
+# iteration, and pfl evaluates and writes nothing per round here. The engine's whole
+# round, everything included, is also shown: the median gap between consecutive central
+# evaluations. Process: the whole child process (imports, data, calibration
 # under DP, the run), in wall seconds and in CPU seconds (user + sys, children included);
 # on a shared machine the CPU ratio is the honest one. ``flwr run`` is not in this run
 # (its Ray start-up alone takes minutes on a shared machine).
@@ -491,6 +524,13 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", nargs="+", choices=["none", "adaptive"], default=["none"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("/tmp/engine-vs-pfl"))
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="what the round times read: wall seconds, or the process's CPU seconds "
+        "(steadier on a shared machine; both sides train on one torch thread)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error(
@@ -498,26 +538,35 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
         )
     lines = [
         "| N | per round | DP | rounds | engine warm round s | pfl warm round s | ratio "
+        "| engine whole round s (ratio) "
         "| engine process s (CPU s) | pfl process s (CPU s) | process ratio wall (CPU) "
         "| engine acc | pfl acc |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for n in args.sizes:
         for dp in args.dp:
-            ours = engine_one(n, dp == "adaptive", args.rounds, args.out)
+            ours = engine_one(n, dp == "adaptive", args.rounds, args.out, args.clock)
             epsilon = 8.0 if dp == "adaptive" else None
-            theirs = pfl_run_one(args.python, args.script, n, epsilon, 0, args.rounds)
+            theirs = pfl_run_one(args.python, args.script, n, epsilon, 0, args.rounds, args.clock)
             ratio = ours["warm round s"] / theirs["median_round_seconds"]
+            whole = ours["round with eval s"]
+            whole_text = (
+                "-"
+                if whole is None
+                else f"{whole:.4f} ({whole / theirs['median_round_seconds']:.1f})"
+            )
             wall, cpu = theirs["process_wall_s"], theirs["process_cpu_s"]
             lines.append(
                 f"| {n} | {COHORT[n]} | {dp} | {args.rounds} | {ours['warm round s']:.4f} "
-                f"| {theirs['median_round_seconds']:.4f} | {ratio:.1f} "
+                f"| {theirs['median_round_seconds']:.4f} | {ratio:.1f} | {whole_text} "
                 f"| {ours['process s']:.1f} ({ours['process CPU s']:.1f}) "
                 f"| {wall:.1f} ({cpu:.1f}) "
                 f"| {ours['process s'] / wall:.2f} ({ours['process CPU s'] / cpu:.2f}) "
                 f"| {ours['accuracy']:.3f} | {theirs['test_accuracy']:.3f} |"
             )
             print(lines[-1], flush=True)
+    print(f"round times in {args.clock} seconds")
     print("\n".join(lines))
     return 0
 

@@ -6,9 +6,7 @@ reused across messages (only the weights change per message).
 
 from __future__ import annotations
 
-import io
 import json
-import math
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -16,7 +14,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Context,
@@ -24,14 +21,13 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import SType
 
 import tasks
 from client_app import canary
 from privacy.mechanisms import secret_seed
 from privacy.settings import AuditSettings, DPSettings
 from protocol import keys
-from protocol.records import to_numpy
+from protocol.records import to_array, to_numpy
 from tasks.base import SEED, LocalTraining, Task
 
 S = TypeVar("S")
@@ -118,27 +114,6 @@ def state_dict(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     parsing (:func:`protocol.records.to_numpy`): a client message's largest fixed cost
     after training on small models."""
     return {key: torch.from_numpy(to_numpy(arrays[key])) for key in arrays}
-
-
-@lru_cache(maxsize=256)
-def _npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
-    # The header np.save writes for a C-order array of this dtype and shape.
-    buffer = io.BytesIO()
-    np.save(buffer, np.zeros(shape, dtype=np.dtype(descr)), allow_pickle=False)
-    data = buffer.getvalue()
-    return data[: len(data) - math.prod(shape) * np.dtype(descr).itemsize]
-
-
-def to_array(ndarray: np.ndarray) -> Array:
-    """``Array.from_numpy_ndarray(ndarray)``, the same bytes, with the ``.npy`` header of
-    each (dtype, shape) written once per process (hand-written: ``np.save`` re-renders
-    the header per call, most of the cost of encoding a small array). Arrays that are not
-    C-contiguous, or hold objects, go to Flower's own encoder."""
-    if ndarray.dtype.hasobject or not ndarray.flags.c_contiguous:
-        return Array.from_numpy_ndarray(ndarray)
-    shape = tuple(ndarray.shape)
-    data = _npy_header(ndarray.dtype.str, shape) + ndarray.tobytes()
-    return Array(dtype=str(ndarray.dtype), shape=shape, stype=SType.NUMPY, data=data)
 
 
 def array_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import math
+from functools import lru_cache
 from typing import SupportsFloat, SupportsInt, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
+from flwr.common.constant import SType
 
 from protocol import keys
 
@@ -94,6 +97,27 @@ def non_finite_array(record: ArrayRecord) -> str | None:
     return None
 
 
+@lru_cache(maxsize=256)
+def _npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
+    # The header np.save writes for a C-order array of this dtype and shape.
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(shape, dtype=np.dtype(descr)), allow_pickle=False)
+    data = buffer.getvalue()
+    return data[: len(data) - math.prod(shape) * np.dtype(descr).itemsize]
+
+
+def to_array(ndarray: np.ndarray) -> Array:
+    """``Array.from_numpy_ndarray(ndarray)``, the same bytes, with the ``.npy`` header of
+    each (dtype, shape) written once per process (hand-written: ``np.save`` re-renders
+    the header per call, most of the cost of encoding a small array). Arrays that are not
+    C-contiguous, or hold objects, go to Flower's own encoder."""
+    if ndarray.dtype.hasobject or not ndarray.flags.c_contiguous:
+        return Array.from_numpy_ndarray(ndarray)
+    shape = tuple(ndarray.shape)
+    data = _npy_header(ndarray.dtype.str, shape) + ndarray.tobytes()
+    return Array(dtype=str(ndarray.dtype), shape=shape, stype=SType.NUMPY, data=data)
+
+
 def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:
     """An ArrayRecord with ``reference``'s keys and dtypes holding ``arrays``.
 
@@ -104,7 +128,7 @@ def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:
     for key, value in zip(reference.keys(), arrays, strict=True):
         dtype = np.dtype(reference[key].dtype)
         value = np.rint(value) if np.issubdtype(dtype, np.integer) else value
-        out[key] = Array(np.asarray(value, dtype=dtype))
+        out[key] = to_array(np.asarray(value, dtype=dtype))  # Array(...)'s bytes
     return ArrayRecord(out)
 
 

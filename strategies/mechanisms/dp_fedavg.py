@@ -284,8 +284,14 @@ class DPFedAvgFixed(CalibratedNoise, PrivacyWrapper):
         return MetricRecord(self.mark(aggregated))
 
     def _contributions(self, replies, sent, reference_of):
-        """The released deltas, metrics and failed nodes (:func:`contributions`)."""
-        return contributions(replies, sent, reference_of, self._check, self.head.select)
+        """The released deltas, metrics and failed nodes (:func:`contributions`); each
+        reply's verdict is noted for the participation record, which then need not
+        check the reply again."""
+        notes: dict[int, str] = {}
+        out = contributions(replies, sent, reference_of, self._check, self.head.select, notes)
+        for node, what in notes.items():
+            self.partitions.note(node, what)
+        return out
 
     def _check(self, message: Message, current: ArrayRecord):
         """The reply's arrays and metrics, or InvalidReply (see :func:`check_reply`)."""
@@ -365,11 +371,13 @@ def contributions(
     reference_of: Callable[[int], tuple[ArrayRecord, list[np.ndarray]]],
     check: Check,
     select: Callable[[list[np.ndarray]], list[np.ndarray]],
+    notes: dict[int, str] | None = None,
 ) -> tuple[dict[int, list[np.ndarray]], list[MetricRecord], list[int]]:
     """(node -> released delta of its valid reply, their metrics weighted 1, the sampled
     nodes counted as a zero update), in the order of ``sent``. ``reference_of`` gives the
     model a node was sent, as a record and as arrays; ``check`` validates a reply;
-    ``select`` keeps the released arrays of a delta."""
+    ``select`` keeps the released arrays of a delta. With ``notes``, each node whose
+    reply is not an error gets ``""`` (valid) or ``"rejected: <reason>"``."""
     by_node: dict[int, Message] = {}
     for reply in replies:
         by_node.setdefault(reply.metadata.src_node_id, reply)
@@ -384,7 +392,11 @@ def contributions(
         except InvalidReply as err:
             failed.append(node)
             log(WARNING, "DP-FedAvg: node %d counts as a zero update: %s", node, err)
+            if notes is not None and message is not None and not message.has_error():
+                notes[node] = f"rejected: {err}"
             continue
+        if notes is not None:
+            notes[node] = ""
         deltas[node] = select([r - c for r, c in zip(received, reference, strict=True)])
         metrics[keys.NUM_EXAMPLES] = 1.0
         records.append(metrics)

@@ -161,3 +161,32 @@ def test_as_float_and_as_int_convert_record_values_as_float_and_int_do():
         as_float(metrics["hist"])  # a list is no number
     with pytest.raises(TypeError):
         as_int(None)
+
+
+def test_to_record_writes_the_bytes_flowers_array_writes():
+    # to_record's cached-header encoder against what it replaced: Array(np.asarray(...)).
+    reference = _record(
+        w=np.zeros((2, 3), dtype=np.float32),
+        n=np.array(0, dtype=np.int64),
+        h=np.zeros(4, dtype=np.float16),
+        e=np.zeros((0, 3)),
+    )
+    arrays = [
+        np.arange(6.0).reshape(2, 3) / 7,  # float64 into float32
+        np.array(2.6),  # rounded into int64
+        np.arange(4, dtype=np.float32)[::-1] * 1.5,  # a strided view into float16
+        np.zeros((0, 3)),
+    ]
+    for _ in range(2):  # the second time from the cached headers
+        got = to_record(reference, arrays)
+        for key, value in zip(reference, arrays, strict=True):
+            dtype = np.dtype(reference[key].dtype)
+            value = np.rint(value) if np.issubdtype(dtype, np.integer) else value
+            want = Array(np.asarray(value, dtype=dtype))
+            assert got[key].data == want.data
+            assert (got[key].dtype, tuple(got[key].shape), got[key].stype) == (
+                want.dtype,
+                tuple(want.shape),
+                want.stype,
+            )
+    assert int(to_numpy(got["n"])) == 3

@@ -376,3 +376,34 @@ def test_the_aggregate_on_a_device_gives_the_by_hand_mean():
     np.testing.assert_allclose(arrays["b"].numpy(), [1.0 + (0.4 - 1.0) / 3], atol=1e-6)
     assert len(strategy.ledger.releases) == 1
     assert getattr(_wrapper(site="client", aggregate_device="cpu").site, "device", None) is None
+
+
+def test_contributions_note_each_replys_verdict_as_participation_would_find_it():
+    # The notes let the participation record skip its own check of each reply: the rows
+    # with them equal the rows it computes by checking (valid, rejected, error, silent).
+    from protocol.replies import check_reply
+    from server_app.rounds import participation
+    from strategies.mechanisms.dp_fedavg import contributions
+    from tests.fakes import error_from, instruction, reply_from
+
+    sent = [instruction({"w": [0.0, 0.0]}, {}, node_id=n) for n in (1, 2, 3, 4)]
+    metrics = {"num-examples": 10, "train-loss": 0.5}
+    replies = [
+        reply_from(1, {"w": [1.0, 2.0]}, metrics),
+        reply_from(2, {"w": [0.0, 0.0, 0.0]}, metrics),  # wrong shape
+        error_from(3),
+    ]  # node 4: silent
+    reference = sent[0].content[keys.ARRAYS]
+    notes: dict[int, str] = {}
+    deltas, records, failed = contributions(
+        replies,
+        [1, 2, 3, 4],
+        lambda _node: (reference, [np.zeros(2)]),
+        check_reply,
+        lambda delta: delta,
+        notes,
+    )
+    assert notes == {1: "", 2: "rejected: array 'w' has shape (3,)/float64, expected (2,)/float64"}
+    assert list(deltas) == [1] and failed == [2, 3, 4] and len(records) == 1
+    np.testing.assert_array_equal(deltas[1][0], [1.0, 2.0])
+    assert participation(1, sent, replies, notes=notes) == participation(1, sent, replies)
