@@ -387,17 +387,24 @@ def sampled_gaussian_epsilon(
     _check_targets(1.0, target_delta)
     import dp_accounting  # on use, as in privacy.events
 
-    accountant = new_accountant("rdp", "add-or-remove-one", rdp_orders=RDP_ORDERS)
+    from privacy.composition import compose_rdp
+
+    groups = []
+    for z, q, steps in history:
+        if steps > 0:
+            event = dp_accounting.GaussianDpEvent(z)
+            if q < 1:
+                event = dp_accounting.PoissonSampledDpEvent(q, event)
+            groups.append((event, int(steps)))
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orders near 1 that do not converge are dropped, noisily
     try:
-        for z, q, steps in history:
-            if steps > 0:
-                event = dp_accounting.GaussianDpEvent(z)
-                if q < 1:
-                    event = dp_accounting.PoissonSampledDpEvent(q, event)
-                accountant.compose(event, int(steps))
-        return float(accountant.get_epsilon(target_delta))
+        # The accountant's sum of count x curve, with each step's curve memoised
+        # (``event_rdp_curve``): the server re-derives every client's ε each round from
+        # the same few (z, q), ~0.2 s of RDP at fractional orders each time otherwise.
+        return float(
+            compose_rdp(groups, "add-or-remove-one", RDP_ORDERS).get_epsilon(target_delta)
+        )
     finally:
         absl.setLevel(level)

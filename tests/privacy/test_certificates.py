@@ -39,7 +39,8 @@ def test_gdp_delta_hand_computed():
 def test_gdp_delta_matches_dp_accounting_gaussian_pld(sigma):
     # An independent source: dp-accounting's PLD of one Gaussian release (sensitivity 1,
     # std σ), which is exactly (1/σ)-GDP; its pessimistic discretisation may only add.
-    pld = pld_lib.from_gaussian_mechanism(sigma, value_discretization_interval=1e-5)
+    # At interval 1e-4 it is within 1e-12 of exact here (1e-5: the same, 10x the CPU).
+    pld = pld_lib.from_gaussian_mechanism(sigma, value_discretization_interval=1e-4)
     for epsilon in (0.1, 0.5, 1.0, 2.0):
         exact = gdp_delta(1.0 / sigma, epsilon)
         assert pld.get_delta_for_epsilon(epsilon) == pytest.approx(exact, rel=1e-3, abs=1e-7)

@@ -21,6 +21,8 @@ from server_app.failures import RunFailed
 from tests.fakes import record
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 REAL, K = 4, 4
 CLIP = 0.5
 

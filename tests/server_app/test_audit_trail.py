@@ -17,6 +17,8 @@ from server_app.rounds import participation
 from tests.fakes import instruction, reply_from
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 
 def test_participation_records_each_rejection_with_its_reason_and_no_metrics():
     sent = [instruction({"w": [0.0, 0.0]}, {}, node_id=n) for n in (1, 2, 3, 4, 5)]

@@ -20,7 +20,10 @@ from tests.inprocess import InProcessGrid, run_config, run_server
 NODES = [11, 22, 33, 44]
 # One worker makes the module's shared run once (a module-scoped fixture per worker
 # otherwise).
-pytestmark = pytest.mark.xdist_group("bad-inputs")
+pytestmark = [
+    pytest.mark.xdist_group("bad-inputs"),
+    pytest.mark.usefixtures("learning_curve_not_rendered"),
+]
 
 
 def _only_run(root: Path) -> Path:

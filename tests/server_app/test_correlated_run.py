@@ -14,6 +14,8 @@ from privacy.accounting import PrivacyLedger
 from server_app.results import load_metrics
 from tests.inprocess import run_like_flwr
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 
 @pytest.mark.slow
 def test_banded_mf_run_records_schema_sensitivity_and_epsilon(tmp_path, monkeypatch):

@@ -14,6 +14,8 @@ from config.settings import RunOptions
 from strategies.mechanisms import threat_models
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 CLIENT_NOISE = {
     "privacy": "dp-fedavg-fixed",

@@ -32,7 +32,10 @@ NODES = [11, 22, 33, 44]
 Z, CLIP = 1.0, 1.0
 # One worker makes the module's shared runs once (a module-scoped fixture per worker
 # otherwise).
-pytestmark = pytest.mark.xdist_group("dp-attack")
+pytestmark = [
+    pytest.mark.xdist_group("dp-attack"),
+    pytest.mark.usefixtures("learning_curve_not_rendered"),
+]
 
 
 class RecordingGrid(InProcessGrid):

@@ -22,6 +22,8 @@ import tasks
 from server_app.failures import FailureWatch
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 SERVER_NOISE = {
     "privacy": "dp-fedavg-fixed",

@@ -21,6 +21,8 @@ import pytest
 from server_app.failures import RunFailed
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 DEAD, DIES_IN = 33, 2
 # Seed 3 samples node DEAD in round DIES_IN under each DP wrapper (checked below): with

@@ -17,7 +17,10 @@ from server_app import config, setup
 from tests.inprocess import pyproject_defaults, run_like_flwr
 
 # One worker makes the preset run once (a module-scoped fixture per worker otherwise).
-pytestmark = pytest.mark.xdist_group("presets")
+pytestmark = [
+    pytest.mark.xdist_group("presets"),
+    pytest.mark.usefixtures("learning_curve_not_rendered"),
+]
 
 PRESET = "digits-dp-eps8"
 # A short run of the preset on 4 in-process SuperNodes: 2 rounds, 3 clients expected

@@ -17,7 +17,10 @@ from server_app.results import load_metrics
 from tests.inprocess import run_like_flwr
 
 # One worker makes the runs once (a module-scoped fixture per worker otherwise).
-pytestmark = pytest.mark.xdist_group("privacy-runs")
+pytestmark = [
+    pytest.mark.xdist_group("privacy-runs"),
+    pytest.mark.usefixtures("learning_curve_not_rendered"),
+]
 
 # Mechanics with noise that may swamp 4 clients: no divergence ratio check (it is
 # tested in tests/server_app/test_failure_policy.py).

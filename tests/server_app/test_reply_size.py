@@ -19,6 +19,8 @@ from protocol.replies import (
 from strategies.runtime.messaging import send_and_receive
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 BIG = 33
 

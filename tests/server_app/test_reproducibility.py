@@ -17,6 +17,8 @@ import pytest
 from server_app.results import TIMING_COLUMNS
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 NEW_NODES = [808, 707, 606, 505]
 

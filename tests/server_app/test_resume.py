@@ -29,6 +29,8 @@ from config.options import ConfigError
 from server_app.results import TIMING_COLUMNS, RunDirectory, load_metrics
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 NEW_NODES = [505, 606, 707, 808]  # a new run: new ids, same partitions
 KILLED_AT = 2

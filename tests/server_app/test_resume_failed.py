@@ -23,6 +23,8 @@ from server_app.failures import RunFailed
 from server_app.results import RunDirectory
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44]
 NEW_NODES = [55, 66, 77, 88]
 # The app's default factor (the in-process harness turns the ratio check off) and a

@@ -20,6 +20,8 @@ from privacy.skellam import l1_bound, rounded_l2_bound, skellam_rdp
 from server_app import config
 from tests.inprocess import InProcessGrid, run_config, run_server
 
+pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
+
 NODES = [11, 22, 33, 44, 55]
 DISTRIBUTED = {
     "secagg.enabled": True,
