@@ -31,12 +31,17 @@ def test_timed_run_counts_the_childs_cpu_seconds(peer_digits):
     assert wall > 0
 
 
-def test_pfl_rounds_launcher_sets_the_scripts_rounds_and_runs_its_main(peer_digits, tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_pfl_rounds_launcher_sets_the_scripts_rounds_and_runs_its_main(
+    peer_digits, tmp_path, clock
+):
     script = tmp_path / "peer.py"
     script.write_text(
-        "import sys\nNUM_ROUNDS = 30\n\ndef main():\n    print(NUM_ROUNDS, sys.argv[1:])\n\n"
+        "import sys, time\nNUM_ROUNDS = 30\n\ndef main():\n"
+        "    print(NUM_ROUNDS, sys.argv[1:], time.perf_counter is time.process_time)\n\n"
         "if __name__ == '__main__':\n    main()\n"
     )
-    launch = [sys.executable, "-c", peer_digits.PFL_ROUNDS, str(script), "1000", "--child"]
+    launch = [sys.executable, "-c", peer_digits.PFL_ROUNDS, str(script), "1000", clock, "--child"]
     done = subprocess.run(launch, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "1000 ['--child']"
+    # the CPU clock: the script's lap timer reads the process's CPU seconds
+    assert done.stdout.strip() == f"1000 ['--child'] {clock == 'cpu'}"
