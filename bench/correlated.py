@@ -90,7 +90,7 @@ def one(
     config |= {"min-available-nodes": clients, "min-train-nodes": cohort}
     config["dp.num-sampled-clients"] = cohort
     run_config = " ".join(f"{k}={peer_digits.toml_value(v)}" for k, v in config.items())
-    seconds, metrics, timing = peer_digits.run_engine(run_config, clients, root)
+    seconds, cpu, metrics, timing = peer_digits.run_engine(run_config, clients, root)
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
     released = metrics[metrics["scope"] == "train"].sort_values("round")
@@ -104,6 +104,7 @@ def one(
         "accuracy": float(central["eval-accuracy"].iloc[-1]),
         "warm round s": statistics.median(train["round-seconds"]),
         "process s": round(seconds, 1),
+        "process CPU s": round(cpu, 1),
         "groups": calibration.get("min-separation", 0),  # b as the ledger records it
         "bands": calibration.get("bands", 0),
         "cooldown": cooldown,
