@@ -382,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="arm f also with pfl's noise raised so that what runs is the target ε",
     )
+    parser.add_argument(
+        "--pfl-what-runs-only",
+        action="store_true",
+        help="arm f only with pfl's noise raised (not also as pfl states it)",
+    )
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
@@ -400,10 +405,10 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.pfl_python:
                         parser.error("arm 'pfl-banded-mf' needs --pfl-python PATH")
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.cooldown)
-                    if args.pfl_what_runs:  # pfl as it states itself, then as what runs
+                    fair = args.pfl_what_runs or args.pfl_what_runs_only
+                    if args.pfl_what_runs and not args.pfl_what_runs_only:  # as pfl states
                         rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
                         print(rows[-1], flush=True)
-                    fair = args.pfl_what_runs
                     rows.append(peer(args.pfl_python, epsilon, seed, *sizes, fair=fair))
                 else:
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.amp_groups)

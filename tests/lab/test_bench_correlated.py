@@ -77,3 +77,28 @@ def test_one_reads_the_engines_run(tmp_path, monkeypatch):
     assert (row["process s"], row["process CPU s"], row["groups"], row["bands"]) == (
         12.5, 10.0, 20, 5,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "runs"),
+    [([], [False]), (["--pfl-what-runs"], [False, True]), (["--pfl-what-runs-only"], [True])],
+)
+def test_arm_f_runs_pfl_as_stated_and_or_at_the_epsilon_that_runs(
+    tmp_path, monkeypatch, flags, runs
+):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import correlated as bench
+    finally:
+        sys.path.remove(str(BENCH))
+    ran = []
+
+    def peer(python, epsilon, seed, *sizes, fair=False):
+        ran.append(fair)
+        return {"arm": "f", "epsilon": epsilon, "seed": seed, "ledger epsilon": epsilon,
+                "accuracy": 0.5, "warm round s": 0.1}  # fmt: skip
+
+    monkeypatch.setattr(bench, "peer", peer)
+    argv = ["--arms", "pfl-banded-mf", "--pfl-python", "py", "--eps", "2", "--out", str(tmp_path)]
+    assert bench.main(argv + flags) == 0
+    assert ran == runs  # False: pfl as it states itself; True: its noise for what runs
