@@ -90,7 +90,7 @@ def one(
     config |= {"min-available-nodes": clients, "min-train-nodes": cohort}
     config["dp.num-sampled-clients"] = cohort
     run_config = " ".join(f"{k}={peer_digits.toml_value(v)}" for k, v in config.items())
-    seconds, metrics, timing = peer_digits.run_engine(run_config, clients, root)
+    seconds, cpu, metrics, timing = peer_digits.run_engine(run_config, clients, root)
     train = timing[(timing["scope"] == "train") & (timing["round"] >= 2)]
     central = metrics[metrics["scope"] == "central-eval"].sort_values("round")
     released = metrics[metrics["scope"] == "train"].sort_values("round")
@@ -104,6 +104,7 @@ def one(
         "accuracy": float(central["eval-accuracy"].iloc[-1]),
         "warm round s": statistics.median(train["round-seconds"]),
         "process s": round(seconds, 1),
+        "process CPU s": round(cpu, 1),
         "groups": calibration.get("min-separation", 0),  # b as the ledger records it
         "bands": calibration.get("bands", 0),
         "cooldown": cooldown,
@@ -381,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="arm f also with pfl's noise raised so that what runs is the target ε",
     )
+    parser.add_argument(
+        "--pfl-what-runs-only",
+        action="store_true",
+        help="arm f only with pfl's noise raised (not also as pfl states it)",
+    )
     args = parser.parse_args(argv)
     if args.cost:
         for key, value in cost().items():
@@ -399,10 +405,10 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.pfl_python:
                         parser.error("arm 'pfl-banded-mf' needs --pfl-python PATH")
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.cooldown)
-                    if args.pfl_what_runs:  # pfl as it states itself, then as what runs
+                    fair = args.pfl_what_runs or args.pfl_what_runs_only
+                    if args.pfl_what_runs and not args.pfl_what_runs_only:  # as pfl states
                         rows.append(peer(args.pfl_python, epsilon, seed, *sizes))
                         print(rows[-1], flush=True)
-                    fair = args.pfl_what_runs
                     rows.append(peer(args.pfl_python, epsilon, seed, *sizes, fair=fair))
                 else:
                     sizes = (args.rounds, args.out, args.clients, args.cohort, args.amp_groups)
