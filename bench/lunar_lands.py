@@ -42,7 +42,7 @@ from tasks.lunar_lander.ppo import (  # noqa: E402
 )
 from tasks.lunar_lander.task import EVAL_REWARD, EVAL_REWARD_SE, episode_stats  # noqa: E402
 
-LANDED = 200.0  # the goal: mean evaluation reward per planet
+LANDED = 200.0  # the study's goal: mean evaluation reward per planet
 STABLE_FROM, MAX_DROP = 150.0, 50.0  # after first reaching 150, no drop > 50
 SINGLE_AGENT, CLUSTERED = "local", "clustered"
 Y_RANGE = (-400.0, 350.0)  # learning curves: where the rounds after the first lie
