@@ -42,19 +42,24 @@ DRIVER = textwrap.dedent(
         sys.modules["torch"] = None  # (its import is ~3 s of CPU a driver)
     sys.path.insert(0, str(out / "app"))
 
+    def write(marker, record):  # whole or not at all: the test polls for the file
+        part = marker.with_suffix(".part")
+        part.write_text(json.dumps(record))
+        part.replace(marker)
+
     def run_task(task):
         action, marker = task["action"], out / f"{task['task_id']}.json"
         if action == "ok":
             import numpy, torch
             a = torch.ones(512, 512)
-            marker.write_text(json.dumps({
+            write(marker, {
                 "pid": os.getpid(), "ppid": os.getppid(),
                 "numpy": float(numpy.random.random()),
                 "torch": torch.rand(2).tolist(),
                 "threads": torch.get_num_threads(),
                 "matmul": float((a @ a).sum()),  # a parallel op: its own pool, no hang
                 "fakeapp": "fakeapp" in sys.modules,
-            }))
+            })
         elif action == "raise":
             raise RuntimeError("boom")
         elif action == "exit3":
@@ -64,7 +69,7 @@ DRIVER = textwrap.dedent(
         elif action in ("sleep", "ignore-term"):
             if action == "ignore-term":
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            marker.write_text(json.dumps({"pid": os.getpid()}))
+            write(marker, {"pid": os.getpid()})
             time.sleep(3600)
 
     dropped = superexec.preload(preload, app_dir=out / "app")
