@@ -380,15 +380,19 @@ def deployment():
 
 def _start_refused(deployment: Deployment) -> None:
     """Start the SuperNodes the SuperLink must refuse, at once (their start-ups and
-    retries overlap), and write the plaintext ``lab-plaintext`` connection."""
+    retries overlap), and write the plaintext ``lab-plaintext`` connection. They run
+    with ``--isolation process``: a node that is never activated runs no ClientApp, so
+    no ``flower-superexec`` is started for it."""
     deployment.start_supernode(
-        "unregistered",
+        "unregistered", "--isolation", "process",
         "--root-certificates", str(deployment.ca.public),
         "--auth-supernode-private-key", str(deployment.keys[3].private),
         "--node-config", f"partition-id=0 num-partitions={NUM_NODES}",
     )  # fmt: skip
     # A SuperNode without TLS: the TLS port drops the plaintext HTTP request.
-    deployment.start_supernode("plaintext", "--insecure", "--max-retries", "2")
+    deployment.start_supernode(
+        "plaintext", "--isolation", "process", "--insecure", "--max-retries", "2"
+    )
     # A SuperNode key without TLS is refused before it dials (auth requires TLS).
     deployment.start_supernode(
         "plaintext-auth", "--insecure", "--auth-supernode-private-key",
