@@ -24,12 +24,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pandas as pd
@@ -37,7 +37,7 @@ import psutil
 import pytest
 
 from deploy import supernode as node_launcher  # the app's SuperNode launcher
-from lab import deploy, launcher
+from lab import connections, deploy, launcher
 from lab.launcher import _RUN_DIR_LINE, _RUN_ID_LINE, APP_DIR, BIN, stop_processes
 
 pytestmark = pytest.mark.e2e
@@ -380,27 +380,31 @@ def deployment():
 
 def _start_refused(deployment: Deployment) -> None:
     """Start the SuperNodes the SuperLink must refuse, at once (their start-ups and
-    retries overlap), and write the plaintext ``lab-plaintext`` connection."""
+    retries overlap), and write the plaintext ``lab-plaintext`` connection. They run
+    with ``--isolation process``: a node that is never activated runs no ClientApp, so
+    no ``flower-superexec`` is started for it."""
     deployment.start_supernode(
-        "unregistered",
+        "unregistered", "--isolation", "process",
         "--root-certificates", str(deployment.ca.public),
         "--auth-supernode-private-key", str(deployment.keys[3].private),
         "--node-config", f"partition-id=0 num-partitions={NUM_NODES}",
     )  # fmt: skip
     # A SuperNode without TLS: the TLS port drops the plaintext HTTP request.
-    deployment.start_supernode("plaintext", "--insecure", "--max-retries", "2")
+    deployment.start_supernode(
+        "plaintext", "--isolation", "process", "--insecure", "--max-retries", "2"
+    )
     # A SuperNode key without TLS is refused before it dials (auth requires TLS).
     deployment.start_supernode(
         "plaintext-auth", "--insecure", "--auth-supernode-private-key",
         str(deployment.keys[0].private),
     )  # fmt: skip
     # Meanwhile (and before any `flwr` call reads the connections file again) the
-    # plaintext connection for the flwr CLI, and the CLI through it.
-    subprocess.run(
-        [sys.executable, "-m", "lab.connections", "lab-plaintext",
-         "--address", f"127.0.0.1:{deployment.port}", "--insecure"],
-        cwd=APP_DIR, env=deployment.env, check=True, capture_output=True,
-    )  # fmt: skip
+    # plaintext connection for the flwr CLI, and the CLI through it. Written here, as
+    # `python -m lab.connections lab-plaintext --insecure` writes it (the guide's
+    # register block runs that command): a process of its own cost ~0.9 s of CPU.
+    plaintext = connections.remote("lab-plaintext", f"127.0.0.1:{deployment.port}", None, True)
+    with mock.patch.dict(os.environ, {"FLWR_HOME": str(deployment.home)}):
+        connections.write_superlink_connection(plaintext)
     deployment.start(
         "flwr-plaintext", str(BIN / "flwr"), "supernode", "list", "lab-plaintext", cwd=APP_DIR
     )
