@@ -146,17 +146,59 @@ def calibrate_parameter(
             accountant, neighboring, rdp_orders=RDP_ORDERS, pld_discretization=PLD_DISCRETIZATION
         )
 
-    low, high = _bracket(
-        lambda p: fresh().compose(event(p)).get_epsilon(target_delta), target_epsilon
-    )
+    # dp-accounting's calibration evaluates the bracket's ends again, and its root once
+    # more: each parameter's epsilon (composing its event, the whole cost) is computed
+    # once and handed to it through _KnownEpsilons.
+    epsilons: dict[float, float] = {}
+
+    def epsilon_at(parameter: float) -> float:
+        if parameter not in epsilons:
+            epsilons[parameter] = fresh().compose(event(parameter)).get_epsilon(target_delta)
+        return epsilons[parameter]
+
+    low, high = _bracket(epsilon_at, target_epsilon)
     interval = mechanism_calibration.ExplicitBracketInterval(low, high)
     if tolerance is None:
         tolerance = max(_TOLERANCE, 1e-4 * low)
     return float(
         mechanism_calibration.calibrate_dp_mechanism(
-            fresh, event, target_epsilon, target_delta, bracket_interval=interval, tol=tolerance
+            lambda: _KnownEpsilons(epsilon_at, target_delta),
+            _Parameter,
+            target_epsilon,
+            target_delta,
+            bracket_interval=interval,
+            tol=tolerance,
         )
     )
+
+
+class _Parameter(float):
+    """The parameter dp-accounting's calibration tries, as the event it composes."""
+
+
+class _KnownEpsilons:
+    """The fresh accountant dp-accounting's calibration asks for (an empty ledger,
+    ``compose``, ``get_epsilon``), answering with the memoised ``epsilon_at``."""
+
+    def __init__(self, epsilon_at: Callable[[float], float], target_delta: float) -> None:
+        import dp_accounting
+
+        self.ledger = dp_accounting.NoOpDpEvent()
+        self._epsilon_at, self._delta = epsilon_at, target_delta
+        self._parameter: float | None = None
+
+    def compose(self, parameter: _Parameter) -> _KnownEpsilons:
+        if self._parameter is not None:
+            raise AccountingError("calibration composes one event per fresh accountant")
+        self._parameter = float(parameter)
+        return self
+
+    def get_epsilon(self, target_delta: float) -> float:
+        if self._parameter is None:
+            raise AccountingError("epsilon asked of calibration before a compose")
+        if target_delta != self._delta:
+            raise AccountingError(f"calibration at delta={self._delta}, asked at {target_delta}")
+        return self._epsilon_at(self._parameter)
 
 
 # PLD calibration (``_calibrate_pld``): the search runs on PLDs discretised this many

@@ -9,15 +9,16 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from logging import ERROR, INFO, WARNING
+from logging import ERROR, INFO, WARNING, getLogger
 from typing import Any, ClassVar
-
-from flwr.common.logger import log
 
 from config.settings import Settings, setting
 
 STATUSES = ("completed", "stopped", "failed")
 OUTCOME_FILE = "outcome.json"
+# Flower's own logger (what flwr.common.logger.log writes to), named rather than imported:
+# reading a run's outcome (a notebook, lab.figures) needs no Flower.
+log = getLogger("flwr").log
 
 
 @dataclass

@@ -18,15 +18,15 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pandas as pd
-import torch
 
 from config.options import ConfigError
 from config.renamed import current_keys
 from protocol.keys import STATE_DIR
 from server_app.failures import OUTCOME_FILE
-from tasks.base import TRAIN_SECONDS
+from tasks.metric_keys import TRAIN_SECONDS
 
 if TYPE_CHECKING:
+    import torch
     from torch.utils.tensorboard import SummaryWriter
 
 DIST_NAME = "flower-privacy-lab"
@@ -108,6 +108,8 @@ def _atomic_write_text(path: Path, text: str, *, private: bool = False) -> None:
 def _atomic_torch_save(path: Path, obj: Any, *, private: bool = False) -> None:
     """``torch.save`` to a temporary name, then rename; ``private``: owner-only (0600)
     from the moment the file exists."""
+    import torch  # on use: reading a run's tables (a notebook, lab.figures) needs no torch
+
     tmp = path.with_name(f".{path.name}.tmp")
     if private:
         with _open_private(tmp) as file:
@@ -191,6 +193,8 @@ class RunDirectory:
 
     def write_config(self, run_config: Mapping[str, Any]) -> None:
         """Write the resolved run-config and the software environment."""
+        import torch
+
         doc = {
             "run-config": dict(run_config),
             # Wall-clock time at which the run directory was created (``elapsed-s`` in
@@ -471,6 +475,8 @@ def _load_checkpoint(path: Path, run_config: Mapping[str, Any]) -> dict:
             f"{k!r}: {saved.get(k)!r} then, {run_config.get(k)!r} now" for k in differ
         )
         raise ConfigError(f"{key} = {str(path)!r} ran with another run-config ({shown})")
+    import torch
+
     try:
         state = torch.load(file, weights_only=True)
     except Exception as err:  # torch raises several kinds for a damaged file

@@ -25,21 +25,18 @@ from privacy.dpsgd import DPSGD as DPSGD
 from privacy.dpsgd import LOCAL_EPSILON as LOCAL_EPSILON
 from privacy.mechanisms import secret_seed
 
+# Metric keys every task reports (kebab-case, stable across tasks).
+from tasks.metric_keys import EVAL_ACCURACY as EVAL_ACCURACY
+from tasks.metric_keys import EVAL_LOSS as EVAL_LOSS
+from tasks.metric_keys import EVAL_REWARD as EVAL_REWARD
+from tasks.metric_keys import NUM_EXAMPLES as NUM_EXAMPLES
+from tasks.metric_keys import TRAIN_ACCURACY as TRAIN_ACCURACY
+from tasks.metric_keys import TRAIN_LOSS as TRAIN_LOSS
+from tasks.metric_keys import TRAIN_REWARD as TRAIN_REWARD
+from tasks.metric_keys import TRAIN_SECONDS as TRAIN_SECONDS
+
 if TYPE_CHECKING:
     from privacy.frontloaded import FrontLoadedDP
-
-
-# Metric keys every task reports (kebab-case, stable across tasks).
-NUM_EXAMPLES = "num-examples"
-TRAIN_LOSS = "train-loss"
-TRAIN_ACCURACY = "train-accuracy"
-EVAL_LOSS = "eval-loss"
-EVAL_ACCURACY = "eval-accuracy"
-TRAIN_REWARD = "train-reward"  # RL tasks: mean return of the episodes played in training
-EVAL_REWARD = "eval-reward"  # RL tasks: mean return of the evaluation episodes
-# Wall-clock seconds of a client's own training work in a round, where its task reports
-# them (lunar-lander: SB3's PPO.learn); differs between identical runs.
-TRAIN_SECONDS = "train-seconds"
 
 
 def local_seed(run_seed: int, server_round: int, partition_id: int, *more: int) -> int:

@@ -7,6 +7,7 @@ Design notes: ``docs/notes.md``, ``tasks.lunar_lander.ppo``.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -469,6 +470,12 @@ def training_env(client: ClientEnv, cfg: PPOConfig, *, seed: int, observe_gravit
     (copy ``i`` seeded ``seed + i``, each inside its own ``Monitor``), observing gravity
     if ``observe_gravity``, their rewards times ``cfg.reward_scale`` (``ScaledReward``)."""
     env_fn = partial(make_env, client, observe_gravity=observe_gravity)
+    if cfg.vec_env == "subproc":
+        # SB3 starts its workers from multiprocessing's forkserver: preloaded with this
+        # module (SB3, torch, the environments), the forkserver imports them once and each
+        # round's workers fork with them, instead of each worker importing torch afresh.
+        # Takes effect when this process's forkserver first starts.
+        multiprocessing.set_forkserver_preload(["__main__", __name__])
     vec_env = make_vec_env(env_fn, n_envs=cfg.n_envs, seed=seed, vec_env_cls=VEC_ENVS[cfg.vec_env])
     return ScaledReward(vec_env, cfg.reward_scale) if cfg.reward_scale != 1.0 else vec_env
 

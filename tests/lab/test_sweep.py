@@ -63,7 +63,14 @@ def test_a_sweep_runs_as_ray_tasks_then_resumes_in_processes_and_reports_a_failu
     common = ["--out", str(tmp_path), "--base", BASE, "--federation-config", "num-supernodes=3"]
 
     # Ray tasks, on a fresh local instance: never a Ray cluster another test started here.
-    ray.init(address="local", num_cpus=1, runtime_env=sweep.ray_runtime_env(), log_to_driver=False)
+    # No dashboard: nothing here reads it, and its server costs CPU the whole test long.
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        runtime_env=sweep.ray_runtime_env(),
+        log_to_driver=False,
+    )
     try:
         on_ray = [*common, "--grid", "privacy='none','dp-fedavg-fixed'", "--backend", "ray"]
         assert sweep.main(on_ray) == 0

@@ -194,3 +194,44 @@ def test_cli_errors_name_the_flag_and_exit_2(args, message, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "--sampling {poisson,without-replacement,none}" in err
+
+
+def test_rdp_calibration_composes_each_multiplier_once_and_agrees_with_dp_accounting():
+    # dp-accounting's calibration asks again for the bracket's ends and its root; each
+    # z is composed once here, and the z found is the one its own search finds.
+    from dp_accounting import mechanism_calibration
+
+    from privacy import calibration
+
+    def releases(z: float) -> list:
+        return [calibration._release(z, rounds=50, sample_size=5, population=5, sampling="none")]
+
+    tried: list[float] = []
+
+    def counted(z: float) -> list:
+        tried.append(z)
+        return releases(z)
+
+    neighboring = "add-or-remove-one"
+    z = calibration.calibrate_parameter(
+        counted, target_epsilon=3.0, target_delta=1e-5, accountant="rdp",
+        neighboring=neighboring, tolerance=1e-6,
+    )  # fmt: skip
+
+    assert len(tried) == len(set(tried)) >= 5  # 1, 2, 4 bracket; brentq's own points
+
+    def fresh():
+        return RdpAccountant(RDP_ORDERS, dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+    def event(p: float):
+        return dp_accounting.ComposedDpEvent(
+            [calibration.to_dp_event(r, neighboring) for r in releases(p)]
+        )
+
+    low, high = calibration._bracket(lambda p: fresh().compose(event(p)).get_epsilon(1e-5), 3.0)
+    direct = mechanism_calibration.calibrate_dp_mechanism(
+        fresh, event, 3.0, 1e-5,
+        bracket_interval=mechanism_calibration.ExplicitBracketInterval(low, high), tol=1e-6,
+    )  # fmt: skip
+    assert z == direct
+    assert fresh().compose(event(z)).get_epsilon(1e-5) <= 3.0
