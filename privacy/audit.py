@@ -16,7 +16,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from scipy import optimize, special, stats
+
+# scipy.optimize and scipy.stats (~2 CPU-s of imports) only where the server's audit
+# uses them: the canary ClientApp imports this module for the canaries alone.
+from scipy import special
 
 from privacy import subspace
 from privacy.mechanisms import make_generator
@@ -133,6 +136,8 @@ def gaussian_pair_epsilon(
         return 0.0
     if excess(EPSILON_CAP) > delta:
         return EPSILON_CAP
+    from scipy import optimize
+
     return float(optimize.brentq(lambda e: excess(e) - delta, 0.0, EPSILON_CAP, xtol=1e-6))
 
 
@@ -173,6 +178,8 @@ def estimate_interval(
         return None
     mu = _gdp_mu(inserted, held_out)
     spread = math.sqrt(1 / len(inserted) + 1 / len(held_out))
+    from scipy import stats
+
     half = float(stats.norm.ppf(0.5 + level / 2)) * spread
     return _gdp_epsilon(max(0.0, mu - half), delta), _gdp_epsilon(mu + half, delta)
 
@@ -201,6 +208,8 @@ def one_run_p_value(m: int, guesses: int, correct: int, eps: float, delta: float
     q = float(special.expit(eps))  # the accuracy of eps-DP randomized response
     # P[Binomial(r, q) >= v - i] for i = 0..v in one call: scipy's per-call overhead is
     # most of an audit's cost (a root search evaluates this ~20 times per guess count).
+    from scipy import stats
+
     i = np.arange(0, correct + 1)
     sf = stats.binom.sf(correct - i - 1, guesses, q)
     tail = float(sf[0])  # P[Binomial(r, q) >= v]
@@ -221,6 +230,8 @@ def _largest_rejected(m: int, guesses: int, correct: int, delta: float, level: f
         return 0.0
     if margin(EPSILON_CAP) > 0:
         return EPSILON_CAP
+    from scipy import optimize
+
     return float(optimize.brentq(margin, 0.0, EPSILON_CAP, xtol=1e-6))
 
 

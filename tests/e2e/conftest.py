@@ -40,9 +40,15 @@ DIGITS = (
 
 
 # What every run's Ray may skip: the workers Ray starts ahead for the first driver (the
-# ClientApp actors need the simulation's runtime env, so they never use them) and usage
-# statistics.
-RAY_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# ClientApp actors need the simulation's runtime env, so they never use them), usage
+# statistics, the raylets' memory monitor (a poll every 250 ms; these runs use a few
+# hundred MB) and the metrics every Ray process records and exports (nothing reads them).
+RAY_ENV = {
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_memory_monitor_refresh_ms": "0",
+    "RAY_enable_metrics_collection": "0",
+}
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
 """`flwr run` of the federated PPO task (the PPO study) on 3 SuperNodes (one per planet):
-fedavg, clustered FedAvg, the Laplace mechanism and the options of the study that lands (kept Adam
-state, the gravity input, a server optimizer, seeded evaluation with standard errors),
-each for 2 tiny rounds.
+clustered FedAvg, IFCA, FedAvg under the Laplace mechanism and FedAvg with the options of
+the study that lands (kept Adam state, the gravity input, a server optimizer, seeded
+evaluation with standard errors), each for 2 tiny rounds. Plain FedAvg has no run of its
+own: the Laplace run is FedAvg with the clients' and the server's defaults, and every
+check of a plain run is made on it.
 
 The "lands" run (client state kept across rounds in Flower's Context, SB3 training in
 Ray's worker processes) goes through `flwr run`, and the in-process engine makes it again:
@@ -37,7 +39,6 @@ TINY = (
     "ppo.batch-size=64 ppo.n-epochs=1 ppo.check-freq=64"
 )
 VARIANTS = {
-    "fedavg": "strategy='fedavg' ppo.eval-episodes=1",
     "clustered": "strategy='clustered' cluster.k=2 cluster.assign='l2' ppo.eval-episodes=1",
     "ifca": "strategy='clustered' cluster.k=2 cluster.assign='loss' "
     "cluster.update='assignment' cluster.init='distinct' ppo.eval-episodes=1",
