@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.trace_round import circles  # the import-circle finder the trace reports with
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (
     "config",
@@ -98,27 +100,8 @@ def test_privacy_and_tasks_import_no_flower(package):
     assert wrong == []
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    cycles = []
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for dep in sorted(graph[module]):
-            if state.get(dep) == 1:
-                cycles.append([*path[path.index(dep) :], dep])
-            elif dep not in state:
-                visit(dep, [*path, dep])
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    return cycles
-
-
 def test_there_is_no_import_cycle():
-    assert _cycles(GRAPH) == []
+    assert circles(GRAPH) == []
 
 
 def _full_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
@@ -138,7 +121,7 @@ def _full_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
 @cache
 def _fab_cycles() -> tuple[tuple[str, ...], ...]:
     """The cycles of the shipped packages' full graph: parsed once, not once per package."""
-    return tuple(tuple(cycle) for cycle in _cycles(_full_graph(FAB)))
+    return tuple(tuple(cycle) for cycle in circles(_full_graph(FAB)))
 
 
 @pytest.mark.parametrize("package", FAB)
@@ -176,8 +159,8 @@ def test_a_cycle_is_found_when_there_is_one():
     finally:
         GRAPH = saved
     three = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
-    assert _cycles(three) == [["a", "b", "c", "a"]]
-    assert _cycles({**three, "c": {"d"}}) == []
+    assert circles(three) == [["a", "b", "c", "a"]]
+    assert circles({**three, "c": {"d"}}) == []
 
 
 def test_a_type_hint_that_closes_a_circle_is_found(tmp_path):
