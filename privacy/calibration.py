@@ -163,17 +163,13 @@ def calibrate_parameter(
     return float(
         mechanism_calibration.calibrate_dp_mechanism(
             lambda: _KnownEpsilons(epsilon_at, target_delta),
-            _Parameter,
+            float,  # the "event" _KnownEpsilons composes: the parameter itself
             target_epsilon,
             target_delta,
             bracket_interval=interval,
             tol=tolerance,
         )
     )
-
-
-class _Parameter(float):
-    """The parameter dp-accounting's calibration tries, as the event it composes."""
 
 
 class _KnownEpsilons:
@@ -187,7 +183,7 @@ class _KnownEpsilons:
         self._epsilon_at, self._delta = epsilon_at, target_delta
         self._parameter: float | None = None
 
-    def compose(self, parameter: _Parameter) -> _KnownEpsilons:
+    def compose(self, parameter: float) -> _KnownEpsilons:
         if self._parameter is not None:
             raise AccountingError("calibration composes one event per fresh accountant")
         self._parameter = float(parameter)
