@@ -60,12 +60,8 @@ SLOW = (
     "tests/lab/test_comparison.py::test_analysing_existing_runs_writes_every_file",
     "tests/lab/test_lunar_one_planet.py",
     "tests/lab/test_lunar_outcomes.py",
-    "tests/lab/test_ppo_twin.py",
-    "tests/lab/test_ppo_throughput.py",
-    "tests/lab/test_ppo_side_by_side.py",
-    "tests/lab/test_ppo_gradients.py",
-    "tests/lab/test_superexec.py::test_a_stop_signal_takes_the_poller_and_every_child_along",
-    "tests/lab/test_superexec.py::test_the_zygote_stops_when",
+    "tests/deploy/test_superexec.py::test_a_stop_signal_takes_the_poller_and_every_child_along",
+    "tests/deploy/test_superexec.py::test_the_zygote_stops_when",
 )
 
 
