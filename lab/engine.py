@@ -220,14 +220,15 @@ def run(
     shows it). ``grid_factory(config, node_ids)`` builds the grid (default
     :class:`InProcessGrid`). A ServerApp that raises gives return code 1; its traceback
     is in ``error`` and logged."""
+    federation = federation or Federation()
+    config = fused_run_config(run_config)  # an undeclared key fails before the imports
+
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER
     from flwr.supercore.task_identity import TaskIdentity
 
     from server_app.app import app as server_app
 
-    federation = federation or Federation()
-    config = fused_run_config(run_config)
     factory = grid_factory or InProcessGrid
     grid = factory(config, node_ids(federation.num_supernodes))
     grid.client_threads = federation.num_cpus

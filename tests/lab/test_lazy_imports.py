@@ -22,11 +22,11 @@ COMMANDS = sorted(
     if "def main(" in path.read_text()
 )
 
-# A fresh interpreter runs the command as ``python -m <module> --help`` does (importing
-# the module, building its parser, printing help), then reports what it imported.
+# A fresh interpreter runs the command as ``python -m <module> ARGS`` does (importing
+# the module, building its parser, running main), then reports what it imported.
 PROBE = """
 import json, runpy, sys
-sys.argv = [sys.argv[1], "--help"]
+sys.argv = sys.argv[1:]
 try:
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 except SystemExit as exc:
@@ -42,10 +42,11 @@ def heavy_among(modules: set[str]) -> list[str]:
     return sorted(h for h in HEAVY if any(m == h or m.startswith(f"{h}.") for m in modules))
 
 
-def help_imports(module: str) -> tuple[object, set[str], str]:
-    """(exit code, imported module names, output) of ``python -m module --help``."""
+def help_imports(module: str, *args: str) -> tuple[object, set[str], str]:
+    """(exit code, imported module names, output) of ``python -m module ARGS``
+    (default ``--help``)."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, module],
+        [sys.executable, "-c", PROBE, module, *(args or ["--help"])],
         cwd=APP_DIR,
         capture_output=True,
         text=True,
@@ -67,6 +68,15 @@ def test_help_imports_nothing_heavy(module):
     assert code == 0
     assert "usage:" in output
     assert heavy_among(modules) == [], f"{module} --help imported heavy modules"
+
+
+def test_an_undeclared_key_is_refused_before_the_app_is_imported():
+    """``lab.run`` refuses a key the app does not declare before it imports the ServerApp
+    (PyTorch, Flower's runtime: seconds), with the key named."""
+    code, modules, output = help_imports("lab.run", "--run-config", "no-such-key=1")
+    assert code == 2
+    assert "'no-such-key' are not declared by the app" in output
+    assert heavy_among(modules) == [] and "server_app.app" not in modules
 
 
 def test_the_probe_sees_a_heavy_import():
