@@ -200,7 +200,7 @@ def check(
                 f'{max(short.values())} client-resources-num-cpus=1" or lower the key'
             )
         try:
-            setup._check_size(size, cfg.part(AuditSettings).canaries, cfg.task, task)
+            setup.check_size(size, cfg.part(AuditSettings).canaries, cfg.task, task)
         except StopTraining as err:
             raise CheckError(str(err)) from None
     return f"OK: {setup.privacy_line(cfg)}; federation: {where}"

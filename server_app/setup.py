@@ -308,7 +308,7 @@ def check_federation(grid: Grid, cfg: RunConfig, task: Task, strategy) -> list[i
     canaries = cfg.part(AuditSettings).canaries
     if sizes:
         (size,) = sizes
-        _check_size(size, canaries, cfg.task, task)
+        check_size(size, canaries, cfg.task, task)
     described = _describe(sizes)
     if canaries:  # say which nodes are not real clients: a federation not sized N + k
         described += f" ({canaries} of them the audit's canaries, the last partition ids)"
@@ -341,8 +341,9 @@ def _check_clusters(cfg: RunConfig, strategy, connected: int) -> None:
         )
 
 
-def _check_size(size: int, canaries: int, name: str, task: Task) -> None:
-    """num-partitions against the audit's canaries and a task that fixes its clients."""
+def check_size(size: int, canaries: int, name: str, task: Task) -> None:
+    """num-partitions against the audit's canaries and a task that fixes its clients (the
+    ServerApp's start-up and ``lab check``); raises ``StopTraining`` with the fix."""
     if canaries and size <= canaries:
         raise StopTraining(
             f"'audit.canaries' = {canaries} needs num-partitions = N + {canaries} with N "
