@@ -11,6 +11,7 @@ connections instead, through Flower's own config API, touching no other entry::
         --root-certificates certs/ca.crt               # a real SuperLink
     python -m lab.connections ray-lab --ray-address 10.0.0.5:6379 \\
         --num-supernodes 100                           # simulation on a Ray cluster
+    python -m lab.connections --stop          # stop the local SuperLink (by PID)
 
 Design notes: ``docs/notes.md``, ``lab.connections``.
 """
@@ -148,16 +149,47 @@ def check_ray_address(ray_address: str) -> None:
         raise SystemExit(f"--ray-address {ray_address}: expected the head's HOST:PORT")
 
 
-def local_superlink_environments() -> dict[int, dict[str, str]]:
-    """PID -> environment of each local SuperLink of this Flower home that is running
-    now (found by its log file, under this home): the environment a simulation gets."""
+def local_superlink_processes() -> list[psutil.Process]:
+    """Each local SuperLink of this Flower home that is running now, found by its log
+    file under this home (never another home's or another user's)."""
     marker = str(get_flwr_home() / "local-superlink")
-    found: dict[int, dict[str, str]] = {}
+    found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             if any(marker in part for part in proc.info["cmdline"] or []):
-                found[proc.pid] = proc.environ()
+                found.append(proc)
     return found
+
+
+def local_superlink_environments() -> dict[int, dict[str, str]]:
+    """PID -> environment of each local SuperLink of this Flower home that is running
+    now: the environment a simulation gets."""
+    found: dict[int, dict[str, str]] = {}
+    for proc in local_superlink_processes():
+        with contextlib.suppress(psutil.Error):
+            found[proc.pid] = proc.environ()
+    return found
+
+
+def stop_local_superlink(timeout: float = 10.0) -> str:
+    """Stop this Flower home's local SuperLink and its children by PID (SIGTERM, then
+    SIGKILL after ``timeout`` s); return what was done, to print."""
+    victims: list[psutil.Process] = []
+    for proc in local_superlink_processes():
+        with contextlib.suppress(psutil.Error):
+            victims += [proc, *proc.children(recursive=True)]
+    if not victims:
+        return f"No local SuperLink of {get_flwr_home()} is running"
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(victims, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    pids = ", ".join(str(p.pid) for p in victims)
+    return f"Stopped the local SuperLink of {get_flwr_home()} (PIDs {pids})"
 
 
 def local_superlink_ray_addresses() -> dict[int, str | None]:
@@ -280,6 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         help="only write the connection; the next `flwr run` starts the local SuperLink "
         "with its shell's environment",
     )
+    parser.add_argument(
+        "--stop",
+        action="store_true",
+        help="stop this Flower home's local SuperLink (by PID) and write nothing",
+    )
     parser.add_argument("--num-supernodes", type=int, default=10)
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per ClientApp")
     parser.add_argument(
@@ -289,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
         help="GPU fraction per ClientApp (0.25: 4 clients share a GPU)",
     )
     args = parser.parse_args(argv)
+    if args.stop:
+        print(stop_local_superlink())
+        return
     if args.address is not None and args.ray_address is not None:
         parser.error("--address (a real SuperLink) and --ray-address exclude each other")
     size = SimulationSize(args.num_supernodes, args.num_cpus, args.num_gpus)

@@ -105,3 +105,20 @@ def test_a_superlink_that_cannot_start_is_a_clear_error(flwr_home, monkeypatch):
         main([])
     assert RUNTIME_INSTALL_ENV in str(info.value)
     assert (flwr_home / "config.toml").is_file()  # the connection is written first
+
+
+def test_stop_ends_this_homes_local_superlink_by_pid_and_no_other(flwr_home, tmp_path_factory):
+    ours, other = _stand_in(flwr_home), _stand_in(tmp_path_factory.mktemp("other-home"))
+    try:
+        _wait_found(ours.pid)
+        main(["--stop"])
+        ours.wait(timeout=1)  # stopped (and reaped by --stop, which waits for it)
+        assert other.poll() is None  # another Flower home's SuperLink runs on
+        assert not (flwr_home / "config.toml").exists()  # --stop writes nothing
+        assert (
+            connections.stop_local_superlink() == f"No local SuperLink of {flwr_home} is running"
+        )
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
