@@ -46,7 +46,7 @@ class Panel:
     ylabel: str
 
 
-# The seed's six panels of comparison_results.png.
+# The six panels of the SmartFedProx study's comparison_results.png.
 PANELS: tuple[Panel, ...] = (
     Panel("central-eval", "eval-r2", "R² score (global model, central test set)", "R²"),
     Panel("central-eval", "eval-mse", "MSE (global model, central test set)", "MSE"),
@@ -69,8 +69,9 @@ CLASSIFICATION_FIGURES = ("accuracy_comparison.png", "loss_comparison.png")
 
 
 def panels_for(metrics: pd.DataFrame) -> tuple[tuple[Panel, ...], dict[str, Panel]]:
-    """The six panels and the single-panel figures for what the runs report: the seed's
-    regression panels, or accuracy and loss in their place for classification runs."""
+    """The six panels and the single-panel figures for what the runs report: the
+    SmartFedProx study's regression panels, or accuracy and loss in their place for
+    classification runs."""
     if "eval-r2" in metrics or "eval-accuracy" not in metrics:
         return PANELS, FIGURES
     panels = (*CLASSIFICATION_PANELS, *PANELS[2:])

@@ -338,7 +338,7 @@ def distortion_weights(
 ) -> tuple[float, float]:
     """(a, b) = (Tr(P⁻¹), Tr(PG)) at the metric with eigenvalues ``τ + lam`` on U.
 
-    The seed leaves a and b open. With the clip norm set at the updates' RMS P-norm
+    Subspace-DP-FL leaves a and b open. With the clip norm set at the updates' RMS P-norm
     (C² = Tr(PG)) the noise energy of a release is ∝ Tr(PG)·Tr(P⁻¹); its gradient in P is
     ``Tr(P⁻¹)·G − Tr(PG)·P⁻²``, the gradient of D with these weights. Only b/a matters,
     and it is invariant to the scale of G.

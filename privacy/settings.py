@@ -131,13 +131,13 @@ class DPSettings(Settings):
     noise_std: float = setting(
         0.01,
         "CG-NG / CG-NP / CP-NP: std sigma of the Gaussian noise on the averaged "
-        "gradient, the parameters or the clipped delta (the seed's --sigma).",
+        "gradient, the parameters or the clipped delta (frontloaded-dp-hfl's --sigma).",
         low=0.0,
     )
     per_example: bool = setting(
         False,
         "CG-NG: clip per example (Opacus) and noise every step, then accounted as "
-        "sample-level DP; false: the seed's per-batch clipping, no formal guarantee.",
+        "sample-level DP; false: frontloaded-dp-hfl's per-batch clipping, no formal guarantee.",
     )
 
     @staticmethod

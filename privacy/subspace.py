@@ -6,7 +6,7 @@ The metric is ``P = U Λ Uᵀ + τ I`` with ``U`` (d×k) orthonormal, ``Λ = dia
 
     P^p v = τ^p v + U diag((τ + λ)^p − τ^p) Uᵀ v.
 
-**Mechanism (seed's Theorem 1).** One client's update ``g`` is clipped in the P-norm,
+**Mechanism (Subspace-DP-FL's Theorem 1).** One client's update ``g`` is clipped in the P-norm,
 ``ḡ = g · min(1, C/‖g‖_P)`` with ``‖g‖_P = √(gᵀPg)``, and the sum of the m clipped
 updates is released with aligned elliptical noise ``z ~ N(0, σ²C² P⁻¹)``::
 
@@ -73,7 +73,7 @@ class SubspaceMetric:
     basis : numpy.ndarray
         U, shape (d, k), orthonormal columns (k may be 0: ``P = τI``).
     lam : numpy.ndarray
-        λ, shape (k,); ``τ + λ_i > 0`` (P positive definite). The seed's
+        λ, shape (k,); ``τ + λ_i > 0`` (P positive definite). Subspace-DP-FL's
         constraint ``P ⪰ τI`` is ``λ ≥ 0``; the metric itself accepts ``λ > −τ``.
     tau : float
         τ > 0, the eigenvalue of P on the orthogonal complement of U.

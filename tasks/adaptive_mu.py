@@ -19,11 +19,11 @@ DIVERGENCE_DAMPING = 0.5  # divergence_factor = 1 + 0.5 * (ratio - 1)
 DIVERGENCE_FACTOR_RANGE = (0.5, 2.0)  # the factor is clamped to this interval
 EPOCH_SLOPE = 0.1  # epoch_factor = 1 + 0.1 * (local_epochs - 1)
 RATIO_EPSILON = 1e-8  # ratio = historical / (global + 1e-8)
-EMA_ALPHA = 0.3  # the seed's smoothing factor of the historical divergence
+EMA_ALPHA = 0.3  # the SmartFedProx study's smoothing factor of the historical divergence
 
 
 def clamp(value: float, low: float, high: float) -> float:
-    """``value`` limited to ``[low, high]`` (the seed's ``max(low, min(high, value))``)."""
+    """``value`` limited to ``[low, high]`` (the study's ``max(low, min(high, value))``)."""
     return max(low, min(high, value))
 
 
@@ -84,7 +84,7 @@ def adaptive_mu(
 
 
 def ema(previous: float, value: float, alpha: float = EMA_ALPHA) -> float:
-    """One step of the seed's historical-divergence EMA (section 3.3).
+    """One step of the SmartFedProx study's historical-divergence EMA (section 3.3).
 
     ``alpha * value + (1 - alpha) * previous``; the history starts at 0.0.
 
@@ -115,7 +115,7 @@ def model_divergence(
     """L2 distance of the local from the global weights (the SmartFedProx study, section 2.3).
 
     ``sqrt(sum_i ||w_local_i - w_global_i||^2)`` over paired tensors or arrays,
-    accumulated in float64 (the seed's ``compute_model_divergence``).
+    accumulated in float64 (the study's ``compute_model_divergence``).
 
     Raises
     ------

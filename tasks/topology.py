@@ -3,7 +3,7 @@
 The clients (partitions ``0 .. n-1``) are grouped into ``E`` edges (run-config key
 ``hier.num-edges``) in contiguous blocks: edge ``e`` holds the partitions
 ``[floor(e n / E), floor((e + 1) n / E))``, so edge sizes differ by at most one and
-every partition lies in exactly one edge. The seed (frontloaded-dp-hfl, after HierFL,
+every partition lies in exactly one edge. frontloaded-dp-hfl (after HierFL,
 Liu et al., 2020, "Client-Edge-Cloud Hierarchical Federated Learning") draws the
 members of each edge at random; here the assignment is a pure function of the ids, so
 every process (ServerApp, each ClientApp, partitioning) derives the same one without

@@ -125,21 +125,92 @@ def test_benchmark_page_titles_drop_code_marks():
     assert gen.page_title("Deployed rounds (``)") == "Deployed rounds"
 
 
+# A source document called "the seed": its possessive, and phrases that only make sense
+# for a document. Words are joined by \s+ (a phrase may wrap; the pattern's own text here
+# does not match itself). The random seed is written otherwise ("the run seed", "one
+# seed's spread", "every seed's audit"), so the guard needs no exceptions.
+SOURCE_CALLED_SEED = re.compile(
+    "|".join(
+        [
+            r"\bthe\s+seed['’]s\b",
+            r"\bthe\s+seeds['’]",
+            r"\bthe\s+seed\s+(?:does|uses|writes|leaves|names|sorts|draws|hard-codes|asks|cuts)\b",
+            r"\bpart\s+\d+\s+of\s+the\s+seed\b",
+            r"\bchanges\s+from\s+the\s+seed\b",
+            r"\bas\s+in\s+the\s+seed\b",
+            r"\bdeparture\s+from\s+the\s+seed\b",
+            r"\bseed['’]s\s+(?:rule|theorem|section|setting|settings|model|mlp)\b",
+        ]
+    ),
+    re.IGNORECASE,
+)
+
+
 def test_no_file_cites_what_a_reader_cannot_open():
     """No tracked file names an issue number, an internal source document ("seed" plus
-    three digits) or a path outside the repository: a reader cannot resolve them."""
+    three digits, or a source called "the seed": ``SOURCE_CALLED_SEED``) or a path
+    outside the repository: a reader cannot resolve them."""
     tracked = subprocess.run(
         ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
     pattern = re.compile("|".join([r"\bissue[ -]\d+", r"\bseed 0\d\d\b", r"\.\./" + "shared"]))
-    cited = []
+    cited, seeds = [], []
     for name in tracked:
         path = REPO / name
         if path.suffix not in {".py", ".md", ".toml", ".yml", ".yaml", ".json", ".sh", ""}:
             continue
-        if path.is_file() and (match := pattern.search(path.read_text(errors="ignore"))):
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="ignore")
+        if match := pattern.search(text):
             cited.append(f"{name}: {match.group(0)}")
+        seeds += [f"{name}: {m.group(0)!r}" for m in SOURCE_CALLED_SEED.finditer(text)]
     assert not cited, cited
+    assert not seeds, (
+        "name the source instead of 'the seed' (the names in docs/index.md, \"Sources\": "
+        f"the PPO study, the SmartFedProx study, ...): {seeds}"
+    )
+
+
+# Built with str.format so that this file's own text holds none of them.
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the {s}'s Theorem 1",
+        "The {s}'s setting: 10 clients",
+        "the {s}s' 9-33 planets",
+        "k-means on the weights (the\n{s}'s rule)",
+        "the {s}’s rule",
+        "The {s} writes Tr(P) <= B",
+        "the {s} hard-codes 32x32",
+        "Part 2 of the {s}:",
+        "Changes from the {s}: any input channels",
+        "CG-NG and CG-NP, as in the {s}, clip per batch",
+        "(a departure from the {s})",
+        "the Subspace-DP-FL {s}'s section 6",
+        "the {s} asks",
+    ],
+)
+def test_source_called_seed_is_caught(text):
+    assert SOURCE_CALLED_SEED.search(text.format(s="seed"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "derive DP noise from the {s}",
+        "no epsilon holds against anyone who knows the {s}",
+        "within one {s}'s spread",
+        "every {s}'s audit fails",
+        "the run {s}'s stream",
+        "the spread over {s}s",
+        "the {s} of this training's DP randomness",
+        "a {s} fixes the client table",
+        "whatever the {s}.",
+    ],
+)
+def test_random_seed_wording_passes(text):
+    assert not SOURCE_CALLED_SEED.search(text.format(s="seed"))
 
 
 def test_readme_links_resolve():

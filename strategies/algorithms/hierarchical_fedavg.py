@@ -69,8 +69,8 @@ def weighted_average(arrays_list: list[list[np.ndarray]], weights: list[float]) 
 def apply_deltas(
     model: list[np.ndarray], deltas: list[list[np.ndarray]], weights: list[float], eta: float
 ) -> list[np.ndarray]:
-    """The seed's CP-NP edge update ``w + eta * sum_i n_i dw_i / sum_i n_i`` (float64);
-    non-floating arrays (e.g. BatchNorm's step counter) are kept, as in the seed's
+    """frontloaded-dp-hfl's CP-NP edge update ``w + eta * sum_i n_i dw_i / sum_i n_i`` (float64);
+    non-floating arrays (e.g. BatchNorm's step counter) are kept, as in its
     ``average_weights_edge``."""
     mean = weighted_average(deltas, weights)
     return [

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class FrontLoadedDPClients(PrivacyWrapper):
-    """Run one of the seed's client modes under a hierarchical strategy; keep the ledger.
+    """Run one of frontloaded-dp-hfl's client modes under a hierarchical strategy; keep the ledger.
 
     Parameters
     ----------

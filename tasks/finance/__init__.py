@@ -1,5 +1,5 @@
 """Disposable-income regression on Indian personal-finance data (the SmartFedProx study): the real
-Kaggle CSV (``finance.data-path``) or its synthetic twin, the seed's non-IID
+Kaggle CSV (``finance.data-path``) or its synthetic twin, the study's non-IID
 partitionings, a BatchNorm MLP with FedBN as an option, and sample-level DP-SGD on a
 LayerNorm variant of the MLP."""
 

@@ -338,7 +338,8 @@ def income_brackets(income: np.ndarray, reference: np.ndarray) -> np.ndarray:
 
 
 def partition_keys(frame: pd.DataFrame, brackets: np.ndarray) -> np.ndarray:
-    """The seed's partition key: ``(occupation * 3 + city_tier) * 4 + bracket``, 0-47."""
+    """The SmartFedProx study's partition key: ``(occupation * 3 + city_tier) * 4 + bracket``,
+    0-47."""
     occupation = frame["Occupation"].map({v: i for i, v in enumerate(OCCUPATIONS)})
     tier = frame["City_Tier"].map({v: i for i, v in enumerate(CITY_TIERS)})
     groups = occupation.to_numpy(np.int64) * len(CITY_TIERS) + tier.to_numpy(np.int64)

@@ -1,4 +1,4 @@
-"""The seed's regression MLP for disposable income (the SmartFedProx study, section 5.1).
+"""The regression MLP for disposable income of the SmartFedProx study (section 5.1).
 
 Design notes: ``docs/notes.md``, ``tasks.finance.model``.
 """

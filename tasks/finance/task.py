@@ -1,8 +1,8 @@
 """Disposable-income regression on the Indian personal-finance table (the SmartFedProx study).
 
-Each client trains the seed's MLP (``tasks.finance.model``) with Adam on the MSE
+Each client trains the study's MLP (``tasks.finance.model``) with Adam on the MSE
 of the standardised target, plus the FedProx proximal term (Li et al., 2020) when
-the server sends ``proximal_mu > 0``. Clients hold the seed's non-IID partitions
+the server sends ``proximal_mu > 0``. Clients hold the study's non-IID partitions
 (``tasks.finance.partitioning``) of the table's client pool; the server evaluates
 on a held-out central test set. Metrics: MSE on the standardised target and R²
 (R² is invariant to the target's affine scaling, so it equals R² in rupees).

@@ -1,7 +1,7 @@
 """The clients of federated PPO on LunarLander (the PPO study, "Environment Configurations"):
 one LunarLander-v3 environment per client, on the moon, the earth or mars.
 
-The seed's ``experiment.py`` starts from three base clients (one per planet, wind
+The PPO study's ``experiment.py`` starts from three base clients (one per planet, wind
 power 0.5) and ``add_derived_tasks`` adds ``num_to_add_per_task`` = 10 clients per
 planet with a random wind power in [0, 15]: 33 clients. ``client_table`` builds
 that table reproducibly from the run seed; a real SuperNode may instead describe its

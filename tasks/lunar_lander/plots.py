@@ -7,7 +7,7 @@ dir>/clients/*.npz``) and the run directory's ``config.json`` / ``metrics.csv``,
 returns matplotlib Figures or pandas DataFrames; ``lab.study`` saves them. No
 Flower import.
 
-The x axis of every curve is the seed's "local epochs": a client's cumulative env
+The x axis of every curve is the PPO study's "local epochs": a client's cumulative env
 steps / its PPO rollout size (``local_epoch`` in ``load_episodes``). The y axis is
 the rolling mean of the last ``WINDOW`` = 100 episode rewards of one client.
 """

@@ -353,7 +353,7 @@ class WeightStorageCallback(BaseCallback):
     training ends (same step as the last one): PPO changes the weights only after
     each rollout, so with ``check_freq`` below the rollout size the in-rollout
     snapshots repeat the weights the rollout acted with, and without the last one
-    the weights a client uploads would never be recorded (a departure from the seed).
+    the weights a client uploads would never be recorded (a departure from the PPO study).
     """
 
     def __init__(self, check_freq: int, start_step: int = 0) -> None:

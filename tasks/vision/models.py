@@ -130,14 +130,14 @@ class CifarCNN2Conv(nn.Module):
     in_channels, num_classes, image_size : int
         Input channels, output classes and image side (>= 8).
     hidden : int
-        Units of the hidden layer (200 in the seed).
+        Units of the hidden layer (200 in frontloaded-dp-hfl).
     """
 
     def __init__(
         self, in_channels: int, num_classes: int, image_size: int, hidden: int = 200
     ) -> None:
         super().__init__()
-        pad = 0 if image_size >= 16 else 2  # 16x16 and up: the seed's unpadded stack
+        pad = 0 if image_size >= 16 else 2  # 16x16 and up: frontloaded-dp-hfl's unpadded stack
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 64, kernel_size=5, padding=pad),
             nn.ReLU(),

@@ -8,8 +8,8 @@ the server asks for it, sample-level DP-SGD (Abadi et al., 2016) through
 As in frontloaded-dp-hfl (after HierFL), the learning rate can decay
 exponentially with the client's cumulative local epochs (``vision.lr-decay`` every
 ``vision.lr-decay-epochs``; ``decayed_lr``), and ``vision.deterministic`` runs local
-training with deterministic torch algorithms and cuDNN (the seed's Reproducibility
-section; ``deterministic_torch``).
+training with deterministic torch algorithms and cuDNN (frontloaded-dp-hfl's
+Reproducibility section; ``deterministic_torch``).
 
 Design notes: ``docs/notes.md``, ``tasks.vision.task``.
 """

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("learning_curve_not_rendered")
 NODES = [11, 22, 33, 44]
 DEAD, DIES_IN = 33, 2
 # Seed 3 samples node DEAD in round DIES_IN under each DP wrapper (checked below): with
-# dp.reproducible-noise the DP sample is the seed's; fixed-size, so 3 of 4 each round.
+# dp.reproducible-noise the DP sample derives from the run seed; fixed-size, so 3 of 4 each round.
 DP = {
     "dp.sampling": "fixed",
     "dp.num-sampled-clients": 3,

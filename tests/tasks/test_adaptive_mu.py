@@ -87,7 +87,7 @@ def test_bad_settings_are_named(settings, name):
 
 
 def test_ema_sequence_from_zero():
-    # Prepare: the seed's history starts at 0.0, alpha 0.3
+    # Prepare: the SmartFedProx study's history starts at 0.0, alpha 0.3
     reports = [1.0, 2.0, 4.0]
 
     # Execute

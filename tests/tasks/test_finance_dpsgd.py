@@ -87,7 +87,8 @@ def test_dp_sgd_model_has_layer_norm_and_opacus_accepts_it(task):
     model = task.build_model(3)
     batchnorm_model = FinanceTask(CONFIG).build_model(3)
 
-    # Assert: no BatchNorm, and Opacus finds nothing to fix (it does in the seed's model)
+    # Assert: no BatchNorm, and Opacus finds nothing to fix (it does in the BatchNorm MLP of
+    # the SmartFedProx study)
     assert _norm_layers(model) == [nn.LayerNorm] * 3
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     assert ModuleValidator.validate(model, strict=False) == []

@@ -1,4 +1,4 @@
-"""The finance partitionings: disjoint, deterministic, and skewed as the seed asks."""
+"""The finance partitionings: disjoint, deterministic, skewed as the SmartFedProx study asks."""
 
 import numpy as np
 import pytest

@@ -82,8 +82,8 @@ def _linear(n_in: int, n_out: int) -> int:
 # frontloaded-dp-hfl's CIFAR-10 CNNs (HierFL): parameter counts from their layer shapes by hand.
 # cnn-complex-2 on 32x32: 32 -5-> 28 -pool-> 14 -5-> 10 -pool-> 5, so 64 * 5 * 5 features.
 CNN2_CIFAR = _conv(3, 64, 5) + _conv(64, 64, 5) + _linear(64 * 5 * 5, 200) + _linear(200, 10)
-# cnn-complex-3 on 32x32: three pools, 256 * 4 * 4 = 4096 features; GroupNorm (like the
-# seed's BatchNorm) has a weight and a bias per channel after convs 1, 3 and 5.
+# cnn-complex-3 on 32x32: three pools, 256 * 4 * 4 = 4096 features; GroupNorm (like
+# frontloaded-dp-hfl's BatchNorm) has a weight and a bias per channel after convs 1, 3 and 5.
 CNN3_CIFAR = (
     _conv(3, 32, 3) + 2 * 32 + _conv(32, 64, 3)
     + _conv(64, 128, 3) + 2 * 128 + _conv(128, 128, 3)
@@ -106,20 +106,20 @@ CNN3_CIFAR = (
      ("cnn-complex-3", 1, 28, CNN3_CIFAR - _conv(3, 32, 3) + _conv(1, 32, 3)
       - _linear(4096, 1024) + _linear(256 * 3 * 3, 1024))],
 )  # fmt: skip
-def test_seed_cifar_cnn_parameter_counts(name, channels, side, expected):
+def test_frontloaded_cifar_cnn_parameter_counts(name, channels, side, expected):
     model = build_model(name, channels, num_classes=10, image_size=side, seed=0)
 
     assert sum(p.numel() for p in model.parameters()) == expected
 
 
-def test_seed_cifar_cnn_counts_match_the_seed():
-    # The seed's cifar_cnn_2conv(10, 200) and cifar_cnn_3conv (BatchNorm counted as 2 per
+def test_cifar_cnn_counts_match_frontloaded_dp_hfl():
+    # frontloaded-dp-hfl's cifar_cnn_2conv(10, 200) and cifar_cnn_3conv (BatchNorm counted as 2 per
     # channel) have 429,538 and 5,852,170 parameters.
     assert (CNN2_CIFAR, CNN3_CIFAR) == (429_538, 5_852_170)
 
 
 @pytest.mark.parametrize("name", ["cnn-complex-2", "cnn-complex-3"])
-def test_seed_cifar_cnns_work_with_dp_sgd_and_many_classes(name):
+def test_frontloaded_cifar_cnns_work_with_dp_sgd_and_many_classes(name):
     # Prepare
     model = build_model(name, 1, num_classes=62, image_size=28, seed=0)
 

@@ -72,13 +72,13 @@ class ClusterSettings(Settings):
     assign: str = setting(
         "l2",
         "Clustered FedAvg: how a client picks its model: `l2` (closest weights to its"
-        " last upload, the seed's rule) or `loss` (best local evaluation, IFCA).",
+        " last upload, the PPO study's rule) or `loss` (best local evaluation, IFCA).",
         choices=ASSIGN_RULES,
     )
     space: str = setting(
         "weights",
         "Clustered FedAvg: what k-means clusters each round: `weights` (the uploaded"
-        " weights, the seed's rule) or `directions` (each update's unit direction, the"
+        " weights, the PPO study's rule) or `directions` (each update's unit direction, the"
         " cosine of clustered FL; clients that move farther in the same direction, e.g."
         " with more local steps, stay together).",
         choices=SPACES,
@@ -86,7 +86,7 @@ class ClusterSettings(Settings):
     update: str = setting(
         "kmeans",
         "Clustered FedAvg: how the K models are updated each round: `kmeans` (k-means"
-        " over the uploads, clusters matched to the models, the seed's rule) or"
+        " over the uploads, clusters matched to the models, the PPO study's rule) or"
         " `assignment` (each model the mean of the uploads of the clients assigned to it,"
         " IFCA). Under DP-FedAvg no k-means runs: always by assignment.",
         choices=UPDATE_RULES,
@@ -94,7 +94,7 @@ class ClusterSettings(Settings):
     init: str = setting(
         "shared",
         "Clustered FedAvg: what the K models start as: `shared` (K copies of the run's"
-        " initial model, the seed's rule) or `distinct` (model 0 the run's initial model,"
+        " initial model, the PPO study's rule) or `distinct` (model 0 the run's initial model,"
         " model k the task's model drawn from its own seed, derived from `seed`; IFCA's"
         " random initialisation, so a loss-based assignment can tell them apart in"
         " round 1).",

@@ -67,7 +67,7 @@ class ClusteredFedAvg(PartitionOrderedEvaluation, Strategy):
         ``"loss"`` (IFCA: lowest query score); k-means over ``"weights"`` (the uploads)
         or ``"directions"`` (each update's unit direction).
     update, init : str
-        ``"kmeans"`` (the seed's rule) or ``"assignment"`` (IFCA: each model the mean
+        ``"kmeans"`` (the PPO study's rule) or ``"assignment"`` (IFCA: each model the mean
         of its assignees' uploads; needs ``space = "weights"``); ``"shared"`` (K copies
         of the first model) or ``"distinct"`` (:meth:`set_distinct_models`).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,

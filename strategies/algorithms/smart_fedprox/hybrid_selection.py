@@ -16,7 +16,8 @@ GROUPS = ("high", "middle", "low")
 
 
 def smoothed_divergence(history: Sequence[float]) -> float:
-    """The seed's smoothed divergence of one node, from its reports d_1..d_t (oldest first).
+    """The SmartFedProx study's smoothed divergence of one node, from its reports d_1..d_t
+    (oldest first).
 
     ``0.5 * d_t + 0.3 * d_{t-1} + 0.2 * mean(d_1..d_{t-2})`` for t >= 3 (section 1.4).
     With fewer reports the weights of the reports there are are renormalised so a
@@ -74,7 +75,7 @@ def sample_hybrid_groups(
     rng: np.random.Generator,
     partitions: PartitionMap | None = None,
 ) -> dict[int, str]:
-    """The seed's hybrid selection (section 1.4): chosen node -> its group.
+    """The SmartFedProx study's hybrid selection (section 1.4): chosen node -> its group.
 
     Unknown nodes get the mean divergence (:func:`fill_unknown`); the ranked nodes are
     split in three groups (:func:`split_by_divergence`); :func:`hybrid_counts` nodes

@@ -377,7 +377,7 @@ def test_directions_keep_a_client_that_moved_farther_with_its_group():
     assert kept >= swapped
 
     weights, _, split = _uneven_round("weights")
-    assert split[1] == split[3] == split[4] != split[2]  # the seed's rule: by distance
+    assert split[1] == split[3] == split[4] != split[2]  # the PPO study's rule: by distance
     _assert_model(weights.models[split[2]], [4.0, 0.0], [0.0])
     _assert_model(weights.models[split[1]], [1 / 3, 2.2 / 3], [0.0])
 

@@ -64,7 +64,7 @@ def test_a_fresh_strategy_loaded_from_a_checkpoint_carries_the_same_state(case):
     for node, partition in ((11, 0), (22, 1)):
         partitions.record(node, partition)
     for rng in _generators(first):
-        rng.random(7)  # the state moved away from the seed's
+        rng.random(7)  # the state moved away from the seeded one
     saved = strategy_state(first)
     assert any(entry["state"] for entry in saved), "no layer carries state"
 
