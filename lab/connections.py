@@ -35,6 +35,8 @@ from flwr.cli.local_superlink import _is_local_superlink_started, _start_local_s
 from flwr.cli.typing import SuperLinkConnection
 from flwr.supercore.utils import get_flwr_home
 
+from lab.launcher import stop_processes, superlink_processes
+
 LOCAL_SIMULATION = "local-simulation"
 RAY_LAB = "ray-lab"  # default name of a Ray-cluster connection
 LOCAL_ADDRESS = ":local:"  # Flower's magic value: start a local SuperLink on demand
@@ -149,47 +151,27 @@ def check_ray_address(ray_address: str) -> None:
         raise SystemExit(f"--ray-address {ray_address}: expected the head's HOST:PORT")
 
 
-def local_superlink_processes() -> list[psutil.Process]:
-    """Each local SuperLink of this Flower home that is running now, found by its log
-    file under this home (never another home's or another user's)."""
-    marker = str(get_flwr_home() / "local-superlink")
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(marker in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-    return found
-
-
 def local_superlink_environments() -> dict[int, dict[str, str]]:
     """PID -> environment of each local SuperLink of this Flower home that is running
-    now: the environment a simulation gets."""
+    now (found by its log file, under this home): the environment a simulation gets."""
     found: dict[int, dict[str, str]] = {}
-    for proc in local_superlink_processes():
+    for proc in superlink_processes(get_flwr_home()):
         with contextlib.suppress(psutil.Error):
             found[proc.pid] = proc.environ()
     return found
 
 
 def stop_local_superlink(timeout: float = 10.0) -> str:
-    """Stop this Flower home's local SuperLink and its children by PID (SIGTERM, then
-    SIGKILL after ``timeout`` s); return what was done, to print."""
-    victims: list[psutil.Process] = []
-    for proc in local_superlink_processes():
-        with contextlib.suppress(psutil.Error):
-            victims += [proc, *proc.children(recursive=True)]
-    if not victims:
+    """Stop this Flower home's local SuperLink and its children by PID, as
+    ``LocalSimulation`` does (``lab.launcher.stop_processes``: SIGTERM to its own process
+    group, which Flower's launcher detaches, then SIGKILL after ``timeout`` s); return
+    what was done, to print."""
+    found = superlink_processes(get_flwr_home())
+    if not found:
         return f"No local SuperLink of {get_flwr_home()} is running"
-    for proc in victims:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(victims, timeout=timeout)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=5)
-    pids = ", ".join(str(p.pid) for p in victims)
-    return f"Stopped the local SuperLink of {get_flwr_home()} (PIDs {pids})"
+    pids = ", ".join(str(p.pid) for p in found)
+    stop_processes(found, timeout=timeout)
+    return f"Stopped the local SuperLink of {get_flwr_home()} (PID {pids})"
 
 
 def local_superlink_ray_addresses() -> dict[int, str | None]:

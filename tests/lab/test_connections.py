@@ -70,7 +70,9 @@ def _stand_in(flwr_home, **env) -> subprocess.Popen:
     SuperLink's does, with ``env`` in its environment."""
     log_file = str(flwr_home / "local-superlink" / "superlink.log")
     cmd = [sys.executable, "-c", "import time; time.sleep(60)", log_file]
-    return subprocess.Popen(cmd, env={**os.environ, **env})
+    # In a session of its own, as Flower's launcher detaches the SuperLink (--stop signals
+    # its process group).
+    return subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
 
 
 def _wait_found(pid: int) -> None:
