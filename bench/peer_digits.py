@@ -12,6 +12,7 @@ clients per round and N = 1000 with 50; DP at epsilon 2 and 8, delta 1e-5, clien
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --dp adaptive \
         --sizes 1000 --rounds 1000                             # whole processes, long DP run
     python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --clock cpu  # CPU laps
+    python bench/peer_digits.py engine-vs-pfl --python PFL_PYTHON --clock cpu --repeat 3
 
 Design notes (the split, pfl's settings): ``docs/notes.md``, ``bench.peer_digits``.
 """
@@ -531,7 +532,16 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
         help="what the round times read: wall seconds, or the process's CPU seconds "
         "(steadier on a shared machine; both sides train on one torch thread)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="pairs per cell (engine, then pfl, K times over): the row gives the median "
+        "of each side and of the pairs' ratios, and the ratios' range",
+    )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.rounds < 2:
         parser.error(
             f"--rounds must be at least 2 (the warm round is rounds 2-R), got {args.rounds}"
@@ -540,16 +550,23 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
         "| N | per round | DP | rounds | engine warm round s | pfl warm round s | ratio "
         "| engine whole round s (ratio) "
         "| engine process s (CPU s) | pfl process s (CPU s) | process ratio wall (CPU) "
-        "| engine acc | pfl acc |",
+        "| engine acc | pfl acc | pairs (ratio range) |",
         "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |",
+        "| ---: | ---: |",
     ]
     for n in args.sizes:
         for dp in args.dp:
-            ours = engine_one(n, dp == "adaptive", args.rounds, args.out, args.clock)
             epsilon = 8.0 if dp == "adaptive" else None
-            theirs = pfl_run_one(args.python, args.script, n, epsilon, 0, args.rounds, args.clock)
-            ratio = ours["warm round s"] / theirs["median_round_seconds"]
+            pairs = []
+            for _ in range(args.repeat):  # alternated, so both sides see the same load
+                one = engine_one(n, dp == "adaptive", args.rounds, args.out, args.clock)
+                other = pfl_run_one(
+                    args.python, args.script, n, epsilon, 0, args.rounds, args.clock
+                )
+                pairs.append((one, other))
+            ours, theirs = _median_pair(pairs)
+            ratios = [a["warm round s"] / b["median_round_seconds"] for a, b in pairs]
+            ratio = statistics.median(ratios)
             whole = ours["round with eval s"]
             whole_text = (
                 "-"
@@ -563,12 +580,26 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
                 f"| {ours['process s']:.1f} ({ours['process CPU s']:.1f}) "
                 f"| {wall:.1f} ({cpu:.1f}) "
                 f"| {ours['process s'] / wall:.2f} ({ours['process CPU s'] / cpu:.2f}) "
-                f"| {ours['accuracy']:.3f} | {theirs['test_accuracy']:.3f} |"
+                f"| {ours['accuracy']:.3f} | {theirs['test_accuracy']:.3f} "
+                f"| {len(pairs)} ({min(ratios):.1f}-{max(ratios):.1f}) |"
             )
             print(lines[-1], flush=True)
     print(f"round times in {args.clock} seconds")
     print("\n".join(lines))
     return 0
+
+
+def _median_pair(pairs: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """One (engine, pfl) row of ``pairs``: each time the median over the pairs; the
+    accuracies are the first pair's (a DP run's differs by its noise draw)."""
+    ours, theirs = dict(pairs[0][0]), dict(pairs[0][1])
+    for key in ("warm round s", "process s", "process CPU s"):
+        ours[key] = statistics.median(a[key] for a, _ in pairs)
+    whole = [a["round with eval s"] for a, _ in pairs if a["round with eval s"] is not None]
+    ours["round with eval s"] = statistics.median(whole) if whole else None
+    for key in ("median_round_seconds", "process_wall_s", "process_cpu_s"):
+        theirs[key] = statistics.median(b[key] for _, b in pairs)
+    return ours, theirs
 
 
 COMMANDS = {"pfl": pfl_main, "engine": engine_main, "engine-vs-pfl": engine_vs_pfl_main}
