@@ -590,8 +590,8 @@ def engine_vs_pfl_main(argv: list[str] | None = None) -> int:
 
 
 def _median_pair(pairs: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """One (engine, pfl) row of ``pairs``: each time the median over the pairs; the
-    accuracies are the first pair's (a DP run's differs by its noise draw)."""
+    """One (engine, pfl) row of ``pairs``: every timing the median over the pairs, the
+    accuracies the first pair's (a DP run's differs by its noise draw)."""
     ours, theirs = dict(pairs[0][0]), dict(pairs[0][1])
     for key in ("warm round s", "process s", "process CPU s"):
         ours[key] = statistics.median(a[key] for a, _ in pairs)
