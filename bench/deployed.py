@@ -34,7 +34,7 @@ from lab.launcher import (  # noqa: E402
     stage_app,
     stop_processes,
 )
-from tests.e2e.test_deployment import NUM_NODES, Deployment, free_port  # noqa: E402
+from tests.e2e.test_deployment import NUM_NODES, Deployment, _status_of, free_port  # noqa: E402
 
 WAYS = ("subprocess", "process", "warm", "warm-poll")
 LABELS = {
@@ -157,8 +157,12 @@ def deployed_run(dep: Deployment, way: str, stage: Path, rounds: int) -> Result:
         seconds = time.monotonic() - started
         output = dep.log(f"flwr-run-{way}")
         run_id, run_dir = _RUN_ID_LINE.search(output), _RUN_DIR_LINE.search(output)
-        if not (run_id and run_dir) or dep.run_status(run_id.group(1)) != "finished:completed":
-            raise SystemExit(f"{way}: the run did not complete:\n{output}")
+        status = None
+        if run_id and run_dir:
+            listing = dep.flwr("list", "lab", "--format", "json").stdout
+            status = _status_of(listing, run_id.group(1))
+        if status != "finished:completed":
+            raise SystemExit(f"{way}: the run did not complete ({status}):\n{output}")
         if way.startswith("warm"):  # every message went through a zygote
             done = re.compile(r"Warm executor: task \d+ done")
             forks = sum(len(done.findall(dep.log(name))) for name in names)
