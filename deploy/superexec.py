@@ -44,8 +44,16 @@ OWN_PACKAGE = Path(__file__).resolve().parent  # deploy/: kept when app modules 
 APP_DIR = OWN_PACKAGE.parent  # the checkout whose modules the children import from a FAB
 # This app's ClientApp, and the third-party modules it imports only on first use: the
 # optimizer's torch._dynamo (~1 s), the partitioners' flwr_datasets and datasets
-# (~1 s), the vision models' torchvision (~0.5 s).
-DEFAULT_PRELOAD = ("client_app.app", "torch._dynamo", "flwr_datasets", "datasets", "torchvision")
+# (~1 s), the vision tasks' torchvision (~0.5 s) and scikit-learn (~0.25 s).
+DEFAULT_PRELOAD = (
+    "client_app.app",
+    "torch._dynamo",
+    "flwr_datasets",
+    "datasets",
+    "torchvision",
+    "sklearn.datasets",
+    "sklearn.model_selection",
+)
 DEFAULT_POLL_INTERVAL = 0.2  # s between two AcquireTask calls (Flower's default: 1 s)
 STOP_TIMEOUT = 10.0  # s from SIGTERM to SIGKILL for the poller and the children
 TICK = 0.1  # s: the zygote's loop wakes this often to reap children

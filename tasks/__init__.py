@@ -18,28 +18,27 @@ from config.options import ConfigError
 if TYPE_CHECKING:
     from tasks.base import Task
 
-# Class name -> module, in the registry's order (Task: the base class, not registered).
-_CLASSES = {
-    "Task": "tasks.base",
-    "DigitsTask": "tasks.vision",
-    "MNISTTask": "tasks.vision",
-    "CIFAR10Task": "tasks.vision",
-    "EMNISTTask": "tasks.vision",
-    "LunarLanderTask": "tasks.lunar_lander",
-    "FinanceTask": "tasks.finance",
-    "MovieLensTask": "tasks.movielens",
+# Task name -> (module, class), in the registry's order: ``get`` imports only the
+# module of the task it is asked for (a ClientApp of digits never loads PPO's
+# stable-baselines3 and gymnasium). tests/tasks/test_registry.py checks each entry
+# against its class's ``name``.
+_TASKS = {
+    "digits": ("tasks.vision", "DigitsTask"),
+    "mnist": ("tasks.vision", "MNISTTask"),
+    "cifar10": ("tasks.vision", "CIFAR10Task"),
+    "emnist": ("tasks.vision", "EMNISTTask"),
+    "lunar-lander": ("tasks.lunar_lander", "LunarLanderTask"),
+    "finance": ("tasks.finance", "FinanceTask"),
+    "movielens": ("tasks.movielens", "MovieLensTask"),
 }
+# Class name -> module (Task: the base class, not registered).
+_CLASSES = {"Task": "tasks.base", **{cls: module for module, cls in _TASKS.values()}}
 __all__ = ["REGISTRY", "ConfigError", "build", "get", *_CLASSES]
-_registry: dict[str, type[Task]] = {}
+_registry: dict[str, type[Task]] = {}  # the tasks imported so far
 
 
 def _load_registry() -> dict[str, type[Task]]:
-    if not _registry:
-        for name, module in _CLASSES.items():
-            if name != "Task":
-                cls = getattr(import_module(module), name)
-                _registry[cls.name] = cls
-    return _registry
+    return {name: get(name) for name in _TASKS}
 
 
 def __getattr__(name: str) -> Any:
@@ -52,15 +51,16 @@ def __getattr__(name: str) -> Any:
 
 
 def get(name: str) -> type[Task]:
-    """Return the task class registered under ``name``."""
-    registry = _load_registry()
-    try:
-        return registry[name]
-    except KeyError:
-        raise ConfigError(
-            f"'task' = {name!r} is not valid; valid values: "
-            + ", ".join(repr(n) for n in registry)
-        ) from None
+    """Return the task class registered under ``name`` (importing only its module)."""
+    if name not in _registry:
+        if name not in _TASKS:
+            raise ConfigError(
+                f"'task' = {name!r} is not valid; valid values: "
+                + ", ".join(repr(n) for n in _TASKS)
+            )
+        module, cls = _TASKS[name]
+        _registry[name] = getattr(import_module(module), cls)
+    return _registry[name]
 
 
 def build(run_config: Mapping[str, Any]) -> Task:
