@@ -46,17 +46,25 @@ def to_numpy(array: Array, *, copy: bool = True) -> np.ndarray:
     data = array.data
     if array.stype == "numpy.ndarray" and data[:8] == _NPY_V1:
         offset = 10 + int.from_bytes(data[8:10], "little")
-        dtype, shape = np.dtype(array.dtype), tuple(array.shape)
-        expected = f"{{'descr': '{dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
-        count = math.prod(shape)
+        shape = tuple(array.shape)
+        dtype, expected, count = _expected_header(array.dtype, shape)
         if (
             not dtype.hasobject
-            and data[10:offset].decode("latin1").rstrip() == expected
+            and data[10:offset].rstrip() == expected
             and len(data) - offset == count * dtype.itemsize
         ):
             view = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
             return view.copy() if copy else view
     return array.numpy()
+
+
+@lru_cache(maxsize=256)
+def _expected_header(dtype_name: str, shape: tuple[int, ...]) -> tuple[np.dtype, bytes, int]:
+    # The dtype an Array declares, the .npy header dict np.save writes for it (without
+    # its padding) and the element count; once per (dtype, shape) and process.
+    dtype = np.dtype(dtype_name)
+    header = f"{{'descr': '{dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
+    return dtype, header.encode("latin1"), math.prod(shape)
 
 
 def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.ndarray]:
@@ -115,7 +123,36 @@ def to_array(ndarray: np.ndarray) -> Array:
         return Array.from_numpy_ndarray(ndarray)
     shape = tuple(ndarray.shape)
     data = _npy_header(ndarray.dtype.str, shape) + ndarray.tobytes()
-    return Array(dtype=str(ndarray.dtype), shape=shape, stype=SType.NUMPY, data=data)
+    return _new_array(_dtype_name(ndarray.dtype), shape, data)
+
+
+@lru_cache(maxsize=64)
+def _dtype_name(dtype: np.dtype) -> str:
+    return str(dtype)  # numpy renders a dtype's name in Python, 2.5 µs a call
+
+
+def _direct_array(dtype: str, shape: tuple[int, ...], data: bytes) -> Array:
+    return Array(dtype=dtype, shape=shape, stype=SType.NUMPY, data=data)
+
+
+def _filled_array(dtype: str, shape: tuple[int, ...], data: bytes) -> Array:
+    # Array's __init__ parses its arguments for three ways of calling it (4.5 µs, about
+    # as long as encoding a small array); its direct form leaves exactly these fields.
+    array = Array.__new__(Array)
+    array.__dict__.update(_is_dirty=True, dtype=dtype, shape=shape, stype=SType.NUMPY, data=data)
+    return array
+
+
+def _pick_new_array():
+    # The filled form only while it leaves what Flower's own constructor leaves (the
+    # fields, the dirty flag, the object id), checked once per process.
+    probe = ("float32", (2,), b"\x00" * 8)
+    ours, flowers = _filled_array(*probe), _direct_array(*probe)
+    same = ours.__dict__ == flowers.__dict__ and ours.object_id == flowers.object_id
+    return _filled_array if same else _direct_array
+
+
+_new_array = _pick_new_array()
 
 
 def to_record(reference: ArrayRecord, arrays: list[np.ndarray]) -> ArrayRecord:

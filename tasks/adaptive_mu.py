@@ -102,9 +102,10 @@ def _squared_distance(
     local: np.ndarray | torch.Tensor, global_: np.ndarray | torch.Tensor
 ) -> float:
     if isinstance(local, torch.Tensor):
-        other = torch.as_tensor(global_, device=local.device)
-        diff = local.detach().to(torch.float64) - other.detach().to(torch.float64)
-        return float(diff.pow(2).sum())
+        with torch.no_grad():  # no autograd record of a parameter's copies
+            other = torch.as_tensor(global_, device=local.device)
+            diff = local.to(torch.float64) - other.to(torch.float64)
+            return diff.square_().sum().item()
     diff = np.asarray(local, dtype=np.float64) - np.asarray(global_, dtype=np.float64)
     return float(np.dot(diff.ravel(), diff.ravel()))
 

@@ -172,7 +172,7 @@ class Halves:
             state.restore(context, artifacts, pid, round_, evaluate=evaluate)
         for h in self:
             arrays = h.weights(arrays, config, context)
-        model.load_state_dict(node.state_dict(arrays), strict=True)
+        node.load_weights(model, node.state_dict(arrays))
         r = Round(msg, context, task, model, partition, pid)
         for h in self:
             h.loaded(r)

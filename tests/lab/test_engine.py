@@ -253,6 +253,57 @@ def test_reply_record_is_flowers_state_dict_record():
     assert [ours[k].data for k in ours] == [flowers[k].data for k in flowers]
 
 
+class _OwnLoader(torch.nn.Linear):
+    """A module with its own loader: the weights go through torch's."""
+
+    calls = 0
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        type(self).calls += 1
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+@pytest.mark.parametrize("with_hook", [False, True])
+def test_load_weights_is_torchs_loader(with_hook):
+    from client_app import node
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+
+    ours, torchs = model(), model()
+    calls = []
+    if with_hook:  # a loading hook: torch's loader, which runs it
+        ours.register_load_state_dict_post_hook(lambda module, keys: calls.append(keys))
+    source = model()
+    source[1].running_mean += 0.5
+    source[1].num_batches_tracked += 3
+    tensors = {k: v.clone() for k, v in source.state_dict().items()}
+    node.load_weights(ours, tensors)
+    torchs.load_state_dict(tensors, strict=True)
+    got, want = ours.state_dict(), torchs.state_dict()
+    assert list(got) == list(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype, key
+    assert len(calls) == (1 if with_hook else 0)
+    weight = ours[0].weight
+    assert weight.requires_grad and weight.grad_fn is None  # still a leaf parameter
+    assert not any(t is tensors[k] for k, t in ours.state_dict(keep_vars=True).items())
+
+
+def test_load_weights_hands_other_models_and_bad_keys_to_torch():
+    from client_app import node
+
+    model = torch.nn.Sequential(_OwnLoader(3, 2))
+    tensors = {k: torch.ones_like(v) for k, v in model.state_dict().items()}
+    node.load_weights(model, tensors)
+    assert _OwnLoader.calls == 1 and torch.equal(model[0].weight, torch.ones(2, 3))
+    plain = torch.nn.Linear(3, 2)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        node.load_weights(plain, {"weight": torch.ones(2, 3)})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        node.load_weights(plain, {"weight": torch.ones(3, 3), "bias": torch.ones(2)})
+
+
 def test_settings_are_parsed_once_per_run_config_and_follow_a_change():
     from client_app import node
     from privacy.settings import DPSettings

@@ -13,6 +13,7 @@ from protocol.records import (
     as_int,
     copy_record,
     non_finite_array,
+    to_array,
     to_numpy,
     to_record,
 )
@@ -190,3 +191,19 @@ def test_to_record_writes_the_bytes_flowers_array_writes():
                 want.stype,
             )
     assert int(to_numpy(got["n"])) == 3
+
+
+@pytest.mark.parametrize(
+    "value", [np.arange(6, dtype=np.float32).reshape(2, 3), np.float64(2.5), np.zeros(0, np.int64)]
+)
+def test_to_array_builds_the_array_flowers_constructor_builds(value):
+    """The same fields, dirty flag and object id (the content hash Flower's messages
+    carry) as ``Array(dtype=..., shape=..., stype=..., data=...)`` and Flower's encoder."""
+    ours = to_array(np.asarray(value))
+    direct = Array(dtype=ours.dtype, shape=tuple(ours.shape), stype=ours.stype, data=ours.data)
+    flowers = Array.from_numpy_ndarray(np.asarray(value))
+    assert ours.__dict__ == direct.__dict__
+    assert ours.object_id == direct.object_id == flowers.object_id
+    assert ours.deflate() == flowers.deflate()
+    ours.data = flowers.data  # Flower's dirty tracking still applies
+    assert ours.is_dirty
