@@ -11,7 +11,7 @@ Design notes: ``docs/notes.md``, ``tasks.vision.data``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -202,6 +202,19 @@ class ShuffledBatches:
             index = order[start : start + self.batch_size]
             yield self.split.images[index], self.split.labels[index]
         torch.randperm(n, generator=generator)  # the exhausted sampler's last draw
+
+
+def ordered_batches(
+    split: TensorSplit, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches ``make_loader(split, batch_size, shuffle=False)`` yields: consecutive
+    slices of ``split``, contiguous as its collated tensors are, without the DataLoader's
+    per-example fetch and ``torch.stack`` (about half of a small model's evaluation)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for start in range(0, len(split), batch_size):
+        stop = start + batch_size
+        yield split.images[start:stop].contiguous(), split.labels[start:stop].contiguous()
 
 
 def split_public(

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tasks.proximal import proximal_term
-from tasks.vision.data import TensorSplit, make_loader
+from tasks.vision.data import TensorSplit, ordered_batches
 
 
 def train_batch(
@@ -75,7 +75,7 @@ def tally_split(
     total_loss = 0.0
     correct = torch.zeros(num_classes, dtype=torch.long)
     counts = torch.zeros(num_classes, dtype=torch.long)
-    for images, labels in make_loader(split, batch_size, shuffle=False):
+    for images, labels in ordered_batches(split, batch_size):
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()

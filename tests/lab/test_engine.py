@@ -336,3 +336,26 @@ def test_shuffled_batches_are_the_dataloaders(n, batch_size):
             assert torch.equal(a, c) and torch.equal(b, d)
             assert (a.dtype, b.dtype, a.shape, b.shape) == (c.dtype, d.dtype, c.shape, d.shape)
     assert torch.equal(ours.generator.get_state(), loader.generator.get_state())
+
+
+@pytest.mark.parametrize(("n", "batch_size"), [(0, 16), (1, 16), (16, 16), (37, 16), (5, 2)])
+def test_ordered_batches_are_the_dataloaders(n, batch_size):
+    from tasks.vision.data import TensorSplit, make_loader, ordered_batches
+    from tasks.vision.steps import tally_split
+
+    images = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(n))
+    split = TensorSplit(images, torch.arange(n) % 10)
+    theirs = list(make_loader(split, batch_size, shuffle=False))
+    mine = list(ordered_batches(split, batch_size))
+    assert len(mine) == len(theirs)
+    for (a, b), (c, d) in zip(mine, theirs, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, d)
+        assert (a.dtype, b.dtype, a.shape, b.shape) == (c.dtype, d.dtype, c.shape, d.shape)
+        assert a.is_contiguous() and b.is_contiguous()
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    loss, _, counts = tally_split(model, split, batch_size, torch.device("cpu"), 10)
+    with torch.no_grad():  # the same pass over the DataLoader's batches, summed alike
+        want = 0.0
+        for a, c in theirs:
+            want += torch.nn.functional.cross_entropy(model(a), c, reduction="sum").item()
+    assert loss == want and int(counts.sum()) == n
