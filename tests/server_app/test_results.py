@@ -8,6 +8,8 @@ import pandas as pd
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord
+from hypothesis import given
+from hypothesis import strategies as st
 
 from server_app import results
 from server_app.results import RunDirectory, load_metrics, resolve_output_dir
@@ -132,3 +134,38 @@ def test_a_table_built_afresh_is_rewritten_not_appended(tmp_path):
     run.write_rows("members.csv", [{"node-id": 9, "edge-id": 0}, {"node-id": 4, "edge-id": 1}])
     frame = pd.read_csv(run.path / "members.csv")
     assert frame.to_dict("records") == [{"node-id": 9, "edge-id": 0}, {"node-id": 4, "edge-id": 1}]
+
+
+_CELL = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.text(max_size=6),
+    st.none(),  # None: the key is missing from the row
+)
+_COLUMNS = ["round", "scope", "a", "b"]
+
+
+@given(
+    st.lists(st.fixed_dictionaries({c: _CELL for c in _COLUMNS}), min_size=1, max_size=4),
+    st.sampled_from([int, float, str, bool, None]),
+)
+def test_appended_rows_are_the_text_pandas_writes(cells, kind):
+    """Whatever the rows hold, an append is pandas' text for them, byte for byte."""
+    rows = [{k: v for k, v in row.items() if v is not None} for row in cells]
+    if kind is not None:  # one column of one kind throughout: the fast path's case
+        make = {int: lambda i: i, float: lambda i: i / 3, str: str, bool: bool}[kind]
+        rows = [{**row, "a": make(i)} for i, row in enumerate(rows)]
+    want = pd.DataFrame(rows, columns=_COLUMNS).to_csv(index=False, header=False)
+    assert results._csv_rows(rows, _COLUMNS) == want
+
+
+def test_a_rounds_metrics_row_is_appended_without_pandas(tmp_path, monkeypatch):
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "none")
+    row = {"round": 1, "scope": "train", "train-loss": 0.25, "num-examples": 12}
+    run.write_rows("t.csv", [row])
+    monkeypatch.setattr(results.pd, "DataFrame", None)  # any use of pandas now fails
+    rows = [row, {**row, "round": 2, "train-loss": float("nan")}, {**row, "round": 3}]
+    run.write_rows("t.csv", rows)
+    monkeypatch.undo()
+    assert (run.path / "t.csv").read_text() == pd.DataFrame(rows).to_csv(index=False)
