@@ -14,6 +14,7 @@ from client_app import node, state
 from client_app.halves import Halves
 from client_app.mods import preset_mod, privacy_mod, secure_mod
 from protocol import keys
+from protocol.records import to_state_dict
 from tasks.base import EVAL_LOSS, EVAL_REWARD
 
 # preset_mod first: every later step reads the preset's keys; secure_mod answers
@@ -53,7 +54,7 @@ def cluster_scores(msg: Message, context: Context) -> Message:
     task, model, partition, _ = node.setup(context)
     scores = {}
     for k in range(int(msg.content[keys.CONFIG][keys.CLUSTER_K])):
-        model.load_state_dict(node.state_dict(msg.content[keys.cluster_model_key(k)]))
+        model.load_state_dict(to_state_dict(msg.content[keys.cluster_model_key(k)]))
         metrics = task.evaluate(model, partition)
         score = metrics[EVAL_LOSS] if EVAL_LOSS in metrics else -metrics[EVAL_REWARD]
         scores[keys.cluster_score_key(k)] = float(score)

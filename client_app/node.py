@@ -27,7 +27,7 @@ from client_app import canary
 from privacy.mechanisms import secret_seed
 from privacy.settings import AuditSettings, DPSettings
 from protocol import keys
-from protocol.records import to_array, to_numpy
+from protocol.records import to_array, to_state_dict
 from tasks.base import SEED, LocalTraining, Task
 
 S = TypeVar("S")
@@ -109,13 +109,6 @@ def setup(context: Context) -> tuple[Task, torch.nn.Module, Any, int]:
     return task, _model(task, run_seed(context)), partition, pid
 
 
-def state_dict(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-    """``arrays.to_torch_state_dict()``, each array decoded without ``np.load``'s header
-    parsing (:func:`protocol.records.to_numpy`): a client message's largest fixed cost
-    after training on small models."""
-    return {key: torch.from_numpy(to_numpy(arrays[key])) for key in arrays}
-
-
 def load_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """``model.load_state_dict(tensors, strict=True)``. A model whose modules load as
     ``nn.Module`` does (no module's own loader, no loading hooks) gets each tensor copied
@@ -172,7 +165,7 @@ def task_state(context: Context) -> dict[str, Any]:
 
 def task_tensors(context: Context) -> dict[str, torch.Tensor]:
     record = context.state.get(keys.TASK_TENSORS)
-    return state_dict(record) if record is not None else {}
+    return to_state_dict(record) if record is not None else {}
 
 
 def keep_task_state(context: Context, local: LocalTraining) -> None:

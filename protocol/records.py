@@ -5,13 +5,16 @@ from __future__ import annotations
 import io
 import math
 from functools import lru_cache
-from typing import SupportsFloat, SupportsInt, cast
+from typing import TYPE_CHECKING, SupportsFloat, SupportsInt, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
 from protocol import keys
+
+if TYPE_CHECKING:
+    import torch
 
 
 class InvalidReply(ValueError):
@@ -65,6 +68,15 @@ def _expected_header(dtype_name: str, shape: tuple[int, ...]) -> tuple[np.dtype,
     dtype = np.dtype(dtype_name)
     header = f"{{'descr': '{dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
     return dtype, header.encode("latin1"), math.prod(shape)
+
+
+def to_state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``record.to_torch_state_dict()``: the same tensors, each array decoded by
+    :func:`to_numpy` (a message's or a checkpoint's largest fixed cost after the
+    arithmetic on a small model is ``np.load`` parsing each header)."""
+    import torch  # on use: the server's checks and the privacy layer need no torch
+
+    return {key: torch.from_numpy(to_numpy(record[key])) for key in record}
 
 
 def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.ndarray]:

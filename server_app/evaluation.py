@@ -9,6 +9,7 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.app.typing import MetricRecordValues
 
+from protocol.records import to_state_dict
 from strategies.runtime.capabilities import MultiModel, provides
 from tasks.base import Task
 
@@ -33,7 +34,7 @@ def central_eval(
         test_set = task.load_central_test()
 
     def evaluate_one(arrays: ArrayRecord) -> dict:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        model.load_state_dict(to_state_dict(arrays))
         return task.evaluate(model, test_set)
 
     def evaluate(_server_round: int, arrays: ArrayRecord) -> MetricRecord:

@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import Strategy
 from privacy.accounting import PrivacyLedger
 from privacy.audit import AuditResult
 from privacy.certificates import run_certificates
+from protocol.records import to_state_dict
 from server_app.audit import RunAudit
 from server_app.config import RunConfig
 from server_app.failures import FailureWatch
@@ -103,7 +104,7 @@ class RoundRecorder:
         multi = cast(MultiModel, self.base)
         if provides(multi, MultiModel) and multi.models:
             label = multi.MODEL_LABEL
-            models = {f"{label}-{k}": m.to_torch_state_dict() for k, m in enumerate(multi.models)}
+            models = {f"{label}-{k}": to_state_dict(m) for k, m in enumerate(multi.models)}
         if provides(self.base, WritesTables):
             for name, rows in cast(WritesTables, self.base).tables().items():
                 self.run_dir.write_rows(self.run_dir.table(name), rows)

@@ -24,6 +24,7 @@ import pandas as pd
 from config.options import ConfigError
 from config.renamed import current_keys
 from protocol.keys import STATE_DIR
+from protocol.records import to_state_dict
 from server_app.failures import OUTCOME_FILE
 from tasks.metric_keys import TRAIN_SECONDS
 
@@ -371,7 +372,7 @@ class RunDirectory:
             self.participation.extend(result.clients)
             self.write_rows(self.table("participation.csv"), self.participation)
         if result.server_round > 0 and not getattr(result, "diverged", False):
-            self.checkpoint(result.server_round, result.arrays.to_torch_state_dict(), models)
+            self.checkpoint(result.server_round, to_state_dict(result.arrays), models)
             if ledger is not None:
                 self.write_ledger(ledger)
 

@@ -23,6 +23,7 @@ from client_app.mods import mechanism
 from privacy.mechanisms import FRONT_LOADED_MODES
 from privacy.settings import AuditSettings
 from protocol import keys
+from protocol.records import to_state_dict
 from tasks.base import LocalTraining, Task, local_seed
 
 
@@ -172,7 +173,7 @@ class Halves:
             state.restore(context, artifacts, pid, round_, evaluate=evaluate)
         for h in self:
             arrays = h.weights(arrays, config, context)
-        node.load_weights(model, node.state_dict(arrays))
+        node.load_weights(model, to_state_dict(arrays))
         r = Round(msg, context, task, model, partition, pid)
         for h in self:
             h.loaded(r)
