@@ -128,8 +128,11 @@ Released = Callable[[str], bool]  # train metric key -> covered by the run's eps
 def _csv_cells(values: list[Any]) -> list[str] | None:
     """One column's cells as ``DataFrame.to_csv`` writes them, for the kinds of column
     whose dtype pandas infers plainly (every value a str, a bool, or a Python int; or
-    floats, some missing); None for any other column. A missing value is ``_MISSING``."""
+    floats, some missing; or none at all); None for any other column. A missing value
+    is ``_MISSING``."""
     present = [v for v in values if v is not _MISSING]
+    if not present:  # a column these rows do not have (an eval row's train columns)
+        return [""] * len(values)
     kinds = {type(v) for v in present}
     if kinds <= {float} and present:  # float64: NaN and missing are empty; repr otherwise
         return ["" if v is _MISSING or v != v else repr(v) for v in values]
