@@ -111,6 +111,18 @@ def test_engine_gives_the_harness_results(name, tmp_path):
         assert calibration["accountant"] == "pld" and calibration["value"] > 0
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "clustered"])
+def test_federated_evaluation_without_test_examples_skips_the_round(strategy, tmp_path, caplog):
+    """Every client's local test split empty: no federated-eval row, a warning, and the
+    run completes (Flower's weighted mean divided by zero after the round's work)."""
+    options = {"num-server-rounds": 2, "vision.test-fraction": 0.0, "strategy": strategy}
+    options |= {"fraction-evaluate": 1.0, "min-evaluate-nodes": 2}
+    _engine(tmp_path, options)
+    scopes = set(pd.read_csv(_only_dir(tmp_path) / "metrics.csv")["scope"])
+    assert "federated-eval" not in scopes and {"train", "central-eval"} <= scopes
+    assert "hold no test examples" in caplog.text
+
+
 def test_run_directory_says_which_engine_ran_it(tmp_path):
     result = _engine(tmp_path, {"num-server-rounds": 1})
     outcome = json.loads((result.run_dir / "outcome.json").read_text())
