@@ -9,7 +9,7 @@ the registry names the mods of each ``privacy`` value
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.client.mod.utils import make_ffn
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import (
@@ -43,7 +43,10 @@ def secure_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     """SecAgg+'s mod (:mod:`client_app.secagg_mod`) for a message that carries a stage
     of a secure round, or while the context holds a round's secrets (any other message
     makes that mod drop them); every other message passes by."""
-    if RECORD_KEY_CONFIGS in msg.content.config_records or RECORD_KEY_STATE in ctxt.state:
+    if (
+        isinstance(msg.content.get(RECORD_KEY_CONFIGS), ConfigRecord)
+        or RECORD_KEY_STATE in ctxt.state
+    ):
         from client_app.secagg_mod import secagg_mod
 
         return secagg_mod(msg, ctxt, call_next)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING, SupportsFloat, SupportsInt, cast
+from typing import TYPE_CHECKING, SupportsFloat, SupportsInt, TypeVar, cast
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.constant import SType
 
 from protocol import keys
@@ -30,6 +30,16 @@ def as_float(value: object) -> float:
 def as_int(value: object) -> int:
     """``int(value)`` of a record's value (see :func:`as_float`)."""
     return int(cast(SupportsInt, value))
+
+
+R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
+
+
+def records(content: RecordDict, kind: type[R]) -> dict[str, R]:
+    """``content.array_records`` (``metric_records``, ``config_records``) as a plain dict,
+    for reading: Flower's properties build a synced view that writes every record back
+    into ``content`` (tens of µs a call, and a round reads a reply's several times)."""
+    return {key: record for key, record in content.items() if isinstance(record, kind)}
 
 
 _NPY_V1 = b"\x93NUMPY\x01\x00"  # .npy magic and format version 1.0 (what np.save writes)

@@ -9,10 +9,10 @@ import math
 from typing import TypeGuard
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from protocol import keys
-from protocol.records import InvalidReply, arrays_of, non_finite_array
+from protocol.records import InvalidReply, arrays_of, non_finite_array, records
 
 # More examples than any client of this app holds: a larger weight is a poisoning
 # attempt on the example-weighted average, not data.
@@ -28,12 +28,12 @@ def unusable_reason(message: Message) -> str:
     """Why a reply without error may enter no aggregate at all ("": it may): a metric
     or an array that is not finite. Each strategy checks more (:func:`check_reply`:
     keys, shapes and weights against what it sent)."""
-    for name, metric_record in message.content.metric_records.items():
+    for name, metric_record in records(message.content, MetricRecord).items():
         for key, value in metric_record.items():
             values = value if isinstance(value, list) else [value]
             if not all(math.isfinite(v) for v in values if is_number(v)):
                 return f"rejected: metric '{key}' of '{name}' is not finite"
-    for array_record in message.content.array_records.values():
+    for array_record in records(message.content, ArrayRecord).values():
         bad = non_finite_array(array_record)
         if bad is not None:
             return f"rejected: array '{bad}' contains NaN or Inf"
@@ -74,7 +74,8 @@ def check_reply(message: Message, reference: ArrayRecord) -> tuple[list[np.ndarr
     """
     metrics = checked_metrics(message)
     arrays = arrays_of(message.content.get(keys.ARRAYS), reference if len(reference) else None)
-    if len(message.content.array_records) != 1 or len(message.content.metric_records) != 1:
+    content = message.content
+    if len(records(content, ArrayRecord)) != 1 or len(records(content, MetricRecord)) != 1:
         raise InvalidReply("expected exactly one ArrayRecord and one MetricRecord")
     weight = metrics[keys.NUM_EXAMPLES]
     assert isinstance(weight, int | float)  # checked_metrics: a finite number
@@ -99,13 +100,13 @@ def reply_bytes(message: Message) -> int:
     """The bytes a reply's content holds: its arrays' data, its config records' strings
     and bytes, 8 per metric number."""
     total = 0
-    for arrays in message.content.array_records.values():
+    for arrays in records(message.content, ArrayRecord).values():
         total += sum(len(array.data) for array in arrays.values())
-    for configs in message.content.config_records.values():
+    for configs in records(message.content, ConfigRecord).values():
         for value in configs.values():
             for item in value if isinstance(value, list) else [value]:
                 total += len(item) if isinstance(item, str | bytes) else 8
-    for metrics in message.content.metric_records.values():
+    for metrics in records(message.content, MetricRecord).values():
         total += sum(8 * (len(v) if isinstance(v, list) else 1) for v in metrics.values())
     return total
 

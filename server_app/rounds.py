@@ -29,7 +29,7 @@ from flwr.serverapp.strategy import Strategy
 
 from config.settings import Settings, setting
 from protocol import keys
-from protocol.records import InvalidReply, as_float, non_finite_array
+from protocol.records import InvalidReply, as_float, non_finite_array, records
 from protocol.replies import check_reply, oversized_reason, reply_limit, unusable_reason
 from server_app.failures import FailureWatch, Outcome, RunFailed
 from strategies import StopTraining
@@ -269,7 +269,7 @@ def _exchange(
     largest ArrayRecord a message carries, if larger) plus a margin is refused as it
     is pulled (:func:`~protocol.replies.oversized_reason`): it becomes an error reply
     with the reason, which the participation record keeps."""
-    sent = (r for m in messages for r in m.content.array_records.values())
+    sent = (r for m in messages for r in records(m.content, ArrayRecord).values())
     limit = max([reply_limit(arrays), *(reply_limit(r) for r in sent)])
     replies = send_and_receive(
         grid, messages, timeout=timeout, screen=lambda reply: oversized_reason(reply, limit)

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from config.settings import Choice, Settings, SettingsError, listed, setting
 from protocol import keys
-from protocol.records import InvalidReply, as_float, to_numpy, to_record
+from protocol.records import InvalidReply, as_float, records, to_numpy, to_record
 from protocol.replies import check_reply, is_number
 from strategies.secure.secagg_plus import SecAggSettings
 
@@ -169,7 +169,7 @@ def screen_replies(
 
 def weight_of(message: Message, key: str = keys.NUM_EXAMPLES) -> float:
     """The weight ``key`` of a screened reply's (single) MetricRecord."""
-    return as_float(next(iter(message.content.metric_records.values()))[key])
+    return as_float(next(iter(records(message.content, MetricRecord).values()))[key])
 
 
 def bounded_weights(

@@ -17,6 +17,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from protocol import keys
+from protocol.records import records
 from strategies.runtime.partitions import PartitionMap, seeded_sample
 
 
@@ -93,7 +94,7 @@ def without_examples(server_round: int, replies: list[Message]) -> bool:
     counts = [
         record.get(keys.NUM_EXAMPLES)
         for m in answered
-        for record in m.content.metric_records.values()
+        for record in records(m.content, MetricRecord).values()
     ]
     if not answered or any(not isinstance(c, int | float) or c != 0 for c in counts):
         return False

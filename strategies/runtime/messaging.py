@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord, Error, Message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.logger import log
 
+from protocol.records import records
 from protocol.replies import oversized_reason, reply_limit
 
 FIRST_POLL = 0.002  # seconds before the first pull
@@ -105,8 +106,8 @@ def size_screen(messages: Iterable[Message]) -> Callable[[Message], str]:
     """The ``screen`` of replies to ``messages``: one larger than the largest ArrayRecord
     a message carries (none: no arrays) plus the margin of
     :func:`protocol.replies.reply_limit` is refused with the reason."""
-    records = [r for m in messages for r in m.content.array_records.values()]
-    limit = max(reply_limit(r) for r in [ArrayRecord(), *records])
+    sent = [r for m in messages for r in records(m.content, ArrayRecord).values()]
+    limit = max(reply_limit(r) for r in [ArrayRecord(), *sent])
     return lambda reply: oversized_reason(reply, limit)
 
 
