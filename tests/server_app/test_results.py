@@ -169,3 +169,40 @@ def test_a_rounds_metrics_row_is_appended_without_pandas(tmp_path, monkeypatch):
     run.write_rows("t.csv", rows)
     monkeypatch.undo()
     assert (run.path / "t.csv").read_text() == pd.DataFrame(rows).to_csv(index=False)
+
+
+class _Ledger:
+    """What write_ledger reads of a ledger: a summary and a state with releases."""
+
+    def __init__(self) -> None:
+        self.releases: list[dict] = []
+
+    def summary(self) -> dict:
+        return {"epsilon": 0.5 * len(self.releases), "rounds": len(self.releases)}
+
+    def state_dict(self) -> dict:
+        return {"schema": "ledger", "releases": [dict(r) for r in self.releases], "local": []}
+
+
+def test_ledger_json_is_json_dumps_as_releases_grow_and_change(tmp_path):
+    run = RunDirectory.create(tmp_path, "digits", "fedavg", "dp-fedavg-fixed")
+    ledger, extra = _Ledger(), {"threat-models": {"server": ["honest"]}}
+
+    def check():
+        run.write_ledger(ledger, extra)
+        doc = {"summary": ledger.summary(), "state": ledger.state_dict()}
+        doc |= {"run-directory": run.layout(), **extra}
+        assert (run.path / "ledger.json").read_text() == json.dumps(doc, indent=2) + "\n"
+
+    check()  # no release yet
+    for server_round in range(1, 5):
+        ledger.releases.append(
+            {"server_round": server_round, "z": 1.0 / server_round, "note": 'a "b"\n', "x": None}
+        )
+        check()
+    ledger.releases[1]["z"] = float("nan")  # an earlier release changed: rendered again
+    check()
+    ledger.releases.append({"server_round": 5, "nested": {"k": [1, 2]}, "z": float("inf")})
+    check()
+    del ledger.releases[2:]  # fewer releases (a ledger rebuilt): no stale text
+    check()
