@@ -86,8 +86,8 @@ class PartitionOrderedEvaluation:
 
 
 def without_examples(server_round: int, replies: list[Message]) -> bool:
-    """Whether the round's evaluation replies (those without an error) report no example
-    at all, logged: a mean weighted by ``num-examples`` has nothing to weigh (every
+    """Whether the round's evaluation replies (those without an error) each count 0
+    examples, logged: a mean weighted by ``num-examples`` has nothing to weigh (every
     sampled client's local test split empty, e.g. ``vision.test-fraction`` = 0), and
     Flower's would divide by zero after the round's work is done."""
     answered = [m for m in replies if not m.has_error()]
@@ -96,7 +96,7 @@ def without_examples(server_round: int, replies: list[Message]) -> bool:
         for m in answered
         for record in records(m.content, MetricRecord).values()
     ]
-    if not answered or any(not isinstance(c, int | float) or c != 0 for c in counts):
+    if not counts or any(not isinstance(c, int | float) or c != 0 for c in counts):
         return False
     log(
         WARNING,
