@@ -38,7 +38,7 @@ R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
 def records(content: RecordDict, kind: type[R]) -> dict[str, R]:
     """``content.array_records`` (``metric_records``, ``config_records``) as a plain dict,
     for reading: Flower's properties build a synced view that writes every record back
-    into ``content`` (tens of µs a call, and a round reads a reply's several times)."""
+    into ``content`` (7 µs a call against 0.8, and a round reads a reply's several times)."""
     return {key: record for key, record in content.items() if isinstance(record, kind)}
 
 
