@@ -96,3 +96,34 @@ def test_a_checkpoint_of_another_chain_of_strategies_is_refused():
     saved = strategy_state(_build(privacy="dp-fedavg-fixed", **DP))
     with pytest.raises(CheckpointError, match="this run builds"):
         load_strategy_state(_build(privacy="laplace", **DP), saved, {})
+
+
+def _encoded_by_recursion(value):
+    """What encode returns for plain data, the long way (the reference)."""
+    if isinstance(value, dict):
+        return {k: _encoded_by_recursion(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encoded_by_recursion(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [{"round": 1, "z": 0.5, "note": None, "ok": True}, {"round": 2, "z": 1.5}],
+        ({"a": 1},),  # a tuple: a list either way
+        [],
+        [{"z": np.float64(0.5)}, {"z": 1.0}],  # a numpy scalar: the recursion's item()
+        [{"nested": {"k": [1, 2]}}],
+        [1, "a", None],
+    ],
+)
+def test_encoding_flat_records_is_the_recursions(value):
+    from strategies.runtime.checkpoint import encode
+
+    got = encode(value)
+    assert got == _encoded_by_recursion(value)
+    assert [type(x) for x in got] == [type(x) for x in _encoded_by_recursion(value)]
+    if value and isinstance(value[0], dict):  # copies: the caller's records stay its own
+        assert got[0] is not value[0]
+    assert all(type(v) is not np.float64 for r in got if isinstance(r, dict) for v in r.values())
