@@ -289,6 +289,29 @@ def _exchange(
     return replies
 
 
+def _without_examples(server_round: int, replies: list[Message]) -> bool:
+    """Whether the round's evaluation replies (those without an error) each count 0
+    examples, logged: a mean weighted by ``num-examples`` has nothing to weigh (every
+    sampled client's local test split empty, e.g. ``vision.test-fraction`` = 0), and
+    Flower's would divide by zero after the round's work is done."""
+    answered = [m for m in replies if not m.has_error()]
+    counts = [
+        record.get(keys.NUM_EXAMPLES)
+        for m in answered
+        for record in records(m.content, MetricRecord).values()
+    ]
+    if not counts or any(not isinstance(c, int | float) or c != 0 for c in counts):
+        return False
+    log(
+        WARNING,
+        "Round %d: the %d clients that evaluated hold no test examples; no federated "
+        "evaluation this round (their local test splits are empty)",
+        server_round,
+        len(answered),
+    )
+    return True
+
+
 def evaluate_round(
     strategy: Strategy,
     grid: Grid,
@@ -310,7 +333,10 @@ def evaluate_round(
         log(WARNING, "Round %d: federated evaluation skipped: %s", server_round, stop)
         evaluate = []
     replies = _exchange(grid, evaluate, timeout, f"round {server_round} evaluate", arrays)
-    result.federated_eval = regroup(strategy.aggregate_evaluate(server_round, replies), replies)
+    aggregated = None
+    if not _without_examples(server_round, replies):
+        aggregated = strategy.aggregate_evaluate(server_round, replies)
+    result.federated_eval = regroup(aggregated, replies)
     result.central_eval = central_eval(server_round, arrays) if central_eval else None
     return result
 

@@ -9,15 +9,12 @@ hands out or on the order replies arrive in.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from protocol import keys
-from protocol.records import records
 from strategies.runtime.partitions import PartitionMap, seeded_sample
 
 
@@ -58,12 +55,8 @@ class PartitionOrderedEvaluation:
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """The evaluation metrics, the replies taken in partition order (None when no
-        reply counts an example: :func:`without_examples`)."""
-        ordered = self.partitions.sort_replies(replies)
-        if without_examples(server_round, ordered):
-            return None
-        return self.evaluation_metrics(server_round, ordered)
+        """The evaluation metrics, the replies taken in partition order."""
+        return self.evaluation_metrics(server_round, self.partitions.sort_replies(replies))
 
     # -- hooks --------------------------------------------------------------------------
     def evaluation_nodes(self, grid: Grid) -> list[int] | None:
@@ -83,29 +76,6 @@ class PartitionOrderedEvaluation:
     def evaluation_metrics(self, server_round: int, replies: list[Message]) -> MetricRecord | None:
         """The aggregated metrics of the (partition-ordered) replies."""
         return super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
-
-
-def without_examples(server_round: int, replies: list[Message]) -> bool:
-    """Whether the round's evaluation replies (those without an error) each count 0
-    examples, logged: a mean weighted by ``num-examples`` has nothing to weigh (every
-    sampled client's local test split empty, e.g. ``vision.test-fraction`` = 0), and
-    Flower's would divide by zero after the round's work is done."""
-    answered = [m for m in replies if not m.has_error()]
-    counts = [
-        record.get(keys.NUM_EXAMPLES)
-        for m in answered
-        for record in records(m.content, MetricRecord).values()
-    ]
-    if not counts or any(not isinstance(c, int | float) or c != 0 for c in counts):
-        return False
-    log(
-        WARNING,
-        "Round %d: the %d clients that evaluated hold no test examples; no federated "
-        "evaluation this round (their local test splits are empty)",
-        server_round,
-        len(answered),
-    )
-    return True
 
 
 def evaluate_message(

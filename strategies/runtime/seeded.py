@@ -33,7 +33,6 @@ from strategies.runtime.aggregation import (
     weight_of,
     weighted_metrics,
 )
-from strategies.runtime.evaluation import without_examples
 from strategies.runtime.partitions import PartitionMap, grid_view, nodes_for_round, seeded_sample
 
 _STREAM = 0x5A  # this wrapper's generators: [seed, _STREAM, 0 train | 1 evaluate]
@@ -218,11 +217,8 @@ class SeededSampling(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """The wrapped strategy's evaluation metrics, in partition order (None when no
-        reply counts an example: :func:`~strategies.runtime.evaluation.without_examples`)."""
+        """The wrapped strategy's evaluation metrics, in partition order."""
         replies = self.partitions.sort_replies(replies)
-        if without_examples(server_round, replies):
-            return None
         return self.strategy.aggregate_evaluate(server_round, replies)
 
     # -- checkpoint (strategies.runtime.checkpoint) ------------------------------------------
