@@ -135,7 +135,7 @@ def _csv_cells(values: list[Any]) -> list[str] | None:
     if not present:  # a column these rows do not have (an eval row's train columns)
         return [""] * len(values)
     kinds = {type(v) for v in present}
-    if kinds <= {float} and present:  # float64: NaN and missing are empty; repr otherwise
+    if kinds <= {float}:  # float64: NaN and missing are empty; repr otherwise
         return ["" if v is _MISSING or v != v else repr(v) for v in values]
     if kinds == {str}:  # object: missing is empty
         return ["" if v is _MISSING else v for v in values]
@@ -468,12 +468,11 @@ class RunDirectory:
         round 1 000). A release already rendered is reused while it still equals the
         one it was rendered from; the text is the same either way."""
         releases = doc.get("state", {}).get("releases")
-        token = json.dumps("\x00releases\x00")  # the list's place in the rest's text
         if not isinstance(releases, list):
             return json.dumps(doc, indent=2)
-        rest = json.dumps(
-            {**doc, "state": {**doc["state"], "releases": json.loads(token)}}, indent=2
-        )
+        marker = "\x00releases\x00"  # the list's place in the rest's text
+        rest = json.dumps({**doc, "state": {**doc["state"], "releases": marker}}, indent=2)
+        token = json.dumps(marker)
         if rest.count(token) != 1:
             return json.dumps(doc, indent=2)
         done = self._release_texts
