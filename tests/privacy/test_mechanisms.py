@@ -197,6 +197,21 @@ def test_property_clipping_bound_on_arbitrary_finite_arrays(arrays, clip_norm, n
         assert all(np.array_equal(a, b) for a, b in zip(result.arrays, arrays, strict=True))
 
 
+@given(arrays=st.lists(_arrays, min_size=1, max_size=4))
+def test_global_norms_are_the_array_by_array_sums(arrays):
+    """Each array's scaled sum taken on its own, then summed exactly: the value the
+    norms are defined by, bit for bit, however the update is held in memory."""
+    arrays64 = [np.asarray(a, dtype=np.float64) for a in arrays]
+    peak = max(float(np.max(np.abs(a))) if a.size else 0.0 for a in arrays64)
+    if peak == 0.0:
+        assert global_l2_norm(arrays) == global_l1_norm(arrays) == 0.0
+        return
+    l2 = peak * math.sqrt(math.fsum(float(np.sum(np.square(a / peak))) for a in arrays64))
+    l1 = peak * math.fsum(float(np.sum(np.abs(a / peak))) for a in arrays64)
+    assert global_l2_norm(arrays) == l2
+    assert global_l1_norm(arrays) == l1
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("fn", [clip_by_l2_norm, clip_by_l1_norm])
 def test_non_finite_values_raise(bad, fn):
