@@ -27,7 +27,7 @@ from client_app import canary
 from privacy.mechanisms import secret_seed
 from privacy.settings import AuditSettings, DPSettings
 from protocol import keys
-from protocol.records import to_array, to_state_dict
+from protocol.records import new_record, to_array, to_state_dict
 from tasks.base import SEED, LocalTraining, Task
 
 S = TypeVar("S")
@@ -137,17 +137,17 @@ def _loads_plainly(module: torch.nn.Module) -> bool:
 
 def array_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
     """``ArrayRecord(state_dict)`` of torch tensors, each encoded by :func:`to_array`."""
-    record = ArrayRecord()
-    for key, tensor in tensors.items():
-        record[key] = to_array(tensor.detach().cpu().numpy())
-    return record
+    arrays = {key: to_array(tensor.detach().cpu().numpy()) for key, tensor in tensors.items()}
+    return new_record(ArrayRecord, arrays)
 
 
 def reply(msg: Message, metrics: dict[str, float], model: torch.nn.Module | None) -> Message:
-    content = RecordDict({keys.METRICS: MetricRecord(metrics)})
+    content: dict[str, MetricRecord | ArrayRecord] = {
+        keys.METRICS: new_record(MetricRecord, metrics)
+    }
     if model is not None:
         content[keys.ARRAYS] = array_record(model.state_dict())
-    return Message(content=content, reply_to=msg)
+    return Message(content=new_record(RecordDict, content), reply_to=msg)
 
 
 def dp_seed(reproducible_seed: int, run_config) -> int:

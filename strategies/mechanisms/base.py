@@ -51,7 +51,7 @@ from privacy.settings import (  # noqa: F401 (declared without Flower: the Clien
     DPSettings,
 )
 from protocol import keys
-from protocol.records import InvalidReply, arrays_of, as_int, to_record
+from protocol.records import InvalidReply, arrays_of, as_int, new_record, to_record
 from strategies.base import TrainingWrapper
 from strategies.errors import StopTraining
 from strategies.runtime.partitions import wait_for_nodes
@@ -310,12 +310,13 @@ def client_mod(
         reference = arrays_of(received)
         trained = arrays_of(reply.content.get(keys.ARRAYS), received)
         delta = [t - r for t, r in zip(trained, reference, strict=True)]
-        metrics = MetricRecord(dict(cast(MetricRecord, reply.content[keys.METRICS])))
+        metrics = new_record(MetricRecord, cast(MetricRecord, reply.content[keys.METRICS]))
         delta = privatise(
             cast(ConfigRecord, msg.content[keys.CONFIG]), delta, metrics, _generator(msg, ctxt)
         )
         new = to_record(received, [r + d for r, d in zip(reference, delta, strict=True)])
-        return Message(RecordDict({keys.ARRAYS: new, keys.METRICS: metrics}), reply_to=msg)
+        content = new_record(RecordDict, {keys.ARRAYS: new, keys.METRICS: metrics})
+        return Message(content, reply_to=msg)
 
     def _noised_zero(msg: Message, ctxt: Context, why: str) -> Message:
         """The upload of a zero update, noised as the config says."""
@@ -358,11 +359,11 @@ def _filtered(msg: Message, reply: Message) -> Message:
     kept = {k: v for k, v in (metrics or {}).items() if k in allowed}
     if keys.NUM_EXAMPLES not in allowed:
         kept[keys.NUM_EXAMPLES] = 1
-    content = RecordDict({keys.METRICS: MetricRecord(kept)})
+    content: dict[str, MetricRecord | ArrayRecord] = {keys.METRICS: new_record(MetricRecord, kept)}
     arrays = reply.content.get(keys.ARRAYS)
     if isinstance(arrays, ArrayRecord):
         content[keys.ARRAYS] = arrays
-    return Message(content, reply_to=msg)
+    return Message(new_record(RecordDict, content), reply_to=msg)
 
 
 # What the client sends under a mechanism whose update the task releases (DP-SGD):

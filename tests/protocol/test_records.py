@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from protocol.records import (
     InvalidReply,
@@ -12,6 +12,7 @@ from protocol.records import (
     as_float,
     as_int,
     copy_record,
+    new_record,
     non_finite_array,
     to_array,
     to_numpy,
@@ -207,3 +208,42 @@ def test_to_array_builds_the_array_flowers_constructor_builds(value):
     assert ours.deflate() == flowers.deflate()
     ours.data = flowers.data  # Flower's dirty tracking still applies
     assert ours.is_dirty
+
+
+@pytest.mark.parametrize(
+    ("kind", "items"),
+    [
+        (ArrayRecord, {"w": to_array(np.arange(6, dtype=np.float32)), "n": to_array(np.int64(3))}),
+        (MetricRecord, {"num-examples": 16, "loss": 0.25, "hist": [1.0, 2.0]}),
+        (ConfigRecord, {"server-round": 3, "mode": "fit", "blob": b"x", "flags": [True]}),
+        (RecordDict, {"metrics": MetricRecord({"x": 1.0}), "arrays": ArrayRecord()}),
+    ],
+)
+def test_new_record_builds_the_record_flowers_constructor_builds(kind, items):
+    """The same type, items in order, dirty flag and object id as ``kind(items)``."""
+    ours = new_record(kind, items)
+    flowers = kind(dict(items))
+    assert type(ours) is kind and list(ours.items()) == list(items.items())
+    assert {k: v for k, v in ours.__dict__.items() if k != "_data"} == {
+        k: v for k, v in flowers.__dict__.items() if k != "_data"
+    }
+    assert ours.object_id == flowers.object_id
+    items_before = dict(items)
+    ours[next(iter(items))] = items[next(iter(items))]
+    assert dict(items) == items_before  # the record holds its own dict
+
+
+@pytest.mark.parametrize(
+    ("kind", "items"),
+    [
+        (ArrayRecord, {"w": np.zeros(2)}),  # not an Array
+        (MetricRecord, {"loss": "low"}),  # not a number
+        (MetricRecord, {3: 1.0}),  # not a str key
+        (RecordDict, {"metrics": {"x": 1.0}}),  # not a record
+    ],
+)
+def test_new_record_refuses_what_flowers_checks_refuse(kind, items):
+    with pytest.raises(TypeError):
+        kind(items)
+    with pytest.raises(TypeError):
+        new_record(kind, items)
