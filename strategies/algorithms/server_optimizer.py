@@ -5,7 +5,8 @@ The wrapped strategy's aggregate x̃ (under DP: the released, noised model) give
 pseudo-gradient Δ = x̃ − x of the round; the optimizer turns it into the new global
 model. Each rule is Flower's own Message-API strategy, used only for its update: ``sgd``
 and ``momentum`` are :class:`flwr.serverapp.strategy.FedAvgM` (learning rate
-``server.lr``, momentum ``server.momentum``), ``adam``, ``yogi`` and ``adagrad`` are
+``server.lr``, momentum ``server.momentum``; its update is written out on the decoded
+arrays, bit-identical, and its fields hold the momentum), ``adam``, ``yogi`` and ``adagrad`` are
 ``FedAdam``, ``FedYogi`` and ``FedAdagrad`` (``server.lr`` = their η, ``server.tau``;
 ``server.beta1`` and ``server.beta2`` for adam and yogi). The wrapper hands the rule the
 round's global arrays and the aggregate as the single reply of weight 1 (FedAvg's
@@ -190,24 +191,54 @@ class ServerOptimizer(TrainingWrapper):
     def step(self, server_round: int, current: ArrayRecord, aggregate: ArrayRecord) -> ArrayRecord:
         """The rule's new global arrays from ``current`` and the round's ``aggregate``."""
         lr = self.settings.lr_at(server_round, self.rounds) if self.rounds else self.settings.lr
+        averaged = arrays_of(aggregate)
         if isinstance(self.rule, FedAvgM):
-            self.rule.server_learning_rate = lr
-            # Flower's FedAvgM skips its update when lr = 1 without momentum at init.
-            self.rule.server_opt = self.rule.server_opt or bool(self.settings.cooldown)
-            self.rule.current_arrays = current
+            moved = self._fedavgm_update(lr, arrays_of(current), averaged)
         else:
             self.rule.eta = lr
             self.rule.current_arrays = dict(zip(current.keys(), arrays_of(current), strict=True))
-        sent = Message(RecordDict(), dst_node_id=0, message_type="train")
-        content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
-            keys.ARRAYS: aggregate,
-            keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 1}),
-        }
-        reply = Message(RecordDict(content), reply_to=sent)
-        moved, _ = self.rule.aggregate_train(server_round, [reply])
-        assert moved is not None
-        triples = zip(arrays_of(moved), arrays_of(aggregate), _floating(current), strict=True)
+            sent = Message(RecordDict(), dst_node_id=0, message_type="train")
+            content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
+                keys.ARRAYS: aggregate,
+                keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 1}),
+            }
+            reply = Message(RecordDict(content), reply_to=sent)
+            record, _ = self.rule.aggregate_train(server_round, [reply])
+            assert record is not None
+            moved = arrays_of(record)
+        triples = zip(moved, averaged, _floating(current), strict=True)
         return to_record(current, [new if floating else old for new, old, floating in triples])
+
+    def _fedavgm_update(
+        self, lr: float, current: list[np.ndarray], averaged: list[np.ndarray]
+    ) -> list[np.ndarray]:
+        """What ``FedAvgM.aggregate_train`` computes given ``averaged`` as its one reply
+        of weight 1, on the decoded arrays, with the rule's own fields and momentum.
+
+        Written out: Flower's method decodes and re-encodes the model three times a
+        round through ``np.load``/``np.save``, 1.3 ms of a 17 ms DP round on the digits
+        MLP; a test holds this bit-identical to it, momentum included.
+        """
+        rule = self.rule
+        assert isinstance(rule, FedAvgM)
+        rule.server_learning_rate = lr
+        # Flower's FedAvgM skips its update when lr = 1 without momentum at init.
+        rule.server_opt = rule.server_opt or bool(self.settings.cooldown)
+        new = [a * 1.0 for a in averaged]  # FedAvg's weighted average of one reply
+        if not rule.server_opt:
+            return new
+        pseudo_gradient = [old - n for n, old in zip(new, current, strict=True)]
+        if rule.server_momentum > 0.0:
+            if rule.momentum_vector is None:
+                rule.momentum_vector = pseudo_gradient
+            else:
+                rule.momentum_vector = [
+                    rule.server_momentum * mv + pg
+                    for mv, pg in zip(rule.momentum_vector, pseudo_gradient, strict=True)
+                ]
+            pseudo_gradient = rule.momentum_vector
+        steps = zip(current, pseudo_gradient, strict=True)
+        return [np.asarray(old - lr * pg) for old, pg in steps]
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

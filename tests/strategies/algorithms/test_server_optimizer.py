@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
 
 from privacy.accounting import PrivacyLedger
@@ -100,6 +100,52 @@ def test_equal_to_flowers_strategy_over_three_rounds(name, flower):
         current_theirs = _round(theirs, rnd, current_theirs)
         for key in GLOBAL:
             np.testing.assert_allclose(current_ours[key], current_theirs[key], rtol=1e-6)
+
+
+def _flowers_fedavgm_step(rule, current, aggregate):
+    """FedAvgM's own aggregate_train given ``aggregate`` as one reply of weight 1 (what
+    the optimizer called before it wrote the update out)."""
+    rule.current_arrays = current
+    sent = Message(RecordDict(), dst_node_id=0, message_type="train")
+    content = RecordDict({"arrays": aggregate, "metrics": MetricRecord({"num-examples": 1})})
+    moved, _ = rule.aggregate_train(1, [Message(content, reply_to=sent)])
+    return [moved[k].numpy() for k in moved]
+
+
+@pytest.mark.parametrize(
+    ("name", "lr", "momentum", "cooldown"),
+    [("sgd", 1.0, 0.9, 0.0), ("sgd", 0.7, 0.9, 0.0), ("momentum", 0.3, 0.9, 0.0),
+     ("momentum", 1.0, 0.5, 0.5)],
+)  # fmt: skip
+def test_fedavgm_update_is_bit_identical_to_flowers_over_rounds(name, lr, momentum, cooldown):
+    settings = ServerOptimizerSettings(name, lr, momentum, 0.9, 0.99, 1e-3, cooldown)
+    base = FedAvg(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    ours, theirs = ServerOptimizer(base, settings, 6), settings.rule()
+    rng = np.random.default_rng(3)
+    shapes = {"w": (5, 4), "b": (4,), "steps": ()}
+    current = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    current["steps"] = np.array(7, dtype=np.int64)  # a counter: keeps the aggregate's
+    for server_round in range(1, 7):
+        averaged = {k: (v + rng.normal(size=v.shape)).astype(v.dtype) for k, v in current.items()}
+        current_record = ArrayRecord({k: Array(np.asarray(v)) for k, v in current.items()})
+        aggregate = ArrayRecord({k: Array(np.asarray(v)) for k, v in averaged.items()})
+        got = ours.step(server_round, current_record, aggregate)
+        theirs.server_learning_rate = settings.lr_at(server_round, 6)
+        theirs.server_opt = theirs.server_opt or bool(cooldown)
+        want = _flowers_fedavgm_step(theirs, current_record, aggregate)
+        for key, flower_value in zip(shapes, want, strict=True):
+            value = got[key].numpy()
+            if key == "steps":
+                assert value.dtype == np.int64 and value == averaged[key]
+            else:
+                assert (
+                    value.dtype == flower_value.dtype and value.tobytes() == flower_value.tobytes()
+                )
+        state, flowers_state = ours.rule.momentum_vector, theirs.momentum_vector
+        assert (state is None) == (flowers_state is None)
+        for mine, flowers in zip(state or [], flowers_state or [], strict=True):
+            assert mine.dtype == flowers.dtype and mine.tobytes() == flowers.tobytes()
+        current = {k: got[k].numpy() for k in got}
 
 
 def test_state_survives_a_checkpoint():
