@@ -107,7 +107,7 @@ def arrays_of(record: object, reference: ArrayRecord | None = None) -> list[np.n
     if reference is not None:
         for key, got in zip(reference.keys(), arrays, strict=True):
             want = reference[key]
-            if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != want.dtype:
+            if tuple(got.shape) != tuple(want.shape) or _dtype_name(got.dtype) != want.dtype:
                 raise InvalidReply(
                     f"array '{key}' has shape {got.shape}/{got.dtype}, "
                     f"expected {tuple(want.shape)}/{want.dtype}"
