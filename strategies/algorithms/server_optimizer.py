@@ -4,9 +4,8 @@ Optimization"; Hsu et al. 2019, FedAvgM), for every strategy with one global mod
 The wrapped strategy's aggregate x̃ (under DP: the released, noised model) gives the
 pseudo-gradient Δ = x̃ − x of the round; the optimizer turns it into the new global
 model. Each rule is Flower's own Message-API strategy, used only for its update: ``sgd``
-and ``momentum`` are :class:`flwr.serverapp.strategy.FedAvgM` (learning rate
-``server.lr``, momentum ``server.momentum``; its update is written out on the decoded
-arrays, bit-identical, and its fields hold the momentum), ``adam``, ``yogi`` and ``adagrad`` are
+and ``momentum`` are :class:`flwr.serverapp.strategy.FedAvgM`'s (``server.lr``,
+``server.momentum``; written out bit-identically), ``adam``, ``yogi`` and ``adagrad`` are
 ``FedAdam``, ``FedYogi`` and ``FedAdagrad`` (``server.lr`` = their η, ``server.tau``;
 ``server.beta1`` and ``server.beta2`` for adam and yogi). The wrapper hands the rule the
 round's global arrays and the aggregate as the single reply of weight 1 (FedAvg's
