@@ -200,7 +200,7 @@ def _filled_items(kind: type[Rec], items: Mapping[str, Any]) -> Rec:
         check_key(key)
         check_value(value)
     fields["_data"].update(items)
-    if kind is ArrayRecord:
+    if kind is ArrayRecord and fields["_data"]:
         fields["_is_dirty"] = True  # what ArrayRecord's __setitem__ marks
     return record
 
