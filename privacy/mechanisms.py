@@ -67,10 +67,9 @@ class ClipResult:
 # -- norms ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Float64Update:
-    """One update in float64: a single buffer (``flat``), each array a view of it
-    (``arrays``), and its largest |value| (``peak``, checked finite)."""
+    """One update in float64: its arrays, views of one buffer, and its largest |value|
+    (``peak``, checked finite)."""
 
-    flat: np.ndarray
     arrays: ArrayList
     peak: float
 
@@ -91,7 +90,7 @@ def _float64_update(arrays: Sequence[np.ndarray]) -> _Float64Update:
     high, low = (float(flat.max()), float(flat.min())) if flat.size else (0.0, 0.0)
     if not (math.isfinite(high) and math.isfinite(low)):  # NaN reaches both max and min
         _raise_non_finite(views)
-    return _Float64Update(flat, views, max(high, -low))
+    return _Float64Update(views, max(high, -low))
 
 
 def _raise_non_finite(arrays64: Sequence[np.ndarray]) -> None:
