@@ -212,12 +212,8 @@ class ServerOptimizer(TrainingWrapper):
         self, lr: float, current: list[np.ndarray], averaged: list[np.ndarray]
     ) -> list[np.ndarray]:
         """What ``FedAvgM.aggregate_train`` computes given ``averaged`` as its one reply
-        of weight 1, on the decoded arrays, with the rule's own fields and momentum.
-
-        Written out: Flower's method decodes and re-encodes the model three times a
-        round through ``np.load``/``np.save``, 1.3 ms of a 17 ms DP round on the digits
-        MLP; a test holds this bit-identical to it, momentum included.
-        """
+        of weight 1, on the decoded arrays, with the rule's own fields and momentum
+        (why it is written out, and the test that holds it to Flower's: docs/notes.md)."""
         rule = self.rule
         assert isinstance(rule, FedAvgM)
         rule.server_learning_rate = lr
